@@ -1,0 +1,17 @@
+"""fz: DeepSpeed's ZeRO as pure functional training on DTensor.
+
+    state = fz.init(model, fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3)))
+    state, loss = fz.train_step(state, batch)
+"""
+from fz import optim
+from fz.errors import ConfigError
+from fz.init import init
+from fz.memory import MemoryReport, memory_report
+from fz.params import full_params
+from fz.spec import Spec
+from fz.state import State
+from fz.step import apply, eval_step, train_step
+
+__all__ = ["ConfigError", "MemoryReport", "Spec", "State", "apply", "eval_step", "full_params", "init",
+           "memory_report", "optim", "train_step"]
+__version__ = "0.1.0"

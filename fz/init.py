@@ -1,0 +1,81 @@
+"""`fz.init`: a model and a Spec in, the sharded training State out."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+
+from fz.errors import ConfigError
+from fz.materialize import initial_values, module_seed
+from fz.opt_state import wrap_opt_state
+from fz.sharding.comm import Comm, full_views, pack, unpack
+from fz.sharding.gather import LiveCounter
+from fz.sharding.layout import ShardPlan
+from fz.sharding.mesh import default_mesh
+from fz.sharding.plan import make_buckets
+from fz.skeleton import build_skeleton
+from fz.spec import Spec
+from fz.state import State
+
+
+def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> State:
+    """Shard `model`'s parameters as `spec` says and create the optimizer state.
+
+    `model` is not modified. Built on the meta device, it is initialised module by module
+    with seeds from (spec.seed, module name); built normally, its values are used, taken
+    from rank 0 so every rank starts alike (as DDP does).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(spec, Spec):
+        raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
+    mesh = default_mesh(mesh)
+    group = mesh.get_group()
+    comm = Comm(group, mesh.size(), mesh.get_local_rank())
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    skel = build_skeleton(model, spec.wrap)
+
+    named = list(model.named_parameters(remove_duplicate=True))
+    for n, p in named:
+        if p.dtype != torch.float32:
+            raise ConfigError(f"parameter {n!r} is {p.dtype}; fz keeps fp32 parameters (precision is set in the Spec)")
+    order = sorted(range(len(named)), key=lambda i: skel.param_unit[named[i][0]])
+    entries = [(named[i][0], named[i][1].shape, skel.param_unit[named[i][0]], named[i][1].requires_grad) for i in order]
+    if not any(e[3] for e in entries):
+        raise ConfigError("every parameter of the model is frozen (requires_grad=False): there is nothing to train")
+    buckets = make_buckets(entries, spec.stage, comm.world, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
+    plan = ShardPlan(mesh, comm, device, tuple(buckets), LiveCounter())
+
+    flats = [_bucket_storage(model, plan, b, spec.seed) for b in buckets]
+    params = plan.wrap_params(flats)
+    buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
+    buffers = initial_values(model, buffer_names, spec.seed, device)
+
+    opt_params = {}
+    for b, flat in zip(buckets, flats):
+        if b.trainable:
+            opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, b)))
+    opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(spec.seed, f"rank{comm.rank}"))
+        rng = torch.get_rng_state()
+    return State(torch.zeros((), dtype=torch.int64), params, opt_state, rng, buffers,
+                 skel, spec, plan, tuple(flats))
+
+
+def _bucket_storage(model: nn.Module, plan: ShardPlan, b, seed: int) -> torch.Tensor:
+    """This rank's storage for bucket `b`, filled with the initial values."""
+    values = initial_values(model, [s.name for s in b.slots], seed, plan.device)
+    full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
+    from_user = any(not dict(model.named_parameters())[s.name].is_meta for s in b.slots)
+    if from_user and plan.world > 1:
+        dist.broadcast(full, src=dist.get_global_rank(plan.comm.group, 0), group=plan.comm.group)
+    if not b.sharded_param:
+        return full
+    rank_major = pack(full_views(full, b), b, full.dtype, full.device)
+    return rank_major.view(plan.world, b.shard_numel)[plan.rank].clone()

@@ -1,0 +1,98 @@
+"""`memory_report`: bytes of model state on this rank, measured and as ZeRO's formula predicts.
+
+Measured: the storage the state really holds (parameters incl. bucket padding, every
+optimizer-state tensor) and the gradient buffers a step allocates (sizes from the same
+bucket plan the step uses). Predicted: the ZeRO paper's per-parameter accounting,
+param / grad / optimizer bytes divided by N where the placement is Shard(0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+from typing import Dict
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fz.state import State
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    rank: int
+    world: int
+    stage: int
+    num_params: int  # Ψ: all parameters
+    num_trainable: int
+    params: int  # measured bytes
+    grads: int
+    opt: int
+    formula_params: float  # ZeRO formula bytes
+    formula_grads: float
+    formula_opt: float
+    padding: int  # bytes the buckets add to make every rank's shard the same size
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.opt
+
+    @property
+    def formula_total(self) -> float:
+        return self.formula_params + self.formula_grads + self.formula_opt
+
+    def as_dict(self) -> Dict[str, float]:
+        return {**asdict(self), "total": self.total, "formula_total": self.formula_total}
+
+    def __str__(self) -> str:
+        mb = lambda x: f"{x / 2**20:10.2f}"  # noqa: E731
+        rows = [("params", self.params, self.formula_params), ("grads", self.grads, self.formula_grads),
+                ("optimizer", self.opt, self.formula_opt), ("total", self.total, self.formula_total)]
+        lines = [f"fz memory, rank {self.rank}/{self.world}, ZeRO stage {self.stage}, "
+                 f"Ψ={self.num_params:,} ({self.num_trainable:,} trainable); MiB",
+                 f"{'':10} {'measured':>10} {'formula':>10}"]
+        lines += [f"{name:10} {mb(m)} {mb(f)}" for name, m, f in rows]
+        lines.append(f"(bucket padding: {self.padding:,} bytes)")
+        return "\n".join(lines)
+
+
+def _bytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _opt_leaves_per_param(state: State) -> Dict[str, int]:
+    """How many param-shaped optimizer tensors each parameter has (Adam: 2)."""
+    counts: Dict[str, int] = {}
+    for path, leaf in pytree.tree_flatten_with_path(state.opt_state)[0]:
+        if isinstance(leaf, DTensor):
+            key = next(e.key for e in reversed(path) if isinstance(e, pytree.MappingKey))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def memory_report(state: State) -> MemoryReport:
+    plan, n = state.plan, state.plan.world
+    opt_counts = _opt_leaves_per_param(state)
+    params = sum(_bytes(f) for f in state.flats)
+    grads = opt = 0
+    f_params = f_grads = f_opt = 0.0
+    num = trainable = padding = 0
+    for b, flat in zip(plan.buckets, state.flats):
+        el = flat.element_size()
+        if b.sharded_param:
+            padding += b.padded_numel * el // n - b.full_numel * el // n
+        if b.trainable:
+            grads += (b.shard_numel if isinstance(b.place.grad, Shard) and n > 1 else b.full_numel) * el
+            if isinstance(b.place.grad, Shard) and n > 1:
+                padding += (b.padded_numel - b.full_numel) * el // n
+        for s in b.slots:
+            num += s.numel
+            f_params += s.numel * el / (n if b.sharded_param else 1)
+            if b.trainable:
+                trainable += s.numel
+                f_grads += s.numel * el / (n if isinstance(b.place.grad, Shard) else 1)
+                f_opt += opt_counts.get(s.name, 0) * s.numel * el / (n if isinstance(b.place.opt, Shard) else 1)
+    for leaf in pytree.tree_leaves(state.opt_state):
+        if isinstance(leaf, Tensor):
+            opt += _bytes(leaf._local_tensor if isinstance(leaf, DTensor) else leaf)
+    return MemoryReport(plan.rank, n, state.spec.stage, num, trainable, params, grads, opt,
+                        f_params, f_grads, f_opt, padding)

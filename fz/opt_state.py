@@ -1,0 +1,55 @@
+"""Optimizer state as DTensors: each param-shaped leaf gets its parameter's optimizer placement.
+
+Transformations see plain local tensors; the State holds DTensors, so a checkpoint knows
+every moment's global shape and can reshard it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from fz.sharding.layout import ShardPlan
+
+
+def _param_key(path) -> Optional[str]:
+    for entry in reversed(path):
+        if isinstance(entry, pytree.MappingKey):
+            return entry.key
+    return None
+
+
+def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor]] = None) -> Any:
+    """Local optimizer state -> the same tree with param-shaped leaves as DTensors.
+
+    `reuse` maps id(local tensor) -> an existing DTensor around it (saves rebuilding
+    DTensors for state updated in place).
+    """
+    slots = plan.slots()
+
+    def wrap(path, leaf):
+        if not isinstance(leaf, Tensor) or isinstance(leaf, DTensor):
+            return leaf
+        if reuse is not None and id(leaf) in reuse:
+            return reuse[id(leaf)]
+        key = _param_key(path)
+        if key in slots:
+            b, s = slots[key]
+            placement = b.place.opt
+            expected = s.local_shape(plan.rank) if placement.is_shard() else s.shape
+            if leaf.shape == expected:
+                return plan.to_dtensor(leaf, s, placement)
+        return leaf
+
+    return pytree.tree_map_with_path(wrap, tree)
+
+
+def unwrap(tree: Any) -> Any:
+    """DTensor leaves -> their local tensors (no copy)."""
+    return pytree.tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
+
+
+def reuse_map(tree: Any) -> Dict[int, DTensor]:
+    return {id(x._local_tensor): x for x in pytree.tree_leaves(tree) if isinstance(x, DTensor)}

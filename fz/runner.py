@@ -1,0 +1,81 @@
+"""Runs the skeleton on one step's parameters: the only place that calls the model.
+
+`Runner` hands each unit its parameters when the unit is called: views of the bucket
+storage for replicated buckets, a just-in-time all-gather for sharded ones (inside a
+non-reentrant checkpoint, so the gathered tensors die with the unit's forward and are
+gathered again for its backward).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from fz.sharding.gather import gather_bucket
+from fz.sharding.layout import ShardPlan
+from fz.sharding.plan import Bucket
+from fz.skeleton import Skeleton, running
+
+
+class Runner:
+    """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
+
+    def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor]):
+        self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
+        for b in plan.buckets:
+            self.unit_buckets[b.unit].append(b)
+        self.root_tensors: Dict[str, Tensor] = {}
+
+    def _bucket_tensors(self, b: Bucket) -> List[Tensor]:
+        leaf = self.leaves[b.index]
+        if b.sharded_param:
+            return gather_bucket(leaf, b, self.plan.comm, self.plan.live)
+        return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
+
+    def _unit_args(self, index: int) -> Dict[str, Tensor]:
+        own: Dict[str, Tensor] = {}
+        for b in self.unit_buckets[index]:
+            own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
+        if index == 0:
+            self.root_tensors = own
+        unit = self.skel.units[index]
+        args = {local: own[c] if c in own else self.root_tensors[c] for local, c in unit.params}
+        args.update((local, self.buffers[c]) for local, c in unit.buffers)
+        return args
+
+    def _run_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        return functional_call(self.skel.units[index].module, self._unit_args(index), args, kwargs,
+                               tie_weights=False, strict=False)
+
+    def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        sharded = any(b.sharded_param for b in self.unit_buckets[index])
+        if sharded and torch.is_grad_enabled():
+            return checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
+        return self._run_unit(index, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with running(self):
+            return self._run_unit(0, args, kwargs)
+
+
+class BoundModel:
+    """What `loss_fn(model, batch)` receives: call it like the module; attributes read through."""
+
+    def __init__(self, runner: Runner):
+        self._runner = runner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner.skel.root, name)
+
+
+def default_loss(model: BoundModel, batch: Any) -> Any:
+    """model(**batch) for a dict, else model(batch); an output with `.loss` gives that."""
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return getattr(out, "loss", out)

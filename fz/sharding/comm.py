@@ -1,0 +1,105 @@
+"""Collectives on flat buckets, and the copies between the two bucket layouts.
+
+A bucket's *full* layout is its parameters concatenated (what the model reads); its
+*rank-major* layout is [world, shard_numel]: row r holds rank r's Shard(0) rows of every
+parameter, zero-padded to a common chunk, so one all-gather or reduce-scatter moves the
+whole bucket. With one rank both layouts are the same and nothing is copied or sent.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fz.sharding.plan import Bucket
+
+
+class Comm:
+    """One process group's collectives, counting the bytes each kind moves."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int):
+        self.group, self.world, self.rank = group, world, rank
+        self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
+
+    def all_reduce(self, t: Tensor, async_op: bool = False):
+        self.bytes["all_reduce"] += t.numel() * t.element_size()
+        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def all_reduce_sum(self, t: Tensor):
+        self.bytes["all_reduce"] += t.numel() * t.element_size()
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+    def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()
+        return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        self.bytes["all_gather"] += out.numel() * out.element_size()
+        return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+
+
+def _regions(buf: Tensor, bucket: Bucket):
+    """Per slot: (slot, [world, chunk, row_numel] view of its region in a rank-major buffer)."""
+    view = buf.view(bucket.world, bucket.shard_numel)
+    for s in bucket.slots:
+        yield s, view[:, s.shard_offset:s.shard_offset + s.chunk * s.row_numel].view(bucket.world, s.chunk, s.row_numel)
+
+
+def pack(tensors: Sequence[Optional[Tensor]], bucket: Bucket, dtype: torch.dtype, device) -> Tensor:
+    """Full-shape tensors (None = zeros) -> a new rank-major buffer of padded_numel."""
+    pad = any(s.chunk * bucket.world != s.rows for s in bucket.slots) or any(t is None for t in tensors)
+    buf = (torch.zeros if pad else torch.empty)(bucket.padded_numel, dtype=dtype, device=device)
+    for (s, region), t in zip(_regions(buf, bucket), tensors):
+        if t is None:
+            continue
+        rows = t.reshape(s.rows, s.row_numel)
+        q = s.rows // s.chunk
+        region[:q].copy_(rows[:q * s.chunk].view(q, s.chunk, s.row_numel))
+        if q < bucket.world and s.rows > q * s.chunk:
+            region[q, :s.rows - q * s.chunk].copy_(rows[q * s.chunk:])
+    return buf
+
+
+def unpack(buf: Tensor, bucket: Bucket) -> List[Tensor]:
+    """A rank-major buffer -> one new full-shape tensor per slot."""
+    out = []
+    for s, region in _regions(buf, bucket):
+        out.append(region.reshape(bucket.world * s.chunk, s.row_numel)[:s.rows].reshape(s.shape))
+    return out
+
+
+def unpack_into(buf: Tensor, bucket: Bucket, full_flat: Tensor) -> None:
+    """A rank-major buffer -> copied into the bucket's full (param-major) flat buffer."""
+    for s, region in _regions(buf, bucket):
+        rows = full_flat[s.full_offset:s.full_offset + s.numel].view(s.rows, s.row_numel)
+        q = s.rows // s.chunk
+        rows[:q * s.chunk].view(q, s.chunk, s.row_numel).copy_(region[:q])
+        if q < bucket.world and s.rows > q * s.chunk:
+            rows[q * s.chunk:].copy_(region[q, :s.rows - q * s.chunk])
+
+
+def full_views(flat: Tensor, bucket: Bucket) -> List[Tensor]:
+    """Each parameter as a view of the bucket's full flat buffer."""
+    return [flat[s.full_offset:s.full_offset + s.numel].view(s.shape) for s in bucket.slots]
+
+
+def shard_views(flat: Tensor, bucket: Bucket, rank: int) -> List[Tensor]:
+    """Each parameter's local Shard(0) rows as a view of a per-rank shard buffer."""
+    out = []
+    for s in bucket.slots:
+        start, stop = s.local_rows(rank)
+        n = (stop - start) * s.row_numel
+        out.append(flat[s.shard_offset:s.shard_offset + n].view(s.local_shape(rank)))
+    return out
+
+
+def local_rows_of_full(flat: Tensor, bucket: Bucket, rank: int) -> List[Tensor]:
+    """Each parameter's local Shard(0) rows as a view of the full flat buffer."""
+    out = []
+    for s, full in zip(bucket.slots, full_views(flat, bucket)):
+        start, stop = s.local_rows(rank)
+        out.append(full.reshape(s.rows, *s.shape[1:])[start:stop])
+    return out

@@ -1,0 +1,88 @@
+"""`ShardPlan`: the static map from parameter names to bucket storage on this rank.
+
+Each bucket owns one flat storage tensor per rank: the full parameters (replicated
+buckets) or this rank's padded Shard(0) rows (sharded buckets). Parameters in the state
+are DTensors whose local tensors are views of that storage, so a collective on the
+bucket is one call on one tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fz.sharding.comm import Comm, full_views, local_rows_of_full, shard_views
+from fz.sharding.gather import LiveCounter
+from fz.sharding.plan import Bucket, Slot
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    mesh: DeviceMesh
+    comm: Comm
+    device: torch.device
+    buckets: Tuple[Bucket, ...]
+    live: LiveCounter
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world(self) -> int:
+        return self.comm.world
+
+    def slots(self) -> Dict[str, Tuple[Bucket, Slot]]:
+        return {s.name: (b, s) for b in self.buckets for s in b.slots}
+
+    def storage_numel(self, b: Bucket) -> int:
+        return b.shard_numel if b.sharded_param else b.full_numel
+
+    def param_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
+        """The state's local tensor of each parameter: full (replicated) or its rows (sharded)."""
+        return shard_views(flat, b, self.rank) if b.sharded_param else full_views(flat, b)
+
+    def opt_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
+        """What the optimizer updates for each parameter: the whole of it or this rank's rows."""
+        if b.sharded_param:
+            return shard_views(flat, b, self.rank)
+        if isinstance(b.place.opt, Shard):
+            return local_rows_of_full(flat, b, self.rank)
+        return full_views(flat, b)
+
+    def to_dtensor(self, local: Tensor, slot: Slot, placement) -> DTensor:
+        if isinstance(placement, Shard):
+            stride = torch.empty(slot.shape, device="meta").stride()
+            return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=slot.shape, stride=stride)
+        return DTensor.from_local(local, self.mesh, [placement], run_check=False)
+
+    def wrap_params(self, flats: Sequence[Tensor]) -> Dict[str, DTensor]:
+        out: Dict[str, DTensor] = {}
+        for b, flat in zip(self.buckets, flats):
+            for s, t in zip(b.slots, self.param_locals(flat, b)):
+                out[s.name] = self.to_dtensor(t, s, b.place.param)
+        return out
+
+    def packed_flats(self, params: Dict[str, DTensor], flats: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], bool]:
+        """`flats` if every parameter still views its bucket storage, else fresh copies."""
+        out, changed = [], False
+        for b, flat in zip(self.buckets, flats):
+            locals_ = [_local(params[s.name]) for s in b.slots]
+            views = self.param_locals(flat, b)
+            if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views)):
+                out.append(flat)
+                continue
+            changed = True
+            new = torch.zeros(self.storage_numel(b), dtype=flat.dtype, device=flat.device)
+            for x, v in zip(locals_, self.param_locals(new, b)):
+                v.copy_(x)
+            out.append(new)
+        return tuple(out), changed
+
+
+def _local(t) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t

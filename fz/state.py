@@ -1,0 +1,80 @@
+"""`State`: the whole training state as one immutable value (flax's TrainState).
+
+Leaves (what a checkpoint saves, what `tree_map` sees): `step`, `params`
+({name: DTensor}), `opt_state` (the optimizer's pytree, param-shaped leaves as DTensors),
+`rng` (this rank's generator state) and `buffers` ({name: tensor}, replicated).
+Static fields: the meta skeleton, the spec and the sharding plan.
+
+`train_step` donates its input state, as `jax.jit(donate_argnums=0)` does: the new
+state reuses the buffers, and the old one refuses further use with a clear error.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from fz.errors import ConfigError
+from fz.sharding.layout import ShardPlan
+from fz.skeleton import Skeleton
+from fz.spec import Spec
+
+
+class Lease:
+    """Whether a state's buffers still belong to it (False once donated to a step)."""
+
+    __slots__ = ("alive",)
+
+    def __init__(self) -> None:
+        self.alive = True
+
+
+@dataclass(frozen=True)
+class State:
+    step: Tensor
+    params: Dict[str, DTensor]
+    opt_state: Any
+    rng: Tensor
+    buffers: Dict[str, Tensor]
+    skeleton: Skeleton = field(repr=False, compare=False)
+    spec: Spec = field(repr=False, compare=False)
+    plan: ShardPlan = field(repr=False, compare=False)
+    flats: Tuple[Tensor, ...] = field(repr=False, compare=False)  # per-bucket storage the params view
+    lease: Lease = field(default_factory=Lease, repr=False, compare=False)
+
+    def replace(self, **changes: Any) -> "State":
+        """A new State with `changes`; the buffers are shared, not copied."""
+        return dataclasses.replace(self, lease=Lease(), **changes)
+
+    def check_alive(self, what: str) -> None:
+        if not self.lease.alive:
+            raise ConfigError(f"{what}: this state was donated to fz.train_step; use the state it returned")
+
+    @property
+    def mesh(self):
+        return self.plan.mesh
+
+    def __repr__(self) -> str:
+        n = sum(p.numel() for p in self.params.values())
+        return (f"State(step={int(self.step)}, params={len(self.params)} tensors / {n:,} elements, "
+                f"stage={self.spec.stage}, world={self.plan.world})")
+
+
+_LEAVES = ("step", "params", "opt_state", "rng", "buffers")
+_STATIC = ("skeleton", "spec", "plan", "flats", "lease")
+
+
+def _flatten(s: State):
+    return [getattr(s, f) for f in _LEAVES], tuple(getattr(s, f) for f in _STATIC)
+
+
+def _unflatten(values, context) -> State:
+    return State(**dict(zip(_LEAVES, values)), **dict(zip(_STATIC, context)))
+
+
+pytree.register_pytree_node(State, _flatten, _unflatten, serialized_type_name="fz.State")

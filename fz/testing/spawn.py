@@ -1,0 +1,65 @@
+"""Run a function on N gloo ranks on localhost, with a timeout, and collect what each returns.
+
+Spawning costs seconds, so tests batch many checks into one call. A rank that raises
+fails the call with that rank's traceback; a hang fails it after `timeout` seconds.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)  # bytes, not shared memory: the rank exits soon
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report every failure, including DCP's BaseException
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> List[Any]:
+    """fn(rank, world, *args) on `world` fresh processes; returns the results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = results.get(timeout=timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    except queue.Empty:
+        raise TimeoutError(f"{world} ranks did not finish within {timeout}s (ranks done: {sorted(out)})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]

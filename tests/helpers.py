@@ -1,0 +1,77 @@
+"""Shared test pieces: the tiny GPT, its data, and the plain single-process reference."""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Tuple
+
+import torch
+
+from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+CFG = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)
+MICRO = 2
+STEPS = 10
+LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.01, 1.0
+
+
+def make_model(seed: int = 0, cfg: GPTConfig = CFG) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def rank_batches(world: int, grad_accum: int, steps: int = STEPS, cfg: GPTConfig = CFG) -> List[List[torch.Tensor]]:
+    """batches[step][rank]: each rank's [grad_accum * MICRO, seq + 1] tokens."""
+    rows = world * grad_accum * MICRO
+    out = []
+    for step in range(steps):
+        data = synthetic_tokens(rows, cfg.seq, cfg.vocab, seed=1000 + step)
+        out.append(list(data.chunk(world)))
+    return out
+
+
+def reference(world: int, grad_accum: int, steps: int = STEPS, clip=CLIP) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Plain PyTorch: AdamW + clip_grad_norm_ on the concatenated global batch."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for per_rank in rank_batches(world, grad_accum, steps):
+        loss = lm_loss(model, torch.cat(per_rank))
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def spec(stage: int, grad_accum: int, **kw):
+    import fz
+    args = dict(stage=stage, optimizer=fz.optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+                grad_accum=grad_accum, clip_grad_norm=CLIP, loss_fn=lm_loss, seed=0)
+    args.update(kw)
+    return fz.Spec(**args)
+
+
+def train_fz(rank: int, world: int, stage: int, grad_accum: int, steps: int = STEPS, **kw):
+    import fz
+    state = fz.init(make_model(), spec(stage, grad_accum, **kw))
+    losses = []
+    for per_rank in rank_batches(world, grad_accum, steps):
+        state, loss = fz.train_step(state, per_rank[rank])
+        losses.append(float(loss))
+    return state, losses
+
+
+def max_rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs().clamp_min(1e-6)).max())
+
+
+def params_rel(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+    """Largest relative error of a parameter tensor (norm of difference / norm of reference)."""
+    assert set(got) <= set(want) and len(got) > 0, (sorted(got), sorted(want))
+    return max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in got)
+
+
+_ = copy
