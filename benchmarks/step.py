@@ -196,11 +196,13 @@ def run_engine(engine: str, args, argv) -> dict:
             out.seek(0)
             texts.append(out.read())
             out.close()
-    for line in texts[0].splitlines():
-        if line.startswith(TAG) and error is None:
-            return json.loads(line[len(TAG):])
+    result = next((json.loads(ln[len(TAG):]) for ln in texts[0].splitlines() if ln.startswith(TAG)), None)
+    if result is not None and error is None:
+        return result
     bad = next((t for r, t in enumerate(texts) if procs[r].returncode != 0 and t.strip()), texts[0])
-    tail = [ln for ln in bad.strip().splitlines() if ln.strip()][-3:]
+    tail = [ln for ln in bad.strip().splitlines() if ln.strip() and not ln.startswith(TAG)][-3:]
+    if result is not None:                      # all steps measured, then a crash or hang at exit
+        return {**result, "warning": f"{error} after reporting", "tail": tail}
     return {"error": error or "no result line", "tail": tail}
 
 
@@ -222,6 +224,7 @@ def main() -> None:
             res = run_engine(e, args, argv)
             runs[e].append(res)
             status = res.get("error") or f"{1e3 * statistics.median(res['times'][args.warmup:]):.1f} ms"
+            status += f"  WARNING: {res['warning']}" if "warning" in res else ""
             print(f"  repeat {rep + 1}/{args.repeats} {e:<16} {status}  ({time.monotonic() - t0:.1f}s)",
                   flush=True)
             for line in res.get("tail", []):
@@ -231,12 +234,12 @@ def main() -> None:
         ok = [r for r in runs[e] if "error" not in r]
         if not ok:
             return None
-        step = statistics.median(statistics.median(r["times"][args.warmup:]) for r in ok)
-        spread = [statistics.median(r["times"][args.warmup:]) for r in ok]
-        return {"step": step, "spread": (min(spread), max(spread)), "n": len(ok),
+        per_run = [statistics.median(r["times"][args.warmup:]) for r in ok]
+        return {"step": statistics.median(per_run), "spread": (min(per_run), max(per_run)), "n": len(ok),
                 "rss": statistics.median(r["rss_mb"] for r in ok),
                 "base": statistics.median(r["base_mb"] for r in ok),
-                "loss": statistics.median(r["loss"][-1] for r in ok), "meta": ok[0]}
+                "loss": statistics.median(r["loss"][-1] for r in ok), "meta": ok[0],
+                "warn": sum("warning" in r for r in ok)}
 
     rows = {e: summary(e) for e in engines}
     meta = next((s["meta"] for s in rows.values() if s), None)
@@ -253,7 +256,8 @@ def main() -> None:
             print(f"| {e} | FAILED: {runs[e][-1]['error']} | | | | | |")
             continue
         ratio = f"{s['step'] / ddp['step']:.2f}x" if ddp else "-"
-        print(f"| {e} | {1e3 * s['step']:.1f} | {1e3 * s['spread'][0]:.1f}-{1e3 * s['spread'][1]:.1f} "
+        name = f"{e} (exit error in {s['warn']}/{s['n']} runs)" if s["warn"] else e
+        print(f"| {name} | {1e3 * s['step']:.1f} | {1e3 * s['spread'][0]:.1f}-{1e3 * s['spread'][1]:.1f} "
               f"| {s['rss']:.0f} | {s['rss'] - s['base']:.0f} | {ratio} | {s['loss']:.4f} |")
     print(f"\ntotal wall time {time.monotonic() - t_start:.1f}s")
 

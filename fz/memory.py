@@ -30,7 +30,8 @@ class MemoryReport:
     formula_params: float  # ZeRO formula bytes
     formula_grads: float
     formula_opt: float
-    padding: int  # bytes the buckets add to make every rank's shard the same size
+    padding: int  # bytes of rows added so every rank's shard has the same size
+    opt_other: int  # optimizer scalars (step counts): not part of ZeRO's accounting
 
     @property
     def total(self) -> int:
@@ -78,21 +79,24 @@ def memory_report(state: State) -> MemoryReport:
     num = trainable = padding = 0
     for b, flat in zip(plan.buckets, state.flats):
         el = flat.element_size()
-        if b.sharded_param:
-            padding += b.padded_numel * el // n - b.full_numel * el // n
         if b.trainable:
             grads += (b.shard_numel if isinstance(b.place.grad, Shard) and n > 1 else b.full_numel) * el
-            if isinstance(b.place.grad, Shard) and n > 1:
-                padding += (b.padded_numel - b.full_numel) * el // n
         for s in b.slots:
+            pad = (s.chunk * n - s.rows) * s.row_numel * el // n
+            sharded = [b.sharded_param, b.trainable and isinstance(b.place.grad, Shard),
+                       b.trainable and isinstance(b.place.opt, Shard)]
+            padding += pad * (sharded[0] + sharded[1] + opt_counts.get(s.name, 0) * sharded[2])
             num += s.numel
             f_params += s.numel * el / (n if b.sharded_param else 1)
             if b.trainable:
                 trainable += s.numel
                 f_grads += s.numel * el / (n if isinstance(b.place.grad, Shard) else 1)
                 f_opt += opt_counts.get(s.name, 0) * s.numel * el / (n if isinstance(b.place.opt, Shard) else 1)
+    other = 0
     for leaf in pytree.tree_leaves(state.opt_state):
-        if isinstance(leaf, Tensor):
-            opt += _bytes(leaf._local_tensor if isinstance(leaf, DTensor) else leaf)
+        if isinstance(leaf, DTensor):
+            opt += _bytes(leaf._local_tensor)
+        elif isinstance(leaf, Tensor):
+            other += _bytes(leaf)
     return MemoryReport(plan.rank, n, state.spec.stage, num, trainable, params, grads, opt,
-                        f_params, f_grads, f_opt, padding)
+                        f_params, f_grads, f_opt, padding, other)

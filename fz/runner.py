@@ -61,6 +61,10 @@ class Runner:
         with running(self):
             return self._run_unit(0, args, kwargs)
 
+    def release(self) -> None:
+        """Drop the root's gathered parameters (call once backward is done with them)."""
+        self.root_tensors = {}
+
 
 class BoundModel:
     """What `loss_fn(model, batch)` receives: call it like the module; attributes read through."""

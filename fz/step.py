@@ -103,6 +103,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 reducer.last = i == len(micro) - 1
                 loss = _scalar_loss(loss_fn(model, mb))
                 (loss / spec.grad_accum).backward()
+                runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
         finally:
@@ -162,7 +163,10 @@ def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     runner = Runner(state.skeleton, state.plan, list(flats), state.buffers)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state.rng)
-        return fn(runner, *args, **kwargs)
+        try:
+            return fn(runner, *args, **kwargs)
+        finally:
+            runner.release()
 
 
 def eval_step(state: State, batch: Any) -> Tensor:
