@@ -101,8 +101,9 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
         torch._foreach_add_(buf, g)
         if nesterov:
             torch._foreach_add_(g, buf, alpha=momentum)
-            return updates, state
-        return dict(zip(keys, buf)), state
+        else:
+            torch._foreach_copy_(g, buf)  # the updates, not the trace, get scaled next
+        return updates, state
 
     return GradientTransformation(init, update)
 
