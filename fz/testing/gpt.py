@@ -24,6 +24,13 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+class Embedding(nn.Embedding):
+    """GPT-2's small-normal init: with a tied head, N(0, 1) would start at huge logits."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -60,8 +67,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig()):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab, cfg.dim)
-        self.wpe = nn.Embedding(cfg.seq, cfg.dim)
+        self.wte = Embedding(cfg.vocab, cfg.dim)
+        self.wpe = Embedding(cfg.seq, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
