@@ -115,6 +115,14 @@ def rss_mb(key: str = "VmHWM") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def model_source_hash() -> str:
+    """Hash of fz/testing/gpt.py, to catch the model file changing in the middle of a run."""
+    import hashlib
+    import fz.testing.gpt as gpt
+    with open(gpt.__file__, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()[:10]
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -148,7 +156,8 @@ def worker(args) -> None:
     if rank == 0:
         print(TAG + json.dumps({"times": t.tolist(), "loss": (l / dist.get_world_size()).tolist(),
                                 "rss_mb": rss[0].item(), "base_mb": rss[1].item(),
-                                "params": n_params, "layers": cfg.layers, "dim": cfg.dim}), flush=True)
+                                "params": n_params, "layers": cfg.layers, "dim": cfg.dim,
+                                "model_src": model_source_hash()}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -247,6 +256,9 @@ def main() -> None:
         print(f"\nGPT {meta['params'] / 1e6:.2f}M params (dim {meta['dim']}, {meta['layers']} layers), "
               f"seq {args.seq}, micro-batch {args.micro_batch}/rank, world {args.world}, gloo CPU, "
               f"median of steps {args.warmup}-{args.steps - 1}, {args.repeats} repeat(s)")
+    sources = {r["model_src"] for rs in runs.values() for r in rs if "model_src" in r}
+    if len(sources) > 1:
+        print(f"WARNING: fz/testing/gpt.py changed during the run ({len(sources)} versions); rerun")
     ddp = rows.get("ddp")
     print("\n| engine | step ms (median) | min-max over repeats | peak RSS MB/rank | over base MB | vs DDP | final loss |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -1,9 +1,9 @@
 """Runs the skeleton on one step's parameters: the only place that calls the model.
 
 `Runner` hands each unit its parameters when the unit is called: views of the bucket
-storage for replicated buckets, a just-in-time all-gather for sharded ones (inside a
-non-reentrant checkpoint, so the gathered tensors die with the unit's forward and are
-gathered again for its backward).
+storage for replicated buckets, a just-in-time all-gather for sharded ones (whose
+saved-for-backward copies are markers, so the gathered tensors die with the unit's
+forward and are gathered again for its backward: see fz/sharding/gather.py).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.graph import saved_tensors_hooks
 
-from fz.sharding.gather import gather_bucket
+from fz.sharding.gather import ParamSaver, gather_bucket
 from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
 from fz.skeleton import Skeleton, running
@@ -29,11 +29,14 @@ class Runner:
         for b in plan.buckets:
             self.unit_buckets[b.unit].append(b)
         self.root_tensors: Dict[str, Tensor] = {}
+        self.saver = ParamSaver(plan.comm, plan.live)
+        self.in_unit = False
 
     def _bucket_tensors(self, b: Bucket) -> List[Tensor]:
         leaf = self.leaves[b.index]
         if b.sharded_param:
-            return gather_bucket(leaf, b, self.plan.comm, self.plan.live)
+            saver = self.saver if self.in_unit and torch.is_grad_enabled() else None
+            return gather_bucket(leaf, b, self.plan.comm, self.plan.live, saver)
         return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
 
     def _unit_args(self, index: int) -> Dict[str, Tensor]:
@@ -53,9 +56,14 @@ class Runner:
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         sharded = any(b.sharded_param for b in self.unit_buckets[index])
-        if sharded and torch.is_grad_enabled():
-            return checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
-        return self._run_unit(index, args, kwargs)
+        if not (sharded and torch.is_grad_enabled()):
+            return self._run_unit(index, args, kwargs)
+        self.in_unit = True
+        try:
+            with saved_tensors_hooks(self.saver.pack, self.saver.unpack):
+                return self._run_unit(index, args, kwargs)
+        finally:
+            self.in_unit = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with running(self):

@@ -76,7 +76,7 @@ def test_losses_and_params_match_reference(world_results):
                 assert len(losses) == STEPS
                 assert max_rel(losses, want_losses) < TOL, (world, stage, ga, rank, losses, want_losses)
                 assert params_rel(full, want_params) < TOL, (world, stage, ga, rank)
-    assert want_losses[-1] < 0.8 * want_losses[0], "the reference run should learn"
+    assert want_losses[-1] < 0.9 * want_losses[0], "the reference run should learn"
 
 
 def test_eval_step_and_apply_match_reference(world_results):

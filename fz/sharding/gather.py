@@ -1,14 +1,17 @@
-"""Stage 3's just-in-time parameters: all-gather in forward, reduce-scatter in backward.
+"""Stage 3's just-in-time parameters: all-gather for forward, again for backward, no recompute.
 
 `gather_bucket(shard)` is differentiable: the gradient of the gathered parameters is
-reduce-scattered (averaged over ranks) straight back onto the local shard. Wrapped in
-a non-reentrant checkpoint per block, the gathered tensors are freed as soon as the
-block's forward ends and gathered again when its backward recomputes it.
+reduce-scattered (averaged over ranks) straight back onto the local shard.
+While a unit runs forward, `ParamSaver` replaces every gathered parameter that autograd
+would save for backward (a weight, or a view of one) by a small marker, so the gathered
+bucket dies with the unit's forward. When backward unpacks a marker, the bucket is
+gathered once more and kept until its gradients have been reduce-scattered. Activations
+are saved as usual: nothing is recomputed.
 """
 from __future__ import annotations
 
 import weakref
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -44,35 +47,78 @@ class LiveCounter:
             weakref.finalize(t, release)
 
 
+def _all_gather(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter) -> Tuple[Tensor, ...]:
+    if comm.world == 1:
+        outs = tuple(t.clone() for t in unpack(shard, bucket))
+    else:
+        full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather(full, shard)
+        outs = tuple(unpack(full, bucket))
+    live.track(outs, bucket.full_numel)
+    return outs
+
+
+class ParamSaver:
+    """saved_tensors_hooks that save gathered parameters as markers and re-gather on use."""
+
+    def __init__(self, comm: Comm, live: LiveCounter):
+        self.comm, self.live = comm, live
+        self.owner: Dict[int, Tuple[Bucket, Tensor, int]] = {}  # storage ptr -> (bucket, shard, slot)
+        self.regathered: Dict[int, Tuple[Tensor, ...]] = {}
+
+    def register(self, bucket: Bucket, shard: Tensor, tensors: Tuple[Tensor, ...]) -> None:
+        for i, t in enumerate(tensors):
+            ptr = t.untyped_storage().data_ptr()
+            self.owner[ptr] = (bucket, shard, i)
+            weakref.finalize(t, self.owner.pop, ptr, None)
+
+    def pack(self, t: Tensor):
+        hit = self.owner.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if hit is None:
+            return t
+        bucket, shard, i = hit
+        return (_Marker, bucket, shard, i, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved):
+        if not (isinstance(saved, tuple) and saved and saved[0] is _Marker):
+            return saved
+        _, bucket, shard, i, size, stride, offset = saved
+        tensors = self.regathered.get(bucket.index)
+        if tensors is None:
+            with torch.no_grad():
+                tensors = self.regathered[bucket.index] = _all_gather(shard, bucket, self.comm, self.live)
+        return tensors[i].as_strided(size, stride, offset)
+
+    def release(self, bucket: Bucket) -> None:
+        self.regathered.pop(bucket.index, None)
+
+
+class _Marker:
+    """Stands in a saved-tensor slot for a gathered parameter."""
+
+
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter):
-        ctx.bucket, ctx.comm = bucket, comm
-        if comm.world == 1:
-            outs = tuple(t.clone() for t in unpack(shard, bucket))
-        else:
-            full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(full, shard)
-            outs = tuple(unpack(full, bucket))
-            del full
-        live.track(outs, bucket.full_numel)
+    def forward(ctx, shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter, saver):
+        ctx.bucket, ctx.comm, ctx.saver = bucket, comm, saver
+        outs = _all_gather(shard, bucket, comm, live)
+        if saver is not None:
+            saver.register(bucket, shard, outs)
         return outs
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         bucket, comm = ctx.bucket, ctx.comm
-        buf = pack(grads, bucket, grads[0].dtype if grads[0] is not None else torch.float32, _device(grads))
+        if ctx.saver is not None:
+            ctx.saver.release(bucket)  # every use of this bucket has had its backward
+        buf = pack(grads, bucket, grads[0].dtype, grads[0].device)
         if comm.world == 1:
-            return buf, None, None, None
+            return buf, None, None, None, None
         out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
         comm.reduce_scatter(out, buf)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-def _device(grads) -> torch.device:
-    return next(g.device for g in grads if g is not None)
-
-
-def gather_bucket(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter) -> List[Tensor]:
+def gather_bucket(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter, saver=None) -> List[Tensor]:
     """The bucket's full parameters, gathered from every rank's shard (differentiable)."""
-    return list(_GatherBucket.apply(shard, bucket, comm, live))
+    return list(_GatherBucket.apply(shard, bucket, comm, live, saver))
