@@ -33,6 +33,8 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
+    if spec.precision != "fp32":
+        raise ConfigError(f"Spec.precision={spec.precision!r}: mixed precision is not available yet; use 'fp32'")
     mesh = default_mesh(mesh)
     group = mesh.get_group()
     comm = Comm(group, mesh.size(), mesh.get_local_rank())
@@ -64,8 +66,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(module_seed(spec.seed, f"rank{comm.rank}"))
         rng = torch.get_rng_state()
-    return State(torch.zeros((), dtype=torch.int64), params, opt_state, rng, buffers,
-                 skel, spec, plan, tuple(flats))
+    return State(step=torch.zeros((), dtype=torch.int64), params=params, master=None, opt_state=opt_state,
+                 scaler=None, rng=rng, buffers=buffers, data={}, skeleton=skel, spec=spec, plan=plan,
+                 flats=tuple(flats))
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, b, seed: int) -> torch.Tensor:

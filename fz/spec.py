@@ -3,15 +3,43 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
+import torch
 import torch.nn as nn
 
 from fz.errors import ConfigError
 from fz.optim import GradientTransformation, adamw
 
-PRECISIONS = ("fp32",)
-LATER_PRECISIONS = ("bf16", "fp16")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16 loss scaling, with DeepSpeed's `fp16` keys and meanings.
+
+    `loss_scale` 0 means dynamic: start at 2**initial_scale_power, halve on an overflow
+    after `hysteresis` overflows, double after `loss_scale_window` clean steps, never
+    below `min_loss_scale`. A positive `loss_scale` is a fixed scale.
+    """
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss_scale < 0:
+            raise ConfigError(f"LossScale.loss_scale={self.loss_scale!r}: must be 0 (dynamic) or > 0")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ConfigError("LossScale.loss_scale_window and hysteresis must be >= 1")
+        if self.min_loss_scale <= 0:
+            raise ConfigError(f"LossScale.min_loss_scale={self.min_loss_scale!r}: must be > 0")
+
+
+CheckpointPolicy = Union[bool, Sequence[str], Callable[[str, nn.Module], bool]]
 
 
 @dataclass(frozen=True)
@@ -22,6 +50,9 @@ class Spec:
     `bucket_mb` (reduce_bucket_size / allgather_bucket_size), `persist_threshold`
     (stage3_param_persistence_threshold, in elements), `live_buckets` (how many
     gathered buckets may exist at once, the root one included).
+    Precision: `precision` is the compute dtype (fp32 master weights and optimizer
+    moments stay fp32); `reduce_dtype` is the gradient-communication dtype
+    (DeepSpeed's communication_data_type; None = fp32).
     """
 
     stage: int = 0
@@ -29,12 +60,17 @@ class Spec:
     grad_accum: int = 1
     clip_grad_norm: Optional[float] = None
     precision: str = "fp32"
+    reduce_dtype: Optional[str] = None
+    loss_scaling: LossScale = LossScale()
+    activation_checkpointing: CheckpointPolicy = False
     loss_fn: Optional[Callable[[nn.Module, Any], Any]] = None
     seed: int = 0
     bucket_mb: float = 25.0
     persist_threshold: int = 0
     live_buckets: int = 2
     wrap: Optional[Callable[[str, nn.Module], bool]] = None
+    log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
+    log_every: int = 10  # DeepSpeed's steps_per_print
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -46,10 +82,12 @@ class Spec:
             raise bad("grad_accum", self.grad_accum, "must be an integer >= 1 (micro-batches per step)")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise bad("clip_grad_norm", self.clip_grad_norm, "must be > 0, or None to turn clipping off")
-        if self.precision in LATER_PRECISIONS:
-            raise bad("precision", self.precision, "mixed precision is not available yet; use 'fp32'")
         if self.precision not in PRECISIONS:
-            raise bad("precision", self.precision, f"must be one of {PRECISIONS}")
+            raise bad("precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in PRECISIONS:
+            raise bad("reduce_dtype", self.reduce_dtype, f"must be None or one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.loss_scaling, LossScale):
+            raise bad("loss_scaling", self.loss_scaling, "must be an fz.LossScale")
         if not isinstance(self.optimizer, GradientTransformation):
             raise bad("optimizer", self.optimizer, "must be an fz.optim transformation, e.g. fz.optim.adamw(lr=1e-3)")
         if not self.bucket_mb > 0:
@@ -60,6 +98,16 @@ class Spec:
             raise bad("live_buckets", self.live_buckets, "must be >= 2 (the root bucket plus one block)")
         if not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
+        if not isinstance(self.log_every, int) or self.log_every < 1:
+            raise bad("log_every", self.log_every, "must be an integer >= 1")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.reduce_dtype or "fp32"]
 
     def replace(self, **changes: Any) -> "Spec":
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,11 @@
 """`State`: the whole training state as one immutable value (flax's TrainState).
 
 Leaves (what a checkpoint saves, what `tree_map` sees): `step`, `params`
-({name: DTensor}), `opt_state` (the optimizer's pytree, param-shaped leaves as DTensors),
-`rng` (this rank's generator state) and `buffers` ({name: tensor}, replicated).
+({name: DTensor}, in the compute dtype), `master` (fp32 master weights as DTensors with the
+optimizer's placements, or None in fp32 where the params are the master), `opt_state`
+(the optimizer's pytree, param-shaped leaves as DTensors), `scaler` (fp16 loss-scaler
+tensors, or None), `rng` (this rank's generator state), `buffers` ({name: tensor},
+replicated) and `data` (the data loader's position: any pytree, {} by default).
 Static fields: the meta skeleton, the spec and the sharding plan.
 
 `train_step` donates its input state, as `jax.jit(donate_argnums=0)` does: the new
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,9 +41,12 @@ class Lease:
 class State:
     step: Tensor
     params: Dict[str, DTensor]
+    master: Optional[Dict[str, DTensor]]
     opt_state: Any
+    scaler: Optional[Dict[str, Tensor]]
     rng: Tensor
     buffers: Dict[str, Tensor]
+    data: Any
     skeleton: Skeleton = field(repr=False, compare=False)
     spec: Spec = field(repr=False, compare=False)
     plan: ShardPlan = field(repr=False, compare=False)
@@ -65,7 +71,7 @@ class State:
                 f"stage={self.spec.stage}, world={self.plan.world})")
 
 
-_LEAVES = ("step", "params", "opt_state", "rng", "buffers")
+_LEAVES = ("step", "params", "master", "opt_state", "scaler", "rng", "buffers", "data")
 _STATIC = ("skeleton", "spec", "plan", "flats", "lease")
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 from fz.errors import ConfigError
 from fz.grads import GradReducer
 from fz.opt_state import reuse_map, unwrap, wrap_opt_state
-from fz.optim.base import apply_updates, norm_reduction
+from fz.optim.base import apply_updates, norm_reduction, shard_reduction
 from fz.runner import BoundModel, Runner, default_loss
 from fz.optim.transforms import clip_by_global_norm
 from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
@@ -64,6 +64,23 @@ def _norm_sq_fn(state: State, sharded: set):
         return total[0] + total[1]
 
     return norm_sq
+
+
+def _shard_sum_fn(state: State, sharded: set):
+    comm = state.plan.comm
+
+    def shard_sum(tree: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        names = [k for k in tree if k in sharded]
+        if not names or comm.world == 1:
+            return tree
+        flat = torch.cat([tree[k].reshape(-1).float() for k in names])
+        comm.all_reduce_sum(flat)
+        out = dict(tree)
+        for k, piece in zip(names, flat.split([tree[k].numel() for k in names])):
+            out[k] = piece.view_as(tree[k]).to(tree[k].dtype)
+        return out
+
+    return shard_sum
 
 
 def _clone_state(state: State) -> State:
@@ -124,7 +141,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     del leaves, runner, model
 
     local_opt = unwrap(state.opt_state)
-    with torch.no_grad(), norm_reduction(_norm_sq_fn(state, sharded)):
+    with torch.no_grad(), norm_reduction(_norm_sq_fn(state, sharded)), shard_reduction(_shard_sum_fn(state, sharded)):
         if spec.clip_grad_norm is not None:
             grads, _ = clip_by_global_norm(spec.clip_grad_norm).update(grads, (), None)
         updates, local_opt = spec.optimizer.update(grads, local_opt, params)

@@ -12,7 +12,7 @@ from helpers import make_model, rank_batches, spec
 @pytest.mark.parametrize("kw, words", [
     (dict(stage=5), ["stage", "5", "0, 1, 2, 3"]),
     (dict(grad_accum=0), ["grad_accum", "0", ">= 1"]),
-    (dict(precision="bf16"), ["precision", "bf16", "fp32"]),
+    (dict(precision="fp8"), ["precision", "fp8", "fp32, bf16, fp16"]),
     (dict(clip_grad_norm=-1.0), ["clip_grad_norm"]),
     (dict(live_buckets=1), ["live_buckets"]),
 ])

@@ -69,6 +69,34 @@ def norm_reduction(fn: NormSq) -> Iterator[None]:
         _norm_sq.reset(token)
 
 
+def _identity_sum(tree: Params) -> Params:
+    return tree
+
+
+_shard_sum: contextvars.ContextVar[Callable[[Params], Params]] = contextvars.ContextVar(
+    "fz_shard_sum", default=_identity_sum)
+
+
+@contextlib.contextmanager
+def shard_reduction(fn: Callable[[Params], Params]) -> Iterator[None]:
+    """Within this block, `sum_across_shards` uses `fn` (the step binds it to the group)."""
+    token = _shard_sum.set(fn)
+    try:
+        yield
+    finally:
+        _shard_sum.reset(token)
+
+
+def sum_across_shards(partial: Params) -> Params:
+    """{param name: partial sum over this rank's rows} -> the sum over the whole parameter.
+
+    For statistics a sharded optimizer needs whole (LAMB's per-parameter norms,
+    Adafactor's column means): one collective for all of them. Parameters whose
+    optimizer state is replicated come back unchanged.
+    """
+    return _shard_sum.get()(partial)
+
+
 def global_norm(tree: Params) -> Tensor:
     """L2 norm over every element of every leaf, across all ranks' shards."""
     return _norm_sq.get()(tree).sqrt()
