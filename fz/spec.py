@@ -58,6 +58,7 @@ class Spec:
     stage: int = 0
     optimizer: GradientTransformation = dataclasses.field(default_factory=lambda: adamw(lr=1e-3))
     grad_accum: int = 1
+    micro_batch: Optional[int] = None  # rows per micro-batch; when set, train_step checks batches
     clip_grad_norm: Optional[float] = None
     precision: str = "fp32"
     reduce_dtype: Optional[str] = None
@@ -80,6 +81,8 @@ class Spec:
             raise bad("stage", self.stage, "ZeRO stage must be one of 0, 1, 2, 3")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise bad("grad_accum", self.grad_accum, "must be an integer >= 1 (micro-batches per step)")
+        if self.micro_batch is not None and (not isinstance(self.micro_batch, int) or self.micro_batch < 1):
+            raise bad("micro_batch", self.micro_batch, "must be None or an integer >= 1")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise bad("clip_grad_norm", self.clip_grad_norm, "must be > 0, or None to turn clipping off")
         if self.precision not in PRECISIONS:

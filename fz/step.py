@@ -7,7 +7,7 @@ that are replicated but updated in shards (stages 1 and 2).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -24,7 +24,7 @@ from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
 from fz.state import State
 
 
-def _micro_batches(batch: Any, n: int) -> List[Any]:
+def _micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
@@ -37,6 +37,9 @@ def _micro_batches(batch: Any, n: int) -> List[Any]:
         raise ConfigError(f"batch leading dimension {size} is not divisible by grad_accum={n} "
                           f"(a batch is grad_accum * micro_batch rows of this rank's data)")
     m = size // n
+    if micro is not None and m != micro:
+        raise ConfigError(f"batch has {size} rows but grad_accum={n} x micro_batch={micro} = {n * micro} "
+                          "(batch sizes are inconsistent with the spec)")
     return [pytree.tree_unflatten([x.narrow(0, i * m, m) if isinstance(x, Tensor) else x for x in leaves], spec)
             for i in range(n)]
 
@@ -105,7 +108,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     if not donate:
         state = _clone_state(state)
         flats = state.flats
-    micro = _micro_batches(batch, spec.grad_accum)
+    micro = _micro_batches(batch, spec.grad_accum, spec.micro_batch)
     loss_fn = spec.loss_fn or default_loss
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]

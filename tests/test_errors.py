@@ -33,6 +33,12 @@ def test_batch_not_divisible_by_grad_accum():
     assert torch.isfinite(loss)
 
 
+def test_batch_size_inconsistent_with_micro_batch():
+    state = fz.init(make_model(), spec(0, 2, micro_batch=3))
+    with pytest.raises(fz.ConfigError, match=r"batch has 4 rows but grad_accum=2 x micro_batch=3 = 6"):
+        fz.train_step(state, rank_batches(1, 2, 1)[0][0])
+
+
 def test_inconsistent_batch_leading_dims():
     state = fz.init(make_model(), fz.Spec(loss_fn=lambda m, b: m(b["x"]).mean()))
     with pytest.raises(fz.ConfigError, match="same leading"):
