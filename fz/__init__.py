@@ -8,10 +8,10 @@ from fz.errors import ConfigError
 from fz.init import init
 from fz.memory import MemoryReport, memory_report
 from fz.params import full_params
-from fz.spec import Spec
+from fz.spec import LossScale, Spec
 from fz.state import State
 from fz.step import apply, eval_step, train_step
 
-__all__ = ["ConfigError", "MemoryReport", "Spec", "State", "apply", "eval_step", "full_params", "init",
+__all__ = ["ConfigError", "LossScale", "MemoryReport", "Spec", "State", "apply", "eval_step", "full_params", "init",
            "memory_report", "optim", "train_step"]
 __version__ = "0.1.0"

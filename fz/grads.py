@@ -40,16 +40,18 @@ class GradReducer:
             leaf.grad = None
 
     def _launch(self, b: Bucket, g: Tensor) -> None:
+        """Start the bucket's collective, in the reduce dtype (the result returns to g's dtype)."""
         self.launched.add(b.index)
         comm = self.plan.comm
         if comm.world == 1:
             self.pending.append((b, g, None, None))
         elif isinstance(b.place.opt, Shard):
-            buf = pack(full_views(g, b), b, g.dtype, g.device)
-            out = torch.empty(b.shard_numel, dtype=g.dtype, device=g.device)
-            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), buf))
+            buf = pack(full_views(g, b), b, comm.reduce_dtype, g.device)
+            out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=g.device)
+            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype))
         else:
-            self.pending.append((b, g, comm.all_reduce(g, async_op=True), None))
+            red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)
+            self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype))
 
     def end_micro_batch(self) -> None:
         """Launch what backward did not reach (unused parameters), then wait and accumulate."""
@@ -59,9 +61,10 @@ class GradReducer:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 leaf.grad = None
                 self._launch(b, g)
-        for b, out, work, _ in self.pending:
+        for b, out, work, dtype in self.pending:
             if work is not None:
                 work.wait()
+                out = out.to(dtype)
             self.acc[b.index] = out if b.index not in self.acc else self.acc[b.index].add_(out)
         self.pending.clear()
         self.launched.clear()

@@ -1,18 +1,20 @@
 """`fz.init`: a model and a Spec in, the sharded training State out."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.distributed.tensor import Shard
 from torch.distributed.device_mesh import DeviceMesh
 
 from fz.errors import ConfigError
 from fz.materialize import initial_values, module_seed
 from fz.opt_state import wrap_opt_state
-from fz.sharding.comm import Comm, full_views, pack, unpack
+from fz.scaler import init_scaler
+from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.gather import LiveCounter
 from fz.sharding.layout import ShardPlan
 from fz.sharding.mesh import default_mesh
@@ -33,11 +35,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
-    if spec.precision != "fp32":
-        raise ConfigError(f"Spec.precision={spec.precision!r}: mixed precision is not available yet; use 'fp32'")
     mesh = default_mesh(mesh)
     group = mesh.get_group()
-    comm = Comm(group, mesh.size(), mesh.get_local_rank())
+    comm = Comm(group, mesh.size(), mesh.get_local_rank(), spec.grad_reduce_dtype)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
 
@@ -52,33 +52,47 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     buckets = make_buckets(entries, spec.stage, comm.world, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan(mesh, comm, device, tuple(buckets), LiveCounter())
 
-    flats = [_bucket_storage(model, plan, b, spec.seed) for b in buckets]
+    storages = [_bucket_storage(model, plan, b, spec) for b in buckets]
+    flats = [p for p, _ in storages]
+    master_flats = [m for _, m in storages]
     params = plan.wrap_params(flats)
+    master = plan.wrap_master(master_flats) if spec.precision != "fp32" else None
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
     buffers = initial_values(model, buffer_names, spec.seed, device)
 
     opt_params = {}
-    for b, flat in zip(buckets, flats):
+    for b, flat, mflat in zip(buckets, flats, master_flats):
         if b.trainable:
-            opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, b)))
+            opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
     opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(module_seed(spec.seed, f"rank{comm.rank}"))
         rng = torch.get_rng_state()
-    return State(step=torch.zeros((), dtype=torch.int64), params=params, master=None, opt_state=opt_state,
-                 scaler=None, rng=rng, buffers=buffers, data={}, skeleton=skel, spec=spec, plan=plan,
-                 flats=tuple(flats))
+    return State(step=torch.zeros((), dtype=torch.int64), params=params, master=master, opt_state=opt_state,
+                 scaler=init_scaler(spec), rng=rng, buffers=buffers, data={}, skeleton=skel, spec=spec, plan=plan,
+                 flats=tuple(flats), master_flats=tuple(master_flats))
 
 
-def _bucket_storage(model: nn.Module, plan: ShardPlan, b, seed: int) -> torch.Tensor:
-    """This rank's storage for bucket `b`, filled with the initial values."""
-    values = initial_values(model, [s.name for s in b.slots], seed, plan.device)
+def _bucket_storage(model: nn.Module, plan: ShardPlan, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:
+    """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
+
+    Params are in the compute dtype, laid out by their placement (full or this rank's
+    padded rows); master weights exist in mixed precision only, laid out by the
+    optimizer's placement.
+    """
+    values = initial_values(model, [s.name for s in b.slots], spec.seed, plan.device)
     full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
     from_user = any(not dict(model.named_parameters())[s.name].is_meta for s in b.slots)
     if from_user and plan.world > 1:
         dist.broadcast(full, src=dist.get_global_rank(plan.comm.group, 0), group=plan.comm.group)
-    if not b.sharded_param:
-        return full
-    rank_major = pack(full_views(full, b), b, full.dtype, full.device)
-    return rank_major.view(plan.world, b.shard_numel)[plan.rank].clone()
+
+    def rows() -> Tensor:
+        rank_major = pack(full_views(full, b), b, full.dtype, full.device)
+        return rank_major.view(plan.world, b.shard_numel)[plan.rank].clone()
+
+    param = rows() if b.sharded_param else full
+    if spec.precision == "fp32" or not b.trainable:
+        return param.to(spec.compute_dtype), None
+    master = (param if b.sharded_param else rows()) if isinstance(b.place.opt, Shard) else full
+    return param.to(spec.compute_dtype), master

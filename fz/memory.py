@@ -1,9 +1,11 @@
 """`memory_report`: bytes of model state on this rank, measured and as ZeRO's formula predicts.
 
 Measured: the storage the state really holds (parameters incl. bucket padding, every
-optimizer-state tensor) and the gradient buffers a step allocates (sizes from the same
-bucket plan the step uses). Predicted: the ZeRO paper's per-parameter accounting,
-param / grad / optimizer bytes divided by N where the placement is Shard(0).
+optimizer-state tensor, fp32 master weights) and the gradient buffers a step allocates
+(sizes from the same bucket plan the step uses). Predicted: the ZeRO paper's
+per-parameter accounting, param / grad / optimizer bytes divided by N where the
+placement is Shard(0); in mixed precision params and grads take 2 bytes and the
+optimizer 12 (master 4 + Adam's two moments), as in the paper's K=12.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ def memory_report(state: State) -> MemoryReport:
     plan, n = state.plan, state.plan.world
     opt_counts = _opt_leaves_per_param(state)
     params = sum(_bytes(f) for f in state.flats)
+    master_el = 4 if state.master is not None else 0  # fp32 master weights count with the optimizer
     grads = opt = 0
     f_params = f_grads = f_opt = 0.0
     num = trainable = padding = 0
@@ -85,15 +88,16 @@ def memory_report(state: State) -> MemoryReport:
             pad = (s.chunk * n - s.rows) * s.row_numel * el // n
             sharded = [b.sharded_param, b.trainable and isinstance(b.place.grad, Shard),
                        b.trainable and isinstance(b.place.opt, Shard)]
-            padding += pad * (sharded[0] + sharded[1] + opt_counts.get(s.name, 0) * sharded[2])
+            opt_pad = (s.chunk * n - s.rows) * s.row_numel * (opt_counts.get(s.name, 0) * 4 + master_el) // n
+            padding += pad * (sharded[0] + sharded[1]) + opt_pad * sharded[2]
             num += s.numel
             f_params += s.numel * el / (n if b.sharded_param else 1)
             if b.trainable:
                 trainable += s.numel
                 f_grads += s.numel * el / (n if isinstance(b.place.grad, Shard) else 1)
-                f_opt += opt_counts.get(s.name, 0) * s.numel * el / (n if isinstance(b.place.opt, Shard) else 1)
+                f_opt += (opt_counts.get(s.name, 0) * 4 + master_el) * s.numel / (n if isinstance(b.place.opt, Shard) else 1)
     other = 0
-    for leaf in pytree.tree_leaves(state.opt_state):
+    for leaf in pytree.tree_leaves((state.opt_state, state.master)):
         if isinstance(leaf, DTensor):
             opt += _bytes(leaf._local_tensor)
         elif isinstance(leaf, Tensor):

@@ -7,12 +7,14 @@ forward and are gathered again for its backward: see fz/sharding/gather.py).
 """
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.func import functional_call
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
 
 from fz.sharding.gather import ParamSaver, gather_bucket
 from fz.sharding.layout import ShardPlan
@@ -23,8 +25,11 @@ from fz.skeleton import Skeleton, running
 class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
-    def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor]):
+    def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
+                 checkpointing: Any = False):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.checkpointed = [i > 0 and _wants_checkpoint(checkpointing, u.name, u.module)
+                             for i, u in enumerate(skel.units)]
         self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
         for b in plan.buckets:
             self.unit_buckets[b.unit].append(b)
@@ -55,6 +60,10 @@ class Runner:
                                tie_weights=False, strict=False)
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        if self.checkpointed[index] and torch.is_grad_enabled():
+            # activation checkpointing around the functional call (never inside the module):
+            # the unit, its gather included, runs again in backward
+            return checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
         sharded = any(b.sharded_param for b in self.unit_buckets[index])
         if not (sharded and torch.is_grad_enabled()):
             return self._run_unit(index, args, kwargs)
@@ -72,6 +81,15 @@ class Runner:
     def release(self) -> None:
         """Drop the root's gathered parameters (call once backward is done with them)."""
         self.root_tensors = {}
+
+
+def _wants_checkpoint(policy: Any, name: str, module: Any) -> bool:
+    """Spec.activation_checkpointing: True (every block), block-name patterns, or a predicate."""
+    if isinstance(policy, bool):
+        return policy
+    if callable(policy):
+        return bool(policy(name, module))
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in policy)
 
 
 class BoundModel:

@@ -51,6 +51,7 @@ class State:
     spec: Spec = field(repr=False, compare=False)
     plan: ShardPlan = field(repr=False, compare=False)
     flats: Tuple[Tensor, ...] = field(repr=False, compare=False)  # per-bucket storage the params view
+    master_flats: Tuple[Optional[Tensor], ...] = field(repr=False, compare=False)  # ... and the master weights
     lease: Lease = field(default_factory=Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> "State":
@@ -72,7 +73,7 @@ class State:
 
 
 _LEAVES = ("step", "params", "master", "opt_state", "scaler", "rng", "buffers", "data")
-_STATIC = ("skeleton", "spec", "plan", "flats", "lease")
+_STATIC = ("skeleton", "spec", "plan", "flats", "master_flats", "lease")
 
 
 def _flatten(s: State):

@@ -20,8 +20,10 @@ from fz.sharding.plan import Bucket
 class Comm:
     """One process group's collectives, counting the bytes each kind moves."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int):
+    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.group, self.world, self.rank = group, world, rank
+        self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
         self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
 
     def all_reduce(self, t: Tensor, async_op: bool = False):

@@ -111,12 +111,13 @@ class _GatherBucket(torch.autograd.Function):
         bucket, comm = ctx.bucket, ctx.comm
         if ctx.saver is not None:
             ctx.saver.release(bucket)  # every use of this bucket has had its backward
-        buf = pack(grads, bucket, grads[0].dtype, grads[0].device)
+        dtype = grads[0].dtype
         if comm.world == 1:
-            return buf, None, None, None, None
-        out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
+            return pack(grads, bucket, dtype, grads[0].device), None, None, None, None
+        buf = pack(grads, bucket, comm.reduce_dtype, grads[0].device)
+        out = torch.empty(bucket.shard_numel, dtype=comm.reduce_dtype, device=buf.device)
         comm.reduce_scatter(out, buf)
-        return out, None, None, None, None
+        return out.to(dtype), None, None, None, None
 
 
 def gather_bucket(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter, saver=None) -> List[Tensor]:

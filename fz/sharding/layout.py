@@ -8,7 +8,7 @@ bucket is one call on one tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -46,8 +46,15 @@ class ShardPlan:
         """The state's local tensor of each parameter: full (replicated) or its rows (sharded)."""
         return shard_views(flat, b, self.rank) if b.sharded_param else full_views(flat, b)
 
-    def opt_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
-        """What the optimizer updates for each parameter: the whole of it or this rank's rows."""
+    def master_locals(self, mflat: Tensor, b: Bucket) -> List[Tensor]:
+        """Master weights: full layout (optimizer Replicate) or this rank's padded rows."""
+        return shard_views(mflat, b, self.rank) if isinstance(b.place.opt, Shard) else full_views(mflat, b)
+
+    def opt_locals(self, flat: Tensor, mflat: Optional[Tensor], b: Bucket) -> List[Tensor]:
+        """What the optimizer updates for each parameter: the whole of it or this rank's rows
+        (of the fp32 master weights in mixed precision, else of the parameters themselves)."""
+        if mflat is not None:
+            return self.master_locals(mflat, b)
         if b.sharded_param:
             return shard_views(flat, b, self.rank)
         if isinstance(b.place.opt, Shard):
@@ -66,6 +73,35 @@ class ShardPlan:
             for s, t in zip(b.slots, self.param_locals(flat, b)):
                 out[s.name] = self.to_dtensor(t, s, b.place.param)
         return out
+
+    def wrap_master(self, mflats: Sequence[Optional[Tensor]]) -> Dict[str, DTensor]:
+        out: Dict[str, DTensor] = {}
+        for b, mflat in zip(self.buckets, mflats):
+            if mflat is not None:
+                for s, t in zip(b.slots, self.master_locals(mflat, b)):
+                    out[s.name] = self.to_dtensor(t, s, b.place.opt)
+        return out
+
+    def packed_master(self, master: Optional[Dict[str, DTensor]], mflats: Sequence[Optional[Tensor]]):
+        """`mflats` if every master weight still views its storage, else fresh copies."""
+        if master is None:
+            return mflats
+        out, changed = [], False
+        for b, mflat in zip(self.buckets, mflats):
+            if mflat is None:
+                out.append(None)
+                continue
+            views = self.master_locals(mflat, b)
+            locals_ = [_local(master[s.name]) for s in b.slots]
+            if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views)):
+                out.append(mflat)
+                continue
+            changed = True
+            new = torch.zeros_like(mflat)
+            for x, v in zip(locals_, self.master_locals(new, b)):
+                v.copy_(x)
+            out.append(new)
+        return tuple(out) if changed else mflats
 
     def packed_flats(self, params: Dict[str, DTensor], flats: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], bool]:
         """`flats` if every parameter still views its bucket storage, else fresh copies."""

@@ -1,0 +1,112 @@
+"""The optimizer half of a step: gradients in, local shards updated, parameters in sync.
+
+Runs after backward: take each bucket's reduced gradients (as fp32, unscaled), check for
+fp16 overflow on every rank, clip by the global norm, run the optimizer on this rank's
+shards (of the fp32 master weights in mixed precision), then bring the parameters back
+in step: a cast copy, or an all-gather for a replicated parameter updated in shards.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Shard
+
+from fz.grads import GradReducer
+from fz.optim.base import apply_updates, norm_reduction, shard_reduction
+from fz.optim.transforms import clip_by_global_norm
+from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
+from fz.sharding.layout import ShardPlan
+
+Params = Dict[str, Tensor]
+
+
+def optimizer_inputs(plan: ShardPlan, reducer: GradReducer, flats: Sequence[Tensor],
+                     mflats: Sequence[Optional[Tensor]], inv_scale: float) -> Tuple[Params, Params, Set[str]]:
+    """(fp32 unscaled grads, the tensors the optimizer updates, names whose state is sharded)."""
+    grads: Params = {}
+    params: Params = {}
+    sharded: Set[str] = set()
+    for b, flat, mflat in zip(plan.buckets, flats, mflats):
+        if not b.trainable:
+            continue
+        names = [s.name for s in b.slots]
+        grads.update(zip(names, (g.float() for g in reducer.optimizer_grads(b))))
+        params.update(zip(names, plan.opt_locals(flat, mflat, b)))
+        if isinstance(b.place.opt, Shard):
+            sharded.update(names)
+    if inv_scale != 1.0:
+        torch._foreach_mul_(list(grads.values()), inv_scale)
+    return grads, params, sharded
+
+
+def _norm_sq_fn(plan: ShardPlan, sharded: Set[str]):
+    """Sum of squares in float64, so every stage's summation order gives the same fp32 norm."""
+
+    def norm_sq(tree: Params) -> Tensor:
+        parts = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
+        for k, t in tree.items():
+            v = t.reshape(-1).double()
+            parts[k in sharded] += torch.dot(v, v)
+        if plan.world > 1 and sharded:
+            plan.comm.all_reduce_sum(parts[1])
+        return (parts[0] + parts[1]).float()
+
+    return norm_sq
+
+
+def _shard_sum_fn(plan: ShardPlan, sharded: Set[str]):
+    def shard_sum(tree: Params) -> Params:
+        names = [k for k in tree if k in sharded]
+        if not names or plan.world == 1:
+            return tree
+        flat = torch.cat([tree[k].reshape(-1).float() for k in names])
+        plan.comm.all_reduce_sum(flat)
+        out = dict(tree)
+        for k, piece in zip(names, flat.split([tree[k].numel() for k in names])):
+            out[k] = piece.view_as(tree[k]).to(tree[k].dtype)
+        return out
+
+    return shard_sum
+
+
+def any_overflow(plan: ShardPlan, grads: Params) -> bool:
+    """True on every rank if any rank's gradients hold an inf or nan."""
+    local = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads.values()]).any()
+    flag = local.float().reshape(1)
+    if plan.world > 1:
+        plan.comm.all_reduce_sum(flag)
+    return bool(flag.item() > 0)
+
+
+def apply_optimizer(spec, plan: ShardPlan, opt_state: Any, grads: Params, params: Params, sharded: Set[str]) -> Any:
+    """Clip, update the local shards in place; returns the optimizer's new (local) state."""
+    with norm_reduction(_norm_sq_fn(plan, sharded)), shard_reduction(_shard_sum_fn(plan, sharded)):
+        if spec.clip_grad_norm is not None:
+            grads, _ = clip_by_global_norm(spec.clip_grad_norm).update(grads, (), None)
+        updates, opt_state = spec.optimizer.update(grads, opt_state, params)
+        apply_updates(params, updates)
+    return opt_state
+
+
+def sync_params(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]]) -> None:
+    """Make every rank's parameters equal the updated (master) shards."""
+    for b, flat, mflat in zip(plan.buckets, flats, mflats):
+        if not b.trainable:
+            continue
+        opt_sharded = isinstance(b.place.opt, Shard)
+        if mflat is not None and (b.sharded_param or not opt_sharded or plan.world == 1):
+            flat.copy_(mflat)  # same layout: a cast copy
+            continue
+        if b.sharded_param or not opt_sharded or plan.world == 1:
+            continue  # fp32: the optimizer updated the parameters themselves
+        if mflat is not None:
+            shard = mflat.to(flat.dtype)
+        else:
+            shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
+            for dst, src in zip(shard_views(shard, b, plan.rank), local_rows_of_full(flat, b, plan.rank)):
+                dst.copy_(src)
+        full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
+        plan.comm.all_gather(full, shard)
+        unpack_into(full, b, flat)
