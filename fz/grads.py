@@ -4,7 +4,9 @@ Which collective and when comes from the bucket's placements (see fz/sharding/pl
 grad Shard(0) -> reduce-scatter after every micro-batch, summed into a shard accumulator;
 grad Replicate -> accumulate in full, then one all-reduce (optimizer Replicate) or
 reduce-scatter (optimizer Shard(0)) in the last micro-batch. Sharded-parameter buckets
-(stage 3) reduce inside the gather's backward instead and need nothing here.
+(stage 3) send their gradients from the gather's backward (`reduce_gathered`): an
+asynchronous reduce-scatter after every micro-batch. At most MAX_INFLIGHT reductions are in
+flight, so full-size gradient buffers never pile up.
 """
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
 
 
+MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gradient memory)
+
+
 class GradReducer:
     def __init__(self, plan: ShardPlan, leaves: Sequence[Tensor]):
         self.plan, self.leaves = plan, leaves
         self.buckets = [b for b in plan.buckets if b.trainable and not b.sharded_param]
+        self.sharded = [b for b in plan.buckets if b.trainable and b.sharded_param]
         self.last = False
         self.launched: Set[int] = set()
         self.pending: List[tuple] = []
@@ -39,6 +45,29 @@ class GradReducer:
             self._launch(b, leaf.grad)
             leaf.grad = None
 
+    def reduce_gathered(self, b: Bucket, grads: Sequence[Tensor]) -> None:
+        """Stage 3: the gathered parameters' gradients -> an async reduce-scatter to this rank's shard."""
+        self.launched.add(b.index)
+        comm = self.plan.comm
+        dtype = self.leaves[b.index].dtype
+        if comm.world == 1:
+            self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype))
+        else:
+            buf = pack(grads, b, comm.reduce_dtype, grads[0].device)
+            out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=buf.device)
+            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), dtype))
+        self._bound()
+
+    def _bound(self) -> None:
+        while len(self.pending) > MAX_INFLIGHT:
+            self._finish(*self.pending.pop(0))
+
+    def _finish(self, b: Bucket, out: Tensor, work, dtype) -> None:
+        if work is not None:
+            work.wait()
+            out = out.to(dtype)
+        self.acc[b.index] = out if b.index not in self.acc else self.acc[b.index].add_(out)
+
     def _launch(self, b: Bucket, g: Tensor) -> None:
         """Start the bucket's collective, in the reduce dtype (the result returns to g's dtype)."""
         self.launched.add(b.index)
@@ -52,6 +81,7 @@ class GradReducer:
         else:
             red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)
             self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype))
+        self._bound()
 
     def end_micro_batch(self) -> None:
         """Launch what backward did not reach (unused parameters), then wait and accumulate."""
@@ -61,11 +91,12 @@ class GradReducer:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 leaf.grad = None
                 self._launch(b, g)
-        for b, out, work, dtype in self.pending:
-            if work is not None:
-                work.wait()
-                out = out.to(dtype)
-            self.acc[b.index] = out if b.index not in self.acc else self.acc[b.index].add_(out)
+        for b in self.sharded:
+            if b.index not in self.launched:
+                zeros = [torch.zeros(s.shape, dtype=self.leaves[b.index].dtype) for s in b.slots]
+                self.reduce_gathered(b, zeros)
+        for item in self.pending:
+            self._finish(*item)
         self.pending.clear()
         self.launched.clear()
 
@@ -75,12 +106,9 @@ class GradReducer:
 
     def optimizer_grads(self, b: Bucket) -> List[Tensor]:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""
-        if b.sharded_param:
-            g = self.leaves[b.index].grad
-            if g is None:
-                g = torch.zeros_like(self.leaves[b.index])
-            return shard_views(g, b, self.plan.rank)
         g = self.acc[b.index]
+        if b.sharded_param:
+            return shard_views(g, b, self.plan.rank)
         if isinstance(b.place.opt, Shard):
             return shard_views(g, b, self.plan.rank)
         return full_views(g, b)

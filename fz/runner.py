@@ -8,7 +8,7 @@ forward and are gathered again for its backward: see fz/sharding/gather.py).
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from torch.func import functional_call
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from fz.sharding.gather import ParamSaver, gather_bucket
+from fz.sharding.gather import Gatherer, ParamSaver, gather_bucket
 from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
 from fz.skeleton import Skeleton, running
@@ -26,23 +26,47 @@ class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
-                 checkpointing: Any = False):
+                 checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.grad_sink, self.prefetch = grad_sink, prefetch
         self.checkpointed = [i > 0 and _wants_checkpoint(checkpointing, u.name, u.module)
                              for i, u in enumerate(skel.units)]
         self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
         for b in plan.buckets:
             self.unit_buckets[b.unit].append(b)
         self.root_tensors: Dict[str, Tensor] = {}
-        self.saver = ParamSaver(plan.comm, plan.live)
+        self.gatherer = Gatherer(plan.comm, plan.live)
+        self.saver = ParamSaver(self.gatherer, self._on_regather)
+        self.backward_seen: set = set()
         self.in_unit = False
+        self.called: List[int] = []  # units in the order this forward called them
 
     def _bucket_tensors(self, b: Bucket) -> List[Tensor]:
         leaf = self.leaves[b.index]
         if b.sharded_param:
-            saver = self.saver if self.in_unit and torch.is_grad_enabled() else None
-            return gather_bucket(leaf, b, self.plan.comm, self.plan.live, saver)
+            grad = torch.is_grad_enabled()
+            saver = self.saver if self.in_unit and grad else None
+            return gather_bucket(leaf, b, self.gatherer, saver, self.grad_sink if grad else None)
         return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
+
+    def _on_regather(self, b: Bucket) -> None:
+        """Backward reached unit b.unit: start gathering the unit before it."""
+        if b.unit not in self.backward_seen:
+            self.backward_seen.add(b.unit)
+            self._prefetch_units(b.unit, -1)
+
+    def _prefetch_units(self, unit: int, direction: int) -> None:
+        """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call order."""
+        order = self.plan.order
+        if not self.prefetch or unit not in order:
+            return
+        pos = order.index(unit)
+        for k in range(1, self.prefetch + 1):
+            j = pos + direction * k
+            if 0 <= j < len(order):
+                for b in self.unit_buckets[order[j]]:
+                    if b.sharded_param:
+                        self.gatherer.prefetch(b, self.leaves[b.index])
 
     def _unit_args(self, index: int) -> Dict[str, Tensor]:
         own: Dict[str, Tensor] = {}
@@ -60,6 +84,8 @@ class Runner:
                                tie_weights=False, strict=False)
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        self.called.append(index)
+        self._prefetch_units(index, 1)
         if self.checkpointed[index] and torch.is_grad_enabled():
             # activation checkpointing around the functional call (never inside the module):
             # the unit, its gather included, runs again in backward
@@ -79,8 +105,14 @@ class Runner:
             return self._run_unit(0, args, kwargs)
 
     def release(self) -> None:
-        """Drop the root's gathered parameters (call once backward is done with them)."""
+        """After backward: drop the root's gathered parameters, finish stray prefetches,
+        and remember the call order so the next step can prefetch."""
         self.root_tensors = {}
+        self.backward_seen = set()
+        self.gatherer.close()
+        if self.called:
+            self.plan.order[:] = self.called
+            self.called = []
 
 
 def _wants_checkpoint(policy: Any, name: str, module: Any) -> bool:

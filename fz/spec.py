@@ -49,7 +49,8 @@ class Spec:
     Bucketing and stage-3 knobs mirror DeepSpeed's `zero_optimization` keys:
     `bucket_mb` (reduce_bucket_size / allgather_bucket_size), `persist_threshold`
     (stage3_param_persistence_threshold, in elements), `live_buckets` (how many
-    gathered buckets may exist at once, the root one included).
+    gathered buckets may exist at once, the root one included; DeepSpeed's
+    stage3_max_live_parameters) and `prefetch` (blocks gathered ahead; stage3_prefetch_bucket_size).
     Precision: `precision` is the compute dtype (fp32 master weights and optimizer
     moments stay fp32); `reduce_dtype` is the gradient-communication dtype
     (DeepSpeed's communication_data_type; None = fp32).
@@ -68,7 +69,8 @@ class Spec:
     seed: int = 0
     bucket_mb: float = 25.0
     persist_threshold: int = 0
-    live_buckets: int = 2
+    live_buckets: int = 3
+    prefetch: int = 1  # stage 3: blocks gathered ahead of use (forward and backward)
     wrap: Optional[Callable[[str, nn.Module], bool]] = None
     log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
     log_every: int = 10  # DeepSpeed's steps_per_print
@@ -97,8 +99,11 @@ class Spec:
             raise bad("bucket_mb", self.bucket_mb, "must be > 0")
         if not isinstance(self.persist_threshold, int) or self.persist_threshold < 0:
             raise bad("persist_threshold", self.persist_threshold, "must be an integer >= 0")
-        if not isinstance(self.live_buckets, int) or self.live_buckets < 2:
-            raise bad("live_buckets", self.live_buckets, "must be >= 2 (the root bucket plus one block)")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise bad("prefetch", self.prefetch, "must be an integer >= 0")
+        if not isinstance(self.live_buckets, int) or self.live_buckets < 2 + self.prefetch:
+            raise bad("live_buckets", self.live_buckets,
+                      f"must be >= 2 + prefetch = {2 + self.prefetch} (the root, the running block and the prefetched ones)")
         if not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
         if not isinstance(self.log_every, int) or self.log_every < 1:

@@ -86,12 +86,14 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         state = _clone_state(state)
         flats, mflats = state.flats, state.master_flats
     micro = _micro_batches(batch, spec.grad_accum, spec.micro_batch)
+    plan.comm.bytes.clear()
     loss_fn = spec.loss_fn or default_loss
     scale = float(state.scaler["scale"]) if state.scaler is not None else 1.0
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, leaves)
-    runner = Runner(state.skeleton, plan, leaves, state.buffers, spec.activation_checkpointing)
+    runner = Runner(state.skeleton, plan, leaves, state.buffers, spec.activation_checkpointing,
+                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch)
     model = BoundModel(runner)
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):
@@ -123,6 +125,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     loss = total / spec.grad_accum
     if plan.world > 1:
         plan.comm.all_reduce(loss)
+    plan.last_step_bytes.clear()
+    plan.last_step_bytes.update(plan.comm.bytes)
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
     new = state.replace(step=state.step + 1, rng=rng, scaler=scaler,
                         opt_state=wrap_opt_state(local_opt, plan, reuse_map(state.opt_state)))
@@ -134,7 +138,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
 def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
     flats, _ = state.plan.packed_flats(state.params, state.flats)
-    runner = Runner(state.skeleton, state.plan, list(flats), state.buffers)
+    runner = Runner(state.skeleton, state.plan, list(flats), state.buffers, prefetch=state.spec.prefetch)
     with torch.no_grad(), torch.random.fork_rng(devices=[]), _autocast(state):
         torch.set_rng_state(state.rng)
         try:

@@ -26,12 +26,16 @@ class Comm:
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
         self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
 
+    def _count_all_reduce(self, t: Tensor) -> None:
+        # losses, norms and flags are counted apart from the model-sized traffic
+        self.bytes["all_reduce" if t.numel() > 8 else "scalar"] += t.numel() * t.element_size()
+
     def all_reduce(self, t: Tensor, async_op: bool = False):
-        self.bytes["all_reduce"] += t.numel() * t.element_size()
+        self._count_all_reduce(t)
         return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
     def all_reduce_sum(self, t: Tensor):
-        self.bytes["all_reduce"] += t.numel() * t.element_size()
+        self._count_all_reduce(t)
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):

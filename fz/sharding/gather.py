@@ -1,7 +1,8 @@
 """Stage 3's just-in-time parameters: all-gather for forward, again for backward, no recompute.
 
 `gather_bucket(shard)` is differentiable: the gradient of the gathered parameters is
-reduce-scattered (averaged over ranks) straight back onto the local shard.
+reduce-scattered (averaged over ranks) back onto the local shard. `Gatherer` runs the
+all-gathers and can start the next block's while this one computes (prefetch).
 While a unit runs forward, `ParamSaver` replaces every gathered parameter that autograd
 would save for backward (a weight, or a view of one) by a small marker, so the gathered
 bucket dies with the unit's forward. When backward unpacks a marker, the bucket is
@@ -11,7 +12,7 @@ are saved as usual: nothing is recomputed.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,42 +28,78 @@ class LiveCounter:
         self.buckets = self.elements = 0
         self.max_buckets = self.max_elements = 0
 
-    def reset_max(self) -> None:
-        self.max_buckets, self.max_elements = self.buckets, self.elements
-
-    def track(self, tensors: Tuple[Tensor, ...], numel: int) -> None:
+    def acquire(self, numel: int) -> None:
+        """A gather in flight (prefetched) counts as live."""
         self.buckets += 1
         self.elements += numel
         self.max_buckets = max(self.max_buckets, self.buckets)
         self.max_elements = max(self.max_elements, self.elements)
+
+    def release(self, numel: int) -> None:
+        self.buckets -= 1
+        self.elements -= numel
+
+    def reset_max(self) -> None:
+        self.max_buckets, self.max_elements = self.buckets, self.elements
+
+    def track(self, tensors: Tuple[Tensor, ...], numel: int) -> None:
+        """Gathered tensors count as live until the last of them is freed."""
+        self.acquire(numel)
         left = [len(tensors)]
 
         def release() -> None:
             left[0] -= 1
             if left[0] == 0:
-                self.buckets -= 1
-                self.elements -= numel
+                self.release(numel)
 
         for t in tensors:
             weakref.finalize(t, release)
 
 
-def _all_gather(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter) -> Tuple[Tensor, ...]:
-    if comm.world == 1:
-        outs = tuple(t.clone() for t in unpack(shard, bucket))
-    else:
+class Gatherer:
+    """A step's all-gathers of sharded buckets: on demand, or prefetched asynchronously.
+
+    Prefetch decisions depend only on the model's call order (the same on every rank),
+    so every rank issues the same collectives in the same order.
+    """
+
+    def __init__(self, comm: Comm, live: LiveCounter):
+        self.comm, self.live = comm, live
+        self.inflight: Dict[int, Tuple[Tensor, object]] = {}
+
+    def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
+        if self.comm.world == 1 or bucket.index in self.inflight:
+            return
         full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather(full, shard)
-        outs = tuple(unpack(full, bucket))
-    live.track(outs, bucket.full_numel)
-    return outs
+        self.inflight[bucket.index] = (full, self.comm.all_gather(full, shard.detach(), async_op=True))
+        self.live.acquire(bucket.full_numel)
+
+    def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
+        if self.comm.world == 1:
+            outs = tuple(t.clone() for t in unpack(shard, bucket))
+        else:
+            if bucket.index in self.inflight:
+                full, work = self.inflight.pop(bucket.index)
+                work.wait()
+                self.live.release(bucket.full_numel)
+            else:
+                full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+                self.comm.all_gather(full, shard)
+            outs = tuple(unpack(full, bucket))
+        self.live.track(outs, bucket.full_numel)
+        return outs
+
+    def close(self) -> None:
+        for index, (_, work) in list(self.inflight.items()):
+            work.wait()
+        self.inflight.clear()
 
 
 class ParamSaver:
     """saved_tensors_hooks that save gathered parameters as markers and re-gather on use."""
 
-    def __init__(self, comm: Comm, live: LiveCounter):
-        self.comm, self.live = comm, live
+    def __init__(self, gatherer: Gatherer, on_regather: Callable[[Bucket], None]):
+        self.gatherer, self.on_regather = gatherer, on_regather
         self.owner: Dict[int, Tuple[Bucket, Tensor, int]] = {}  # storage ptr -> (bucket, shard, slot)
         self.regathered: Dict[int, Tuple[Tensor, ...]] = {}
 
@@ -86,7 +123,8 @@ class ParamSaver:
         tensors = self.regathered.get(bucket.index)
         if tensors is None:
             with torch.no_grad():
-                tensors = self.regathered[bucket.index] = _all_gather(shard, bucket, self.comm, self.live)
+                tensors = self.regathered[bucket.index] = self.gatherer.gather(bucket, shard)
+            self.on_regather(bucket)
         return tensors[i].as_strided(size, stride, offset)
 
     def release(self, bucket: Bucket) -> None:
@@ -99,9 +137,9 @@ class _Marker:
 
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter, saver):
-        ctx.bucket, ctx.comm, ctx.saver = bucket, comm, saver
-        outs = _all_gather(shard, bucket, comm, live)
+    def forward(ctx, shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver, grad_sink):
+        ctx.bucket, ctx.saver, ctx.grad_sink, ctx.comm = bucket, saver, grad_sink, gatherer.comm
+        outs = gatherer.gather(bucket, shard)
         if saver is not None:
             saver.register(bucket, shard, outs)
         return outs
@@ -111,6 +149,9 @@ class _GatherBucket(torch.autograd.Function):
         bucket, comm = ctx.bucket, ctx.comm
         if ctx.saver is not None:
             ctx.saver.release(bucket)  # every use of this bucket has had its backward
+        if ctx.grad_sink is not None:  # the step reduce-scatters asynchronously and keeps the shard
+            ctx.grad_sink(bucket, grads)
+            return None, None, None, None, None
         dtype = grads[0].dtype
         if comm.world == 1:
             return pack(grads, bucket, dtype, grads[0].device), None, None, None, None
@@ -120,6 +161,11 @@ class _GatherBucket(torch.autograd.Function):
         return out.to(dtype), None, None, None, None
 
 
-def gather_bucket(shard: Tensor, bucket: Bucket, comm: Comm, live: LiveCounter, saver=None) -> List[Tensor]:
-    """The bucket's full parameters, gathered from every rank's shard (differentiable)."""
-    return list(_GatherBucket.apply(shard, bucket, comm, live, saver))
+def gather_bucket(shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver: Optional[ParamSaver] = None,
+                  grad_sink: Optional[Callable] = None) -> List[Tensor]:
+    """The bucket's full parameters, gathered from every rank's shard (differentiable).
+
+    Backward sends the parameters' gradients to `grad_sink(bucket, grads)` when given
+    (asynchronous reduce-scatter, owned by the step), else reduce-scatters them here.
+    """
+    return list(_GatherBucket.apply(shard, bucket, gatherer, saver, grad_sink))

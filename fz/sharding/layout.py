@@ -7,7 +7,7 @@ bucket is one call on one tensor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +27,8 @@ class ShardPlan:
     device: torch.device
     buckets: Tuple[Bucket, ...]
     live: LiveCounter
+    order: List[int] = field(default_factory=list)  # units in forward call order (learned by the first step)
+    last_step_bytes: Dict[str, int] = field(default_factory=dict)  # collective kind -> payload bytes
 
     @property
     def rank(self) -> int:

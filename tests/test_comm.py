@@ -1,0 +1,69 @@
+"""Communication volume per step equals the ZeRO formula; overlap and prefetch change nothing."""
+from __future__ import annotations
+
+import pytest
+
+import fz
+from fz.testing.spawn import run_ranks
+from helpers import make_model, rank_batches, spec
+
+
+def _runs(rank, world):
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2, 3):
+            state = fz.init(make_model(), spec(stage, 1, precision=precision))
+            state, _ = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
+            rep = fz.comm_report(state)
+            out[precision, stage] = (rep.payload, rep.sent_total)
+    for prefetch in (0, 1, 2):
+        state = fz.init(make_model(), spec(3, 2, prefetch=prefetch, live_buckets=2 + prefetch))
+        losses = []
+        for per_rank in rank_batches(world, 2, 4):
+            state, loss = fz.train_step(state, per_rank[rank])
+            losses.append(float(loss))
+        out["prefetch", prefetch] = (losses, fz.full_params(state), state.plan.live.max_buckets)
+    return out
+
+
+_CACHE = {}
+
+
+@pytest.fixture(scope="module")
+def results():
+    if "r" not in _CACHE:
+        _CACHE["r"] = run_ranks(2, _runs, timeout=300)
+    return _CACHE["r"]
+
+
+def test_bytes_per_step_match_formula(results):
+    n = 2
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
+    frac = (n - 1) / n
+    for precision, el in (("fp32", 4), ("bf16", 2)):
+        want = {
+            0: 2 * frac * 4 * psi,  # all-reduce of fp32 gradients
+            1: frac * (4 * psi + el * psi),  # reduce-scatter fp32 grads + all-gather params
+            2: frac * (4 * psi + el * psi),
+            # all-gather every block for forward and again for backward (the root stays gathered),
+            # reduce-scatter all gradients in fp32
+            3: frac * (el * (2 * psi - root) + 4 * psi),
+        }
+        for stage in (0, 1, 2, 3):
+            for res in results:
+                payload, sent = res[precision, stage]
+                assert sent == pytest.approx(want[stage]), (precision, stage, payload)
+                assert payload.get("scalar", 0) <= 64  # loss + norm only
+
+
+def test_prefetch_does_not_change_results(results):
+    for res in results:
+        base_losses, base_params, live0 = res["prefetch", 0]
+        for prefetch in (1, 2):
+            losses, params, live = res["prefetch", prefetch]
+            assert losses == base_losses
+            assert all((params[k] == base_params[k]).all() for k in base_params)
+            assert live <= 2 + prefetch
+        assert live0 <= 2
