@@ -11,7 +11,7 @@ flight, so full-size gradient buffers never pile up.
 from __future__ import annotations
 
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Sequence, Set
 
 import torch
 from torch import Tensor

@@ -17,7 +17,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor

@@ -1,7 +1,6 @@
 """Shared test pieces: the tiny GPT, its data, and the plain single-process reference."""
 from __future__ import annotations
 
-import copy
 from typing import Dict, List, Tuple
 
 import torch
@@ -74,4 +73,3 @@ def params_rel(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> f
     return max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in got)
 
 
-_ = copy
