@@ -115,12 +115,16 @@ def rss_mb(key: str = "VmHWM") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def model_source_hash() -> str:
-    """Hash of fz/testing/gpt.py, to catch the model file changing in the middle of a run."""
+def source_hash() -> str:
+    """Hash of fz/**/*.py (model included), to catch fz changing in the middle of a run."""
     import hashlib
-    import fz.testing.gpt as gpt
-    with open(gpt.__file__, "rb") as f:
-        return hashlib.sha1(f.read()).hexdigest()[:10]
+    h = hashlib.sha1()
+    for dirpath, dirs, files in sorted(os.walk(os.path.join(ROOT, "fz"))):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(dirpath, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:10]
 
 
 def worker(args) -> None:
@@ -137,6 +141,7 @@ def worker(args) -> None:
     model = GPT(cfg)
     data = synthetic_tokens(args.steps * args.micro_batch, cfg.seq, cfg.vocab, seed=1000 + rank)
     step = build_step(args.worker, model, lm_loss)
+    del model  # DDP and FSDP2 keep it inside their wrappers; fz needs it no more after init
 
     times, losses = [], []
     for i in range(args.steps):
@@ -157,9 +162,11 @@ def worker(args) -> None:
         print(TAG + json.dumps({"times": t.tolist(), "loss": (l / dist.get_world_size()).tolist(),
                                 "rss_mb": rss[0].item(), "base_mb": rss[1].item(),
                                 "params": n_params, "layers": cfg.layers, "dim": cfg.dim,
-                                "model_src": model_source_hash()}), flush=True)
+                                "src": source_hash()}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort there ("terminate called ...")
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -256,9 +263,9 @@ def main() -> None:
         print(f"\nGPT {meta['params'] / 1e6:.2f}M params (dim {meta['dim']}, {meta['layers']} layers), "
               f"seq {args.seq}, micro-batch {args.micro_batch}/rank, world {args.world}, gloo CPU, "
               f"median of steps {args.warmup}-{args.steps - 1}, {args.repeats} repeat(s)")
-    sources = {r["model_src"] for rs in runs.values() for r in rs if "model_src" in r}
+    sources = {r["src"] for rs in runs.values() for r in rs if "src" in r}
     if len(sources) > 1:
-        print(f"WARNING: fz/testing/gpt.py changed during the run ({len(sources)} versions); rerun")
+        print(f"WARNING: fz/ sources changed during the run ({len(sources)} versions); rerun")
     ddp = rows.get("ddp")
     print("\n| engine | step ms (median) | min-max over repeats | peak RSS MB/rank | over base MB | vs DDP | final loss |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -103,6 +103,15 @@ class GradReducer:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        self.handles = []
+
+    def dispose(self) -> None:
+        """Drop every reference to gradients and leaves now (hooks make reference cycles
+        that the garbage collector would free only later, holding a model's worth of grads)."""
+        self.close()
+        self.acc.clear()
+        self.pending.clear()
+        self.leaves = ()
 
     def optimizer_grads(self, b: Bucket) -> List[Tensor]:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""

@@ -104,6 +104,11 @@ class Runner:
         with running(self):
             return self._run_unit(0, args, kwargs)
 
+    def dispose(self) -> None:
+        """Break the runner's reference cycles (hooks -> runner) once the step is done."""
+        self.release()
+        self.leaves, self.saver, self.grad_sink = (), None, None
+
     def release(self) -> None:
         """After backward: drop the root's gathered parameters, finish stray prefetches,
         and remember the call order so the next step can prefetch."""

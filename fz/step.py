@@ -110,10 +110,12 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         finally:
             reducer.close()
         rng = torch.get_rng_state()
+    runner.dispose()
     del runner, model
 
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
+        reducer.dispose()
         del leaves, reducer
         overflow = state.scaler is not None and any_overflow(plan, grads)
         local_opt = unwrap(state.opt_state)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -25,6 +25,18 @@ def _lists(updates: Params, *trees: Params):
     return keys, [updates[k] for k in keys], [[t[k] for k in keys] for t in trees]
 
 
+def _chunks(tensors, max_numel: int = 1 << 22):
+    """[lo, hi) index ranges of at most ~max_numel elements: bounds an update's scratch memory."""
+    lo, size = 0, 0
+    for i, t in enumerate(tensors):
+        if size and size + t.numel() > max_numel:
+            yield lo, i
+            lo, size = i, 0
+        size += t.numel()
+    if lo < len(tensors):
+        yield lo, len(tensors)
+
+
 class AdamState(NamedTuple):
     count: Tensor
     mu: Params
@@ -45,12 +57,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
-        torch._foreach_add_(denom, eps)
-        out = torch._foreach_div(m, denom)
-        torch._foreach_mul_(out, 1 / (1 - b1**t))
-        return dict(zip(keys, out)), AdamState(count, state.mu, state.nu)
+        # the result overwrites the incoming gradients; only a chunk of `denom` is ever extra
+        for lo, hi in _chunks(g):
+            denom = torch._foreach_sqrt(v[lo:hi])
+            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+            torch._foreach_add_(denom, eps)
+            torch._foreach_copy_(g[lo:hi], m[lo:hi])
+            torch._foreach_div_(g[lo:hi], denom)
+            del denom
+        torch._foreach_mul_(g, 1 / (1 - b1**t))
+        return updates, AdamState(count, state.mu, state.nu)
 
     return GradientTransformation(init, update)
 
@@ -72,17 +88,58 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+class LearningRateState(NamedTuple):
+    count: Tensor  # 0-d int64: how many updates have been applied
+    lr: Tensor  # 0-d float64: the lr of the last update (before the first: the lr it will use)
+
+
+def _lr0(value: float) -> Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
 def scale_by_learning_rate(lr: LR) -> GradientTransformation:
-    """updates *= -lr(step); `lr` is a number or a schedule."""
+    """updates *= -lr(count); `lr` is a number or a schedule of the updates applied so far.
 
-    def init(params: Params) -> CountState:
-        return CountState(_count0())
+    The state records the lr it applied, so `current_lr(opt_state)` can report it.
+    """
 
-    def update(updates: Params, state: CountState, params: Optional[Params] = None):
-        torch._foreach_mul_(list(updates.values()), -lr_at(lr, int(state.count)))
-        return updates, CountState(state.count + 1)
+    def init(params: Params) -> LearningRateState:
+        return LearningRateState(_count0(), _lr0(lr_at(lr, 0)))
+
+    def update(updates: Params, state: LearningRateState, params: Optional[Params] = None):
+        value = lr_at(lr, int(state.count))
+        torch._foreach_mul_(list(updates.values()), -value)
+        state.lr.fill_(value)
+        return updates, LearningRateState(state.count + 1, state.lr)
 
     return GradientTransformation(init, update)
+
+
+def current_lr(opt_state: Any) -> float:
+    """The learning rate the optimizer last applied, found anywhere in an optimizer state.
+
+    Accepts `state.opt_state` (or a whole fz.State); the first learning-rate record in
+    depth-first order wins. Before the first step it is the lr the first step will use.
+    """
+    tree = getattr(opt_state, "opt_state", opt_state)
+    found = _find_lr(tree)
+    if found is None:
+        raise ValueError("no learning rate recorded in this optimizer state "
+                         "(it needs scale_by_learning_rate or an optimizer that records its lr)")
+    return float(found.to_local() if hasattr(found, "to_local") else found)
+
+
+def _find_lr(tree: Any) -> Optional[Tensor]:
+    if isinstance(tree, tuple) and hasattr(tree, "_fields") and "lr" in tree._fields:
+        value = getattr(tree, "lr")
+        if isinstance(value, Tensor) and value.numel() == 1:
+            return value
+    children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    for child in children:
+        found = _find_lr(child)
+        if found is not None:
+            return found
+    return None
 
 
 class TraceState(NamedTuple):

@@ -9,6 +9,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
@@ -49,14 +50,23 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> L
     for p in procs:
         p.start()
     out: dict = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, ok, value = results.get(timeout=timeout)
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:  # a rank died without reporting (killed, or failed to start)
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                       f"before reporting (ranks done: {sorted(out)})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world} ranks did not finish within {timeout}s "
+                                       f"(ranks done: {sorted(out)})") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    except queue.Empty:
-        raise TimeoutError(f"{world} ranks did not finish within {timeout}s (ranks done: {sorted(out)})") from None
     finally:
         for p in procs:
             p.join(timeout=5)
