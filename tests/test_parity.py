@@ -194,7 +194,7 @@ def test_uneven_shards_match_reference_and_padding_is_accounted(world_results):
             assert params_rel(full, want_params) < 1e-4, (world, stage)
             assert params_rel(full, res["uneven"][0][1]) < 1e-6, (world, stage)
             assert abs(rep["total"] - rep["formula_total"]) <= max(rep["padding"], 1) * 2, rep
-            if world == 4:
+            if world == 4 and stage > 0:
                 assert rep["padding"] > 0
 
 
