@@ -193,7 +193,8 @@ def test_uneven_shards_match_reference_and_padding_is_accounted(world_results):
             # run (whose matmuls block differently) at every stage alike; between stages: ~exact
             assert params_rel(full, want_params) < 1e-4, (world, stage)
             assert params_rel(full, res["uneven"][0][1]) < 1e-6, (world, stage)
-            assert abs(rep["total"] - rep["formula_total"]) <= max(rep["padding"], 1) * 2, rep
+            # shards differ from Ψ/N by padded rows (or, for the last ranks, missing rows)
+            assert abs(rep["total"] - rep["formula_total"]) <= world * rep["padding"], rep
             if world == 4 and stage > 0:
                 assert rep["padding"] > 0
 
