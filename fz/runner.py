@@ -8,6 +8,7 @@ forward and are gathered again for its backward: see fz/sharding/gather.py).
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -26,9 +27,11 @@ class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
-                 checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0):
+                 checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0,
+                 compile: Any = False):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
         self.grad_sink, self.prefetch = grad_sink, prefetch
+        self.compiled = compiled_units(skel, compile) if compile else None
         self.checkpointed = [i > 0 and _wants_checkpoint(checkpointing, u.name, u.module)
                              for i, u in enumerate(skel.units)]
         self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
@@ -80,8 +83,8 @@ class Runner:
         return args
 
     def _run_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
-        return functional_call(self.skel.units[index].module, self._unit_args(index), args, kwargs,
-                               tie_weights=False, strict=False)
+        call = self.compiled[index] if self.compiled else _call
+        return call(self.skel.units[index].module, self._unit_args(index), args, kwargs)
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         self.called.append(index)
@@ -118,6 +121,23 @@ class Runner:
         if self.called:
             self.plan.order[:] = self.called
             self.called = []
+
+
+def _call(module, params, args, kwargs):
+    return functional_call(module, params, args, kwargs, tie_weights=False, strict=False)
+
+
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_units(skel: Skeleton, backend: Any) -> List[Callable]:
+    """One torch.compile'd functional call per unit (cached per skeleton: compiled once)."""
+    key = "inductor" if backend is True else str(backend)
+    per_skel = _COMPILED.setdefault(skel.root, {})
+    if key not in per_skel:
+        per_skel[key] = [torch.compile(_call, backend=key, dynamic=False) if i > 0 else _call
+                         for i in range(len(skel.units))]
+    return per_skel[key]
 
 
 def _wants_checkpoint(policy: Any, name: str, module: Any) -> bool:

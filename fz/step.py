@@ -93,7 +93,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, leaves)
     runner = Runner(state.skeleton, plan, leaves, state.buffers, spec.activation_checkpointing,
-                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch)
+                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch, compile=spec.compile)
     model = BoundModel(runner)
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):
@@ -140,7 +140,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
 def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
     flats, _ = state.plan.packed_flats(state.params, state.flats)
-    runner = Runner(state.skeleton, state.plan, list(flats), state.buffers, prefetch=state.spec.prefetch)
+    runner = Runner(state.skeleton, state.plan, list(flats), state.buffers, prefetch=state.spec.prefetch,
+                    compile=state.spec.compile)
     with torch.no_grad(), torch.random.fork_rng(devices=[]), _autocast(state):
         torch.set_rng_state(state.rng)
         try:
