@@ -74,6 +74,7 @@ class Spec:
     wrap: Optional[Callable[[str, nn.Module], bool]] = None
     log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
     log_every: int = 10  # DeepSpeed's steps_per_print
+    compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -106,6 +107,8 @@ class Spec:
                       f"must be >= 2 + prefetch = {2 + self.prefetch} (the root, the running block and the prefetched ones)")
         if not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
+        if not isinstance(self.compile, (bool, str)):
+            raise bad("compile", self.compile, "must be True/False or a torch.compile backend name")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 
@@ -119,3 +122,17 @@ class Spec:
 
     def replace(self, **changes: Any) -> "Spec":
         return dataclasses.replace(self, **changes)
+
+    # DeepSpeed configs (fz.config): where each value came from, kept out of ==.
+    provenance: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_deepspeed(cls, config: Any, **auto: Any) -> "Spec":
+        """A Spec from a DeepSpeed JSON config (dict or path); "auto" values from `auto`."""
+        from fz.config import from_deepspeed
+        return from_deepspeed(config, **auto)
+
+    def explain(self) -> str:
+        """Every value of this Spec and its source (config, auto, default), as text."""
+        from fz.config import explain
+        return explain(self)
