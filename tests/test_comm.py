@@ -3,6 +3,7 @@ change nothing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fz
 from fz.testing.spawn import run_ranks
@@ -10,13 +11,17 @@ from helpers import make_model, rank_batches, spec
 
 
 def _runs(rank, world):
+    import os
     out = {}
-    for precision in ("fp32", "bf16"):
-        for stage in (0, 1, 2, 3):
-            state = fz.init(make_model(), spec(stage, 1, precision=precision))
-            state, _ = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
-            rep = fz.comm_report(state)
-            out[precision, stage] = (rep.payload, rep.sent_total)
+    for mode in ("native", "auto"):
+        os.environ["FZ_COLLECTIVES"] = mode
+        for precision in ("fp32", "bf16"):
+            for stage in (0, 1, 2, 3):
+                state = fz.init(make_model(), spec(stage, 1, precision=precision))
+                state, loss = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
+                rep = fz.comm_report(state)
+                out[mode, precision, stage] = (rep.payload, rep.sent_total, float(loss), fz.full_params(state))
+    del os.environ["FZ_COLLECTIVES"]
     for prefetch in (0, 1, 2):
         state = fz.init(make_model(), spec(3, 2, prefetch=prefetch, live_buckets=2 + prefetch))
         losses = []
@@ -61,11 +66,17 @@ def test_bytes_per_step_match_formula(results):
             # reduce-scatter all gradients in fp32
             3: frac * (el * (2 * psi - root) + 4 * psi),
         }
+        # gloo's fast paths: reduce-scatter = all-reduce + slice (twice the bytes, less time)
+        fast = {0: want[0], 1: frac * (8 * psi + el * psi), 2: frac * (8 * psi + el * psi),
+                3: frac * (el * (2 * psi - root) + 8 * psi)}
         for stage in (0, 1, 2, 3):
             for res in results:
-                payload, sent = res[precision, stage]
+                payload, sent, loss, params = res["native", precision, stage]
                 assert sent == pytest.approx(want[stage]), (precision, stage, payload)
                 assert payload.get("scalar", 0) <= 64  # loss + norm only
+                payload, sent, fast_loss, fast_params = res["auto", precision, stage]
+                assert sent == pytest.approx(fast[stage]), (precision, stage, payload)
+                assert fast_loss == loss and all(torch.equal(fast_params[k], params[k]) for k in params)
 
 
 def test_prefetch_does_not_change_results(results):

@@ -7,6 +7,7 @@ whole bucket. With one rank both layouts are the same and nothing is copied or s
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import List, Optional, Sequence
 
@@ -17,6 +18,31 @@ from torch import Tensor
 from fz.sharding.plan import Bucket
 
 
+class _Then:
+    """A collective's handle that runs `then()` once the collective has finished."""
+
+    def __init__(self, works, then=None):
+        self.works, self.then = [w for w in works if w is not None], then
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+
+def _gloo_fast_paths(group) -> bool:
+    """gloo's reduce-scatter and all-gather are slower than an all-reduce and N broadcasts of
+    the same data (measured: benchmarks/RESULTS.md). FZ_COLLECTIVES=native turns this off."""
+    mode = os.environ.get("FZ_COLLECTIVES", "auto")
+    if mode not in ("auto", "native"):
+        raise ValueError(f"FZ_COLLECTIVES={mode!r}: use 'auto' or 'native'")
+    return mode == "auto" and dist.get_backend(group) == "gloo"
+
+
 class Comm:
     """One process group's collectives, counting the bytes each kind moves."""
 
@@ -25,6 +51,8 @@ class Comm:
         self.group, self.world, self.rank = group, world, rank
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
         self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
+        self.fast = world > 1 and _gloo_fast_paths(group)
+        self.ranks = dist.get_process_group_ranks(group) if world > 1 else [0]
 
     def _count_all_reduce(self, t: Tensor) -> None:
         # losses, norms and flags are counted apart from the model-sized traffic
@@ -39,11 +67,23 @@ class Comm:
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""
+        if self.fast:  # all-reduce in place, keep our slice (inp is scratch)
+            work = self.all_reduce(inp, async_op=True)
+            done = _Then([work], lambda: out.copy_(inp.view(self.world, -1)[self.rank]))
+            return done if async_op else done.wait()
         self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()
         return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """out (rank-major) = every rank's `inp`, in rank order."""
         self.bytes["all_gather"] += out.numel() * out.element_size()
+        if self.fast:  # each rank broadcasts its piece
+            parts = out.view(self.world, -1)
+            parts[self.rank].copy_(inp)
+            works = [dist.broadcast(parts[r], src=g, group=self.group, async_op=True) for r, g in enumerate(self.ranks)]
+            done = _Then(works)
+            return done if async_op else done.wait()
         return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
 
 
