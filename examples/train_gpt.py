@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,27 +37,18 @@ def main() -> None:
     with torch.device("meta"):  # fz materialises only this rank's shard, module by module
         model = GPT(cfg)
     spec = fz.Spec(stage=args.stage, optimizer=fz.optim.adamw(lr=args.lr, weight_decay=0.01),
-                   grad_accum=args.grad_accum, clip_grad_norm=1.0, loss_fn=lm_loss, seed=0)
+                   grad_accum=args.grad_accum, clip_grad_norm=1.0, loss_fn=lm_loss, seed=0,
+                   log_dir=args.logdir or None, log_every=10)
     state = fz.init(model, spec)
     if rank == 0:
         print(fz.memory_report(state))
-    writer = None
-    if rank == 0 and args.logdir:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(args.logdir)
-
+    monitor = fz.Monitor.from_spec(spec, total_steps=args.steps)  # TensorBoard + a console line
     rows = args.micro_batch * args.grad_accum
-    start = time.perf_counter()
     for step in range(args.steps):
         batch = synthetic_tokens(rows, cfg.seq, cfg.vocab, seed=step * 1000 + rank)
         state, loss = fz.train_step(state, batch)
-        if writer:
-            writer.add_scalar("train/loss", float(loss), step)
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            rate = (step + 1) / (time.perf_counter() - start)
-            print(f"step {step:4d}  loss {float(loss):7.4f}  ({rate:.1f} steps/s)", flush=True)
-    if writer:
-        writer.close()
+        monitor(state, loss)
+    monitor.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
