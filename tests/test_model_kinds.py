@@ -1,0 +1,62 @@
+"""Models with buffers, dict batches and HF-style outputs train like the plain reference."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fz
+
+
+class MaskedLM(nn.Module):
+    """A causal-mask buffer (state, not a parameter) and an HF-style `.loss` output."""
+
+    def __init__(self, vocab=32, dim=16, seq=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).bool())
+        self.mix = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        t = x.shape[1]
+        att = (x @ x.transpose(1, 2)).masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        x = self.mix(att @ x)
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        logits = self.out(x)
+        return SimpleNamespace(loss=F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(i)
+    ids = torch.randint(0, 32, (4, 8), generator=g)
+    return {"input_ids": ids, "labels": ids.roll(-1, 1)}
+
+
+def test_buffers_dict_batches_and_hf_outputs():
+    torch.manual_seed(0)
+    ref = MaskedLM()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for i in range(5):
+        opt.zero_grad()
+        loss = ref(**_batch(i)).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        state = fz.init(MaskedLM(), fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2, weight_decay=0.01)))
+        assert set(state.buffers) == {"mask"} and state.buffers["mask"].dtype == torch.bool
+        got = []
+        for i in range(5):
+            state, loss = fz.train_step(state, _batch(i))
+            got.append(float(loss))
+        assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (stage, got, want)
+        out = fz.apply(state, **_batch(0))
+        assert out.logits.shape == (4, 8, 32)
