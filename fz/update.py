@@ -45,10 +45,11 @@ def _norm_sq_fn(plan: ShardPlan, sharded: Set[str]):
     """Sum of squares in float64, so every stage's summation order gives the same fp32 norm."""
 
     def norm_sq(tree: Params) -> Tensor:
-        parts = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
-        for k, t in tree.items():
-            v = t.reshape(-1).double()
-            parts[k in sharded] += torch.dot(v, v)
+        parts = []
+        for want in (False, True):
+            ts = [t for k, t in tree.items() if (k in sharded) == want]
+            norms = torch._foreach_norm(ts, 2, dtype=torch.float64) if ts else [torch.zeros((), dtype=torch.float64)]
+            parts.append(torch.stack(norms).square().sum())
         if plan.world > 1 and sharded:
             plan.comm.all_reduce_sum(parts[1])
         return (parts[0] + parts[1]).float()

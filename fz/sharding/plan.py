@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -72,15 +73,15 @@ class Slot:
     shard_offset: int
     chunk: int
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.shape[0] if len(self.shape) else 1
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if len(self.shape) else 1
 
@@ -108,11 +109,11 @@ class Bucket:
     def sharded_param(self) -> bool:
         return isinstance(self.place.param, Shard)
 
-    @property
+    @cached_property
     def full_numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Per-rank elements of the padded shard layout (the collective's unit)."""
         return sum(s.chunk * s.row_numel for s in self.slots)
