@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -19,6 +20,12 @@ def _param_key(path) -> Optional[str]:
         if isinstance(entry, pytree.MappingKey):
             return entry.key
     return None
+
+
+def _row_statistic(path) -> bool:
+    """Optimizer-state fields named `*_rows` hold one value per parameter row (Adafactor's
+    factored second moment): sharded along with the rows, though not parameter-shaped."""
+    return any(isinstance(e, pytree.GetAttrKey) and e.name.endswith("_rows") for e in path)
 
 
 def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor]] = None) -> Any:
@@ -41,6 +48,11 @@ def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor
             expected = s.local_shape(plan.rank) if placement.is_shard() else s.shape
             if leaf.shape == expected:
                 return plan.to_dtensor(leaf, s, placement)
+            if placement.is_shard() and _row_statistic(path) and leaf.dim() and leaf.shape[0] == expected[0]:
+                global_shape = torch.Size((s.rows, *leaf.shape[1:]))
+                stride = torch.empty(global_shape, device="meta").stride()
+                return DTensor.from_local(leaf, plan.mesh, [placement], run_check=False,
+                                          shape=global_shape, stride=stride)
         return leaf
 
     return pytree.tree_map_with_path(wrap, tree)

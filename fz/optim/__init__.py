@@ -1,4 +1,6 @@
 """fz.optim: optax-style gradient transformations that run on local shards."""
+from fz.optim import schedules
+from fz.optim.adafactor import adafactor
 from fz.optim.aliases import adam, adamw, sgd
 from fz.optim.base import (
     GradientTransformation,
@@ -9,9 +11,22 @@ from fz.optim.base import (
     shard_reduction,
     sum_across_shards,
 )
+from fz.optim.lamb import lamb, scale_by_lamb
+from fz.optim.lion import lion, scale_by_lion
+from fz.optim.schedules import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    constant,
+    cosine,
+    linear,
+)
 from fz.optim.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
+    current_lr,
     scale_by_adam,
     scale_by_learning_rate,
     trace,
@@ -20,6 +35,9 @@ from fz.optim.transforms import (
 __all__ = [
     "GradientTransformation", "chain", "apply_updates", "global_norm", "norm_reduction", "shard_reduction",
     "sum_across_shards",
-    "adam", "adamw", "sgd", "add_decayed_weights", "clip_by_global_norm", "scale_by_adam",
-    "scale_by_learning_rate", "trace",
+    "adam", "adamw", "sgd", "lion", "lamb", "adafactor",
+    "add_decayed_weights", "clip_by_global_norm", "scale_by_adam", "scale_by_lamb", "scale_by_lion",
+    "scale_by_learning_rate", "trace", "current_lr",
+    "schedules", "constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+    "LRRangeTest",
 ]

@@ -1,0 +1,125 @@
+"""Adafactor with torch.optim.Adafactor's algorithm and defaults, on Shard(0) row shards.
+
+Per parameter, at step t: beta2_t = 1 - t**beta2_decay, rho = min(lr, 1/sqrt(t)),
+alpha = max(eps2, RMS(p)) * rho. Parameters with >= 2 dims keep factored second moments
+over their last two dims (a running mean of g^2 over each row and over each column);
+the estimate is row (x) col / mean(row). Others keep a full running mean of g^2. The
+update g / sqrt(v) is divided by max(1, RMS(update) / d) and scaled by alpha; weight
+decay multiplies p by (1 - lr * weight_decay).
+
+Sharding: a rank holds rows [r*chunk, ...) of each parameter. RMS(p), RMS(update), the
+element count, and for 2-D parameters the column sums of g^2 (a column runs over ALL
+rows) and the mean of the row statistic go through `sum_across_shards`: two collectives
+per step for all parameters together. The column statistic is replicated on every rank.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fz.errors import ConfigError
+from fz.optim.base import GradientTransformation, Params, lr_at, sum_across_shards
+from fz.optim.transforms import LR
+
+
+class AdafactorState(NamedTuple):
+    count: Tensor  # 0-d int64: updates applied
+    lr: Tensor  # 0-d float64: the lr of the last update
+    v_rows: Params  # >= 2-D params: mean of g^2 over the last dim, shape p.shape[:-1] (this rank's rows)
+    v_cols: Params  # >= 2-D params: mean of g^2 over dim -2, shape p.shape[:-2] + (cols,) (whole, replicated)
+    v: Params  # other params: running mean of g^2, like p
+
+
+def _factored(p: Tensor) -> bool:
+    return p.dim() >= 2
+
+
+def _rows_across_shards(p: Tensor) -> bool:
+    """Whether dim -2 (a column) is the sharded dim 0, so column sums need every rank."""
+    return p.dim() == 2
+
+
+def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[float], float] = (None, 1e-3),
+              d: float = 1.0, weight_decay: float = 0.0) -> GradientTransformation:
+    """torch.optim.Adafactor (foreach=False, maximize=False), sharding-aware; eps1 None = dtype eps."""
+    eps1_arg, eps2 = eps
+    if not beta2_decay <= 0:
+        raise ConfigError(f"adafactor beta2_decay={beta2_decay!r}: must be <= 0")
+    if (eps1_arg is not None and eps1_arg < 0) or eps2 < 0:
+        raise ConfigError(f"adafactor eps={eps!r}: must be >= 0")
+    if not d >= 1:
+        raise ConfigError(f"adafactor d={d!r}: must be >= 1")
+    if not weight_decay >= 0:
+        raise ConfigError(f"adafactor weight_decay={weight_decay!r}: must be >= 0")
+
+    def init(params: Params) -> AdafactorState:
+        row, col, var = {}, {}, {}
+        for k, p in params.items():
+            if _factored(p):
+                row[k] = p.new_zeros(p.shape[:-1])
+                col[k] = p.new_zeros(p.shape[:-2] + p.shape[-1:])
+            else:
+                var[k] = torch.zeros_like(p)
+        return AdafactorState(torch.zeros((), dtype=torch.int64), torch.tensor(lr_at(lr, 0), dtype=torch.float64),
+                              row, col, var)
+
+    def update(updates: Params, state: AdafactorState, params: Optional[Params] = None):
+        if params is None:
+            raise ConfigError("adafactor needs params (its step size is relative to RMS(p))")
+        lr_t = lr_at(lr, int(state.count))
+        t = float(state.count + 1)
+        beta2_t = t ** beta2_decay
+        rho = min(lr_t, 1 / math.sqrt(t))
+
+        # Round 1: per parameter [sum p^2, local rows, (2-D: column sums of g^2, sum of row stat)].
+        stats: Dict[str, Tensor] = {}
+        for k, g in updates.items():
+            p = params[k]
+            parts = [p.float().square().sum().reshape(1), p.new_full((1,), float(p.shape[0] if p.dim() else 1))]
+            if _factored(p):
+                state.v_rows[k].lerp_(g.square().mean(dim=-1), beta2_t)
+                if _rows_across_shards(p):
+                    parts += [g.square().sum(dim=0), state.v_rows[k].sum().reshape(1)]
+            stats[k] = torch.cat([x.float() for x in parts])
+        stats = sum_across_shards(stats)
+
+        out: Dict[str, Tensor] = {}
+        numel: Dict[str, int] = {}
+        alpha: Dict[str, float] = {}
+        for k, g in updates.items():
+            p, s = params[k], stats[k]
+            eps1 = torch.finfo(p.dtype).eps if eps1_arg is None else eps1_arg
+            numel[k] = int(round(float(s[1]))) * (math.prod(p.shape[1:]) if p.dim() else 1)
+            alpha[k] = max(eps2, math.sqrt(float(s[0])) / math.sqrt(max(numel[k], 1))) * rho
+            if _factored(p):
+                if _rows_across_shards(p):
+                    rows = float(s[1])
+                    col_mean = s[2:-1].to(g.dtype) / rows
+                    row_mean = s[-1] / rows
+                else:
+                    col_mean = g.square().mean(dim=-2)
+                    row_mean = state.v_rows[k].mean(dim=-1)
+                state.v_cols[k].lerp_(col_mean, beta2_t)
+                denom = torch.as_tensor(row_mean, dtype=g.dtype).clamp(min=eps1)
+                v = state.v_rows[k].unsqueeze(-1) * state.v_cols[k].unsqueeze(-2)
+                v.div_(denom.reshape(denom.shape + (1, 1)) if denom.dim() else denom)
+            else:
+                state.v[k].lerp_(g.square(), beta2_t)
+                v = state.v[k].clone()
+            out[k] = g.mul_(v.clamp_(min=eps1 * eps1).rsqrt_())  # in place: scratch is one parameter
+            del v
+
+        # Round 2: sum of update^2, for the update's RMS clipping.
+        sq = sum_across_shards({k: u.float().square().sum().reshape(1) for k, u in out.items()})
+        for k, u in out.items():
+            clip = max(1.0, math.sqrt(float(sq[k])) / (math.sqrt(max(numel[k], 1)) * d))
+            u.mul_(-alpha[k] / clip)
+            if weight_decay:
+                u.add_(params[k], alpha=-lr_t * weight_decay)
+        state.lr.fill_(lr_t)
+        return out, AdafactorState(state.count + 1, state.lr, state.v_rows, state.v_cols, state.v)
+
+    return GradientTransformation(init, update)
