@@ -1,0 +1,99 @@
+"""Where each Spec value came from: `Provenance` (kept on the Spec) and `explain` (the report).
+
+Sources: "config" (the DeepSpeed file, or computed from its values), "auto" (an "auto"
+filled from a keyword argument, or detected like the world size), "default" (neither: fz's
+default, or the DeepSpeed optimizer's own default for that optimizer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+SOURCES = ("config", "auto", "default")
+
+
+class Provenance(Mapping[str, Tuple[Any, str]]):
+    """name -> (value, source); also the DeepSpeed key of each name and the keys fz ignored."""
+
+    def __init__(self, entries: Dict[str, Tuple[Any, str]], keys: Dict[str, str], ignored: Sequence[str] = (),
+                 unsupported: Sequence[str] = (), unused_auto: Sequence[str] = (), origin: str = "a dict",
+                 objects: Optional[Dict[str, Any]] = None):
+        self._entries = dict(entries)
+        self.objects = dict(objects or {})  # name -> the object in the Spec, where the entry is a description
+        self.keys = dict(keys)
+        self.ignored: List[str] = list(dict.fromkeys(ignored))
+        self.unsupported: List[str] = list(dict.fromkeys(unsupported))
+        self.unused_auto: List[str] = list(unused_auto)
+        self.origin = origin
+
+    def __getitem__(self, name: str) -> Tuple[Any, str]:
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Provenance({len(self)} values from {self.origin})"
+
+
+class Described(str):
+    """A value recorded as the fz code that builds it (an optimizer): shown without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and hasattr(value, "init") and hasattr(value, "update"):
+        return "an fz.optim transformation"
+    if callable(value) and hasattr(value, "__name__"):
+        return f"{getattr(value, '__module__', '')}.{value.__name__}".lstrip(".")
+    return repr(value)
+
+
+def explain(spec: Any) -> str:
+    """Every Spec value and where it came from, then the DeepSpeed keys fz ignored."""
+    prov: Optional[Provenance] = getattr(spec, "provenance", None)
+    rows: List[Tuple[str, str, str, str]] = []  # (name, source, DeepSpeed key, value)
+    for f in dataclasses.fields(spec):
+        if f.name == "provenance":
+            continue
+        value = getattr(spec, f.name)
+        recorded = prov.objects.get(f.name, prov[f.name][0]) if prov is not None and f.name in prov else None
+        if prov is not None and f.name in prov and recorded is not value and not _equal(recorded, value):
+            source, key = "code", "(changed after from_deepspeed)"
+        elif prov is not None and f.name in prov:
+            value, source = prov[f.name]
+            key = prov.keys.get(f.name, "")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+            source = "default" if default is not dataclasses.MISSING and _equal(value, default) else "code"
+            key = ""
+        rows.append((f.name, source, key, _show(value)))
+    if prov is not None:
+        for name, (value, source) in prov.items():
+            if "." in name or name in ("world_size", "train_batch_size", "scheduler"):
+                rows.append((f"  {name}", source, prov.keys.get(name, ""), _show(value)))
+    width = max(len(r[0]) for r in rows) + 2
+    kwidth = max(len(r[2]) for r in rows) + 2 if prov is not None else 0
+    head = "fz.Spec" + (f" from DeepSpeed config {prov.origin}" if prov is not None else "")
+    lines = [head, f"{'field':<{width}}{'source':<9}{'DeepSpeed key' if kwidth else '':<{kwidth}}value"]
+    lines += [f"{n:<{width}}{s:<9}{k:<{kwidth}}{v}" for n, s, k, v in rows]
+    if prov is not None:
+        if prov.ignored:
+            lines.append("ignored (tunes DeepSpeed internals, or a feature that is off): " + ", ".join(prov.ignored))
+        if prov.unsupported:
+            lines.append("not yet supported by fz, ignored: " + ", ".join(prov.unsupported))
+        if prov.unused_auto:
+            lines.append("keywords no \"auto\" asked for (unused): " + ", ".join(prov.unused_auto))
+    return "\n".join(lines)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a usable ==
+        return a is b

@@ -1,0 +1,86 @@
+"""Which DeepSpeed keys fz reads, which it accepts and ignores, and which are features it lacks.
+
+Ignored keys tune DeepSpeed's own machinery (fz's equivalents are fixed or automatic);
+unsupported ones are DeepSpeed features fz does not have: both are accepted and listed by
+`Spec.explain()`; any other key is an error with the closest valid key suggested.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from fz.config.values import in_use
+
+
+def _not(*off: Any) -> Callable[[Any], bool]:
+    return lambda v: in_use(v) and v not in off
+
+
+TOP_USED = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "activation_checkpointing",
+    "tensorboard", "steps_per_print", "seed", "communication_data_type",
+}
+TOP_IGNORED = {
+    "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
+    "disable_allgather", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "checkpoint",
+    "data_types", "dataloader_drop_last", "graph_harvesting", "fp32_allreduce", "vocabulary_size",
+    "disable_python_gc", "timers", "seq_parallel_communication_data_type", "seq_parallel_comm_data_type",
+    "use_data_before_expert_parallelism", "load_universal_checkpoint", "use_node_local_storage",
+    "managed_gradient_accumulation", "comms_logger",
+}
+TOP_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+    k: in_use for k in (
+        "amp", "torch_autocast", "wandb", "csv_monitor", "comet", "flops_profiler", "pipeline", "tensor_parallel",
+        "expert_parallel", "sparse_attention", "sparse_gradients", "progressive_layer_drop", "curriculum_learning",
+        "data_efficiency", "compression_training", "quantize_training", "weight_quantization", "eigenvalue",
+        "elasticity", "hybrid_engine", "autotuning", "compile", "nebula",
+    )
+}
+TOP_UNSUPPORTED["sequence_parallel_size"] = _not(1)
+TOP_UNSUPPORTED["gradient_allreduce_op"] = _not("mean")
+
+ZERO_USED = {
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
+    "param_persistence_threshold", "stage3_max_live_parameters", "max_live_parameters",
+    "stage3_prefetch_bucket_size", "prefetch_bucket_size", "offload_optimizer", "offload_param",
+    "cpu_offload", "cpu_offload_param",
+}
+ZERO_IGNORED = {
+    "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
+    "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size", "cpu_offload_use_pin_memory",
+    "stage3_model_persistence_threshold", "model_persistence_threshold", "stage3_max_reuse_distance",
+    "max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+    "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential", "allgather_sequential", "stage3_partition_stream_chunk_size",
+    "partition_stream_chunk_size", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+    "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module", "compute_grad_norm",
+    "parameter_alignment", "allgather_size",
+}
+ZERO_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+    "zero_hpz_partition_size": _not(1), "zero_quantized_weights": in_use, "zero_quantized_nontrainable_weights": in_use,
+    "zero_quantized_gradients": in_use, "zeropp_loco_param": in_use, "mics_shard_size": _not(-1),
+    "mics_hierarchical_params_gather": in_use, "zenflow": in_use,
+}
+OFFLOAD_KEYS = {
+    "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init",
+    "pipeline_read", "pipeline_write", "pipeline", "super_offload", "cpuadam_cores_perc",
+}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+FP16_USED = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale"}
+FP16_IGNORED = {"fused_mode", "type"}
+FP16_UNSUPPORTED = {"auto_cast": in_use, "fp16_master_weights_and_grads": in_use}
+BF16_USED = {"enabled"}
+BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "accumulate_grads_via_hooks"}
+BF16_UNSUPPORTED = {"bf16_master_weights_and_grads": in_use, "bf16_optimizer_states": in_use}
+
+ACTIVATION_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                   "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+# Any of these set means the model uses activation checkpointing.
+ACTIVATION_ENABLING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                       "number_checkpoints")
+TENSORBOARD_KEYS = {"enabled", "output_path", "job_name"}
+COMM_DTYPES = ("fp32", "fp16", "bf16")

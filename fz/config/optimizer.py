@@ -1,0 +1,213 @@
+"""DeepSpeed's `optimizer` and `scheduler` sections -> an fz.optim transformation.
+
+DeepSpeed semantics kept: "Adam" with `adam_w_mode` true (its default) is AdamW, "AdamW"
+always is; DeepSpeed's own optimizers default to weight_decay 0 (torch's AdamW, picked by
+`torch_adam`, to 0.01); "SGD" and "Adafactor" are torch.optim's, with torch's defaults.
+A scheduler becomes the optimizer's `lr=` schedule (fz.optim.schedules), with DeepSpeed's
+step convention. Without an `optimizer` section fz's default AdamW is used.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from fz import optim
+from fz.config.explain import Described
+from fz.config.values import (
+    MISSING, Check, Reader, betas, boolean, choice, integer, join, number, optional, section,
+)
+from fz.errors import ConfigError, suggest
+
+NONNEG = number(0.0)
+UNIT = number(0.0, 1.0)
+STEPS = integer(1, 2**62)
+
+_ADAM = ({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad", "maximize"},
+         {"foreach", "fused", "capturable", "differentiable", "set_grad_none"})
+# type (lower case) -> (DeepSpeed name, keys fz reads, keys it ignores)
+OPTIMIZERS: Dict[str, Tuple[str, set, set]] = {
+    "adam": ("Adam", *_ADAM),
+    "adamw": ("AdamW", *_ADAM),
+    "lamb": ("Lamb", {"lr", "betas", "eps", "weight_decay", "bias_correction", "eps_inside_sqrt", "max_grad_norm",
+                      "max_coeff", "min_coeff", "amsgrad"}, set()),
+    "lion": ("Lion", {"lr", "betas", "weight_decay"}, {"set_grad_none"}),
+    "sgd": ("SGD", {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"},
+            {"foreach", "differentiable", "fused"}),
+    "adafactor": ("Adafactor", {"lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"}, {"foreach"}),
+}
+DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "lamb": 1e-3, "lion": 1e-3, "sgd": 1e-3, "adafactor": 1e-2}
+
+
+def _eps_pair(path: str, v: Any) -> Tuple[Optional[float], float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(f"{path}: {v!r} must be a list [eps1 or null, eps2]")
+    return optional(NONNEG)(f"{path}[0]", v[0]), NONNEG(f"{path}[1]", v[1])
+
+
+def _off(path: str, v: Any) -> bool:
+    if boolean(path, v):
+        raise ConfigError(f"{path}: true is not supported by fz")
+    return False
+
+
+class OptimizerConfig:
+    """The optimizer section read and checked, before the lr schedule is known."""
+
+    def __init__(self, r: Reader, raw: Any):
+        self.r, self.kind, self.values = r, None, {}
+        if raw is None:
+            return
+        d = section("optimizer", raw)
+        r.check_keys("optimizer", d, {"type", "params"}, {"legacy_fusion", "adam_w_mode"})
+        kind = d.get("type")
+        if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
+            names = [v[0] for v in OPTIMIZERS.values()]
+            hint = suggest(kind, names) if isinstance(kind, str) else ""
+            raise ConfigError(f"optimizer.type: {kind!r} is not one of {', '.join(names)}{hint}")
+        self.kind = kind.lower()
+        params = section("optimizer.params", {} if d.get("params") is None else d["params"])
+        name, used, ignored = OPTIMIZERS[self.kind]
+        r.check_keys("optimizer.params", params, used, ignored)
+        r.record("optimizer.type", name, "config", "optimizer.type")
+        self._read(params)
+
+    def get(self, params: Dict[str, Any], key: str, check: Check, default: Any, auto: Optional[str] = None) -> Any:
+        path = "optimizer.params"
+        value, source = self.r.get(path, params, key, check, default, auto=auto)
+        self.values[key] = value
+        self.r.record(f"optimizer.{key}", value, source, join(path, key))
+        return value
+
+    def _read(self, p: Dict[str, Any]) -> None:
+        kind, get = self.kind, self.get
+        self.lr = get(p, "lr", NONNEG, DEFAULT_LR[kind], auto="lr")
+        if kind in ("adam", "adamw"):
+            torch_adam = boolean("optimizer.params.torch_adam", p.get("torch_adam", False))
+            self.w_mode = kind == "adamw" or boolean("optimizer.params.adam_w_mode", p.get("adam_w_mode", True))
+            get(p, "betas", betas, (0.9, 0.999), auto="betas")
+            get(p, "eps", NONNEG, 1e-8, auto="eps")
+            get(p, "weight_decay", NONNEG, 0.01 if torch_adam and self.w_mode else 0.0, auto="weight_decay")
+            if not boolean("optimizer.params.bias_correction", p.get("bias_correction", True)):
+                raise ConfigError("optimizer.params.bias_correction: false is not supported by fz")
+            for k in ("amsgrad", "maximize"):
+                _off(f"optimizer.params.{k}", p.get(k, False))
+        elif kind == "lamb":
+            get(p, "betas", betas, (0.9, 0.999), auto="betas")
+            get(p, "eps", NONNEG, 1e-8, auto="eps")
+            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "bias_correction", boolean, True)
+            get(p, "eps_inside_sqrt", boolean, False)
+            get(p, "max_coeff", NONNEG, 10.0)
+            get(p, "min_coeff", NONNEG, 0.01)
+            if self.values["min_coeff"] > self.values["max_coeff"]:
+                raise ConfigError("optimizer.params.min_coeff: must be <= max_coeff")
+            if get(p, "max_grad_norm", NONNEG, 0.0):
+                raise ConfigError("optimizer.params.max_grad_norm: FusedLamb's own clipping is not supported by fz; "
+                                  "use gradient_clipping")
+            _off("optimizer.params.amsgrad", p.get("amsgrad", False))
+        elif kind == "lion":
+            get(p, "betas", betas, (0.9, 0.999), auto="betas")
+            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+        elif kind == "sgd":
+            get(p, "momentum", NONNEG, 0.0)
+            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "nesterov", boolean, False)
+            if self.values["nesterov"] and not self.values["momentum"] > 0:
+                raise ConfigError("optimizer.params.nesterov: true needs momentum > 0")
+            if number(0.0)("optimizer.params.dampening", p.get("dampening", 0.0)) != 0:
+                raise ConfigError("optimizer.params.dampening: only 0 is supported by fz")
+            _off("optimizer.params.maximize", p.get("maximize", False))
+        elif kind == "adafactor":
+            get(p, "beta2_decay", number(hi=0.0), -0.8)
+            get(p, "eps", _eps_pair, (None, 1e-3))
+            get(p, "d", number(1.0), 1.0)
+            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            _off("optimizer.params.maximize", p.get("maximize", False))
+
+    def build(self, lr: Any) -> Tuple[optim.GradientTransformation, str]:
+        """The transformation with `lr` (a number or a schedule), and how to write it in fz."""
+        v, kind = self.values, self.kind
+        if kind in ("adam", "adamw"):
+            fn = optim.adamw if self.w_mode else optim.adam
+            args = dict(betas=v["betas"], eps=v["eps"], weight_decay=v["weight_decay"])
+        elif kind == "lamb":
+            fn = optim.lamb
+            args = {k: v[k] for k in ("betas", "eps", "weight_decay", "max_coeff", "min_coeff", "eps_inside_sqrt",
+                                      "bias_correction")}
+        elif kind == "lion":
+            fn, args = optim.lion, dict(betas=v["betas"], weight_decay=v["weight_decay"])
+        elif kind == "sgd":
+            fn, args = optim.sgd, {k: v[k] for k in ("momentum", "nesterov", "weight_decay")}
+        else:
+            fn, args = optim.adafactor, {k: v[k] for k in ("beta2_decay", "eps", "d", "weight_decay")}
+        try:
+            transform = fn(lr=lr, **args)
+        except ValueError as e:  # ConfigError included; name the section
+            raise ConfigError(f"optimizer: {e}") from None
+        text = ", ".join(f"{k}={a!r}" for k, a in dict(lr=lr, **args).items())
+        return transform, Described(f"fz.optim.{fn.__name__}({text})")
+
+
+REQUIRED, OPT_LR = MISSING, object()  # table defaults: no default / the optimizer's lr
+# scheduler type -> [(key, check, default, keyword that fills "auto")]
+_WARMUP = [("warmup_num_steps", STEPS, 1000, "warmup_steps"), ("warmup_type", choice(("log", "linear")), "log", None)]
+SCHEDULES: Dict[str, Tuple[Callable, list]] = {
+    "WarmupLR": (optim.WarmupLR, [("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
+                                  ("warmup_max_lr", NONNEG, OPT_LR, "lr")] + _WARMUP),
+    "WarmupDecayLR": (optim.WarmupDecayLR, [("total_num_steps", STEPS, REQUIRED, "total_steps"),
+                                            ("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
+                                            ("warmup_max_lr", NONNEG, 0.001, "lr")] + _WARMUP),
+    "WarmupCosineLR": (optim.WarmupCosineLR, [("total_num_steps", STEPS, REQUIRED, "total_steps"),
+                                              ("warmup_min_ratio", UNIT, 0.0, None),
+                                              ("cos_min_ratio", NONNEG, 0.0001, None)] + _WARMUP),
+    "OneCycle": (optim.OneCycle, [
+        ("cycle_min_lr", NONNEG, REQUIRED, None), ("cycle_max_lr", NONNEG, REQUIRED, None),
+        ("decay_lr_rate", NONNEG, 0.0, None), ("cycle_first_step_size", STEPS, 2000, None),
+        ("cycle_second_step_size", optional(STEPS), None, None),
+        ("cycle_first_stair_count", integer(0, 2**62), 0, None),
+        ("cycle_second_stair_count", optional(integer(0, 2**62)), None, None),
+        ("decay_step_size", integer(0, 2**62), 0, None), ("cycle_momentum", boolean, True, None),
+        ("cycle_min_mom", UNIT, 0.8, None), ("cycle_max_mom", UNIT, 0.9, None),
+        ("decay_mom_rate", number(), 0.0, None)]),
+    "LRRangeTest": (optim.LRRangeTest, [
+        ("lr_range_test_min_lr", NONNEG, 0.001, None), ("lr_range_test_step_size", STEPS, 2000, None),
+        ("lr_range_test_step_rate", NONNEG, 1.0, None), ("lr_range_test_staircase", boolean, False, None)]),
+}
+
+
+def read_scheduler(r: Reader, raw: Any, opt_lr: float, has_betas: bool) -> Optional[Callable[[int], float]]:
+    """The schedule the scheduler section describes, or None without one."""
+    if raw is None:
+        return None
+    d = section("scheduler", raw)
+    r.check_keys("scheduler", d, {"type", "params"})
+    kind = d.get("type")
+    if not isinstance(kind, str) or kind not in SCHEDULES:
+        hint = suggest(kind, list(SCHEDULES)) if isinstance(kind, str) else ""
+        raise ConfigError(f"scheduler.type: {kind!r} is not one of {', '.join(SCHEDULES)}{hint}")
+    cls, table = SCHEDULES[kind]
+    params = section("scheduler.params", {} if d.get("params") is None else d["params"])
+    r.check_keys("scheduler.params", params, [t[0] for t in table] + ["last_batch_iteration"])
+    integer()("scheduler.params.last_batch_iteration", params.get("last_batch_iteration", -1))
+    if params.get("last_batch_iteration", -1) != -1:
+        raise ConfigError("scheduler.params.last_batch_iteration: only -1 is supported "
+                          "(fz resumes a schedule from the step count in the optimizer state)")
+    path = "scheduler.params"
+    args: Dict[str, Any] = {}
+    for key, check, default, auto in table:
+        default = opt_lr if default is OPT_LR else default
+        if auto == "warmup_min_lr":  # "auto" means 0, as the HF Trainer fills it
+            value, source = r.get(path, params, key, check, default, auto_value=0.0)
+        else:
+            value, source = r.get(path, params, key, check, default, auto=auto)
+        args[key] = value
+        r.record(f"scheduler.{key}", value, source, join(path, key))
+    if kind == "WarmupCosineLR":
+        args["lr"] = opt_lr
+    if kind == "OneCycle" and args["cycle_momentum"] and has_betas:
+        r.unsupported.append("scheduler.params.cycle_momentum (fz keeps beta1 fixed)")
+    try:
+        schedule = cls(**args)
+    except ValueError as e:
+        raise ConfigError(f"scheduler: {e}") from None
+    r.record("scheduler", schedule, "config", "scheduler")
+    return schedule
