@@ -4,6 +4,7 @@
     state, loss = fz.train_step(state, batch)
 """
 from fz import optim
+from fz.ckpt import load_weights, restore, save, wait_for_checkpoints
 from fz.comm_report import CommReport, comm_report
 from fz.errors import ConfigError
 from fz.init import init
@@ -14,6 +15,9 @@ from fz.spec import LossScale, Spec
 from fz.state import State
 from fz.step import apply, eval_step, train_step
 
-__all__ = ["CommReport", "comm_report", "ConfigError", "LossScale", "MemoryReport", "Spec", "State", "apply", "eval_step", "full_params", "init",
-           "memory_report", "Monitor", "optim", "train_step"]
+__all__ = [
+    "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
+    "apply", "comm_report", "eval_step", "full_params", "init", "load_weights", "memory_report",
+    "optim", "restore", "save", "train_step", "wait_for_checkpoints",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,101 @@
+"""Offline tools on a checkpoint directory, one process and no torch.distributed:
+`consolidate` (full weights to one safetensors file) and `inspect` (what is in it).
+
+consolidate reads one tensor, casts it, appends it to the output and drops it: peak host
+memory stays near the largest tensor (plus its cast copy), not the model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from fz.ckpt import manifest
+from fz.ckpt.layout import META, PathLike, resolve
+from fz.ckpt.progress import Progress
+from fz.ckpt.reader import CheckpointReader
+from fz.ckpt.safetensors_io import StreamWriter
+from fz.errors import ConfigError
+from fz.spec import PRECISIONS
+
+_PREFIX = "model/"
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in PRECISIONS:
+        raise ConfigError(f"--dtype {name!r}: must be one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+def _verify(d: Path, progress: Optional[bool]) -> None:
+    files = manifest.read(d)
+    manifest.check_sizes(d, files)
+    bar = Progress(sum(f["size"] for f in files.values()), "verify     ", enabled=progress)
+    manifest.check_sums(d, files, sorted(files), bar.update)
+    bar.close()
+
+
+def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, step: Optional[int] = None,
+                verify: bool = True, progress: Optional[bool] = None) -> Dict[str, Any]:
+    """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
+
+    Names are the canonical parameter names; `dtype` ("bf16", "fp16", "fp32") casts, None
+    keeps the stored dtype (fp32 master weights when the run had them). Returns a summary.
+    """
+    d = resolve(ckpt, step)
+    if verify:
+        _verify(d, progress)
+    meta = json.loads((d / META).read_text())
+    reader = CheckpointReader(d)
+    cast = _dtype(dtype)
+    names = [k for k in reader.keys() if k.startswith(_PREFIX)]
+    if not names:
+        raise ConfigError(f"checkpoint {d} holds no model weights")
+    entries = [(k[len(_PREFIX):], cast or reader.meta[k].properties.dtype, tuple(reader.meta[k].size)) for k in names]
+    header = {"format": "pt", "fz_step": str(meta.get("step")), "fz_checkpoint": str(d.resolve())}
+    writer = StreamWriter(out, entries, header)
+    total = sum(reader.meta[k].size.numel() * reader.meta[k].properties.dtype.itemsize for k in names)
+    bar = Progress(total, "consolidate", enabled=progress)
+    try:
+        for k in names:
+            t = reader.read(k)
+            nbytes = t.numel() * t.element_size()
+            if cast is not None and t.dtype != cast:
+                t = t.to(cast)
+            writer.write(k[len(_PREFIX):], t)
+            del t
+            bar.update(nbytes)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return {"checkpoint": str(d), "out": str(out), "tensors": len(names), "bytes": total,
+            "fast_chunks": reader.fast_chunks, "slow_chunks": reader.slow_chunks}
+
+
+def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,
+            progress: Optional[bool] = None) -> Dict[str, Any]:
+    """What a checkpoint holds (from fz.json), and whether its manifest verifies."""
+    d = resolve(ckpt, step)
+    info: Dict[str, Any] = {"path": str(d)}
+    try:
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError) as e:
+        meta = {}
+        info["meta_error"] = f"{d / META}: {type(e).__name__}: {e}"
+    for k in ("step", "train_step", "world", "stage", "precision", "master", "fz_version", "torch_version",
+              "tensors", "bytes", "model_tensors", "model_bytes"):
+        info[k] = meta.get(k)
+    if verify:
+        try:
+            _verify(d, progress)
+            info["verified"], info["verify_error"] = True, None
+        except ConfigError as e:
+            info["verified"], info["verify_error"] = False, str(e)
+    return info

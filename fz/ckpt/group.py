@@ -1,0 +1,82 @@
+"""The process group checkpoints talk over, and how ranks agree that a phase succeeded.
+
+A separate gloo group (not the training group) lets an async save run its collectives in a
+background thread while training runs its own: collectives from two threads on one group
+could interleave differently on different ranks. Its timeout (FZ_CKPT_TIMEOUT seconds,
+default 600) bounds how long a rank waits for a peer that died.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fz.errors import ConfigError
+from fz.state import State
+
+_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+
+def ckpt_group(state: State):
+    """A gloo group over the ranks of the state's mesh (created once, collectively)."""
+    group = state.plan.comm.group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    default = dist.distributed_c10d._get_default_group()
+    hit = _GROUPS.get(ranks)
+    if hit is not None and hit[0] is default:
+        return hit[1]
+    timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", "600")))
+    g = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+    _GROUPS[ranks] = (default, g)
+    return g
+
+
+def _message(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if not isinstance(err, ConfigError) else str(err)
+
+
+def exchange(group, value: Any, err: Optional[BaseException], what: str) -> List[Any]:
+    """All-gather `value` from every rank; if any rank reports an error, every rank raises.
+
+    The rank that failed re-raises its own exception; the others raise a ConfigError
+    naming that rank, so no rank is left waiting in a later collective.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        if err is not None:
+            raise err
+        return [value]
+    payload = (value, None if err is None else (isinstance(err, ConfigError), _message(err)))
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, payload, group=group)
+    if err is not None:
+        raise err
+    for rank, (_, e) in enumerate(out):
+        if e is not None:
+            raise ConfigError(f"{what} failed on rank {rank}: {e[1]}")
+    return [v for v, _ in out]
+
+
+def agree(group, err: Optional[BaseException], what: str) -> None:
+    exchange(group, None, err, what)
+
+
+def run_local(fn, *args: Any) -> Tuple[Any, Optional[BaseException]]:
+    """(fn(*args), None), or (None, the exception) for `exchange` to share."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        return None, e
+
+
+def dcp_error(err: CheckpointException, what: str, where) -> ConfigError:
+    """DCP's CheckpointException (a BaseException) as a ConfigError with each rank's cause."""
+    causes = []
+    for rank, failure in sorted(getattr(err, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        causes.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    detail = "; ".join(causes) or str(err)
+    return ConfigError(f"{what} {where} failed: {detail}")

@@ -1,0 +1,153 @@
+"""The on-disk layout of a checkpoint root, and the durable file operations the commit uses.
+
+    <root>/step_<N>/        a committed checkpoint (renamed from step_<N>.tmp when complete)
+    <root>/step_<N>.tmp/    being written; never read
+    <root>/step_<N>.del/    being pruned; never read
+    <root>/latest           "step_<N>": the newest committed checkpoint (replaced atomically)
+
+A crash at any moment leaves `latest` naming a complete directory, because a directory is
+renamed into place only after every file in it is fsynced, and `latest` is replaced (write
+`latest.tmp`, fsync, rename, fsync the root) only after that rename is durable.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import List, Optional, Union
+
+from fz.errors import ConfigError
+
+PathLike = Union[str, os.PathLike]
+LATEST = "latest"
+MANIFEST = "manifest.json"
+META = "fz.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+HOOK_ENV = "FZ_CKPT_TEST_HOOK"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def fsync_path(path: PathLike) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write and fsync one file (the caller fsyncs the directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_durable(path: Path, data: bytes) -> None:
+    """Atomically replace `path` with `data`: write a sibling .tmp, fsync, rename, fsync the dir."""
+    tmp = path.with_name(path.name + ".tmp")
+    write_durable(tmp, data)
+    hook("latest_tmp_written")
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def read_latest(root: Path) -> Optional[str]:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not _STEP_RE.match(name):
+        raise ConfigError(f"{root / LATEST} is corrupted: it holds {name[:40]!r}, not 'step_<N>'")
+    return name
+
+
+def committed_steps(root: Path) -> List[int]:
+    """Steps with a committed directory (a name without .tmp/.del and a manifest), ascending."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def resolve(path: PathLike, step: Optional[int] = None) -> Path:
+    """The checkpoint directory to read: `step_<step>`, else what `latest` names, else the newest.
+
+    `path` may also be a step directory itself.
+    """
+    root = Path(path)
+    if step is None and (_STEP_RE.match(root.name) or any((root / n).exists() for n in (MANIFEST, META, ".metadata"))):
+        return root  # a step directory itself
+    if step is not None:
+        d = root / step_name(int(step))
+        if not d.is_dir():
+            have = committed_steps(root)
+            raise ConfigError(f"no checkpoint for step {step} in {root} (committed steps: {have or 'none'})")
+        return d
+    name = read_latest(root)
+    if name is not None:
+        d = root / name
+        if not d.is_dir():
+            raise ConfigError(f"{root / LATEST} names {name}, which does not exist")
+        return d
+    steps = committed_steps(root)
+    if not steps:
+        what = "does not exist" if not root.exists() else "holds no committed checkpoint"
+        partial = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+        extra = f" (incomplete: {', '.join(partial[:5])})" if partial else ""
+        raise ConfigError(f"checkpoint path {root} {what}{extra}")
+    return root / step_name(steps[-1])
+
+
+def clean_stale(root: Path) -> None:
+    """Remove leftovers of crashed saves and prunes (*.tmp, *.del); rank 0 only, before a save."""
+    for p in root.iterdir():
+        if p.name.endswith((".tmp", ".del")) and p.name.startswith("step_") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name == LATEST + ".tmp":
+            p.unlink(missing_ok=True)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` committed steps, never the one `latest` names.
+
+    Each is renamed to .del first, so a crash mid-delete never leaves a half-deleted
+    directory under a committed name.
+    """
+    latest = read_latest(root)
+    steps = committed_steps(root)
+    for s in steps[:max(0, len(steps) - keep_last)]:
+        if step_name(s) == latest:
+            continue
+        dead = root / (step_name(s) + ".del")
+        os.replace(root / step_name(s), dead)
+        fsync_path(root)
+        hook("pruning")
+        shutil.rmtree(dead, ignore_errors=True)
+
+
+def hook(point: str) -> None:
+    """Test hook: FZ_CKPT_TEST_HOOK="point:kill" SIGKILLs this process at `point`,
+    "point:sleep=S" sleeps S seconds there. Unset in normal use (one dict lookup)."""
+    spec = os.environ.get(HOOK_ENV)
+    if not spec:
+        return
+    for item in spec.split(","):
+        name, _, action = item.partition(":")
+        if name != point:
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action.startswith("sleep="):
+            time.sleep(float(action[6:]))

@@ -1,0 +1,158 @@
+"""`fz.restore`: verify a checkpoint, then load it in place into a template state.
+
+DCP reshards on load: each rank reads the rows its template tensors hold, so a
+checkpoint restores at any world size, ZeRO stage or precision the template was built
+with. The template's buffers are filled in place (its parameters are views of the
+bucket storage) and it is donated: the returned state replaces it.
+
+RNG: rank r gets the generator state rank r saved. A rank that did not exist when the
+checkpoint was written (restoring on more ranks) gets a generator seeded with
+module_seed(spec.seed, "restore/step<N>/rank<r>"): deterministic, distinct per rank.
+Data position: rank r gets rank r's, or rank 0's when rank r did not exist.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fz.ckpt import manifest
+from fz.ckpt.group import agree, ckpt_group, dcp_error, exchange, run_local
+from fz.ckpt.layout import META, PathLike, resolve
+from fz.ckpt.saver import wait_for_checkpoints
+from fz.ckpt.tree import decode, entries, tensor_refs
+from fz.errors import ConfigError
+from fz.materialize import module_seed
+from fz.state import State
+
+_SHOWN = 5
+
+
+class PartialRestoreWarning(UserWarning):
+    """restore(strict=False) skipped tensors that the checkpoint and the template do not share."""
+
+
+def _verify(path: PathLike, step: Optional[int], rank: int, world: int) -> Path:
+    """Resolve the directory; sizes on every rank, checksums split across ranks."""
+    d = resolve(path, step)
+    files = manifest.read(d)
+    manifest.check_sizes(d, files)
+    manifest.check_sums(d, files, sorted(files)[rank::world])
+    return d
+
+
+def _differences(target: Dict[str, Tensor], saved: Dict[str, Any]) -> Tuple[List[str], set]:
+    """Human-readable mismatches and the template keys they concern."""
+    lines, bad = [], set()
+    for k, t in target.items():
+        m = saved.get(k)
+        if m is None or not hasattr(m, "size"):
+            lines.append(f"missing in checkpoint: {k} {tuple(t.shape)}")
+            bad.add(k)
+        elif tuple(m.size) != tuple(t.shape):
+            lines.append(f"shape mismatch: {k} is {tuple(m.size)} in the checkpoint, {tuple(t.shape)} here")
+            bad.add(k)
+    for k, m in saved.items():
+        if k.startswith(("model/", "opt/", "buffers/")) and k not in target:
+            lines.append(f"unexpected in checkpoint: {k} {tuple(getattr(m, 'size', ()))}")
+    return lines, bad
+
+
+def _fresh(t: Tensor) -> Tensor:
+    return torch.empty_like(t)
+
+
+def _empty_for(m) -> Tensor:
+    return torch.empty(tuple(m.size), dtype=m.properties.dtype)
+
+
+def _derived_rng(state: State, step: int, rank: int) -> Tensor:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(state.spec.seed, f"restore/step{step}/rank{rank}"))
+        return torch.get_rng_state()
+
+
+def _params_from_master(state: State) -> None:
+    """Mixed precision: params = master weights cast to the compute dtype, in place."""
+    for name, m in state.master.items():
+        p = state.params[name]
+        src = m if tuple(m.placements) == tuple(p.placements) else m.redistribute(m.device_mesh, p.placements)
+        p._local_tensor.copy_(src.to_local())
+
+
+def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,
+            with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
+    """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
+
+    Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of
+    another model raises ConfigError; with strict=False the tensors both share are loaded
+    and the rest is reported as a PartialRestoreWarning.
+    """
+    state.check_alive("fz.restore")
+    wait_for_checkpoints()
+    group = ckpt_group(state)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    d, err = run_local(_verify, path, step, rank, world)
+    agree(group, err, f"verifying checkpoint {path}")
+
+    def plan():
+        meta = json.loads((d / META).read_text())
+        saved = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+        target = dict(entries(state))
+        buffers = {k: _fresh(t) for k, t in state.buffers.items()}
+        target.update((f"buffers/{k}", t) for k, t in buffers.items())
+        scaler = None
+        if state.scaler is not None:  # a checkpoint without a scaler keeps the template's initial one
+            scaler = {k: t.clone() for k, t in state.scaler.items()}
+            for k, t in scaler.items():
+                target.pop(f"scaler/{k}")
+                if f"scaler/{k}" in saved:
+                    target[f"scaler/{k}"] = t
+        lines, bad = _differences(target, saved)
+        load = {k: t for k, t in target.items() if k not in bad}
+        rng_key = f"rng/{rank}"
+        if rng_key in saved:
+            rng = load[rng_key] = _empty_for(saved[rng_key])
+        else:
+            rng = _derived_rng(state, int(meta["train_step"]), rank)
+        data_file = d / f"data_{rank}.json"
+        data_json = json.loads((data_file if data_file.exists() else d / "data_0.json").read_text())["data"]
+        client_json = meta.get("client_state", {})
+        extra = {k: _empty_for(saved[k]) for k in tensor_refs(data_json) + tensor_refs(client_json)}
+        load.update(extra)
+        return load, buffers, scaler, lines, rng, (data_json, client_json, extra)
+
+    planned, err = run_local(plan)
+    lines = planned[3] if err is None else []
+    if lines and strict:
+        shown = "\n  ".join(lines[:_SHOWN])
+        more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
+        err = ConfigError(f"checkpoint {d} does not match this model ({len(lines)} differences):\n  {shown}{more}\n"
+                          "Pass strict=False to restore the tensors both have.")
+    agree(group, err, f"reading checkpoint {path}")
+    load, buffers, scaler, lines, rng, (data_json, client_json, extra) = planned
+    if lines:
+        warnings.warn(f"fz.restore(strict=False) from {d}: {len(lines)} tensors not restored: "
+                      + "; ".join(lines[:_SHOWN]) + (" ..." if len(lines) > _SHOWN else ""), PartialRestoreWarning,
+                      stacklevel=2)
+    err = None
+    try:
+        dcp.load(load, storage_reader=dcp.FileSystemReader(d), process_group=group)
+    except CheckpointException as e:
+        err = dcp_error(e, "loading checkpoint", d)
+    exchange(group, None, err, f"loading checkpoint {d}")
+    if state.master is not None:
+        _params_from_master(state)
+    new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
+    state.lease.alive = False
+    if with_client_state:
+        return new, decode(client_json, extra)
+    return new
+

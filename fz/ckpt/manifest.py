@@ -1,0 +1,104 @@
+"""The manifest: size and checksum of every file of a checkpoint, written last, checked first.
+
+crc32 (zlib) rather than sha256: measured 6.5 GB/s against 1.4 GB/s on this machine, and a
+checksum here guards against truncation and bit rot, not tampering. The manifest carries
+its own crc over the file table, so a damaged manifest is detected as such.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+from fz.ckpt.layout import MANIFEST, write_durable
+from fz.errors import ConfigError
+
+ALGORITHM = "crc32"
+_BLOCK = 4 << 20
+
+
+def file_checksum(path: Path, algorithm: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> str:
+    """Hex checksum of a file, read in 4 MiB blocks (bounded memory)."""
+    crc, h = 0, (hashlib.sha256() if (algorithm or ALGORITHM) == "sha256" else None)
+    buf = bytearray(_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            if h is not None:
+                h.update(view[:n])
+            else:
+                crc = zlib.crc32(view[:n], crc)
+            if progress is not None:
+                progress(n)
+    return h.hexdigest() if h is not None else f"{crc:08x}"
+
+
+def describe(directory: Path, names: Iterable[str]) -> Dict[str, dict]:
+    """{name: {"size", "checksum", "algorithm"}} for files of `directory`."""
+    alg = ALGORITHM
+    return {n: {"size": os.path.getsize(directory / n), "checksum": file_checksum(directory / n, alg), "algorithm": alg}
+            for n in names}
+
+
+def _table_crc(files: Dict[str, dict]) -> str:
+    return f"{zlib.crc32(json.dumps(files, sort_keys=True).encode()):08x}"
+
+
+def write(directory: Path, files: Dict[str, dict]) -> None:
+    body = {"files": files, "table_crc": _table_crc(files)}
+    write_durable(directory / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def read(directory: Path) -> Dict[str, dict]:
+    """The file table; a missing or damaged manifest is a ConfigError."""
+    p = directory / MANIFEST
+    try:
+        body = json.loads(p.read_bytes())
+        files = body["files"]
+        ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ("crc32", "sha256")
+                                                             for v in files.values())
+    except FileNotFoundError:
+        raise ConfigError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
+    if not ok:
+        raise ConfigError(f"{p} is damaged: its own checksum does not match its contents")
+    return files
+
+
+def check_sizes(directory: Path, files: Dict[str, dict]) -> None:
+    """Every listed file exists with its recorded size (cheap: one stat each)."""
+    for name, info in sorted(files.items()):
+        p = directory / name
+        try:
+            size = os.path.getsize(p)
+        except FileNotFoundError:
+            raise ConfigError(f"checkpoint file {p} is missing (listed in {MANIFEST})") from None
+        if size != info["size"]:
+            what = "truncated" if size < info["size"] else "longer than written"
+            raise ConfigError(f"checkpoint file {p} is {what}: {size} bytes, the manifest says {info['size']}")
+
+
+def check_sums(directory: Path, files: Dict[str, dict], names: List[str],
+               progress: Optional[Callable[[int], None]] = None) -> None:
+    """The checksums of `names` (a subset of the manifest) match."""
+    for name in names:
+        info = files[name]
+        got = file_checksum(directory / name, info["algorithm"], progress)
+        if got != info["checksum"]:
+            raise ConfigError(f"checkpoint file {directory / name} is corrupted: {info['algorithm']} {got}, "
+                              f"the manifest says {info['checksum']}")
+
+
+def verify(directory: Path, progress: Optional[Callable[[int], None]] = None) -> Dict[str, dict]:
+    """Full single-process verification (inspect, consolidate): sizes, then every checksum."""
+    files = read(directory)
+    check_sizes(directory, files)
+    check_sums(directory, files, sorted(files), progress)
+    return files

@@ -1,0 +1,140 @@
+"""safetensors in and out, one tensor at a time.
+
+`StreamWriter` writes the header (known up front from shapes and dtypes) and then each
+tensor's bytes as it comes, so exporting never holds more than one tensor: safetensors'
+own `save_file` needs the whole dict in memory. `load_weights` fills a state from such a
+file with `safe_open(...).get_slice`, so each rank reads only the rows it holds.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fz.ckpt.layout import PathLike, fsync_path
+from fz.errors import ConfigError
+from fz.state import State
+
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+class StreamWriter:
+    """Write a safetensors file tensor by tensor, in the order of `entries`."""
+
+    def __init__(self, path: PathLike, entries: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
+                 metadata: Optional[Dict[str, str]] = None):
+        header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        self.expected: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
+        for name, dtype, shape in entries:
+            if dtype not in DTYPES:
+                raise ConfigError(f"safetensors cannot store {name!r} of dtype {dtype}")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.expected.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.f = open(self.tmp, "wb")
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+        self.next = 0
+
+    def write(self, name: str, t: Tensor) -> None:
+        want_name, dtype, shape, nbytes = self.expected[self.next]
+        if name != want_name or t.dtype != dtype or tuple(t.shape) != shape:
+            raise ConfigError(f"StreamWriter: got {name} {t.dtype} {tuple(t.shape)}, expected {want_name} {dtype} {shape}")
+        if nbytes:
+            self.f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self.next += 1
+
+    def close(self) -> None:
+        """Finish atomically: fsync, then rename over the destination."""
+        if self.next != len(self.expected):
+            raise ConfigError(f"StreamWriter: {len(self.expected) - self.next} tensors were not written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        fsync_path(self.path.parent)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _files(path: PathLike) -> List[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{p} holds no *.safetensors file")
+        return files
+    if not p.is_file():
+        raise ConfigError(f"weights file {p} does not exist")
+    return [p]
+
+
+def _local_rows(t: DTensor) -> Tuple[int, int]:
+    """[start, stop) rows of dim 0 this rank holds (torch.chunk semantics, as Shard(0))."""
+    rows, world = t.shape[0], t.device_mesh.size()
+    rank = t.device_mesh.get_local_rank()
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _fill(target: DTensor, handle, name: str) -> None:
+    local = target._local_tensor
+    if isinstance(target.placements[0], Shard) and len(target.shape):
+        start, stop = _local_rows(target)
+        if stop > start:
+            local.copy_(handle.get_slice(name)[start:stop])
+    else:
+        local.copy_(handle.get_tensor(name))
+
+
+def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
+    """Fill the parameters (and fp32 master weights) from a safetensors file or directory.
+
+    Names are the canonical parameter names (fz.full_params's keys, the HF convention).
+    Each rank reads only its own rows of a sharded tensor. The optimizer state is kept.
+    Missing, unexpected or mis-shaped tensors are a ConfigError (strict=False: a warning,
+    and the tensors both have are loaded). Returns the state (filled in place).
+    """
+    from safetensors import safe_open
+
+    state.check_alive("fz.load_weights")
+    files = _files(path)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+    problems = [f"missing: {n}" for n in state.params if n not in where]
+    problems += [f"unexpected: {k}" for k in where if k not in state.params]
+    for n, p in state.params.items():
+        if n in where and tuple(where[n].get_slice(n).get_shape()) != tuple(p.shape):
+            problems.append(f"shape mismatch: {n} is {tuple(where[n].get_slice(n).get_shape())} in the file, "
+                            f"{tuple(p.shape)} here")
+    if problems:
+        msg = f"weights {path} do not match this model ({len(problems)} differences): " + "; ".join(problems[:5])
+        if strict:
+            raise ConfigError(msg + ("; ..." if len(problems) > 5 else ""))
+        warnings.warn(msg, stacklevel=2)
+    bad = {p.split(": ", 1)[1].split(" ")[0] for p in problems}
+    with torch.no_grad():
+        for n, p in state.params.items():
+            if n in bad:
+                continue
+            _fill(p, where[n], n)
+            if state.master is not None:
+                _fill(state.master[n], where[n], n)
+    return state

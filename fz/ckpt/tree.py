@@ -1,0 +1,103 @@
+"""A State as DCP's flat {key: tensor} dict, and JSON-able trees with tensors taken out.
+
+Keys are '/'-joined paths, so they are stable across stages, world sizes and precisions:
+    step, model/<param>, opt/<path in the optimizer pytree>, scaler/<k>, buffers/<name>,
+    rng/<rank>, data/<rank>/<path>, client/<path>
+`model/` holds the source of truth for the weights: the fp32 master weights when the
+state has them, else the parameters. Per-rank values (rng, data) carry the rank in the
+key because DCP writes a plain tensor once, as if every rank held the same one.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fz.errors import ConfigError
+from fz.state import State
+
+_TENSOR, _TUPLE = "__fz_tensor__", "__fz_tuple__"
+
+
+def path_key(path) -> str:
+    parts = []
+    for e in path:
+        if isinstance(e, pytree.MappingKey):
+            parts.append(str(e.key))
+        elif isinstance(e, pytree.SequenceKey):
+            parts.append(str(e.idx))
+        elif isinstance(e, pytree.GetAttrKey):
+            parts.append(e.name)
+        else:
+            parts.append(str(e))
+    return "/".join(parts)
+
+
+def opt_leaves(opt_state: Any) -> Dict[str, Tensor]:
+    """{opt/<path>: tensor} for every tensor leaf of the optimizer state."""
+    leaves, _ = pytree.tree_flatten_with_path(opt_state)
+    return {"opt/" + path_key(p): x for p, x in leaves if isinstance(x, Tensor)}
+
+
+def weights(state: State) -> Dict[str, Tensor]:
+    """The weights' source of truth: fp32 master weights when present, else the parameters."""
+    return state.master if state.master is not None else state.params
+
+
+def entries(state: State) -> Dict[str, Tensor]:
+    """Every tensor of the state except the per-rank ones (rng, data), by checkpoint key."""
+    out: Dict[str, Tensor] = {"step": state.step}
+    out.update((f"model/{n}", t) for n, t in weights(state).items())
+    out.update(opt_leaves(state.opt_state))
+    out.update((f"scaler/{k}", t) for k, t in (state.scaler or {}).items())
+    out.update((f"buffers/{n}", t) for n, t in state.buffers.items())
+    return out
+
+
+def encode(obj: Any, prefix: str) -> Tuple[Any, Dict[str, Tensor]]:
+    """A JSON-able copy of `obj` with each tensor replaced by a reference to `prefix/<path>`."""
+    tensors: Dict[str, Tensor] = {}
+
+    def go(x: Any, path: str) -> Any:
+        if isinstance(x, Tensor):
+            tensors[f"{prefix}/{path}"] = x
+            return {_TENSOR: f"{prefix}/{path}"}
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise ConfigError(f"checkpoint {prefix} at {path or '<root>'!r}: dict keys must be str, got {bad[0]!r}")
+            return {k: go(v, f"{path}/{k}" if path else k) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            items = [go(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
+            return {_TUPLE: items} if isinstance(x, tuple) else items
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise ConfigError(f"checkpoint {prefix} at {path or '<root>'!r}: {type(x).__name__} is neither "
+                          "JSON-able nor a tensor")
+
+    return go(obj, ""), tensors
+
+
+def tensor_refs(obj: Any) -> list:
+    """The tensor keys an encoded tree refers to."""
+    if isinstance(obj, dict):
+        if _TENSOR in obj and len(obj) == 1:
+            return [obj[_TENSOR]]
+        return [k for v in obj.values() for k in tensor_refs(v)]
+    if isinstance(obj, list):
+        return [k for v in obj for k in tensor_refs(v)]
+    return []
+
+
+def decode(obj: Any, tensors: Dict[str, Tensor]) -> Any:
+    """Inverse of `encode`."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _TENSOR in obj:
+            return tensors[obj[_TENSOR]]
+        if len(obj) == 1 and _TUPLE in obj:
+            return tuple(decode(v, tensors) for v in obj[_TUPLE])
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    return obj

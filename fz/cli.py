@@ -1,0 +1,73 @@
+"""The `fz` command: offline tools on checkpoints (one process, no torch.distributed).
+
+    fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file
+    fz inspect CKPT                                      step, world, stage, sizes, verification
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from fz.errors import ConfigError
+
+
+def _mb(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f} MB"
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from fz.ckpt.export import consolidate
+
+    info = consolidate(args.ckpt, args.out, dtype=args.dtype, step=args.step, verify=not args.no_verify,
+                       progress=True if args.progress else None)
+    print(f"wrote {info['out']}: {info['tensors']} tensors from {info['checkpoint']} ({_mb(info['bytes'])} read)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fz.ckpt.export import inspect
+
+    info = inspect(args.ckpt, step=args.step, verify=not args.no_verify, progress=True if args.progress else None)
+    rows = [("checkpoint", info["path"]), ("step", info["step"]), ("train step", info["train_step"]),
+            ("world size", info["world"]), ("ZeRO stage", info["stage"]), ("precision", info["precision"]),
+            ("fp32 master", info["master"]), ("fz version", info["fz_version"]), ("torch version", info["torch_version"]),
+            ("tensors", f"{info['tensors']} ({_mb(info['bytes'])})"),
+            ("model tensors", f"{info['model_tensors']} ({_mb(info['model_bytes'])})")]
+    if "meta_error" in info:
+        rows.append(("metadata", f"UNREADABLE: {info['meta_error']}"))
+    if args.no_verify:
+        rows.append(("manifest", "not checked (--no-verify)"))
+    else:
+        rows.append(("manifest", "verified" if info["verified"] else f"FAILED: {info['verify_error']}"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0 if info.get("verified", True) and "meta_error" not in info else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fz", description="fz checkpoint tools")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("consolidate", help="write the full parameters of a checkpoint to one safetensors file")
+    c.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")
+    c.add_argument("out", help="output .safetensors file")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast (default: as stored)")
+    c.set_defaults(fn=_consolidate)
+    i = sub.add_parser("inspect", help="show what a checkpoint holds and verify its manifest")
+    i.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")
+    i.set_defaults(fn=_inspect)
+    for p in (c, i):
+        p.add_argument("--step", type=int, default=None, help="a step of the root instead of `latest`")
+        p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+        p.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"fz {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

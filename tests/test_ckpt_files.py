@@ -1,0 +1,165 @@
+"""Checkpoint files in one process (world 1): damaged and foreign checkpoints, pruning,
+the `fz consolidate` / `fz inspect` CLI with its memory bound, and load_weights."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fz
+from fz.ckpt import PartialRestoreWarning, restore, save
+from fz.ckpt.safetensors_io import load_weights
+from fz.cli import main
+from fz.errors import ConfigError
+from fz.testing.gpt import GPT, GPTConfig
+from helpers import CFG, make_model, spec, train_fz
+from test_ckpt import with_master
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _equal_params(a, b) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    state, _ = train_fz(0, 1, 3, 1, steps=2)
+    save(state, root / "ck")
+    return root, fz.full_params(state)
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+DAMAGE = {  # name: (how, file named in the error, word in the error)
+    "truncated shard": (lambda d: os.truncate(d / "__0_0.distcp", 1000), "__0_0.distcp", "truncated"),
+    "flipped shard": (lambda d: _flip(d / "__0_0.distcp", 5000), "__0_0.distcp", "corrupted"),
+    "deleted shard": (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp", "missing"),
+    "truncated dcp metadata": (lambda d: os.truncate(d / ".metadata", 10), ".metadata", "truncated"),
+    "flipped fz.json": (lambda d: _flip(d / "fz.json", 20), "fz.json", "corrupted"),
+    "deleted manifest": (lambda d: (d / "manifest.json").unlink(), "manifest.json", "missing"),
+    "flipped manifest": (lambda d: _flip(d / "manifest.json", 40), "manifest.json", "damaged"),
+}
+
+
+def test_damaged_checkpoint_is_a_clear_error_and_the_original_still_restores(small, tmp_path):
+    root, want = small
+    src = root / "ck" / "step_2"
+    for name, (damage, fname, word) in DAMAGE.items():
+        d = tmp_path / name.replace(" ", "_")
+        shutil.copytree(src, d)
+        damage(d)
+        with pytest.raises(ConfigError) as e:
+            restore(d, fz.init(make_model(1), spec(3, 1)))
+        assert fname in str(e.value) and word in str(e.value), (name, str(e.value))
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "latest").write_text("step_9")
+    with pytest.raises(ConfigError, match="step_9, which does not exist"):
+        restore(tmp_path / "dangling", fz.init(make_model(1), spec(3, 1)))
+    with pytest.raises(ConfigError, match="does not exist"):
+        restore(tmp_path / "nowhere", fz.init(make_model(1), spec(3, 1)))
+    assert _equal_params(fz.full_params(restore(root / "ck", fz.init(make_model(1), spec(0, 1)))), want)
+
+
+def test_checkpoint_of_another_model_lists_differences_or_restores_the_overlap(small):
+    root, want = small
+    other = GPT(GPTConfig(vocab=CFG.vocab, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=3))
+    with pytest.raises(ConfigError) as e:
+        restore(root / "ck", fz.init(other, spec(3, 1)))
+    msg = str(e.value)
+    assert "missing in checkpoint: model/blocks.2." in msg and "strict=False" in msg and "more" in msg, msg
+    wider = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=CFG.layers))
+    with pytest.raises(ConfigError, match=r"shape mismatch: model/wte.weight is \(64, 32\) in the checkpoint"):
+        restore(root / "ck", fz.init(wider, spec(3, 1)))
+    with pytest.warns(PartialRestoreWarning, match="blocks.2"):
+        state = restore(root / "ck", fz.init(other, spec(3, 1)), strict=False)
+    got = fz.full_params(state)
+    assert int(state.step) == 2 and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_master_weights_are_the_source_of_truth(tmp_path):
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    want = {k: v + 1 for k, v in fz.full_params(state).items()}
+    save(with_master(state, 1.0), tmp_path)  # master = params + 1: the checkpoint keeps the master
+    assert _equal_params(fz.full_params(restore(tmp_path, fz.init(make_model(), spec(3, 1)))), want)
+    mixed = restore(tmp_path, with_master(fz.init(make_model(), spec(2, 1))))
+    assert _equal_params({k: m.full_tensor() for k, m in mixed.master.items()}, want)
+    assert _equal_params(fz.full_params(mixed), want)
+
+
+def test_keep_last_latest_and_resaving(tmp_path):
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    for step in (2, 4, 6):
+        save(state, tmp_path, step=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
+    assert (tmp_path / "latest").read_text() == "step_6"
+    with pytest.raises(ConfigError, match="already the latest"):
+        save(state, tmp_path, step=6)
+    save(state, tmp_path, step=4)  # a step `latest` does not name may be replaced; `latest` = the last save
+    assert (tmp_path / "latest").read_text() == "step_4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
+    with pytest.raises(ConfigError, match="neither JSON-able nor a tensor"):
+        save(state, tmp_path, step=8, client_state={"bad": object()})
+    assert not (tmp_path / "step_8").exists() and not (tmp_path / "step_8.tmp").exists()
+    with pytest.raises(ConfigError, match="writing checkpoint .*step_8.tmp failed: rank 0: NotImplementedError"):
+        save(state, tmp_path, step=8, client_state={"sparse": torch.eye(2).to_sparse()})  # DCP fails inside
+    assert not (tmp_path / "step_8.tmp").exists() and (tmp_path / "latest").read_text() == "step_4"
+    assert int(restore(tmp_path, fz.init(make_model(), spec(1, 1)), step=4).step) == 1
+
+
+def _max_rss_mb(args) -> float:
+    """Peak RSS of one child process running `args` (measured from a clean parent)."""
+    probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", probe, *args], env=ENV, check=True, capture_output=True, text=True)
+    return int(out.stdout.split()[-1]) / 1024
+
+
+def test_consolidate_cli_memory_output_and_load_weights(tmp_path, capsys):
+    cfg = GPTConfig(vocab=16384, seq=16, dim=512, heads=4, layers=1)  # wte: 32 MiB, the largest tensor
+    torch.manual_seed(0)
+    state = fz.init(GPT(cfg), spec(0, 1))
+    save(state, tmp_path / "ck")
+    want = fz.full_params(state)
+    largest = max(t.numel() * t.element_size() for t in want.values()) / 2**20
+    base = _max_rss_mb([sys.executable, "-c", "import torch, fz"])
+    out = tmp_path / "model.safetensors"
+    peak = _max_rss_mb([sys.executable, "-m", "fz.cli", "consolidate", str(tmp_path / "ck"), str(out)])
+    print(f"consolidate peak RSS {peak:.0f} MB, baseline {base:.0f} MB, largest tensor {largest:.0f} MB")
+    assert peak < base + 2 * largest, (peak, base, largest)
+    from safetensors.torch import load_file
+    assert _equal_params(load_file(out), want)
+
+    bf16 = tmp_path / "bf16.safetensors"
+    assert main(["consolidate", str(tmp_path / "ck"), str(bf16), "--dtype", "bf16"]) == 0
+    assert _equal_params(load_file(bf16), {k: v.to(torch.bfloat16) for k, v in want.items()})
+
+    torch.manual_seed(1)
+    loaded = load_weights(fz.init(GPT(cfg), spec(3, 1)), out)
+    assert _equal_params(fz.full_params(loaded), want)
+    with pytest.raises(ConfigError, match="missing: blocks.1"):
+        load_weights(fz.init(make_model(), spec(0, 1)), out)
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "manifest       verified" in out and "world size     1" in out and "ZeRO stage     0" in out, out
+    assert "step           0" in out and "model tensors  15 (" in out, out
+    os.truncate(tmp_path / "ck" / "step_0" / "__0_0.distcp", 100)
+    assert main(["inspect", str(tmp_path / "ck")]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "__0_0.distcp is truncated" in out, out
+    assert main(["consolidate", str(tmp_path / "ck"), str(tmp_path / "x.safetensors")]) == 2
+    assert "__0_0.distcp is truncated" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
