@@ -45,8 +45,8 @@ def _snapshot(state) -> dict:
 
 
 def with_master(state, shift: float = 0.0):
-    """A stand-in for a mixed-precision state (fz.init builds fp32 only so far): fp32 master
-    weights with the optimizer's placements, = params + shift."""
+    """An fp32 state given master weights by hand (= params + shift, with the optimizer's
+    placements): restoring into it must overwrite them."""
     slots = state.plan.slots()
     master = {}
     for n, p in state.params.items():
