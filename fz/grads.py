@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.sharding.comm import full_views, pack, shard_views
+from fz.sharding.comm import full_views, local_rows_of_full, pack, shard_views
 from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
 
@@ -34,6 +34,7 @@ class GradReducer:
         self.launched: Set[int] = set()
         self.pending: List[tuple] = []
         self.acc: Dict[int, Tensor] = {}
+        self.layout: Dict[int, str] = {}  # "full" (param-major) or "shard" (this rank's padded rows)
         self.handles = [leaves[b.index].register_post_accumulate_grad_hook(partial(self._hook, b))
                         for b in self.buckets]
 
@@ -51,36 +52,47 @@ class GradReducer:
         comm = self.plan.comm
         dtype = self.leaves[b.index].dtype
         if comm.world == 1:
-            self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype))
+            self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype, "shard"))
         else:
             buf = pack(grads, b, comm.reduce_dtype, grads[0].device)
             out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=buf.device)
-            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), dtype))
+            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), dtype, "shard"))
         self._bound()
 
     def _bound(self) -> None:
         while len(self.pending) > MAX_INFLIGHT:
             self._finish(*self.pending.pop(0))
 
-    def _finish(self, b: Bucket, out: Tensor, work, dtype) -> None:
+    def _finish(self, b: Bucket, out: Tensor, work, dtype, layout: str) -> None:
         if work is not None:
             work.wait()
-            out = out.to(dtype)
+        if layout == "rows":  # an all-reduced full gradient of which this rank keeps its rows
+            if isinstance(b.place.grad, Shard):
+                shard = torch.zeros(b.shard_numel, dtype=dtype, device=out.device)
+                for dst, src in zip(shard_views(shard, b, self.plan.rank), local_rows_of_full(out, b, self.plan.rank)):
+                    dst.copy_(src)
+                out, layout = shard, "shard"
+            else:
+                layout = "full"
+        out = out.to(dtype)
+        self.layout[b.index] = layout
         self.acc[b.index] = out if b.index not in self.acc else self.acc[b.index].add_(out)
 
     def _launch(self, b: Bucket, g: Tensor) -> None:
         """Start the bucket's collective, in the reduce dtype (the result returns to g's dtype)."""
         self.launched.add(b.index)
         comm = self.plan.comm
+        sharded_opt = isinstance(b.place.opt, Shard)
         if comm.world == 1:
-            self.pending.append((b, g, None, None))
-        elif isinstance(b.place.opt, Shard):
+            self.pending.append((b, g, None, g.dtype, "shard" if sharded_opt else "full"))
+        elif sharded_opt and not comm.fast:
             buf = pack(full_views(g, b), b, comm.reduce_dtype, g.device)
             out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=g.device)
-            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype))
-        else:
+            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype, "shard"))
+        else:  # all-reduce in place; with a sharded optimizer (gloo's fast path) keep our rows
             red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)
-            self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype))
+            self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype,
+                                 "rows" if sharded_opt else "full"))
         self._bound()
 
     def end_micro_batch(self) -> None:
@@ -116,10 +128,10 @@ class GradReducer:
     def optimizer_grads(self, b: Bucket) -> List[Tensor]:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""
         g = self.acc[b.index]
-        if b.sharded_param:
+        if self.layout[b.index] == "shard":
             return shard_views(g, b, self.plan.rank)
         if isinstance(b.place.opt, Shard):
-            return shard_views(g, b, self.plan.rank)
+            return local_rows_of_full(g, b, self.plan.rank)
         return full_views(g, b)
 
     def grad_bytes(self) -> int:
