@@ -29,6 +29,14 @@ def _runs(rank, world):
                 state, loss = fz.train_step(state, per_rank[rank])
                 losses.append(float(loss))
             out[precision, stage] = (losses, fz.full_params(state), fz.memory_report(state).as_dict())
+    # gradients reduced in bf16 (DeepSpeed's communication_data_type): half the reduce bytes
+    for reduce_dtype in ("fp32", "bf16"):
+        state = fz.init(make_model(), spec(2, 1, precision="bf16", reduce_dtype=reduce_dtype))
+        losses = []
+        for per_rank in rank_batches(world, 1):
+            state, loss = fz.train_step(state, per_rank[rank])
+            losses.append(float(loss))
+        out["reduce", reduce_dtype] = (losses, fz.comm_report(state).payload)
     # fp16: a poisoned batch on rank 0 only must skip the step on every rank
     state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_fn=_overflow_loss))
     batches = rank_batches(world, 1, 12)
@@ -77,6 +85,15 @@ def test_stages_agree_exactly_in_the_same_precision(results):
                 assert losses == base_losses, (precision, stage)
                 for k in base_params:
                     assert torch.equal(params[k], base_params[k]), (precision, stage, k)
+
+
+def test_gradients_can_be_reduced_in_bf16(results):
+    want, _ = reference(2, 1)
+    losses32, payload32 = results[0]["reduce", "fp32"]
+    losses16, payload16 = results[0]["reduce", "bf16"]
+    assert max_rel(losses16, want) < 2e-2  # (at world 2, a bf16 sum of two bf16 values is exact anyway)
+    reduced = lambda p: p.get("all_reduce", 0) + p.get("reduce_scatter", 0)  # noqa: E731
+    assert reduced(payload16) * 2 == reduced(payload32)
 
 
 def test_mixed_precision_memory_formula(results):
