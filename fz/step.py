@@ -113,6 +113,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
+    loss = total / spec.grad_accum  # averaged over ranks while the optimizer runs
+    loss_work = plan.comm.all_reduce(loss, async_op=True) if plan.world > 1 else None
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
@@ -124,9 +126,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
             sync_params(plan, flats, mflats)
     del grads, params
 
-    loss = total / spec.grad_accum
-    if plan.world > 1:
-        plan.comm.all_reduce(loss)
+    if loss_work is not None:
+        loss_work.wait()
     plan.last_step_bytes.clear()
     plan.last_step_bytes.update(plan.comm.bytes)
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None

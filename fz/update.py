@@ -92,7 +92,18 @@ def apply_optimizer(spec, plan: ShardPlan, opt_state: Any, grads: Params, params
 
 
 def sync_params(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]]) -> None:
-    """Make every rank's parameters equal the updated (master) shards."""
+    """Make every rank's parameters equal the updated (master) shards.
+
+    All-gathers run asynchronously, two buckets in flight, so one bucket's copy-out
+    overlaps the next bucket's transfer.
+    """
+    pending: list = []
+
+    def finish(item) -> None:
+        work, full, b, flat = item
+        work.wait()
+        unpack_into(full, b, flat)
+
     for b, flat, mflat in zip(plan.buckets, flats, mflats):
         if not b.trainable:
             continue
@@ -109,5 +120,8 @@ def sync_params(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optio
             for dst, src in zip(shard_views(shard, b, plan.rank), local_rows_of_full(flat, b, plan.rank)):
                 dst.copy_(src)
         full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
-        plan.comm.all_gather(full, shard)
-        unpack_into(full, b, flat)
+        pending.append((plan.comm.all_gather(full, shard, async_op=True), full, b, flat))
+        if len(pending) > 1:
+            finish(pending.pop(0))
+    for item in pending:
+        finish(item)
