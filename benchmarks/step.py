@@ -1,225 +1,249 @@
-"""Step time and peak RSS of fz stages 0-3 against DDP and FSDP2, world size 2 on CPU (gloo).
+"""Step time, peak RSS and bytes sent of fz stages 0-3 against DDP, FSDP2 and DeepSpeed, world 2 on CPU (gloo).
 
-    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --repeats 2
-    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --engines ddp,fsdp2,fz0 --steps 25 --warmup 5
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --precision fp32,bf16 --repeats 5 --with-deepspeed
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --engines floor,ddp,fz0 --steps 12 --warmup 4
 
-Every engine trains the same GPT (same initial weights, AdamW lr 1e-3, wd 0.01, clip 1.0, lm_loss)
-on per-rank synthetic tokens. Each engine run is a fresh group of `--world` processes, so the
-peak RSS (VmHWM) of one engine does not leak into another. With `--repeats R` engines are
-interleaved (A B C .. A B C ..) and the table shows medians over repeats. Step time is the
-median over steps [warmup, steps) of the slowest rank, timed from a barrier to `float(loss)`.
-Peak RSS is VmHWM, max over ranks; "over base" subtracts the RSS right after `import torch` and
-`init_process_group` (about 220 MB of the total is torch itself).
+Every engine trains the same GPT (same initial weights, AdamW lr 1e-3 betas (0.9, 0.999) eps 1e-8
+wd 0.01, clip 1.0, lm_loss) on the same per-rank synthetic tokens, in each `--precision`:
+fp32, or bf16 = torch.autocast(cpu, bfloat16) for DDP and `floor`, MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32) for FSDP2, precision="bf16" for fz and DeepSpeed's "bf16": {"enabled": true}.
+`floor` is rank 0's micro-batches in ONE process (world 1, plain model + torch AdamW, no
+communication): the time a step would take if communication were free.
+
+Each engine run is a fresh group of `--world` processes, so one engine's peak RSS (VmHWM) does
+not leak into another's. With `--repeats R` every repeat runs all engines (in reverse order on odd
+repeats, so a drift in machine load does not favour the engines that run first); because the
+machine is noisy, ratios are per repeat (engine / DDP of the same repeat and precision) and the
+table shows their median over repeats. Step time is the median over steps [warmup, steps) of the
+slowest rank, timed from a barrier to `float(loss)`. "sent MB" is measured on every engine: the
+median per-step growth of the rank's /proc/self/io wchar (gloo sends with writev), max over ranks;
+for fz, `fz.comm_report` gives its own count (payload bytes times the ring factor).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import signal
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = ["ddp", "fsdp2", "fsdp2-noreshard", "fz0", "fz1", "fz2", "fz3"]
-TAG = "FZBENCH "
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (
+    bytes_written,
+    finish,
+    git_state,
+    gpt_config,
+    launch,
+    load_average,
+    markdown,
+    median,
+    report,
+    rss_mb,
+    source_hash,
+    summarize,
+    table,
+    targets,
+)
+
+PEERS = ["floor", "ddp", "fsdp2", "fsdp2-noreshard"]
+FZ = ["fz0", "fz1", "fz2", "fz3"]
+DS = ["ds0", "ds1", "ds2", "ds3"]
+ENGINES = PEERS + FZ + DS
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list from {ENGINES}")
+    p.add_argument("--engines", default=",".join(PEERS + FZ),
+                   help=f"comma list from {ENGINES} (ds* are added by --with-deepspeed)")
+    p.add_argument("--precision", default="fp32", help="comma list from fp32, bf16")
+    p.add_argument("--with-deepspeed", action="store_true", help="add DeepSpeed ZeRO stages 0-3 (ds0..ds3)")
     p.add_argument("--params", type=float, default=5e6, help="target model size (parameters)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=25, help="steps per run, warmup included")
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the median")
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs of every engine")
-    p.add_argument("--world", type=int, default=2, help="ranks per engine run")
+    p.add_argument("--world", type=int, default=2, help="ranks per engine run (floor: always 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, profile 3 more on rank 0 and print its top N ops")
+    p.add_argument("--meta-init", action="store_true",
+                   help="fz engines only: build the model on the meta device (fz.init materialises its own rows)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rank
+    p.add_argument("--worker-precision", default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
+    args.precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
+    if not args.precisions or set(args.precisions) - {"fp32", "bf16"}:
+        p.error("--precision takes a comma list of fp32, bf16")
     return args
 
 
 # ----------------------------------------------------------------------------- worker (one rank)
 
-def gpt_config(target: int, seq: int):
-    """gpt_for_params' width (vocab 4096), with the layer count that lands nearest `target`."""
-    import torch
-    from fz.testing.gpt import GPT, GPTConfig, gpt_for_params
-
-    base = gpt_for_params(target, seq=seq)
-
-    def count(layers: int) -> int:
-        with torch.device("meta"):
-            return sum(p.numel() for p in GPT(GPTConfig(**{**base.__dict__, "layers": layers})).parameters())
-
-    layers = min(range(1, 65), key=lambda n: abs(count(n) - target))
-    return GPTConfig(**{**base.__dict__, "layers": layers}), count(layers)
+def deepspeed_error() -> str | None:
+    """None if DeepSpeed imports here, else why not (the exact error)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the answer
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
-def build_step(engine: str, model, lm_loss):
-    """Returns step(batch) -> loss tensor, for one engine, after wrapping `model`."""
+def build_step(engine: str, precision: str, model, lm_loss):
+    """Returns (step(batch) -> loss tensor, fz state box or None) for one engine, after wrapping `model`."""
+    import contextlib
+
     import torch
 
-    def eager(module, params):
-        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    bf16 = precision == "bf16"
+
+    def eager(module, params, autocast: bool):
+        opt = torch.optim.AdamW(params, **ADAMW)
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
 
         def step(batch):
             opt.zero_grad(set_to_none=True)
-            loss = lm_loss(module, batch)
+            with ctx():
+                loss = lm_loss(module, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
             opt.step()
             return loss.detach()
-        return step
+        return step, None
 
+    if engine == "floor":
+        return eager(model, model.parameters(), bf16)
     if engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        return eager(ddp, ddp.parameters())
+        return eager(ddp, ddp.parameters(), bf16)
     if engine in ("fsdp2", "fsdp2-noreshard"):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
         reshard = engine == "fsdp2"
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return eager(model, model.parameters())
-    if engine.startswith("fz"):
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        return eager(model, model.parameters(), False)
+    if engine in FZ:
         import fz
-        spec = fz.Spec(stage=int(engine[2:]),
-                       optimizer=fz.optim.adamw(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
-                       grad_accum=1, clip_grad_norm=1.0, precision="fp32", loss_fn=lm_loss, seed=0)
+        spec = fz.Spec(stage=int(engine[2:]), optimizer=fz.optim.adamw(**ADAMW), grad_accum=1,
+                       clip_grad_norm=1.0, precision=precision, loss_fn=lm_loss, seed=0)
         box = {"state": fz.init(model, spec)}
 
         def step(batch):
             box["state"], loss = fz.train_step(box["state"], batch)
             return loss
-        return step
+        return step, box
+    if engine in DS:
+        import deepspeed
+        cfg = {"train_micro_batch_size_per_gpu": int(os.environ["FZBENCH_MICRO"]),
+               "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
+                                                         "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"],
+                                                         "torch_adam": True}},
+               "zero_optimization": {"stage": int(engine[2:])},
+               "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        if bf16:  # bf16 weights, fp32 master; gradients reduced in fp32 as fz and FSDP2 do
+            cfg["bf16"] = {"enabled": True}
+            cfg["communication_data_type"] = "fp32"
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+        def step(batch):
+            loss = lm_loss(eng, batch)
+            eng.backward(loss)
+            eng.step()
+            return loss.detach()
+        return step, None
     raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
 
 
-def rss_mb(key: str = "VmHWM") -> float:
-    """VmHWM (peak) or VmRSS (now) of this process, in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MB
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def source_hash() -> str:
-    """Hash of fz/**/*.py (model included), to catch fz changing in the middle of a run."""
-    import hashlib
-    h = hashlib.sha1()
-    for dirpath, dirs, files in sorted(os.walk(os.path.join(ROOT, "fz"))):
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            with open(os.path.join(dirpath, name), "rb") as f:
-                h.update(name.encode() + f.read())
-    return h.hexdigest()[:10]
+def profile_steps(step, batches, top: int) -> str:
+    """torch.profiler key_averages of `batches` steps (CPU time, self time sorted)."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for b in batches:
+            float(step(b))
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+
     from fz.testing.gpt import GPT, lm_loss, synthetic_tokens
 
+    engine, precision = args.worker, args.worker_precision
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    distributed = engine != "floor"
+    if engine in DS:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: F401  (imported before the base RSS is taken)
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
     base_mb = rss_mb("VmRSS")                  # torch + gloo, before any model memory
     cfg, n_params = gpt_config(int(args.params), args.seq)
     torch.manual_seed(0)                       # same initial weights for every engine and rank
-    model = GPT(cfg)
-    data = synthetic_tokens(args.steps * args.micro_batch, cfg.seq, cfg.vocab, seed=1000 + rank)
-    step = build_step(args.worker, model, lm_loss)
-    del model  # DDP and FSDP2 keep it inside their wrappers; fz needs it no more after init
+    if args.meta_init and engine in FZ:
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    extra = 3 if args.profile else 0
+    data = synthetic_tokens((args.steps + extra) * args.micro_batch, cfg.seq, cfg.vocab, seed=1000 + rank)
+    os.environ["FZBENCH_MICRO"] = str(args.micro_batch)
+    step, box = build_step(engine, precision, model, lm_loss)
+    del model  # the wrappers keep it; fz needs it no more after init
 
-    times, losses = [], []
-    for i in range(args.steps):
-        batch = data[i * args.micro_batch:(i + 1) * args.micro_batch]
-        dist.barrier()
-        t0 = time.perf_counter()
+    batches = [data[i * args.micro_batch:(i + 1) * args.micro_batch] for i in range(args.steps + extra)]
+    times, losses, sent = [], [], []
+    for batch in batches[:args.steps]:
+        if distributed:
+            dist.barrier()
+        w0, t0 = bytes_written(), time.perf_counter()
         loss = float(step(batch))
         times.append(time.perf_counter() - t0)
+        sent.append(bytes_written() - w0)
         losses.append(loss)
-    # step time of a step = its slowest rank; losses averaged over ranks
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    l = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(l, op=dist.ReduceOp.SUM)
-    rss = torch.tensor([rss_mb("VmHWM"), base_mb], dtype=torch.float64)  # max over ranks
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    result = {"rss_mb": rss_mb("VmHWM"), "base_mb": base_mb, "params": n_params, "layers": cfg.layers,
+              "dim": cfg.dim, "src": source_hash()}
+    if box is not None:
+        import fz
+        comm = fz.comm_report(box["state"])
+        result["fz_comm"] = {"payload": comm.payload, "sent_total": comm.sent_total}
+        result["fz_memory"] = fz.memory_report(box["state"]).as_dict()
+    if args.profile:
+        table = profile_steps(step, batches[args.steps:], args.profile)
+        if rank == 0:
+            result["profile"] = table
+    if distributed:  # a step's time is its slowest rank's; losses averaged; RSS and bytes max over ranks
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        s = torch.tensor(sent, dtype=torch.float64)
+        dist.all_reduce(s, op=dist.ReduceOp.MAX)
+        l = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(l, op=dist.ReduceOp.SUM)
+        m = torch.tensor([result["rss_mb"], base_mb], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        times, sent, losses = t.tolist(), s.tolist(), (l / dist.get_world_size()).tolist()
+        result["rss_mb"], result["base_mb"] = m.tolist()
     if rank == 0:
-        print(TAG + json.dumps({"times": t.tolist(), "loss": (l / dist.get_world_size()).tolist(),
-                                "rss_mb": rss[0].item(), "base_mb": rss[1].item(),
-                                "params": n_params, "layers": cfg.layers, "dim": cfg.dim,
-                                "src": source_hash()}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort there ("terminate called ...")
+        report({**result, "times": times, "sent": sent, "loss": losses})
+    finish(dist if distributed else None)
 
 
 # ----------------------------------------------------------------------------- launcher
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_engine(engine: str, args, argv) -> dict:
-    """Spawns `--world` fresh ranks running `engine`; returns rank 0's result or {'error': ...}."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(args.world), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", engine]
-    procs, logs = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.world):
-            out = open(os.path.join(tmp, f"rank{r}.log"), "w+")
-            logs.append(out)
-            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline, error = time.monotonic() + args.timeout, None
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed:
-                error = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timeout after {args.timeout:.0f}s"
-                break
-            time.sleep(0.1)
-        for p in procs:                         # only the ranks started above, by pid
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if error is None and failed:
-            error = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
-        texts = []
-        for out in logs:
-            out.seek(0)
-            texts.append(out.read())
-            out.close()
-    result = next((json.loads(ln[len(TAG):]) for ln in texts[0].splitlines() if ln.startswith(TAG)), None)
-    if result is not None and error is None:
-        return result
-    bad = next((t for r, t in enumerate(texts) if procs[r].returncode != 0 and t.strip()), texts[0])
-    tail = [ln for ln in bad.strip().splitlines() if ln.strip() and not ln.startswith(TAG)][-3:]
-    if result is not None:                      # all steps measured, then a crash or hang at exit
-        return {**result, "warning": f"{error} after reporting", "tail": tail}
-    return {"error": error or "no result line", "tail": tail}
+def run_one(engine: str, precision: str, args, argv) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", engine, "--worker-precision", precision]
+    world = 1 if engine == "floor" else args.world
+    env = {"DS_ACCELERATOR": "cpu"} if engine in DS else None
+    return launch(cmd, world, args.timeout, env)
 
 
 def main() -> None:
@@ -228,56 +252,58 @@ def main() -> None:
     if args.worker:
         return worker(args)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.with_deepspeed:
+        why = deepspeed_error()
+        if why is None:
+            engines += [e for e in DS if e not in engines]
+        else:
+            print(f"--with-deepspeed: DeepSpeed cannot run here ({why}); "
+                  "install it with DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed "
+                  "(+ hjson, msgpack, py-cpuinfo, pydantic, psutil, ninja, tqdm); running without it", flush=True)
+            engines = [e for e in engines if e not in DS]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         sys.exit(f"unknown engines {unknown}; choose from {ENGINES}")
     print("$ " + shlex.join(["OMP_NUM_THREADS=1", sys.executable, *sys.argv]), flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average at start {load_average()}, "
+          f"{git_state()}", flush=True)
     t_start = time.monotonic()
-    runs = {e: [] for e in engines}
+    runs = {(e, p): [] for e in engines for p in args.precisions}
     for rep in range(args.repeats):
-        for e in engines:
+        order = [(e, p) for p in args.precisions for e in engines]
+        for e, p in order if rep % 2 == 0 else order[::-1]:
             t0 = time.monotonic()
-            res = run_engine(e, args, argv)
-            runs[e].append(res)
-            status = res.get("error") or f"{1e3 * statistics.median(res['times'][args.warmup:]):.1f} ms"
+            res = run_one(e, p, args, argv)
+            runs[e, p].append(res)
+            status = res.get("error") or f"{1e3 * median(res['times'][args.warmup:]):.1f} ms"
             status += f"  WARNING: {res['warning']}" if "warning" in res else ""
-            print(f"  repeat {rep + 1}/{args.repeats} {e:<16} {status}  ({time.monotonic() - t0:.1f}s)",
-                  flush=True)
+            print(f"  repeat {rep + 1}/{args.repeats} {p} {e:<16} {status}  ({time.monotonic() - t0:.1f}s, "
+                  f"load {load_average()})", flush=True)
             for line in res.get("tail", []):
                 print(f"      | {line}", flush=True)
+            if res.get("profile"):
+                print(f"\n  profile of rank 0, {e} {p}, 3 steps after the timed ones:\n{res['profile']}", flush=True)
 
-    def summary(e):
-        ok = [r for r in runs[e] if "error" not in r]
-        if not ok:
-            return None
-        per_run = [statistics.median(r["times"][args.warmup:]) for r in ok]
-        return {"step": statistics.median(per_run), "spread": (min(per_run), max(per_run)), "n": len(ok),
-                "rss": statistics.median(r["rss_mb"] for r in ok),
-                "base": statistics.median(r["base_mb"] for r in ok),
-                "loss": statistics.median(r["loss"][-1] for r in ok), "meta": ok[0],
-                "warn": sum("warning" in r for r in ok)}
-
-    rows = {e: summary(e) for e in engines}
-    meta = next((s["meta"] for s in rows.values() if s), None)
+    rows = summarize(runs, engines, args.precisions, args)
+    meta = next((r["meta"] for r in rows.values() if "meta" in r), None)
     if meta:
         print(f"\nGPT {meta['params'] / 1e6:.2f}M params (dim {meta['dim']}, {meta['layers']} layers), "
-              f"seq {args.seq}, micro-batch {args.micro_batch}/rank, world {args.world}, gloo CPU, "
-              f"median of steps {args.warmup}-{args.steps - 1}, {args.repeats} repeat(s)")
+              f"seq {args.seq}, micro-batch {args.micro_batch}/rank, world {args.world} (floor: 1 process), "
+              f"gloo CPU, median of steps {args.warmup}-{args.steps - 1}, {args.repeats} repeat(s); ratios are "
+              f"medians of per-repeat ratios; load average at end {load_average()}")
     sources = {r["src"] for rs in runs.values() for r in rs if "src" in r}
     if len(sources) > 1:
         print(f"WARNING: fz/ sources changed during the run ({len(sources)} versions); rerun")
-    ddp = rows.get("ddp")
-    print("\n| engine | step ms (median) | min-max over repeats | peak RSS MB/rank | over base MB | vs DDP | final loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for e in engines:
-        s = rows[e]
-        if s is None:
-            print(f"| {e} | FAILED: {runs[e][-1]['error']} | | | | | |")
-            continue
-        ratio = f"{s['step'] / ddp['step']:.2f}x" if ddp else "-"
-        name = f"{e} (exit error in {s['warn']}/{s['n']} runs)" if s["warn"] else e
-        print(f"| {name} | {1e3 * s['step']:.1f} | {1e3 * s['spread'][0]:.1f}-{1e3 * s['spread'][1]:.1f} "
-              f"| {s['rss']:.0f} | {s['rss'] - s['base']:.0f} | {ratio} | {s['loss']:.4f} |")
+    for p in args.precisions:
+        print(f"\n### {p}\n\n{table(rows, engines, p)}")
+        for e in engines:
+            comm = rows[e, p].get("meta", {}).get("fz_comm")
+            if comm:
+                kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(comm["payload"].items()))
+                print(f"{'' if e != engines[0] else chr(10)}- {e} fz.comm_report payload MB: {kinds}")
+        checks = targets(rows, engines, p)
+        if checks:
+            print(f"\nTargets ({p}):\n\n" + markdown(["target", "value", "status"], checks))
     print(f"\ntotal wall time {time.monotonic() - t_start:.1f}s")
 
 
