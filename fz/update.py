@@ -86,9 +86,18 @@ def apply_optimizer(spec, plan: ShardPlan, opt_state: Any, grads: Params, params
     with norm_reduction(_norm_sq_fn(plan, sharded)), shard_reduction(_shard_sum_fn(plan, sharded)):
         if spec.clip_grad_norm is not None:
             grads, _ = clip_by_global_norm(spec.clip_grad_norm).update(grads, (), None)
+        if spec.optimizer.fused is not None and _fusable(grads, params):
+            return spec.optimizer.fused(grads, opt_state, params)
         updates, opt_state = spec.optimizer.update(grads, opt_state, params)
         apply_updates(params, updates)
     return opt_state
+
+
+def _fusable(grads: Params, params: Params) -> bool:
+    """Fused kernels want one dtype and device; fp32 master weights and grads always are."""
+    first = next(iter(params.values()), None)
+    return first is not None and all(
+        t.dtype == first.dtype and t.device == first.device for t in (*params.values(), *grads.values()))
 
 
 def sync_params(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]]) -> None:

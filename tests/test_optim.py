@@ -68,3 +68,20 @@ def test_global_norm_counts_every_shard_once():
     assert float(fz.optim.global_norm(g)) == pytest.approx((12 * 4 + 5) ** 0.5)
     with fz.optim.norm_reduction(lambda t: torch.tensor(100.0)):
         assert float(fz.optim.global_norm(g)) == pytest.approx(10.0)
+
+
+def test_fused_adamw_equals_its_chain():
+    """adamw's fused fast path and the plain chain it stands for train alike (stage 0 and 3)."""
+    for stage in (0, 3):
+        runs = []
+        for opt in (fz.optim.adamw(lr=1e-2, weight_decay=0.1),
+                    fz.optim.chain(fz.optim.adamw(lr=1e-2, weight_decay=0.1))):  # chain(): no fused path
+            state = fz.init(make_model(), fz.Spec(stage=stage, optimizer=opt, loss_fn=lm_loss, clip_grad_norm=1.0))
+            losses = []
+            for per_rank in rank_batches(1, 1, STEPS):
+                state, loss = fz.train_step(state, per_rank[0])
+                losses.append(float(loss))
+            runs.append((losses, fz.full_params(state), fz.optim.current_lr(state.opt_state)))
+        assert fz.optim.adamw().fused is not None and runs[1] and runs[0][2] == runs[1][2] == 1e-2
+        assert max_rel(runs[0][0], runs[1][0]) < 1e-6
+        assert params_rel(runs[0][1], runs[1][1]) < 1e-6

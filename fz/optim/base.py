@@ -24,6 +24,9 @@ NormSq = Callable[[Params], Tensor]
 class GradientTransformation(NamedTuple):
     init: Callable[[Params], Any]
     update: Callable[..., "tuple[Params, Any]"]
+    # Optional fast path with the same meaning as update + apply_updates, in one fused kernel:
+    # fused(grads, state, params) -> new state, params updated in place. Same state layout.
+    fused: Optional[Callable[..., Any]] = None
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
