@@ -63,13 +63,17 @@ _norm_sq: contextvars.ContextVar[NormSq] = contextvars.ContextVar("fz_norm_sq", 
 
 
 @contextlib.contextmanager
-def norm_reduction(fn: NormSq) -> Iterator[None]:
-    """Within this block, `global_norm` uses `fn` (sum of squares over every shard)."""
-    token = _norm_sq.set(fn)
+def _binding(var: contextvars.ContextVar, fn: Callable) -> Iterator[None]:
+    token = var.set(fn)
     try:
         yield
     finally:
-        _norm_sq.reset(token)
+        var.reset(token)
+
+
+def norm_reduction(fn: NormSq):
+    """Within this block, `global_norm` uses `fn` (sum of squares over every shard)."""
+    return _binding(_norm_sq, fn)
 
 
 def _identity_sum(tree: Params) -> Params:
@@ -80,14 +84,9 @@ _shard_sum: contextvars.ContextVar[Callable[[Params], Params]] = contextvars.Con
     "fz_shard_sum", default=_identity_sum)
 
 
-@contextlib.contextmanager
-def shard_reduction(fn: Callable[[Params], Params]) -> Iterator[None]:
+def shard_reduction(fn: Callable[[Params], Params]):
     """Within this block, `sum_across_shards` uses `fn` (the step binds it to the group)."""
-    token = _shard_sum.set(fn)
-    try:
-        yield
-    finally:
-        _shard_sum.reset(token)
+    return _binding(_shard_sum, fn)
 
 
 def sum_across_shards(partial: Params) -> Params:
