@@ -60,8 +60,16 @@ class GradReducer:
         self._bound()
 
     def _bound(self) -> None:
-        while len(self.pending) > MAX_INFLIGHT:
-            self._finish(*self.pending.pop(0))
+        """Wait for the oldest reductions while too many hold a buffer of their own. An in-place
+        all-reduce of a replicated gradient holds nothing extra: it never makes backward wait."""
+        while sum(self._extra(item) for item in self.pending) > MAX_INFLIGHT:
+            oldest = next(i for i, item in enumerate(self.pending) if self._extra(item))
+            self._finish(*self.pending.pop(oldest))
+
+    def _extra(self, item) -> bool:
+        b, out, work, dtype, layout = item
+        in_place = layout == "full" or (layout == "rows" and not isinstance(b.place.grad, Shard))
+        return work is not None and not (in_place and out.dtype == dtype)
 
     def _finish(self, b: Bucket, out: Tensor, work, dtype, layout: str) -> None:
         if work is not None:
