@@ -141,6 +141,3 @@ class GradReducer:
         if isinstance(b.place.opt, Shard):
             return local_rows_of_full(g, b, self.plan.rank)
         return full_views(g, b)
-
-    def grad_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.acc.values())

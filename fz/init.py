@@ -83,7 +83,8 @@ def _bucket_storage(model: nn.Module, plan: ShardPlan, b, spec: Spec) -> Tuple[T
     """
     values = initial_values(model, [s.name for s in b.slots], spec.seed, plan.device)
     full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
-    from_user = any(not dict(model.named_parameters())[s.name].is_meta for s in b.slots)
+    names = {s.name for s in b.slots}
+    from_user = any(not p.is_meta for n, p in model.named_parameters() if n in names)
     if from_user and plan.world > 1:
         dist.broadcast(full, src=dist.get_global_rank(plan.comm.group, 0), group=plan.comm.group)
 

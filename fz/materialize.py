@@ -7,7 +7,6 @@ values are the same for every world size and stage; each rank keeps only its row
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Dict, Iterable, List, Tuple
 
 import torch
@@ -70,6 +69,3 @@ def initial_values(model: nn.Module, names: List[str], seed: int, device: torch.
             out[n] = vals[_owner(n)[1]]
     return out
 
-
-def numel(shape) -> int:
-    return math.prod(shape)

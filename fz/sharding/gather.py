@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fz.sharding.comm import Comm, pack, unpack
+from fz.sharding.comm import Comm, unpack
 from fz.sharding.plan import Bucket
 
 
@@ -138,7 +138,7 @@ class _Marker:
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver, grad_sink):
-        ctx.bucket, ctx.saver, ctx.grad_sink, ctx.comm = bucket, saver, grad_sink, gatherer.comm
+        ctx.bucket, ctx.saver, ctx.grad_sink = bucket, saver, grad_sink
         outs = gatherer.gather(bucket, shard)
         if saver is not None:
             saver.register(bucket, shard, outs)
@@ -146,26 +146,17 @@ class _GatherBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        bucket, comm = ctx.bucket, ctx.comm
         if ctx.saver is not None:
-            ctx.saver.release(bucket)  # every use of this bucket has had its backward
-        if ctx.grad_sink is not None:  # the step reduce-scatters asynchronously and keeps the shard
-            ctx.grad_sink(bucket, grads)
-            return None, None, None, None, None
-        dtype = grads[0].dtype
-        if comm.world == 1:
-            return pack(grads, bucket, dtype, grads[0].device), None, None, None, None
-        buf = pack(grads, bucket, comm.reduce_dtype, grads[0].device)
-        out = torch.empty(bucket.shard_numel, dtype=comm.reduce_dtype, device=buf.device)
-        comm.reduce_scatter(out, buf)
-        return out.to(dtype), None, None, None, None
+            ctx.saver.release(ctx.bucket)  # every use of this bucket has had its backward
+        ctx.grad_sink(ctx.bucket, grads)  # the step reduce-scatters asynchronously and keeps the shard
+        return None, None, None, None, None
 
 
 def gather_bucket(shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver: Optional[ParamSaver] = None,
                   grad_sink: Optional[Callable] = None) -> List[Tensor]:
-    """The bucket's full parameters, gathered from every rank's shard (differentiable).
+    """The bucket's full parameters, gathered from every rank's shard.
 
-    Backward sends the parameters' gradients to `grad_sink(bucket, grads)` when given
-    (asynchronous reduce-scatter, owned by the step), else reduce-scatters them here.
+    Backward sends the parameters' gradients to `grad_sink(bucket, grads)` (the step's
+    asynchronous reduce-scatter); without a sink (no grad needed) nothing flows back.
     """
     return list(_GatherBucket.apply(shard, bucket, gatherer, saver, grad_sink))

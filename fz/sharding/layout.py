@@ -41,9 +41,6 @@ class ShardPlan:
     def slots(self) -> Dict[str, Tuple[Bucket, Slot]]:
         return {s.name: (b, s) for b in self.buckets for s in b.slots}
 
-    def storage_numel(self, b: Bucket) -> int:
-        return b.shard_numel if b.sharded_param else b.full_numel
-
     def param_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
         """The state's local tensor of each parameter: full (replicated) or its rows (sharded)."""
         return shard_views(flat, b, self.rank) if b.sharded_param else full_views(flat, b)
@@ -85,41 +82,36 @@ class ShardPlan:
         return out
 
     def packed_master(self, master: Optional[Dict[str, DTensor]], mflats: Sequence[Optional[Tensor]]):
-        """`mflats` if every master weight still views its storage, else fresh copies."""
+        """`mflats` (the same object) if every master weight still views its storage, else fresh copies."""
         if master is None:
             return mflats
-        out, changed = [], False
-        for b, mflat in zip(self.buckets, mflats):
-            if mflat is None:
-                out.append(None)
-                continue
-            views = self.master_locals(mflat, b)
-            locals_ = [_local(master[s.name]) for s in b.slots]
-            if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views)):
-                out.append(mflat)
-                continue
-            changed = True
-            new = torch.zeros_like(mflat)
-            for x, v in zip(locals_, self.master_locals(new, b)):
-                v.copy_(x)
-            out.append(new)
-        return tuple(out) if changed else mflats
+        out, changed = _repack(self.buckets, master, mflats, self.master_locals)
+        return out if changed else mflats
 
     def packed_flats(self, params: Dict[str, DTensor], flats: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], bool]:
-        """`flats` if every parameter still views its bucket storage, else fresh copies."""
-        out, changed = [], False
-        for b, flat in zip(self.buckets, flats):
-            locals_ = [_local(params[s.name]) for s in b.slots]
-            views = self.param_locals(flat, b)
-            if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views)):
-                out.append(flat)
-                continue
-            changed = True
-            new = torch.zeros(self.storage_numel(b), dtype=flat.dtype, device=flat.device)
-            for x, v in zip(locals_, self.param_locals(new, b)):
-                v.copy_(x)
-            out.append(new)
-        return tuple(out), changed
+        """(`flats`, False) if every parameter still views its bucket storage, else (fresh copies, True)."""
+        return _repack(self.buckets, params, flats, self.param_locals)
+
+
+def _repack(buckets, tensors: Dict[str, DTensor], storages: Sequence[Optional[Tensor]], views_of):
+    """Keep each bucket's storage whose views the tensors still are; copy the others into new storage.
+
+    A user may `replace` or `tree_map` a State: its tensors then no longer view the buckets."""
+    out, changed = [], False
+    for b, storage in zip(buckets, storages):
+        if storage is None:
+            out.append(None)
+            continue
+        locals_ = [_local(tensors[s.name]) for s in b.slots]
+        if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views_of(storage, b))):
+            out.append(storage)
+            continue
+        changed = True
+        new = torch.zeros_like(storage)
+        for x, v in zip(locals_, views_of(new, b)):
+            v.copy_(x)
+        out.append(new)
+    return tuple(out), changed
 
 
 def _local(t) -> Tensor:
