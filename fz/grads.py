@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.sharding.comm import full_views, local_rows_of_full, pack, shard_views
+from fz.sharding.comm import full_views, pack, shard_views
 from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
 
@@ -68,23 +68,24 @@ class GradReducer:
 
     def _extra(self, item) -> bool:
         b, out, work, dtype, layout = item
-        in_place = layout == "full" or (layout == "rows" and not isinstance(b.place.grad, Shard))
-        return work is not None and not (in_place and out.dtype == dtype)
+        return work is not None and not (layout == "full" and out.dtype == dtype)
 
     def _finish(self, b: Bucket, out: Tensor, work, dtype, layout: str) -> None:
         if work is not None:
             work.wait()
-        if layout == "rows":  # an all-reduced full gradient of which this rank keeps its rows
-            if isinstance(b.place.grad, Shard):
-                shard = torch.zeros(b.shard_numel, dtype=dtype, device=out.device)
-                for dst, src in zip(shard_views(shard, b, self.plan.rank), local_rows_of_full(out, b, self.plan.rank)):
-                    dst.copy_(src)
-                out, layout = shard, "shard"
-            else:
-                layout = "full"
-        out = out.to(dtype)
+        # between micro-batches a gradient is kept in the parameters' dtype (ZeRO's 2 bytes in
+        # mixed precision); the last micro-batch's sum stays in the reduce dtype when that is
+        # wider, so the optimizer reads it without a round trip through bf16/fp16
+        keep = torch.promote_types(dtype, out.dtype) if self.last else dtype
+        out = out.to(keep)
         self.layout[b.index] = layout
-        self.acc[b.index] = out if b.index not in self.acc else self.acc[b.index].add_(out)
+        prev = self.acc.get(b.index)
+        if prev is None:
+            self.acc[b.index] = out
+        elif prev.dtype == out.dtype:
+            prev.add_(out)
+        else:
+            self.acc[b.index] = out.add_(prev)
 
     def _launch(self, b: Bucket, g: Tensor) -> None:
         """Start the bucket's collective, in the reduce dtype (the result returns to g's dtype)."""
@@ -93,14 +94,13 @@ class GradReducer:
         sharded_opt = isinstance(b.place.opt, Shard)
         if comm.world == 1:
             self.pending.append((b, g, None, g.dtype, "shard" if sharded_opt else "full"))
-        elif sharded_opt and not comm.fast:
+        elif sharded_opt:
             buf = pack(full_views(g, b), b, comm.reduce_dtype, g.device)
             out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=g.device)
             self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype, "shard"))
-        else:  # all-reduce in place; with a sharded optimizer (gloo's fast path) keep our rows
+        else:  # all-reduce in place
             red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)
-            self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype,
-                                 "rows" if sharded_opt else "full"))
+            self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype, "full"))
         self._bound()
 
     def end_micro_batch(self) -> None:
@@ -138,6 +138,4 @@ class GradReducer:
         g = self.acc[b.index]
         if self.layout[b.index] == "shard":
             return shard_views(g, b, self.plan.rank)
-        if isinstance(b.place.opt, Shard):
-            return local_rows_of_full(g, b, self.plan.rank)
         return full_views(g, b)

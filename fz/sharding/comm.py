@@ -18,6 +18,9 @@ from torch import Tensor
 from fz.sharding.plan import Bucket
 
 
+_TAGS = 1 << 20
+
+
 class _Then:
     """A collective's handle that runs `then()` once the collective has finished."""
 
@@ -35,8 +38,8 @@ class _Then:
 
 
 def _gloo_fast_paths(group) -> bool:
-    """gloo's reduce-scatter and all-gather are slower than an all-reduce and N broadcasts of
-    the same data (measured: benchmarks/RESULTS.md). FZ_COLLECTIVES=native turns this off."""
+    """gloo's reduce-scatter and all-gather are slower than a pairwise exchange and N broadcasts
+    of the same data (measured: benchmarks/RESULTS.md). FZ_COLLECTIVES=native turns this off."""
     mode = os.environ.get("FZ_COLLECTIVES", "auto")
     if mode not in ("auto", "native"):
         raise ValueError(f"FZ_COLLECTIVES={mode!r}: use 'auto' or 'native'")
@@ -53,6 +56,7 @@ class Comm:
         self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
         self.fast = world > 1 and _gloo_fast_paths(group)
         self.ranks = dist.get_process_group_ranks(group) if world > 1 else [0]
+        self._tag = 0  # point-to-point messages of one exchange share a tag; every rank counts alike
 
     def _count_all_reduce(self, t: Tensor) -> None:
         # losses, norms and flags are counted apart from the model-sized traffic
@@ -68,12 +72,34 @@ class Comm:
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""
-        if self.fast:  # all-reduce in place, keep our slice (inp is scratch)
-            work = self.all_reduce(inp, async_op=True)
-            done = _Then([work], lambda: out.copy_(inp.view(self.world, -1)[self.rank]))
-            return done if async_op else done.wait()
         self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()
+        if self.fast:
+            done = self._exchange_sum(out, inp)
+            return done if async_op else done.wait()
         return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def _exchange_sum(self, out: Tensor, inp: Tensor) -> _Then:
+        """Reduce-scatter as a pairwise exchange: send each rank its rows of `inp`, receive
+        ours from every rank, and sum them in rank order (the same order on every rank and
+        for every stage, so results do not depend on who reduced them)."""
+        n, r = self.world, self.rank
+        parts = inp.view(n, -1)
+        others = [q for q in range(n) if q != r]
+        recv = torch.empty((n - 1, parts.shape[1]), dtype=inp.dtype, device=inp.device)
+        works = []
+        for k in range(1, n):
+            dst, src = (r + k) % n, (r - k) % n
+            works.append(dist.isend(parts[dst], dst=self.ranks[dst], group=self.group, tag=self._tag))
+            works.append(dist.irecv(recv[others.index(src)], src=self.ranks[src], group=self.group, tag=self._tag))
+        self._tag = (self._tag + 1) % _TAGS
+
+        def total() -> None:
+            terms = [parts[q] if q == r else recv[others.index(q)] for q in range(n)]
+            torch.add(terms[0], terms[1], out=out)
+            for t in terms[2:]:
+                out.add_(t)
+            out.div_(n)
+        return _Then(works, total)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out (rank-major) = every rank's `inp`, in rank order."""
