@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from fz.sharding.gather import Gatherer, ParamSaver, gather_bucket
 from fz.sharding.layout import ShardPlan
 from fz.sharding.plan import Bucket
+from fz.sharding.sync import ParamSync
 from fz.skeleton import Skeleton, running
 
 
@@ -28,8 +29,9 @@ class Runner:
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
                  checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0,
-                 compile: Any = False):
+                 compile: Any = False, sync: Optional[ParamSync] = None):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.sync = sync  # replicated buckets still being all-gathered from the last update
         self.grad_sink, self.prefetch = grad_sink, prefetch
         self.compiled = compiled_units(skel, compile) if compile else None
         self.checkpointed = [i > 0 and _wants_checkpoint(checkpointing, u.name, u.module)
@@ -50,6 +52,8 @@ class Runner:
             grad = torch.is_grad_enabled()
             saver = self.saver if self.in_unit and grad else None
             return gather_bucket(leaf, b, self.gatherer, saver, self.grad_sink if grad else None)
+        if self.sync is not None:
+            self.sync.wait(b.index)
         return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
 
     def _on_regather(self, b: Bucket) -> None:
@@ -110,7 +114,7 @@ class Runner:
     def dispose(self) -> None:
         """Break the runner's reference cycles (hooks -> runner) once the step is done."""
         self.release()
-        self.leaves, self.saver, self.grad_sink = (), None, None
+        self.leaves, self.saver, self.grad_sink, self.sync = (), None, None, None
 
     def release(self) -> None:
         """After backward: drop the root's gathered parameters, finish stray prefetches,

@@ -8,6 +8,10 @@ tensors, or None), `rng` (this rank's generator state), `buffers` ({name: tensor
 replicated) and `data` (the data loader's position: any pytree, {} by default).
 Static fields: the meta skeleton, the spec and the sharding plan.
 
+At stages 1-2 a state returned by `train_step` may still be receiving its parameters
+(`sync`: all-gathers that the next step overlaps with its forward). Like a JAX array
+under async dispatch, reading `params` (or the storage under it) waits for them.
+
 `train_step` donates its input state, as `jax.jit(donate_argnums=0)` does: the new
 state reuses the buffers, and the old one refuses further use with a clear error.
 """
@@ -23,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
 from fz.sharding.layout import ShardPlan
+from fz.sharding.sync import ParamSync
 from fz.skeleton import Skeleton
 from fz.spec import Spec
 
@@ -52,6 +57,18 @@ class State:
     flats: Tuple[Tensor, ...] = field(repr=False, compare=False)  # per-bucket storage the params view
     master_flats: Tuple[Optional[Tensor], ...] = field(repr=False, compare=False)  # ... and the master weights
     lease: Lease = field(default_factory=Lease, repr=False, compare=False)
+    sync: Optional[ParamSync] = field(default=None, repr=False, compare=False)  # parameters still arriving
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _SYNCED:
+            sync = object.__getattribute__(self, "sync")
+            if sync is not None and sync.pending:
+                sync.finish()
+        return object.__getattribute__(self, name)
+
+    def raw(self, name: str) -> Any:
+        """A field as it is now, without waiting for parameters in flight (train_step's own use)."""
+        return object.__getattribute__(self, name)
 
     def replace(self, **changes: Any) -> "State":
         """A new State with `changes`; the buffers are shared, not copied."""
@@ -71,8 +88,9 @@ class State:
                 f"stage={self.spec.stage}, world={self.plan.world})")
 
 
+_SYNCED = frozenset(("params", "flats"))
 _LEAVES = ("step", "params", "master", "opt_state", "scaler", "rng", "buffers", "data")
-_STATIC = ("skeleton", "spec", "plan", "flats", "master_flats", "lease")
+_STATIC = ("skeleton", "spec", "plan", "flats", "master_flats", "lease", "sync")
 
 
 def _flatten(s: State):

@@ -2,8 +2,9 @@
 
 One optimizer step: split the batch into micro-batches; for each, run the model through
 the Runner and backpropagate (buckets reduce as their gradients become final); then clip
-by the global norm, run the optimizer on local shards, and all-gather the parameters
-that are replicated but updated in shards (stages 1 and 2).
+by the global norm, run the optimizer on local shards, and start the all-gathers of the
+parameters that are replicated but updated in shards (stages 1 and 2; the next step's
+forward overlaps them, see fz/sharding/sync.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from fz.opt_state import reuse_map, unwrap, wrap_opt_state
 from fz.runner import BoundModel, Runner, default_loss
 from fz.scaler import update_scaler
 from fz.state import State
-from fz.update import any_overflow, apply_optimizer, optimizer_inputs, sync_params
+from fz.sharding.sync import start_param_sync
+from fz.update import any_overflow, apply_optimizer, optimizer_inputs
 
 
 def _micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
@@ -76,15 +78,22 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     """
     state.check_alive("fz.train_step")
     spec, plan = state.spec, state.plan
-    flats, repacked = plan.packed_flats(state.params, state.flats)
+    sync = state.raw("sync")  # the last step's all-gathers: this forward waits for each bucket in turn
+    if sync is not None and not sync.pending:
+        sync = None
+    flats, repacked = plan.packed_flats(state.raw("params"), state.raw("flats"))
+    if repacked and sync is not None:  # a state rebuilt by the user: its parameters must be complete
+        sync.finish()
+        sync = None
+        flats, repacked = plan.packed_flats(state.raw("params"), state.raw("flats"))
     mflats = plan.packed_master(state.master, state.master_flats)
     if repacked or mflats is not state.master_flats:
         master = plan.wrap_master(mflats) if state.master is not None else None
         state = state.replace(params=plan.wrap_params(flats), flats=flats, master=master, master_flats=mflats)
     old_lease = state.lease
     if not donate:
-        state = _clone_state(state)
-        flats, mflats = state.flats, state.master_flats
+        state = _clone_state(state)  # reads the parameters: waits for them
+        flats, mflats, sync = state.flats, state.master_flats, None
     micro = _micro_batches(batch, spec.grad_accum, spec.micro_batch)
     plan.comm.bytes.clear()
     loss_fn = spec.loss_fn or default_loss
@@ -93,7 +102,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, leaves)
     runner = Runner(state.skeleton, plan, leaves, state.buffers, spec.activation_checkpointing,
-                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch, compile=spec.compile)
+                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch, compile=spec.compile, sync=sync)
     model = BoundModel(runner)
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):
@@ -107,6 +116,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
+                if sync is not None:  # parameters no forward used
+                    sync.finish()
         finally:
             reducer.close()
         rng = torch.get_rng_state()
@@ -121,9 +132,10 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         del leaves, reducer
         overflow = state.scaler is not None and any_overflow(plan, grads)
         local_opt = unwrap(state.opt_state)
+        new_sync = None
         if not overflow:
             local_opt = apply_optimizer(spec, plan, local_opt, grads, params, sharded)
-            sync_params(plan, flats, mflats)
+            new_sync = start_param_sync(plan, flats, mflats)
     del grads, params
 
     if loss_work is not None:
@@ -131,7 +143,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     plan.last_step_bytes.clear()
     plan.last_step_bytes.update(plan.comm.bytes)
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
-    new = state.replace(step=state.step + 1, rng=rng, scaler=scaler,
+    new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, sync=new_sync,
                         opt_state=wrap_opt_state(local_opt, plan, reuse_map(state.opt_state)))
     if donate:
         old_lease.alive = False

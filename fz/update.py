@@ -2,8 +2,8 @@
 
 Runs after backward: take each bucket's reduced gradients (as fp32, unscaled), check for
 fp16 overflow on every rank, clip by the global norm, run the optimizer on this rank's
-shards (of the fp32 master weights in mixed precision), then bring the parameters back
-in step: a cast copy, or an all-gather for a replicated parameter updated in shards.
+shards (of the fp32 master weights in mixed precision). Bringing the parameters back in
+step (a cast copy, or an all-gather during the next forward) is fz/sharding/sync.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from torch.distributed.tensor import Shard
 from fz.grads import GradReducer
 from fz.optim.base import apply_updates, norm_reduction, shard_reduction
 from fz.optim.transforms import clip_by_global_norm
-from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
 from fz.sharding.layout import ShardPlan
 
 Params = Dict[str, Tensor]
@@ -98,39 +97,3 @@ def _fusable(grads: Params, params: Params) -> bool:
     first = next(iter(params.values()), None)
     return first is not None and all(
         t.dtype == first.dtype and t.device == first.device for t in (*params.values(), *grads.values()))
-
-
-def sync_params(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]]) -> None:
-    """Make every rank's parameters equal the updated (master) shards.
-
-    All-gathers run asynchronously, two buckets in flight, so one bucket's copy-out
-    overlaps the next bucket's transfer.
-    """
-    pending: list = []
-
-    def finish(item) -> None:
-        work, full, b, flat = item
-        work.wait()
-        unpack_into(full, b, flat)
-
-    for b, flat, mflat in zip(plan.buckets, flats, mflats):
-        if not b.trainable:
-            continue
-        opt_sharded = isinstance(b.place.opt, Shard)
-        if mflat is not None and (b.sharded_param or not opt_sharded or plan.world == 1):
-            flat.copy_(mflat)  # same layout: a cast copy
-            continue
-        if b.sharded_param or not opt_sharded or plan.world == 1:
-            continue  # fp32: the optimizer updated the parameters themselves
-        if mflat is not None:
-            shard = mflat.to(flat.dtype)
-        else:
-            shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
-            for dst, src in zip(shard_views(shard, b, plan.rank), local_rows_of_full(flat, b, plan.rank)):
-                dst.copy_(src)
-        full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
-        pending.append((plan.comm.all_gather(full, shard, async_op=True), full, b, flat))
-        if len(pending) > 1:
-            finish(pending.pop(0))
-    for item in pending:
-        finish(item)

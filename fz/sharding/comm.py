@@ -101,9 +101,10 @@ class Comm:
             out.div_(n)
         return _Then(works, total)
 
-    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
-        """out (rank-major) = every rank's `inp`, in rank order."""
-        self.bytes["all_gather"] += out.numel() * out.element_size()
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False, counted: bool = False):
+        """out (rank-major) = every rank's `inp`, in rank order (`counted`: its bytes already were)."""
+        if not counted:
+            self.bytes["all_gather"] += out.numel() * out.element_size()
         if self.fast:  # each rank broadcasts its piece
             parts = out.view(self.world, -1)
             parts[self.rank].copy_(inp)
