@@ -29,7 +29,7 @@ class Runner:
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
                  checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0,
-                 compile: Any = False, sync: Optional[ParamSync] = None):
+                 compile: Any = False, sync: Optional[ParamSync] = None, live_buckets: int = 0):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
         self.sync = sync  # replicated buckets still being all-gathered from the last update
         self.grad_sink, self.prefetch = grad_sink, prefetch
@@ -39,6 +39,13 @@ class Runner:
         self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
         for b in plan.buckets:
             self.unit_buckets[b.unit].append(b)
+        self.sharded = [sum(b.sharded_param for b in ub) for ub in self.unit_buckets]
+        # stage 3 with room to spare: the first units' gathered buckets stay alive from forward
+        # to backward (no second all-gather) while the root, the running unit and the
+        # prefetched ones still fit under `live_buckets` (DeepSpeed's stage3_max_live_parameters)
+        widest = max(self.sharded[1:], default=0)
+        self.keep_budget = live_buckets - self.sharded[0] - (1 + prefetch) * widest
+        self.kept: set = set()  # units whose gathered buckets this forward keeps for backward
         self.root_tensors: Dict[str, Tensor] = {}
         self.gatherer = Gatherer(plan.comm, plan.live)
         self.saver = ParamSaver(self.gatherer, self._on_regather)
@@ -71,6 +78,8 @@ class Runner:
         for k in range(1, self.prefetch + 1):
             j = pos + direction * k
             if 0 <= j < len(order):
+                if direction < 0 and order[j] in self.kept:
+                    continue  # still gathered since its forward
                 for b in self.unit_buckets[order[j]]:
                     if b.sharded_param:
                         self.gatherer.prefetch(b, self.leaves[b.index])
@@ -97,9 +106,13 @@ class Runner:
             # activation checkpointing around the functional call (never inside the module):
             # the unit, its gather included, runs again in backward
             return checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
-        sharded = any(b.sharded_param for b in self.unit_buckets[index])
-        if not (sharded and torch.is_grad_enabled()):
+        n = self.sharded[index]
+        if not (n and torch.is_grad_enabled()):
             return self._run_unit(index, args, kwargs)
+        if index not in self.kept and sum(self.sharded[u] for u in self.kept) + n <= self.keep_budget:
+            self.kept.add(index)
+        if index in self.kept:
+            return self._run_unit(index, args, kwargs)  # autograd saves the gathered tensors themselves
         self.in_unit = True
         try:
             with saved_tensors_hooks(self.saver.pack, self.saver.unpack):
@@ -121,6 +134,7 @@ class Runner:
         and remember the call order so the next step can prefetch."""
         self.root_tensors = {}
         self.backward_seen = set()
+        self.kept = set()
         self.gatherer.close()
         if self.called:
             self.plan.order[:] = self.called

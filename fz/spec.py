@@ -50,7 +50,9 @@ class Spec:
     `bucket_mb` (reduce_bucket_size / allgather_bucket_size), `persist_threshold`
     (stage3_param_persistence_threshold, in elements), `live_buckets` (how many
     gathered buckets may exist at once, the root one included; DeepSpeed's
-    stage3_max_live_parameters) and `prefetch` (blocks gathered ahead; stage3_prefetch_bucket_size).
+    stage3_max_live_parameters: room beyond the root, the running block and the
+    prefetched ones keeps the first blocks gathered from forward to backward, so they
+    are not gathered again) and `prefetch` (blocks gathered ahead; stage3_prefetch_bucket_size).
     Precision: `precision` is the compute dtype (fp32 master weights and optimizer
     moments stay fp32); `reduce_dtype` is the gradient-communication dtype
     (DeepSpeed's communication_data_type; None = fp32).

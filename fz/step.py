@@ -102,7 +102,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, leaves)
     runner = Runner(state.skeleton, plan, leaves, state.buffers, spec.activation_checkpointing,
-                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch, compile=spec.compile, sync=sync)
+                    grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch, compile=spec.compile, sync=sync,
+                    live_buckets=spec.live_buckets)
     model = BoundModel(runner)
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):

@@ -32,6 +32,15 @@ def _runs(rank, world):
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
         out["prefetch", prefetch] = (losses, fz.full_params(state), state.plan.live.max_buckets)
+    for live in (3, 5, 100):  # room for 0, 2 and every block to stay gathered from forward to backward
+        state = fz.init(make_model(), spec(3, 2, live_buckets=live))
+        state.plan.live.reset_max()
+        losses = []
+        for per_rank in rank_batches(world, 2, 3):
+            state, loss = fz.train_step(state, per_rank[rank])
+            losses.append(float(loss))
+        out["live", live] = (losses, fz.full_params(state), state.plan.live.max_buckets,
+                             fz.comm_report(state).payload["all_gather"])
     for stage in (0, 3):
         for compile_ in (False, "aot_eager"):
             state = fz.init(make_model(), spec(stage, 2, compile=compile_))
@@ -112,3 +121,23 @@ def test_compiled_blocks_give_the_same_training(results):
             assert all(float((params[k] - eager_params[k]).abs().max()) < 1e-5 for k in params)
             if stage == 3:
                 assert live <= 3  # gathered blocks are still freed between uses
+
+
+def test_live_bucket_budget_keeps_blocks_gathered_for_backward(results):
+    """A larger `live_buckets` (DeepSpeed's stage3_max_live_parameters) keeps the first
+    blocks gathered from forward to backward: fewer all-gathers, the same training, and
+    never more gathered buckets alive than the budget."""
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
+    block = sum(p.numel() for name, p in model.named_parameters() if name.startswith("blocks.0."))
+    layers = (psi - root) // block
+    for res in results:
+        base_losses, base_params, _, _ = res["live", 3]
+        for live, kept in ((3, 0), (5, 2), (100, layers)):
+            losses, params, max_live, gathered = res["live", live]
+            assert losses == base_losses
+            assert all(torch.equal(params[k], base_params[k]) for k in base_params)
+            assert max_live <= live
+            # payload per micro-batch: every bucket once for forward, the blocks not kept again for backward
+            assert gathered == 2 * 4 * (psi + (layers - kept) * block), (live, gathered)
