@@ -205,8 +205,8 @@ def summarize(runs, engines, precisions, args):
             if not ok:
                 rows[e, p] = {"error": runs[e, p][-1]["error"]}
                 continue
-            ref = "fsdp2" if e == "fz3" else None
-            same_ds = "ds" + e[2:] if e.startswith("fz") else None
+            ref = {"fz3": "fsdp2", "fz3-keep": "fsdp2-noreshard"}.get(e)
+            same_ds = "ds" + e[2] if e.startswith("fz") else None
             row = {"step": median(per[e]), "min": min(x for x in per[e] if x), "max": max(x for x in per[e] if x),
                    "n": len(ok), "warn": sum("warning" in r for r in ok),
                    "rss": median(rss[e]), "base": median(r["base_mb"] for r in ok),
@@ -215,6 +215,7 @@ def summarize(runs, engines, precisions, args):
             row["vs_ddp"] = paired_ratio(per[e], per["ddp"]) if "ddp" in per else None
             row["floor"] = paired_ratio(per["floor"], per[e]) if "floor" in per else None
             row["vs_fsdp2"] = paired_ratio(per[e], per[ref]) if ref in per else None
+            row["vs_fsdp2_reshard"] = paired_ratio(per[e], per["fsdp2"]) if "fsdp2" in per else None
             row["vs_ds"] = paired_ratio(per[e], per[same_ds]) if same_ds in per else None
             row["rss_vs_ddp"] = paired_ratio(rss[e], rss["ddp"]) if "ddp" in rss else None
             row["rss_vs_fsdp2"] = paired_ratio(rss[e], rss[ref]) if ref in rss else None
@@ -236,10 +237,11 @@ def table(rows, engines, p) -> str:
         if "error" in r:
             out.append([e, f"FAILED: {r['error']}"] + [""] * (len(header) - 2))
             continue
-        vs = " / ".join(x for x in [fmt(r["vs_fsdp2"], ".2f", "x FSDP2") if r["vs_fsdp2"] else "",
+        peer = " FSDP2-noreshard" if e.endswith("-keep") else " FSDP2"
+        vs = " / ".join(x for x in [fmt(r["vs_fsdp2"], ".2f", "x" + peer) if r["vs_fsdp2"] else "",
                                     fmt(r["vs_ds"], ".2f", "x DS") if r["vs_ds"] else ""] if x) or "-"
         rv = " / ".join(x for x in [fmt(r["rss_vs_ddp"], ".2f", "x DDP") if e.startswith("fz") else "",
-                                    fmt(r["rss_vs_fsdp2"], ".2f", "x FSDP2") if r["rss_vs_fsdp2"] else "",
+                                    fmt(r["rss_vs_fsdp2"], ".2f", "x" + peer) if r["rss_vs_fsdp2"] else "",
                                     fmt(r["rss_vs_ds"], ".2f", "x DS") if r["rss_vs_ds"] else ""] if x) or "-"
         name = f"{e} (exit error in {r['warn']}/{r['n']})" if r["warn"] else e
         out.append([name, f"{1e3 * r['step']:.1f}", f"{1e3 * r['min']:.0f}-{1e3 * r['max']:.0f}",
@@ -268,6 +270,10 @@ def targets(rows, engines, p) -> list:
     add("fz3 step <= 0.85x ds3", get("fz3", "vs_ds"), 0.85)
     add("fz3 step <= 0.7x FSDP2 (reshard)", get("fz3", "vs_fsdp2"), 0.7)
     add("fz3 floor ratio >= 0.8", get("fz3", "floor"), 0.8, le=False)
+    add("fz3-keep step <= 0.85x ds3", get("fz3-keep", "vs_ds"), 0.85)
+    add("fz3-keep step <= 0.7x FSDP2 (reshard)", get("fz3-keep", "vs_fsdp2_reshard"), 0.7)
+    add("fz3-keep step <= 0.7x FSDP2 (no reshard)", get("fz3-keep", "vs_fsdp2"), 0.7)
+    add("fz3-keep floor ratio >= 0.8", get("fz3-keep", "floor"), 0.8, le=False)
     add("fz0 peak RSS <= DDP", get("fz0", "rss_vs_ddp"), 1.0)
     for s in (1, 2, 3):
         add(f"fz{s} peak RSS <= 0.85x ds{s}", get(f"fz{s}", "rss_vs_ds"), 0.85)

@@ -46,7 +46,7 @@ from _harness import (
 )
 
 PEERS = ["floor", "ddp", "fsdp2", "fsdp2-noreshard"]
-FZ = ["fz0", "fz1", "fz2", "fz3"]
+FZ = ["fz0", "fz1", "fz2", "fz3", "fz3-keep"]  # fz3-keep: live_buckets with room for every block (DeepSpeed's default)
 DS = ["ds0", "ds1", "ds2", "ds3"]
 ENGINES = PEERS + FZ + DS
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -131,7 +131,8 @@ def build_step(engine: str, precision: str, model, lm_loss):
         return eager(model, model.parameters(), False)
     if engine in FZ:
         import fz
-        spec = fz.Spec(stage=int(engine[2:]), optimizer=fz.optim.adamw(**ADAMW), grad_accum=1,
+        keep = {"live_buckets": 10**6} if engine.endswith("-keep") else {}
+        spec = fz.Spec(stage=int(engine[2]), **keep, optimizer=fz.optim.adamw(**ADAMW), grad_accum=1,
                        clip_grad_norm=1.0, precision=precision, loss_fn=lm_loss, seed=0)
         box = {"state": fz.init(model, spec)}
 
@@ -165,10 +166,23 @@ def build_step(engine: str, precision: str, model, lm_loss):
 def profile_steps(step, batches, top: int) -> str:
     """torch.profiler key_averages of `batches` steps (CPU time, self time sorted)."""
     import torch
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    stack = int(os.environ.get("FZBENCH_PROFILE_STACK", "0"))  # >0: group rows by this many Python frames
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=bool(stack)) as prof:
         for b in batches:
             float(step(b))
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    if not stack:
+        return table
+    from collections import defaultdict
+    by = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.name.startswith("aten::") and e.stack:
+            frames = [f for f in e.stack if "fz/" in f or "benchmarks/" in f][:stack]
+            key = (e.name, " < ".join(frames))
+            by[key][0] += e.self_cpu_time_total / 1000
+            by[key][1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return table + "\n" + "\n".join(f"{ms:8.2f} ms {n:5d}x {name:28} {where}" for (name, where), (ms, n) in rows)
 
 
 def worker(args) -> None:
