@@ -7,7 +7,7 @@ step (a cast copy, or an all-gather during the next forward) is fz/sharding/sync
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -41,19 +41,30 @@ def optimizer_inputs(plan: ShardPlan, reducer: GradReducer, flats: Sequence[Tens
 
 
 def _norm_sq_fn(plan: ShardPlan, sharded: Set[str]):
-    """Sum of squares in float64, so every stage's summation order gives the same fp32 norm."""
+    """Sum of squares over every shard, the same in every stage: each parameter's norm is taken
+    over the same row blocks (Shard(0)'s, also for replicated ones) in fp32, and the blocks'
+    squares are summed in float64, whose rounding never reaches the fp32 result."""
 
     def norm_sq(tree: Params) -> Tensor:
         parts = []
         for want in (False, True):
             ts = [t for k, t in tree.items() if (k in sharded) == want]
-            norms = torch._foreach_norm(ts, 2, dtype=torch.float64) if ts else [torch.zeros((), dtype=torch.float64)]
-            parts.append(torch.stack(norms).square().sum())
+            if not want:
+                ts = [piece for t in ts for piece in _row_blocks(t, plan.world)]
+            norms = torch._foreach_norm(ts, 2) if ts else [torch.zeros(())]
+            parts.append(torch.stack(norms).double().square().sum())
         if plan.world > 1 and sharded:
             plan.comm.all_reduce_sum(parts[1])
         return (parts[0] + parts[1]).float()
 
     return norm_sq
+
+
+def _row_blocks(t: Tensor, world: int) -> List[Tensor]:
+    """`t` split as Shard(0) splits it over `world` ranks."""
+    if t.dim() == 0:
+        return [t]
+    return list(t.split(max(1, -(-t.shape[0] // world))))
 
 
 def _shard_sum_fn(plan: ShardPlan, sharded: Set[str]):
