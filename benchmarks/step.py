@@ -166,23 +166,10 @@ def build_step(engine: str, precision: str, model, lm_loss):
 def profile_steps(step, batches, top: int) -> str:
     """torch.profiler key_averages of `batches` steps (CPU time, self time sorted)."""
     import torch
-    stack = int(os.environ.get("FZBENCH_PROFILE_STACK", "0"))  # >0: group rows by this many Python frames
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=bool(stack)) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for b in batches:
             float(step(b))
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-    if not stack:
-        return table
-    from collections import defaultdict
-    by = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.name.startswith("aten::") and e.stack:
-            frames = [f for f in e.stack if "fz/" in f or "benchmarks/" in f][:stack]
-            key = (e.name, " < ".join(frames))
-            by[key][0] += e.self_cpu_time_total / 1000
-            by[key][1] += 1
-    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
-    return table + "\n" + "\n".join(f"{ms:8.2f} ms {n:5d}x {name:28} {where}" for (name, where), (ms, n) in rows)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def worker(args) -> None:
