@@ -25,6 +25,26 @@ def _runs(rank, world):
                 out[mode, precision, stage] = (rep.payload, rep.sent_total, float(loss), fz.full_params(state))
                 assert not sync or not sync.pending  # reading the parameters waited for them
     del os.environ["FZ_COLLECTIVES"]
+    # a state whose parameters are still arriving: every way of using it sees them complete
+    for how in ("donate", "keep", "replace", "eval"):
+        state = fz.init(make_model(), spec(1, 1))
+        batches = rank_batches(world, 1, 3)
+        losses = []
+        for i, per_rank in enumerate(batches):
+            batch = per_rank[rank]
+            if i == 1 and how == "keep":
+                old = state
+                state, loss = fz.train_step(state, batch, donate=False)
+                fz.train_step(old, batch, donate=False)  # the old state is still whole and usable
+            elif i == 1 and how == "replace":
+                state, loss = fz.train_step(state.replace(data={"pos": 1}), batch)
+            elif i == 1 and how == "eval":
+                losses.append(float(fz.eval_step(state, batch)))
+                state, loss = fz.train_step(state, batch)
+            else:
+                state, loss = fz.train_step(state, batch)
+            losses.append(float(loss))
+        out["sync", how] = (losses, fz.full_params(state))
     for prefetch in (0, 1, 2):
         state = fz.init(make_model(), spec(3, 2, prefetch=prefetch, live_buckets=2 + prefetch))
         losses = []
@@ -99,6 +119,18 @@ def test_stage_1_2_parameter_all_gather_runs_into_the_next_step(results):
         for mode in ("native", "auto"):
             for precision in ("fp32", "bf16"):
                 assert [res["deferred", mode, precision, s] for s in (0, 1, 2, 3)] == [False, True, True, False]
+
+
+def test_state_with_parameters_in_flight_is_whole_to_every_use(results):
+    for res in results:
+        base_losses, base_params = res["sync", "donate"]
+        for how in ("keep", "replace", "eval"):
+            losses, params = res["sync", how]
+            if how == "eval":  # the eval loss sits before the step's loss; it saw the updated params
+                assert losses[1] == pytest.approx(losses[2], rel=1e-6)
+                losses = losses[:1] + losses[2:]
+            assert losses == base_losses, how
+            assert all(torch.equal(params[k], base_params[k]) for k in base_params), how
 
 
 def test_prefetch_does_not_change_results(results):
