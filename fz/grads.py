@@ -88,7 +88,7 @@ class GradReducer:
             self.acc[b.index] = out.add_(prev)
 
     def _launch(self, b: Bucket, g: Tensor) -> None:
-        """Start the bucket's collective, in the reduce dtype (the result returns to g's dtype)."""
+        """Start the bucket's collective, in the reduce dtype (`_finish` says which dtype the result keeps)."""
         self.launched.add(b.index)
         comm = self.plan.comm
         sharded_opt = isinstance(b.place.opt, Shard)
