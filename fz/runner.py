@@ -70,12 +70,13 @@ class Runner:
             self._prefetch_units(b.unit, -1)
 
     def _prefetch_units(self, unit: int, direction: int) -> None:
-        """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call order."""
+        """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call
+        order (direction 0: `unit` itself)."""
         order = self.plan.order
         if not self.prefetch or unit not in order:
             return
         pos = order.index(unit)
-        for k in range(1, self.prefetch + 1):
+        for k in range(1, self.prefetch + 1) if direction else (0,):
             j = pos + direction * k
             if 0 <= j < len(order):
                 if direction < 0 and order[j] in self.kept:
@@ -90,6 +91,8 @@ class Runner:
             own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
         if index == 0:
             self.root_tensors = own
+            if self.plan.order:  # the root is gathered: start on the first block it will call
+                self._prefetch_units(self.plan.order[0], 0)
         unit = self.skel.units[index]
         args = {local: own[c] if c in own else self.root_tensors[c] for local, c in unit.params}
         args.update((local, self.buffers[c]) for local, c in unit.buffers)
@@ -116,9 +119,12 @@ class Runner:
         self.in_unit = True
         try:
             with saved_tensors_hooks(self.saver.pack, self.saver.unpack):
-                return self._run_unit(index, args, kwargs)
+                out = self._run_unit(index, args, kwargs)
         finally:
             self.in_unit = False
+        if self.plan.order and index == self.plan.order[-1]:
+            self._prefetch_units(index, 0)  # its backward comes first: gather it while the head and loss run
+        return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with running(self):

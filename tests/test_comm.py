@@ -7,7 +7,7 @@ import torch
 
 import fz
 from fz.testing.spawn import run_ranks
-from helpers import make_model, rank_batches, spec
+from helpers import CFG, make_model, rank_batches, spec
 
 
 def _runs(rank, world):
@@ -49,9 +49,11 @@ def _runs(rank, world):
         state = fz.init(make_model(), spec(3, 2, prefetch=prefetch, live_buckets=2 + prefetch))
         losses = []
         for per_rank in rank_batches(world, 2, 4):
+            state.plan.live.reset_max()
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
         out["prefetch", prefetch] = (losses, fz.full_params(state), state.plan.live.max_buckets)
+        out["unprefetched", prefetch] = state.plan.live.unprefetched
     for live in (3, 5, 100):  # room for 0, 2 and every block to stay gathered from forward to backward
         state = fz.init(make_model(), spec(3, 2, live_buckets=live))
         state.plan.live.reset_max()
@@ -131,6 +133,17 @@ def test_state_with_parameters_in_flight_is_whole_to_every_use(results):
                 losses = losses[:1] + losses[2:]
             assert losses == base_losses, how
             assert all(torch.equal(params[k], base_params[k]) for k in base_params), how
+
+
+def test_prefetch_leaves_only_the_root_to_wait_for(results):
+    """With prefetch on, once the first step has learned the call order, every block's gather
+    (the first block's in forward, the last block's for backward included) is in flight
+    before it is needed; only the root's, first of all, is not. Without prefetch none is."""
+    micro = 2
+    for res in results:
+        assert res["unprefetched", 1] == res["unprefetched", 2] == micro  # the root, once per micro-batch
+        # without prefetch: the root, every block for forward and again for backward
+        assert res["unprefetched", 0] == micro * (1 + 2 * CFG.layers)
 
 
 def test_prefetch_does_not_change_results(results):

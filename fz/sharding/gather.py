@@ -27,6 +27,7 @@ class LiveCounter:
     def __init__(self) -> None:
         self.buckets = self.elements = 0
         self.max_buckets = self.max_elements = 0
+        self.unprefetched = 0  # gathers that found no prefetch in flight (each one waits in full)
 
     def acquire(self, numel: int) -> None:
         """A gather in flight (prefetched) counts as live."""
@@ -41,6 +42,7 @@ class LiveCounter:
 
     def reset_max(self) -> None:
         self.max_buckets, self.max_elements = self.buckets, self.elements
+        self.unprefetched = 0
 
     def track(self, tensors: Tuple[Tensor, ...], numel: int) -> None:
         """Gathered tensors count as live until the last of them is freed."""
@@ -83,6 +85,7 @@ class Gatherer:
                 work.wait()
                 self.live.release(bucket.full_numel)
             else:
+                self.live.unprefetched += 1
                 full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
                 self.comm.all_gather(full, shard)
             outs = tuple(unpack(full, bucket))
