@@ -28,7 +28,7 @@ class ParamSync:
         self.plan, self.depth = plan, max(1, depth)
         self.todo: List[Tuple[Bucket, Tensor, Optional[Tensor]]] = list(todo)  # (bucket, flat, master flat)
         self.inflight: List[Tuple[Bucket, Tensor, Tensor, object]] = []
-        self.done = set()
+        self.waiting = {b.index for b, _, _ in self.todo}  # buckets not up to date yet
         for b, flat, _ in self.todo:  # the bytes belong to the step that made the update
             plan.comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
         self._fill()
@@ -52,25 +52,22 @@ class ParamSync:
         b, flat, full, work = self.inflight.pop(0)
         work.wait()
         unpack_into(full, b, flat)
-        self.done.add(b.index)
+        self.waiting.discard(b.index)
         self._fill()
 
     def wait(self, index: int) -> None:
-        """Bucket `index` is up to date when this returns (earlier buckets too: collectives finish in order)."""
-        while index not in self.done and (self.inflight or self.todo):
-            if not self.inflight:
-                self._fill()
+        """Bucket `index` is up to date when this returns (earlier buckets too: collectives finish
+        in order). A bucket this sync does not gather (a frozen one) returns at once."""
+        while index in self.waiting:
             self._complete_oldest()
 
     def finish(self) -> None:
-        while self.inflight or self.todo:
-            if not self.inflight:
-                self._fill()
+        while self.waiting:
             self._complete_oldest()
 
     @property
     def pending(self) -> bool:
-        return bool(self.inflight or self.todo)
+        return bool(self.waiting)
 
 
 def start_param_sync(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]],
