@@ -5,15 +5,15 @@
 """
 from fz import optim
 from fz.ckpt import load_weights, restore, save, wait_for_checkpoints
-from fz.comm_report import CommReport, comm_report
+from fz.observe.comm_report import CommReport, comm_report
 from fz.errors import ConfigError
 from fz.init import init
-from fz.memory import MemoryReport, memory_report
-from fz.monitor import Monitor
-from fz.params import full_params
+from fz.observe.memory import MemoryReport, memory_report
+from fz.observe.monitor import Monitor
+from fz.observe.full_params import full_params
 from fz.spec import LossScale, Spec
 from fz.state import State
-from fz.step import apply, eval_step, train_step
+from fz.step.train import apply, eval_step, train_step
 
 __all__ = [
     "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",

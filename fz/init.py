@@ -11,15 +11,15 @@ from torch.distributed.tensor import Shard
 from torch.distributed.device_mesh import DeviceMesh
 
 from fz.errors import ConfigError
-from fz.materialize import initial_values, module_seed
-from fz.opt_state import wrap_opt_state
-from fz.scaler import init_scaler
+from fz.model.materialize import initial_values, module_seed
+from fz.sharding.opt_state import wrap_opt_state
+from fz.step.scaler import init_scaler
 from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.gather import LiveCounter
-from fz.sharding.layout import ShardPlan
+from fz.sharding.plan import ShardPlan
 from fz.sharding.mesh import default_mesh
-from fz.sharding.plan import make_buckets
-from fz.skeleton import build_skeleton
+from fz.sharding.buckets import make_buckets
+from fz.model.skeleton import build_skeleton
 from fz.spec import Spec
 from fz.state import State
 

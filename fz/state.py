@@ -26,9 +26,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
-from fz.sharding.layout import ShardPlan
+from fz.sharding.plan import ShardPlan
 from fz.sharding.sync import ParamSync
-from fz.skeleton import Skeleton
+from fz.model.skeleton import Skeleton
 from fz.spec import Spec
 
 

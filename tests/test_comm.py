@@ -21,7 +21,7 @@ def _runs(rank, world):
                 state, loss = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
                 sync = state.raw("sync")
                 out["deferred", mode, precision, stage] = sync is not None and sync.pending
-                rep = fz.comm_report(state)
+                rep = fz.observe.comm_report(state)
                 out[mode, precision, stage] = (rep.payload, rep.sent_total, float(loss), fz.full_params(state))
                 assert not sync or not sync.pending  # reading the parameters waited for them
     del os.environ["FZ_COLLECTIVES"]
@@ -62,7 +62,7 @@ def _runs(rank, world):
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
         out["live", live] = (losses, fz.full_params(state), state.plan.live.max_buckets,
-                             fz.comm_report(state).payload["all_gather"])
+                             fz.observe.comm_report(state).payload["all_gather"])
     for stage in (0, 3):
         for compile_ in (False, "aot_eager"):
             state = fz.init(make_model(), spec(stage, 2, compile=compile_))

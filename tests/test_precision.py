@@ -36,7 +36,7 @@ def _runs(rank, world):
         for per_rank in rank_batches(world, 1):
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
-        out["reduce", reduce_dtype] = (losses, fz.comm_report(state).payload)
+        out["reduce", reduce_dtype] = (losses, fz.observe.comm_report(state).payload)
     # fp16: a poisoned batch on rank 0 only must skip the step on every rank
     state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_fn=_overflow_loss))
     batches = rank_batches(world, 1, 12)
@@ -123,7 +123,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(results):
 
 
 def test_dynamic_loss_scale_follows_deepspeed():
-    from fz.scaler import init_scaler, update_scaler
+    from fz.step.scaler import init_scaler, update_scaler
     sp = fz.Spec(precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4, loss_scale_window=2,
                                                              hysteresis=2, min_loss_scale=2.0))
     s = init_scaler(sp)
@@ -165,4 +165,4 @@ def test_activation_checkpointing_same_result_less_memory(stage):
         assert ckpt_bytes < 0.6 * plain_bytes, (ckpt_bytes, plain_bytes)
     # a name policy: checkpoint only block 1
     state = fz.init(make_model(), spec(stage, 1, activation_checkpointing=["blocks.1"]))
-    assert fz.runner.Runner(state.skeleton, state.plan, [], {}, ["blocks.1"]).checkpointed == [False, False, True]
+    assert fz.step.runner.Runner(state.skeleton, state.plan, [], {}, ["blocks.1"]).checkpointed == [False, False, True]

@@ -29,7 +29,7 @@ from fz.ckpt.layout import META, PathLike, resolve
 from fz.ckpt.saver import wait_for_checkpoints
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import ConfigError
-from fz.materialize import module_seed
+from fz.model.materialize import module_seed
 from fz.state import State
 
 _SHOWN = 5

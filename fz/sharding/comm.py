@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fz.sharding.plan import Bucket
+from fz.sharding.buckets import Bucket
 
 
 _TAGS = 1 << 20

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fz.sharding.comm import Comm, unpack
-from fz.sharding.plan import Bucket
+from fz.sharding.buckets import Bucket
 
 
 class LiveCounter:

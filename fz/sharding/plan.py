@@ -1,161 +1,118 @@
-"""The ZeRO stages as a table of DTensor placements, and the flat buckets built from it.
+"""`ShardPlan`: the static map from parameter names to bucket storage on this rank.
 
-This file is where each stage's behaviour is decided; everything else follows from
-the three placements a parameter gets:
-
-| stage | param     | grad      | optimizer state |
-|-------|-----------|-----------|-----------------|
-| 0     | Replicate | Replicate | Replicate       |
-| 1     | Replicate | Replicate | Shard(0)        |
-| 2     | Replicate | Shard(0)  | Shard(0)        |
-| 3     | Shard(0)  | Shard(0)  | Shard(0)        |
-
-What follows from them:
-- param Shard(0): gathered just in time per bucket (all-gather), freed after use.
-- grad Replicate: gradients accumulate in full over micro-batches, reduced once per step;
-  grad Shard(0): reduce-scattered after every micro-batch, only the shard is kept.
-- optimizer Replicate: all-reduce, every rank updates the whole parameter;
-  optimizer Shard(0): reduce-scatter, each rank updates its rows, and a replicated
-  parameter is all-gathered back after the update.
-Per-parameter override: at stage 3 a parameter under `persist_threshold` elements (or a
-0-d one) keeps stage 2's placements (DeepSpeed's stage3_param_persistence_threshold).
+Each bucket owns one flat storage tensor per rank: the full parameters (replicated
+buckets) or this rank's padded Shard(0) rows (sharded buckets). Parameters in the state
+are DTensors whose local tensors are views of that storage, so a collective on the
+bucket is one call on one tensor.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-R, S = Replicate(), Shard(0)
-
-
-@dataclass(frozen=True)
-class Placements:
-    param: Placement
-    grad: Placement
-    opt: Placement
-
-
-STAGES: Dict[int, Placements] = {
-    0: Placements(R, R, R),
-    1: Placements(R, R, S),
-    2: Placements(R, S, S),
-    3: Placements(S, S, S),
-}
-
-
-def placements_for(stage: int, shape: torch.Size, persist_threshold: int) -> Placements:
-    """The table's row for one parameter, after the per-parameter override."""
-    if stage == 3 and (len(shape) == 0 or math.prod(shape) < persist_threshold):
-        return STAGES[2]
-    if len(shape) == 0:
-        return STAGES[0]  # a scalar cannot be split along dim 0
-    return STAGES[stage]
+from fz.sharding.comm import Comm, full_views, local_rows_of_full, shard_views
+from fz.sharding.gather import LiveCounter
+from fz.sharding.buckets import Bucket, Slot
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where one parameter lives inside its bucket's flat buffers.
-
-    Full layout (replicated params): the parameter at `full_offset`, `numel` elements.
-    Shard layout (per rank): `chunk` rows of `row_numel`, zero-padded, at `shard_offset`;
-    rank r holds rows [r*chunk, min((r+1)*chunk, rows)), as DTensor's Shard(0) does.
-    """
-
-    name: str
-    shape: torch.Size
-    full_offset: int
-    shard_offset: int
-    chunk: int
-
-    @cached_property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @cached_property
-    def rows(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
-
-    @cached_property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if len(self.shape) else 1
-
-    def local_rows(self, rank: int) -> Tuple[int, int]:
-        start = min(rank * self.chunk, self.rows)
-        return start, min(start + self.chunk, self.rows)
-
-    def local_shape(self, rank: int) -> torch.Size:
-        start, stop = self.local_rows(rank)
-        return torch.Size((stop - start, *self.shape[1:]))
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Parameters reduced or gathered by one collective: same unit, placements, trainability."""
-
-    index: int
-    unit: int  # index into the skeleton's units; 0 is the root
-    place: Placements
-    trainable: bool
-    slots: Tuple[Slot, ...]
-    world: int
+class ShardPlan:
+    mesh: DeviceMesh
+    comm: Comm
+    device: torch.device
+    buckets: Tuple[Bucket, ...]
+    live: LiveCounter
+    order: List[int] = field(default_factory=list)  # units in forward call order (learned by the first step)
+    last_step_bytes: Dict[str, int] = field(default_factory=dict)  # collective kind -> payload bytes
 
     @property
-    def sharded_param(self) -> bool:
-        return isinstance(self.place.param, Shard)
-
-    @cached_property
-    def full_numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-    @cached_property
-    def shard_numel(self) -> int:
-        """Per-rank elements of the padded shard layout (the collective's unit)."""
-        return sum(s.chunk * s.row_numel for s in self.slots)
+    def rank(self) -> int:
+        return self.comm.rank
 
     @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world
+    def world(self) -> int:
+        return self.comm.world
+
+    def slots(self) -> Dict[str, Tuple[Bucket, Slot]]:
+        return {s.name: (b, s) for b in self.buckets for s in b.slots}
+
+    def param_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
+        """The state's local tensor of each parameter: full (replicated) or its rows (sharded)."""
+        return shard_views(flat, b, self.rank) if b.sharded_param else full_views(flat, b)
+
+    def master_locals(self, mflat: Tensor, b: Bucket) -> List[Tensor]:
+        """Master weights: full layout (optimizer Replicate) or this rank's padded rows."""
+        return shard_views(mflat, b, self.rank) if isinstance(b.place.opt, Shard) else full_views(mflat, b)
+
+    def opt_locals(self, flat: Tensor, mflat: Optional[Tensor], b: Bucket) -> List[Tensor]:
+        """What the optimizer updates for each parameter: the whole of it or this rank's rows
+        (of the fp32 master weights in mixed precision, else of the parameters themselves)."""
+        if mflat is not None:
+            return self.master_locals(mflat, b)
+        if b.sharded_param:
+            return shard_views(flat, b, self.rank)
+        if isinstance(b.place.opt, Shard):
+            return local_rows_of_full(flat, b, self.rank)
+        return full_views(flat, b)
+
+    def to_dtensor(self, local: Tensor, slot: Slot, placement) -> DTensor:
+        if isinstance(placement, Shard):
+            stride = torch.empty(slot.shape, device="meta").stride()
+            return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=slot.shape, stride=stride)
+        return DTensor.from_local(local, self.mesh, [placement], run_check=False)
+
+    def wrap_params(self, flats: Sequence[Tensor]) -> Dict[str, DTensor]:
+        out: Dict[str, DTensor] = {}
+        for b, flat in zip(self.buckets, flats):
+            for s, t in zip(b.slots, self.param_locals(flat, b)):
+                out[s.name] = self.to_dtensor(t, s, b.place.param)
+        return out
+
+    def wrap_master(self, mflats: Sequence[Optional[Tensor]]) -> Dict[str, DTensor]:
+        out: Dict[str, DTensor] = {}
+        for b, mflat in zip(self.buckets, mflats):
+            if mflat is not None:
+                for s, t in zip(b.slots, self.master_locals(mflat, b)):
+                    out[s.name] = self.to_dtensor(t, s, b.place.opt)
+        return out
+
+    def packed_master(self, master: Optional[Dict[str, DTensor]], mflats: Sequence[Optional[Tensor]]):
+        """`mflats` (the same object) if every master weight still views its storage, else fresh copies."""
+        if master is None:
+            return mflats
+        out, changed = _repack(self.buckets, master, mflats, self.master_locals)
+        return out if changed else mflats
+
+    def packed_flats(self, params: Dict[str, DTensor], flats: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], bool]:
+        """(`flats`, False) if every parameter still views its bucket storage, else (fresh copies, True)."""
+        return _repack(self.buckets, params, flats, self.param_locals)
 
 
-def make_buckets(params: Sequence[Tuple[str, torch.Size, int, bool]], stage: int, world: int,
-                 bucket_numel: int, persist_threshold: int) -> List[Bucket]:
-    """Group (name, shape, unit, trainable) in order into buckets of at most bucket_numel.
+def _repack(buckets, tensors: Dict[str, DTensor], storages: Sequence[Optional[Tensor]], views_of):
+    """Keep each bucket's storage whose views the tensors still are; copy the others into new storage.
 
-    A bucket never mixes units, placements or trainability; one parameter larger than
-    the limit gets a bucket of its own.
-    """
-    buckets: List[Bucket] = []
-    group: List[Tuple[str, torch.Size]] = []
-    key = None
+    A user may `replace` or `tree_map` a State: its tensors then no longer view the buckets."""
+    out, changed = [], False
+    for b, storage in zip(buckets, storages):
+        if storage is None:
+            out.append(None)
+            continue
+        locals_ = [_local(tensors[s.name]) for s in b.slots]
+        if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views_of(storage, b))):
+            out.append(storage)
+            continue
+        changed = True
+        new = torch.zeros_like(storage)
+        for x, v in zip(locals_, views_of(new, b)):
+            v.copy_(x)
+        out.append(new)
+    return tuple(out), changed
 
-    def close() -> None:
-        if group:
-            unit, place, trainable = key
-            slots, full, shard = [], 0, 0
-            for name, shape in group:
-                rows = shape[0] if len(shape) else 1
-                chunk = max(1, -(-rows // world))
-                slot = Slot(name, shape, full, shard, chunk)
-                slots.append(slot)
-                full += slot.numel
-                shard += chunk * slot.row_numel
-            buckets.append(Bucket(len(buckets), unit, place, trainable, tuple(slots), world))
-            group.clear()
 
-    size = 0
-    for name, shape, unit, trainable in params:
-        k = (unit, placements_for(stage, shape, persist_threshold), trainable)
-        numel = math.prod(shape)
-        if k != key or (group and size + numel > bucket_numel):
-            close()
-            key, size = k, 0
-        group.append((name, shape))
-        size += numel
-    close()
-    return buckets
+def _local(t) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
-from fz.sharding.layout import ShardPlan
-from fz.sharding.plan import Bucket
+from fz.sharding.plan import ShardPlan
+from fz.sharding.buckets import Bucket
 
 
 class ParamSync:

@@ -18,10 +18,10 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from fz.sharding.gather import Gatherer, ParamSaver, gather_bucket
-from fz.sharding.layout import ShardPlan
-from fz.sharding.plan import Bucket
+from fz.sharding.plan import ShardPlan
+from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
-from fz.skeleton import Skeleton, running
+from fz.model.skeleton import Skeleton, running
 
 
 class Runner:

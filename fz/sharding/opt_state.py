@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from fz.sharding.layout import ShardPlan
+from fz.sharding.plan import ShardPlan
 
 
 def _param_key(path) -> Optional[str]:

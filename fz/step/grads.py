@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.sharding.comm import full_views, pack, shard_views
-from fz.sharding.layout import ShardPlan
-from fz.sharding.plan import Bucket
+from fz.sharding.plan import ShardPlan
+from fz.sharding.buckets import Bucket
 
 
 MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gradient memory)

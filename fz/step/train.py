@@ -17,13 +17,13 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.grads import GradReducer
-from fz.opt_state import reuse_map, unwrap, wrap_opt_state
-from fz.runner import BoundModel, Runner, default_loss
-from fz.scaler import update_scaler
+from fz.step.grads import GradReducer
+from fz.sharding.opt_state import reuse_map, unwrap, wrap_opt_state
+from fz.step.runner import BoundModel, Runner, default_loss
+from fz.step.scaler import update_scaler
 from fz.state import State
 from fz.sharding.sync import start_param_sync
-from fz.update import any_overflow, apply_optimizer, optimizer_inputs
+from fz.step.update import any_overflow, apply_optimizer, optimizer_inputs
 
 
 def _micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.grads import GradReducer
+from fz.step.grads import GradReducer
 from fz.optim.base import apply_updates, norm_reduction, shard_reduction
 from fz.optim.transforms import clip_by_global_norm
-from fz.sharding.layout import ShardPlan
+from fz.sharding.plan import ShardPlan
 
 Params = Dict[str, Tensor]
 
