@@ -17,7 +17,7 @@ machine is noisy, ratios are per repeat (engine / DDP of the same repeat and pre
 table shows their median over repeats. Step time is the median over steps [warmup, steps) of the
 slowest rank, timed from a barrier to `float(loss)`. "sent MB" is measured on every engine: the
 median per-step growth of the rank's /proc/self/io wchar (gloo sends with writev), max over ranks;
-for fz, `fz.observe.comm_report` gives its own count (payload bytes times the ring factor).
+for fz, `fz.comm_report` gives its own count (payload bytes times the ring factor).
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def worker(args) -> None:
               "dim": cfg.dim, "src": source_hash()}
     if box is not None:
         import fz
-        comm = fz.observe.comm_report(box["state"])
+        comm = fz.comm_report(box["state"])
         result["fz_comm"] = {"payload": comm.payload, "sent_total": comm.sent_total}
         result["fz_memory"] = fz.memory_report(box["state"]).as_dict()
     if args.profile:
@@ -301,7 +301,7 @@ def main() -> None:
             comm = rows[e, p].get("meta", {}).get("fz_comm")
             if comm:
                 kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(comm["payload"].items()))
-                print(f"{'' if e != engines[0] else chr(10)}- {e} fz.observe.comm_report payload MB: {kinds}")
+                print(f"{'' if e != engines[0] else chr(10)}- {e} fz.comm_report payload MB: {kinds}")
         checks = targets(rows, engines, p)
         if checks:
             print(f"\nTargets ({p}):\n\n" + markdown(["target", "value", "status"], checks))

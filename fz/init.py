@@ -4,24 +4,24 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import Shard
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
 from fz.model.materialize import initial_values, module_seed
-from fz.sharding.opt_state import wrap_opt_state
-from fz.step.scaler import init_scaler
-from fz.sharding.comm import Comm, full_views, pack
-from fz.sharding.gather import LiveCounter
-from fz.sharding.plan import ShardPlan
-from fz.sharding.mesh import default_mesh
-from fz.sharding.buckets import make_buckets
 from fz.model.skeleton import build_skeleton
+from fz.optim.transforms import current_lr
+from fz.sharding.buckets import make_buckets
+from fz.sharding.comm import Comm, full_views, pack
+from fz.sharding.mesh import make_mesh
+from fz.sharding.opt_state import wrap_opt_state
+from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.state import State
+from fz.step.metrics import initial_metrics
+from fz.step.scaler import init_scaler
 
 
 def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> State:
@@ -29,15 +29,15 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
 
     `model` is not modified. Built on the meta device, it is initialised module by module
     with seeds from (spec.seed, module name); built normally, its values are used, taken
-    from rank 0 so every rank starts alike (as DDP does).
+    from the mesh's first rank so every rank starts alike (as DDP does). `mesh` is a 1-D
+    mesh, or a 2-D one with dims ("replicate", "shard") for hybrid sharding (by default
+    fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
-    mesh = default_mesh(mesh)
-    group = mesh.get_group()
-    comm = Comm(group, mesh.size(), mesh.get_local_rank(), spec.grad_reduce_dtype)
+    mesh = make_mesh(mesh, spec.shard_group_size)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
 
@@ -49,32 +49,38 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     entries = [(named[i][0], named[i][1].shape, skel.param_unit[named[i][0]], named[i][1].requires_grad) for i in order]
     if not any(e[3] for e in entries):
         raise ConfigError("every parameter of the model is frozen (requires_grad=False): there is nothing to train")
-    buckets = make_buckets(entries, spec.stage, comm.world, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
-    plan = ShardPlan(mesh, comm, device, tuple(buckets), LiveCounter())
+    shards = mesh.size(mesh.ndim - 1)
+    buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
+    plan = ShardPlan.build(mesh, device, tuple(buckets))
+    comm = Comm(plan)
 
-    storages = [_bucket_storage(model, plan, b, spec) for b in buckets]
-    flats = [p for p, _ in storages]
-    master_flats = [m for _, m in storages]
-    params = plan.wrap_params(flats)
-    master = plan.wrap_master(master_flats) if spec.precision != "fp32" else None
+    storages = [_bucket_storage(model, plan, comm, b, spec) for b in buckets]
+    param_flats = tuple(plan.wrap_flat(p, b, b.place.param) for b, (p, _) in zip(buckets, storages))
+    master_flats = {b.index: plan.wrap_flat(m, b, b.place.opt) for b, (_, m) in zip(buckets, storages) if m is not None}
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
     buffers = initial_values(model, buffer_names, spec.seed, device)
 
     opt_params = {}
-    for b, flat, mflat in zip(buckets, flats, master_flats):
+    for b, (flat, mflat) in zip(buckets, storages):
         if b.trainable:
             opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
     opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(module_seed(spec.seed, f"rank{comm.rank}"))
+        torch.manual_seed(module_seed(spec.seed, f"rank{plan.rank}"))
         rng = torch.get_rng_state()
-    return State(step=torch.zeros((), dtype=torch.int64), params=params, master=master, opt_state=opt_state,
-                 scaler=init_scaler(spec), rng=rng, buffers=buffers, data={}, skeleton=skel, spec=spec, plan=plan,
-                 flats=tuple(flats), master_flats=tuple(master_flats))
+    scaler = init_scaler(spec)
+    try:
+        lr = current_lr(opt_state)
+    except ValueError:
+        lr = None
+    metrics = initial_metrics(lr, float(scaler["scale"]) if scaler is not None else 1.0)
+    return State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
+                 opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
+                 skeleton=skel, spec=spec, plan=plan)
 
 
-def _bucket_storage(model: nn.Module, plan: ShardPlan, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:
+def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:
     """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
 
     Params are in the compute dtype, laid out by their placement (full or this rank's
@@ -84,13 +90,12 @@ def _bucket_storage(model: nn.Module, plan: ShardPlan, b, spec: Spec) -> Tuple[T
     values = initial_values(model, [s.name for s in b.slots], spec.seed, plan.device)
     full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
     names = {s.name for s in b.slots}
-    from_user = any(not p.is_meta for n, p in model.named_parameters() if n in names)
-    if from_user and plan.world > 1:
-        dist.broadcast(full, src=dist.get_global_rank(plan.comm.group, 0), group=plan.comm.group)
+    if any(not p.is_meta for n, p in model.named_parameters() if n in names):
+        comm.broadcast_first(full)
 
     def rows() -> Tensor:
         rank_major = pack(full_views(full, b), b, full.dtype, full.device)
-        return rank_major.view(plan.world, b.shard_numel)[plan.rank].clone()
+        return rank_major.view(plan.shards, b.shard_numel)[plan.shard_rank].clone()
 
     param = rows() if b.sharded_param else full
     if spec.precision == "fp32" or not b.trainable:

@@ -53,6 +53,8 @@ class Spec:
     stage3_max_live_parameters: room beyond the root, the running block and the
     prefetched ones keeps the first blocks gathered from forward to backward, so they
     are not gathered again) and `prefetch` (blocks gathered ahead; stage3_prefetch_bucket_size).
+    `shard_group_size=n` is hybrid sharding (DeepSpeed's mics_shard_size, FSDP2's HSDP):
+    ZeRO shards within groups of n consecutive ranks and the groups replicate each other.
     Precision: `precision` is the compute dtype (fp32 master weights and optimizer
     moments stay fp32); `reduce_dtype` is the gradient-communication dtype
     (DeepSpeed's communication_data_type; None = fp32).
@@ -77,6 +79,7 @@ class Spec:
     log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
     log_every: int = 10  # DeepSpeed's steps_per_print
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
+    shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -111,6 +114,10 @@ class Spec:
             raise bad("seed", self.seed, "must be an integer")
         if not isinstance(self.compile, (bool, str)):
             raise bad("compile", self.compile, "must be True/False or a torch.compile backend name")
+        if self.shard_group_size is not None and (not isinstance(self.shard_group_size, int)
+                                                  or self.shard_group_size < 1):
+            raise bad("shard_group_size", self.shard_group_size,
+                      "must be None (shard over every rank) or an integer >= 1 that divides the world size")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

@@ -1,24 +1,27 @@
 """`State`: the whole training state as one immutable value (flax's TrainState).
 
-Leaves (what a checkpoint saves, what `tree_map` sees): `step`, `params`
-({name: DTensor}, in the compute dtype), `master` (fp32 master weights as DTensors with the
-optimizer's placements, or None in fp32 where the params are the master), `opt_state`
-(the optimizer's pytree, param-shaped leaves as DTensors), `scaler` (fp16 loss-scaler
-tensors, or None), `rng` (this rank's generator state), `buffers` ({name: tensor},
-replicated) and `data` (the data loader's position: any pytree, {} by default).
-Static fields: the meta skeleton, the spec and the sharding plan.
+Leaves (what `tree_map` sees, what the next step uses, exactly as they are):
+- `param_flats`: per bucket, the parameters' storage in the compute dtype, a DTensor
+  (Replicate, or Shard(0) of the bucket's rank-major padded layout; fz/sharding/plan.py);
+- `master_flats`: {bucket index: fp32 master weights' storage}, in mixed precision only;
+- `opt_state` (the optimizer's pytree, param-shaped leaves as DTensors), `scaler` (fp16
+  loss-scaler tensors, or None), `step`, `rng` (this rank's generator state), `buffers`,
+  `data` (the data loader's position) and `metrics` (what the last step measured: call
+  order, bytes, grad norm, lr, loss scale; fz/observe reads them).
+Static: the meta skeleton, the spec and the frozen sharding plan (no tensors, nothing mutable).
 
-At stages 1-2 a state returned by `train_step` may still be receiving its parameters
-(`sync`: all-gathers that the next step overlaps with its forward). Like a JAX array
-under async dispatch, reading `params` (or the storage under it) waits for them.
+`params` and `master` by name are DTensor views of the storage, made on demand.
+At stages 1-2 a state returned by `train_step` may hold parameters still arriving
+(fz/sharding/sync.py): leaf-level futures, never waited for by flattening or printing.
 
-`train_step` donates its input state, as `jax.jit(donate_argnums=0)` does: the new
-state reuses the buffers, and the old one refuses further use with a clear error.
+`train_step` donates its input state, as `jax.jit(donate_argnums=0)` does: the new state
+reuses the buffers, and the old one refuses further use with a clear error.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, Optional, Tuple
 
 import torch.utils._pytree as pytree
@@ -26,79 +29,134 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
-from fz.sharding.plan import ShardPlan
-from fz.sharding.sync import ParamSync
 from fz.model.skeleton import Skeleton
+from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 
 
-class Lease:
-    """Whether a state's buffers still belong to it (False once donated to a step)."""
-
-    __slots__ = ("alive",)
-
-    def __init__(self) -> None:
-        self.alive = True
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class State:
     step: Tensor
-    params: Dict[str, DTensor]
-    master: Optional[Dict[str, DTensor]]
+    param_flats: Tuple[DTensor, ...]
+    master_flats: Dict[int, DTensor]
     opt_state: Any
     scaler: Optional[Dict[str, Tensor]]
     rng: Tensor
     buffers: Dict[str, Tensor]
     data: Any
-    skeleton: Skeleton = field(repr=False, compare=False)
-    spec: Spec = field(repr=False, compare=False)
-    plan: ShardPlan = field(repr=False, compare=False)
-    flats: Tuple[Tensor, ...] = field(repr=False, compare=False)  # per-bucket storage the params view
-    master_flats: Tuple[Optional[Tensor], ...] = field(repr=False, compare=False)  # ... and the master weights
-    lease: Lease = field(default_factory=Lease, repr=False, compare=False)
-    sync: Optional[ParamSync] = field(default=None, repr=False, compare=False)  # parameters still arriving
+    metrics: Dict[str, Any]
+    skeleton: Skeleton = field(repr=False)
+    spec: Spec = field(repr=False)
+    plan: ShardPlan = field(repr=False)
 
-    def __getattribute__(self, name: str) -> Any:
-        if name in _SYNCED:
-            sync = object.__getattribute__(self, "sync")
-            if sync is not None and sync.pending:
-                sync.finish()
-        return object.__getattribute__(self, name)
+    @cached_property
+    def params(self) -> Dict[str, DTensor]:
+        """{name: DTensor} views of `param_flats` (no copy, no wait)."""
+        plan = self.plan
+        return plan.named([f._local_tensor for f in self.param_flats], plan.param_locals, lambda b: b.place.param)
 
-    def raw(self, name: str) -> Any:
-        """A field as it is now, without waiting for parameters in flight (train_step's own use)."""
-        return object.__getattribute__(self, name)
-
-    def replace(self, **changes: Any) -> "State":
-        """A new State with `changes`; the buffers are shared, not copied."""
-        return dataclasses.replace(self, lease=Lease(), **changes)
-
-    def check_alive(self, what: str) -> None:
-        if not self.lease.alive:
-            raise ConfigError(f"{what}: this state was donated to fz.train_step; use the state it returned")
+    @cached_property
+    def master(self) -> Optional[Dict[str, DTensor]]:
+        """{name: fp32 master weights} views of `master_flats`; None in fp32 (the params are the master)."""
+        if self.spec.precision == "fp32":
+            return None
+        plan = self.plan
+        return plan.named({i: f._local_tensor for i, f in self.master_flats.items()}, plan.master_locals,
+                          lambda b: b.place.opt)
 
     @property
     def mesh(self):
         return self.plan.mesh
 
+    def replace(self, **changes: Any) -> "State":
+        """A new State with `changes`; leaves not named are shared, not copied.
+
+        `params=` / `master=` take {name: tensor} (e.g. a tree_map of `state.params`): they
+        are packed into new bucket storage after checking each tensor's shape, dtype and
+        placement (fz.ConfigError naming the first that does not fit).
+        """
+        from fz.sharding.pack import pack_master, pack_params
+        if "params" in changes:
+            changes["param_flats"] = pack_params(self, changes.pop("params"))
+        if "master" in changes:
+            changes["master_flats"] = pack_master(self, changes.pop("master"))
+        return dataclasses.replace(self, **changes)
+
+    def check_alive(self, what: str) -> None:
+        if self.__dict__.get("_donated"):
+            raise ConfigError(f"{what}: this state was donated to fz.train_step; use the state it returned")
+
+    def donate(self) -> None:
+        """Mark this state as given up to a step (its buffers now belong to the new state)."""
+        object.__setattr__(self, "_donated", True)
+
     def __repr__(self) -> str:
-        n = sum(p.numel() for p in self.params.values())
-        return (f"State(step={int(self.step)}, params={len(self.params)} tensors / {n:,} elements, "
-                f"stage={self.spec.stage}, world={self.plan.world})")
+        if self.__dict__.get("_donated"):
+            return "State(donated to fz.train_step)"
+        n = sum(s.numel for b in self.plan.buckets for s in b.slots)
+        mesh = "x".join(str(d) for d in self.plan.mesh.shape)
+        return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "
+                f"{n:,} elements, stage={self.spec.stage}, mesh={mesh})")
+
+    def __deepcopy__(self, memo) -> "State":
+        """Every tensor copied (parameters still arriving are waited for: their copy is whole)."""
+        self.check_alive("copy.deepcopy")
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else _copy_leaf(x, memo), self)
 
 
-_SYNCED = frozenset(("params", "flats"))
-_LEAVES = ("step", "params", "master", "opt_state", "scaler", "rng", "buffers", "data")
-_STATIC = ("skeleton", "spec", "plan", "flats", "master_flats", "lease", "sync")
+def block_until_ready(state: State) -> State:
+    """`state` with every parameter still arriving waited for (as `jax.block_until_ready`): the
+    returned state's leaves are plain storage. Waits only for collectives already started."""
+    state.check_alive("fz.block_until_ready")
+    from fz.sharding.sync import Arriving
+    leaves = []
+    for f in state.param_flats:
+        local = f._local_tensor
+        leaves.append(state.plan.to_dtensor(local.result(), f.shape, f.placements[-1])
+                      if isinstance(local, Arriving) else f)
+    return dataclasses.replace(state, param_flats=tuple(leaves))
+
+
+def _copy_leaf(x: Any, memo) -> Any:
+    import copy
+    return copy.deepcopy(x, memo)
+
+
+_LEAVES = ("step", "param_flats", "master_flats", "opt_state", "scaler", "rng", "buffers", "data", "metrics")
+
+
+class _Static:
+    """A state's static part: compared by value, so states from one init (or equal ones) share a treedef."""
+
+    __slots__ = ("skeleton", "spec", "plan")
+
+    def __init__(self, skeleton: Skeleton, spec: Spec, plan: ShardPlan):
+        self.skeleton, self.spec, self.plan = skeleton, spec, plan
+
+    def __eq__(self, other: Any) -> bool:
+        return (isinstance(other, _Static) and self.spec == other.spec and self.plan == other.plan
+                and self.skeleton.signature == other.skeleton.signature)
+
+    def __hash__(self) -> int:
+        return hash((self.plan.buckets, self.skeleton.signature))
+
+    def __repr__(self) -> str:
+        return f"fz.State static(stage={self.spec.stage}, buckets={len(self.plan.buckets)})"
 
 
 def _flatten(s: State):
-    return [getattr(s, f) for f in _LEAVES], tuple(getattr(s, f) for f in _STATIC)
+    s.check_alive("flattening a State")
+    return [getattr(s, f) for f in _LEAVES], _Static(s.skeleton, s.spec, s.plan)
 
 
-def _unflatten(values, context) -> State:
-    return State(**dict(zip(_LEAVES, values)), **dict(zip(_STATIC, context)))
+def _unflatten(values, context: _Static) -> State:
+    return State(**dict(zip(_LEAVES, values)), skeleton=context.skeleton, spec=context.spec, plan=context.plan)
 
 
-pytree.register_pytree_node(State, _flatten, _unflatten, serialized_type_name="fz.State")
+def _flatten_with_keys(s: State):
+    leaves, context = _flatten(s)
+    return [(pytree.GetAttrKey(k), v) for k, v in zip(_LEAVES, leaves)], context
+
+
+pytree.register_pytree_node(State, _flatten, _unflatten, serialized_type_name="fz.State",
+                            flatten_with_keys_fn=_flatten_with_keys)

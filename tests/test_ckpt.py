@@ -44,21 +44,6 @@ def _snapshot(state) -> dict:
     return {"params": fz.full_params(state), "opt": _moments(state), "rng": state.rng.clone(), "step": int(state.step)}
 
 
-def with_master(state, shift: float = 0.0):
-    """An fp32 state given master weights by hand (= params + shift, with the optimizer's
-    placements): restoring into it must overwrite them."""
-    slots = state.plan.slots()
-    master = {}
-    for n, p in state.params.items():
-        b, s = slots[n]
-        full = p.full_tensor() + shift
-        if b.place.opt.is_shard():
-            start, stop = s.local_rows(state.plan.rank)
-            full = full[start:stop].clone()
-        master[n] = state.plan.to_dtensor(full, s, b.place.opt)
-    return state.replace(master=master)
-
-
 def _continue(state, rank: int, world: int):
     losses = []
     for per_rank in _batches(world)[SAVE_AT:]:
@@ -110,7 +95,8 @@ def _read_world2(rank: int, world: int, root: str) -> dict:
         out[stage] = dict(_snapshot(state), data=state.data, client=client)
         _, out[stage]["losses"] = _continue(state, rank, world)
     out["s3->1"] = _resharded(f"{root}/s3", 1, rank, world)
-    mixed = restore(f"{root}/s3", with_master(fz.init(make_model(1), spec(1, 1))))  # Shard(0) master, Replicate params
+    # an fp32 checkpoint into a mixed-precision template: Shard(0) master, Replicate bf16 params
+    mixed = restore(f"{root}/s3", fz.init(make_model(1), spec(1, 1, precision="bf16")))
     out["master"] = ({n: m.full_tensor() for n, m in mixed.master.items()}, fz.full_params(mixed))
     out["async"] = _snapshot(restore(f"{root}/async", fz.init(make_model(1), spec(3, 1))))
     out["errors"] = {}
@@ -204,7 +190,7 @@ def test_restore_into_a_state_with_master_weights(results):
     for rank in range(WORLD):
         master, params = results["read2"][rank]["master"]
         for k in want:
-            assert torch.equal(master[k], want[k]) and torch.equal(params[k], want[k]), k
+            assert torch.equal(master[k], want[k]) and torch.equal(params[k], want[k].to(torch.bfloat16)), k
 
 
 def test_mixed_precision_checkpoint_restores_across_stage_and_precision(results):

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 import fz
+from fz.sharding.sync import local_data
 from fz.testing.spawn import run_ranks
 from helpers import CFG, make_model, rank_batches, spec
+
+
+def _arriving(state) -> bool:
+    """Whether some parameter bucket of `state` is still being all-gathered (a leaf-level future)."""
+    return any(local_data(f._local_tensor)[1] is not None for f in state.param_flats)
 
 
 def _runs(rank, world):
@@ -19,11 +25,10 @@ def _runs(rank, world):
             for stage in (0, 1, 2, 3):
                 state = fz.init(make_model(), spec(stage, 1, precision=precision))
                 state, loss = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
-                sync = state.raw("sync")
-                out["deferred", mode, precision, stage] = sync is not None and sync.pending
-                rep = fz.observe.comm_report(state)
+                out["deferred", mode, precision, stage] = _arriving(state)
+                rep = fz.comm_report(state)
                 out[mode, precision, stage] = (rep.payload, rep.sent_total, float(loss), fz.full_params(state))
-                assert not sync or not sync.pending  # reading the parameters waited for them
+                assert not _arriving(state)  # reading the parameters' values waited for them
     del os.environ["FZ_COLLECTIVES"]
     # a state whose parameters are still arriving: every way of using it sees them complete
     for how in ("donate", "keep", "replace", "eval"):
@@ -49,29 +54,28 @@ def _runs(rank, world):
         state = fz.init(make_model(), spec(3, 2, prefetch=prefetch, live_buckets=2 + prefetch))
         losses = []
         for per_rank in rank_batches(world, 2, 4):
-            state.plan.live.reset_max()
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
-        out["prefetch", prefetch] = (losses, fz.full_params(state), state.plan.live.max_buckets)
-        out["unprefetched", prefetch] = state.plan.live.unprefetched
+        out["prefetch", prefetch] = (losses, fz.full_params(state), int(state.metrics["live_buckets"]))
+        out["unprefetched", prefetch] = int(state.metrics["unprefetched"])
     for live in (3, 5, 100):  # room for 0, 2 and every block to stay gathered from forward to backward
         state = fz.init(make_model(), spec(3, 2, live_buckets=live))
-        state.plan.live.reset_max()
-        losses = []
+        losses, most = [], 0
         for per_rank in rank_batches(world, 2, 3):
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
-        out["live", live] = (losses, fz.full_params(state), state.plan.live.max_buckets,
-                             fz.observe.comm_report(state).payload["all_gather"])
+            most = max(most, int(state.metrics["live_buckets"]))
+        out["live", live] = (losses, fz.full_params(state), most,
+                             fz.comm_report(state).payload["all_gather"])
     for stage in (0, 3):
         for compile_ in (False, "aot_eager"):
             state = fz.init(make_model(), spec(stage, 2, compile=compile_))
-            state.plan.live.reset_max()
-            losses = []
+            losses, most = [], 0
             for per_rank in rank_batches(world, 2, 3):
                 state, loss = fz.train_step(state, per_rank[rank])
                 losses.append(float(loss))
-            out["compile", stage, compile_] = (losses, fz.full_params(state), state.plan.live.max_buckets)
+                most = max(most, int(state.metrics["live_buckets"]))
+            out["compile", stage, compile_] = (losses, fz.full_params(state), most)
     return out
 
 

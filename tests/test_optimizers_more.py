@@ -157,9 +157,8 @@ def test_adafactor_column_statistic_sums_over_all_shards():
     outs = [None, None]
 
     def run(i):
-        with fz.optim.shard_reduction(summed(i)):
-            rows = slice(i * 3, (i + 1) * 3)
-            outs[i], _ = halves[i].update({"w": g[rows].clone()}, states[i], {"w": w[rows]})
+        rows = slice(i * 3, (i + 1) * 3)
+        outs[i], _ = halves[i].update({"w": g[rows].clone()}, states[i], {"w": w[rows]}, shard_sum=summed(i))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for th in threads:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fz
+from fz.sharding.comm import Comm
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
 from helpers import make_model, max_rel, params_rel, rank_batches, reference, spec
@@ -36,7 +37,7 @@ def _runs(rank, world):
         for per_rank in rank_batches(world, 1):
             state, loss = fz.train_step(state, per_rank[rank])
             losses.append(float(loss))
-        out["reduce", reduce_dtype] = (losses, fz.observe.comm_report(state).payload)
+        out["reduce", reduce_dtype] = (losses, fz.comm_report(state).payload)
     # fp16: a poisoned batch on rank 0 only must skip the step on every rank
     state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_fn=_overflow_loss))
     batches = rank_batches(world, 1, 12)
@@ -165,4 +166,5 @@ def test_activation_checkpointing_same_result_less_memory(stage):
         assert ckpt_bytes < 0.6 * plain_bytes, (ckpt_bytes, plain_bytes)
     # a name policy: checkpoint only block 1
     state = fz.init(make_model(), spec(stage, 1, activation_checkpointing=["blocks.1"]))
-    assert fz.step.runner.Runner(state.skeleton, state.plan, [], {}, ["blocks.1"]).checkpointed == [False, False, True]
+    runner = fz.step.runner.Runner(state.skeleton, state.plan, Comm(state.plan), [], {}, checkpointing=["blocks.1"])
+    assert runner.checkpointed == [False, False, True]

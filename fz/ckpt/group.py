@@ -22,8 +22,7 @@ _GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
 
 def ckpt_group(state: State):
     """A gloo group over the ranks of the state's mesh (created once, collectively)."""
-    group = state.plan.comm.group
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = tuple(state.plan.ranks)
     default = dist.distributed_c10d._get_default_group()
     hit = _GROUPS.get(ranks)
     if hit is not None and hit[0] is default:

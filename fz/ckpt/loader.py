@@ -30,7 +30,7 @@ from fz.ckpt.saver import wait_for_checkpoints
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import ConfigError
 from fz.model.materialize import module_seed
-from fz.state import State
+from fz.state import State, block_until_ready
 
 _SHOWN = 5
 
@@ -97,6 +97,7 @@ def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict:
     """
     state.check_alive("fz.restore")
     wait_for_checkpoints()
+    template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
     group = ckpt_group(state)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     d, err = run_local(_verify, path, step, rank, world)
@@ -151,7 +152,7 @@ def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict:
     if state.master is not None:
         _params_from_master(state)
     new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
-    state.lease.alive = False
+    template.donate()
     if with_client_state:
         return new, decode(client_json, extra)
     return new

@@ -34,7 +34,7 @@ from fz.ckpt.layout import META, PathLike, clean_stale, fsync_path, hook, prune,
     step_name, write_durable, LATEST
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
-from fz.state import State
+from fz.state import State, block_until_ready
 
 FORMAT = 1
 
@@ -225,6 +225,7 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
         raise ConfigError(f"fz.save keep_last={keep_last!r}: must be None or an integer >= 1")
     if client_state is not None and not isinstance(client_state, dict):
         raise ConfigError(f"fz.save client_state must be a dict, got {type(client_state).__name__}")
+    state = block_until_ready(state)  # parameters still arriving from the last step are written whole
     group = ckpt_group(state)
     rank = dist.get_rank(group)
     root = Path(path)

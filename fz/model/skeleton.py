@@ -83,6 +83,11 @@ class Skeleton:
     param_unit: Dict[str, int]  # canonical param name -> the unit that owns it
     aliases: Dict[str, str]  # every parameter/buffer name (tied included) -> canonical name
 
+    @property
+    def signature(self) -> tuple:
+        """What the skeleton is, by value: its units' names, classes, parameter and buffer names."""
+        return tuple((u.name, type(u.module).__qualname__, u.params, u.buffers) for u in self.units)
+
 
 def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None) -> Skeleton:
     root = meta_copy(model)

@@ -1,12 +1,14 @@
-"""`comm_report`: what the last train_step sent, per collective kind, on this rank.
+"""`comm_report`: what the step that made a state sent, per collective kind, on this rank.
 
 Payload is the size of the collective's full buffer (all-reduce: the tensor; reduce-
 scatter: its input; all-gather: its output). Sent per rank is what a ring algorithm
-moves for it: 2(N-1)/N of the payload for an all-reduce, (N-1)/N for the others.
+moves for it: 2(N-1)/N of the payload for an all-reduce, (N-1)/N for the others, with N
+the group it ran in: the shard group (ZeRO's collectives) or, on a 2-D mesh, the replica
+groups ("inter_*": the only traffic that crosses groups). Read from `state.metrics`: local.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict
 
 from fz.state import State
@@ -16,25 +18,50 @@ _RING = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "scalar": 
 
 @dataclass(frozen=True)
 class CommReport:
-    world: int
-    payload: Dict[str, int]  # kind -> bytes of the collectives' buffers in the last step
+    world: int  # ranks in a shard group (ZeRO's N)
+    payload: Dict[str, int]  # kind -> bytes of the step's collectives within the shard group
+    replicas: int = 1  # shard groups (2-D mesh); 1 on a 1-D mesh
+    inter_payload: Dict[str, int] = field(default_factory=dict)  # kind -> bytes across groups
+
+    @staticmethod
+    def _sent(payload: Dict[str, int], n: int) -> Dict[str, float]:
+        return {k: v * _RING.get(k, 1.0) * (n - 1) / n for k, v in payload.items()}
 
     @property
     def sent(self) -> Dict[str, float]:
-        n = self.world
-        return {k: v * _RING.get(k, 1.0) * (n - 1) / n for k, v in self.payload.items()}
+        return self._sent(self.payload, self.world)
+
+    @property
+    def inter_sent(self) -> Dict[str, float]:
+        return self._sent(self.inter_payload, self.replicas)
+
+    @property
+    def intra_sent_total(self) -> float:
+        """Bytes this rank sent within its shard group for model-sized collectives."""
+        return sum(v for k, v in self.sent.items() if k != "scalar")
+
+    @property
+    def inter_sent_total(self) -> float:
+        """Bytes this rank sent across groups for model-sized collectives."""
+        return sum(v for k, v in self.inter_sent.items() if k != "scalar")
 
     @property
     def sent_total(self) -> float:
         """Bytes this rank sent for model-sized collectives (losses and norms excluded)."""
-        return sum(v for k, v in self.sent.items() if k != "scalar")
+        return self.intra_sent_total + self.inter_sent_total
 
     def __str__(self) -> str:
-        lines = [f"fz communication, last step, world {self.world}: kind, payload MiB, sent per rank MiB"]
-        for k, v in sorted(self.payload.items()):
-            lines.append(f"  {k:15} {v / 2**20:10.3f} {self.sent[k] / 2**20:10.3f}")
+        lines = [f"fz communication, last step, shard group {self.world}, replicas {self.replicas}: "
+                 "kind, payload MiB, sent per rank MiB"]
+        for where, payload, sent in (("intra", self.payload, self.sent), ("inter", self.inter_payload, self.inter_sent)):
+            for k, v in sorted(payload.items()):
+                lines.append(f"  {where} {k:15} {v / 2**20:10.3f} {sent[k] / 2**20:10.3f}")
         return "\n".join(lines)
 
 
 def comm_report(state: State) -> CommReport:
-    return CommReport(state.plan.world, dict(state.plan.last_step_bytes))
+    """The bytes of every collective of the step that returned `state` (zeros for a fresh one)."""
+    counts = {k: int(v) for k, v in state.metrics["comm"].items() if int(v)}
+    intra = {k: v for k, v in counts.items() if not k.startswith("inter_")}
+    inter = {k[len("inter_"):]: v for k, v in counts.items() if k.startswith("inter_")}
+    return CommReport(state.plan.shards, intra, state.plan.replicas, inter)

@@ -1,4 +1,7 @@
-"""`full_params`: every parameter whole, identical on every rank (for export and tests)."""
+"""`full_params`: every parameter whole, identical on every rank (for export and tests).
+
+A collective API: every rank of the mesh calls it (stage 3 all-gathers within the shard group).
+"""
 from __future__ import annotations
 
 from typing import Dict
@@ -6,7 +9,8 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from fz.sharding.comm import full_views, unpack
+from fz.sharding.comm import Comm, full_views, unpack
+from fz.sharding.pack import checked_flats
 from fz.state import State
 
 
@@ -14,16 +18,19 @@ def full_params(state: State) -> Dict[str, Tensor]:
     """{name: full tensor}; sharded buckets are all-gathered, one bucket at a time."""
     state.check_alive("fz.full_params")
     plan = state.plan
-    flats, _ = plan.packed_flats(state.params, state.flats)
+    flats, sync, _ = checked_flats(state)
+    if sync is not None:
+        sync.finish()
+    comm = Comm(plan)
     out: Dict[str, Tensor] = {}
     for b, flat in zip(plan.buckets, flats):
         if not b.sharded_param:
             tensors = [t.clone() for t in full_views(flat, b)]
-        elif plan.world == 1:
+        elif comm.world == 1:
             tensors = [t.clone() for t in unpack(flat, b)]
         else:
             full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
-            plan.comm.all_gather(full, flat)
+            comm.all_gather(full, flat)
             tensors = unpack(full, b)
         out.update(zip((s.name for s in b.slots), tensors))
     return out

@@ -73,14 +73,18 @@ def _opt_leaves_per_param(state: State) -> Dict[str, int]:
 
 
 def memory_report(state: State) -> MemoryReport:
-    plan, n = state.plan, state.plan.world
+    """Per-rank bytes of this state's model states; local (shapes only: it never waits or communicates).
+    N in the formulas is the shard group's size (the world size on a 1-D mesh)."""
+    state.check_alive("fz.memory_report")
+    plan, n = state.plan, state.plan.shards
     opt_counts = _opt_leaves_per_param(state)
-    params = sum(_bytes(f) for f in state.flats)
-    master_el = 4 if state.master is not None else 0  # fp32 master weights count with the optimizer
+    flats = [f._local_tensor for f in state.param_flats]
+    params = sum(_bytes(f) for f in flats)
+    master_el = 4 if state.master_flats else 0  # fp32 master weights count with the optimizer
     grads = opt = 0
     f_params = f_grads = f_opt = 0.0
     num = trainable = padding = 0
-    for b, flat in zip(plan.buckets, state.flats):
+    for b, flat in zip(plan.buckets, flats):
         el = flat.element_size()
         if b.trainable:
             grads += (b.shard_numel if isinstance(b.place.grad, Shard) and n > 1 else b.full_numel) * el
@@ -97,7 +101,7 @@ def memory_report(state: State) -> MemoryReport:
                 f_grads += s.numel * el / (n if isinstance(b.place.grad, Shard) else 1)
                 f_opt += (opt_counts.get(s.name, 0) * 4 + master_el) * s.numel / (n if isinstance(b.place.opt, Shard) else 1)
     other = 0
-    for leaf in pytree.tree_leaves((state.opt_state, state.master)):
+    for leaf in pytree.tree_leaves((state.opt_state, state.master_flats)):
         if isinstance(leaf, DTensor):
             opt += _bytes(leaf._local_tensor)
         elif isinstance(leaf, Tensor):

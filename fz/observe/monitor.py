@@ -5,6 +5,7 @@ which writes on rank 0 only (DeepSpeed's `tensorboard` and `steps_per_print`).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Optional
@@ -36,15 +37,14 @@ class Monitor:
     def __call__(self, state: State, loss: Tensor) -> None:
         self.seen += 1
         step = int(state.step)
+        m = state.metrics
         scalars = {"train/loss": float(loss)}
-        try:
-            from fz.optim import current_lr
-            scalars["train/lr"] = current_lr(state.opt_state)
-        except (ImportError, ValueError):
-            pass
+        for key, name in (("lr", "train/lr"), ("grad_norm", "train/grad_norm")):
+            if not math.isnan(float(m[key])):
+                scalars[name] = float(m[key])
         if state.scaler is not None:
-            scalars["train/loss_scale"] = float(state.scaler["scale"])
-            scalars["train/skipped_steps"] = float(state.scaler["skipped"])
+            scalars["train/loss_scale"] = float(m["loss_scale"])
+            scalars["train/skipped_steps"] = float(m["skipped"])
         if self.rank != 0:
             return
         if self.writer is not None:

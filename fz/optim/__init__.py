@@ -7,8 +7,7 @@ from fz.optim.base import (
     apply_updates,
     chain,
     global_norm,
-    norm_reduction,
-    shard_reduction,
+    owned,
     sum_across_shards,
 )
 from fz.optim.lamb import lamb, scale_by_lamb
@@ -27,17 +26,17 @@ from fz.optim.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
     current_lr,
+    scale_to_max_norm,
     scale_by_adam,
     scale_by_learning_rate,
     trace,
 )
 
 __all__ = [
-    "GradientTransformation", "chain", "apply_updates", "global_norm", "norm_reduction", "shard_reduction",
-    "sum_across_shards",
+    "GradientTransformation", "chain", "apply_updates", "global_norm", "owned", "sum_across_shards",
     "adam", "adamw", "sgd", "lion", "lamb", "adafactor",
     "add_decayed_weights", "clip_by_global_norm", "scale_by_adam", "scale_by_lamb", "scale_by_lion",
-    "scale_by_learning_rate", "trace", "current_lr",
+    "scale_by_learning_rate", "scale_to_max_norm", "trace", "current_lr",
     "schedules", "constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
     "LRRangeTest",
 ]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import GradientTransformation, Params, lr_at, sum_across_shards
+from fz.optim.base import GradientTransformation, Params, lr_at, owned, sum_across_shards
 from fz.optim.transforms import LR
 
 
@@ -66,9 +66,12 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
         return AdafactorState(torch.zeros((), dtype=torch.int64), torch.tensor(lr_at(lr, 0), dtype=torch.float64),
                               row, col, var)
 
-    def update(updates: Params, state: AdafactorState, params: Optional[Params] = None):
+    def update(updates: Params, state: AdafactorState, params: Optional[Params] = None, *, donate: bool = False,
+               shard_sum=None, **extra):
         if params is None:
             raise ConfigError("adafactor needs params (its step size is relative to RMS(p))")
+        mine = lambda tree: dict(zip(tree, owned(list(tree.values()), donate)))  # noqa: E731
+        updates, v_rows, v_cols, v_full = mine(updates), mine(state.v_rows), mine(state.v_cols), mine(state.v)
         lr_t = lr_at(lr, int(state.count))
         t = float(state.count + 1)
         beta2_t = t ** beta2_decay
@@ -80,11 +83,11 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
             p = params[k]
             parts = [p.float().square().sum().reshape(1), p.new_full((1,), float(p.shape[0] if p.dim() else 1))]
             if _factored(p):
-                state.v_rows[k].lerp_(g.square().mean(dim=-1), beta2_t)
+                v_rows[k].lerp_(g.square().mean(dim=-1), beta2_t)
                 if _rows_across_shards(p):
-                    parts += [g.square().sum(dim=0), state.v_rows[k].sum().reshape(1)]
+                    parts += [g.square().sum(dim=0), v_rows[k].sum().reshape(1)]
             stats[k] = torch.cat([x.float() for x in parts])
-        stats = sum_across_shards(stats)
+        stats = sum_across_shards(stats, shard_sum)
 
         out: Dict[str, Tensor] = {}
         numel: Dict[str, int] = {}
@@ -101,25 +104,24 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
                     row_mean = s[-1] / rows
                 else:
                     col_mean = g.square().mean(dim=-2)
-                    row_mean = state.v_rows[k].mean(dim=-1)
-                state.v_cols[k].lerp_(col_mean, beta2_t)
+                    row_mean = v_rows[k].mean(dim=-1)
+                v_cols[k].lerp_(col_mean, beta2_t)
                 denom = torch.as_tensor(row_mean, dtype=g.dtype).clamp(min=eps1)
-                v = state.v_rows[k].unsqueeze(-1) * state.v_cols[k].unsqueeze(-2)
+                v = v_rows[k].unsqueeze(-1) * v_cols[k].unsqueeze(-2)
                 v.div_(denom.reshape(denom.shape + (1, 1)) if denom.dim() else denom)
             else:
-                state.v[k].lerp_(g.square(), beta2_t)
-                v = state.v[k].clone()
+                v_full[k].lerp_(g.square(), beta2_t)
+                v = v_full[k].clone()
             out[k] = g.mul_(v.clamp_(min=eps1 * eps1).rsqrt_())  # in place: scratch is one parameter
             del v
 
         # Round 2: sum of update^2, for the update's RMS clipping.
-        sq = sum_across_shards({k: u.float().square().sum().reshape(1) for k, u in out.items()})
+        sq = sum_across_shards({k: u.float().square().sum().reshape(1) for k, u in out.items()}, shard_sum)
         for k, u in out.items():
             clip = max(1.0, math.sqrt(float(sq[k])) / (math.sqrt(max(numel[k], 1)) * d))
             u.mul_(-alpha[k] / clip)
             if weight_decay:
                 u.add_(params[k], alpha=-lr_t * weight_decay)
-        state.lr.fill_(lr_t)
-        return out, AdafactorState(state.count + 1, state.lr, state.v_rows, state.v_cols, state.v)
+        return out, AdafactorState(state.count + 1, torch.tensor(lr_t, dtype=torch.float64), v_rows, v_cols, v_full)
 
     return GradientTransformation(init, update)

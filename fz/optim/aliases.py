@@ -1,11 +1,12 @@
 """Ready-made optimizers, as chains of transforms (optax's aliases)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 
-from fz.optim.base import GradientTransformation, Params, chain, lr_at
+from fz.optim.base import GradientTransformation, Params, chain, lr_at, owned
 from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 
@@ -13,27 +14,37 @@ def adamw(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float =
           weight_decay: float = 0.01) -> GradientTransformation:
     """AdamW with decoupled weight decay, as torch.optim.AdamW.
 
-    The chain is the definition; `fused` runs the same step as torch's fused AdamW kernel
-    (one pass over each shard instead of a dozen) and keeps the chain's state layout.
+    The chain is the definition; its `step` runs torch's fused AdamW kernel (one pass over
+    each shard instead of a dozen), with the chain's state layout and results.
     """
     t = chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
-    return t._replace(fused=_fused_adamw(lr, betas, eps, weight_decay))
+    return _FusedAdamW(t.init, t.update, lr, betas, eps, weight_decay)
 
 
-def _fused_adamw(lr: LR, betas: Tuple[float, float], eps: float, weight_decay: float):
-    def fused(grads: Params, state: tuple, params: Params) -> tuple:
-        adam, decay, lr_state = state
+@dataclass(frozen=True, eq=False)
+class _FusedAdamW(GradientTransformation):
+    """adamw: `update` is the chain's; `step` is the same step in torch's fused kernel."""
+
+    lr: LR
+    betas: Tuple[float, float]
+    eps: float
+    weight_decay: float
+
+    def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, **extra) -> tuple:
         keys = list(grads)
+        tensors = [*(params[k] for k in keys), *(grads[k] for k in keys)]
+        if not tensors or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
+            return GradientTransformation.step(self, grads, state, params, donate=donate, **extra)
+        adam, decay, lr_state = state
+        mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
         count = adam.count + 1
-        value = lr_at(lr, int(lr_state.count))
+        value = lr_at(self.lr, int(lr_state.count))
         step = torch.tensor(float(count))
-        torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], [adam.mu[k] for k in keys],
-                            [adam.nu[k] for k in keys], [], [step] * len(keys), lr=value, beta1=betas[0],
-                            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        lr_state.lr.fill_(value)
-        return (AdamState(count, adam.mu, adam.nu), decay, type(lr_state)(lr_state.count + 1, lr_state.lr))
-
-    return fused
+        torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, [], [step] * len(keys),
+                            lr=value, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
+                            eps=self.eps, amsgrad=False, maximize=False)
+        return (AdamState(count, dict(zip(keys, mu)), dict(zip(keys, nu))), decay,
+                type(lr_state)(lr_state.count + 1, torch.tensor(value, dtype=torch.float64)))
 
 
 def adam(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -1,18 +1,20 @@
-"""Optax-style transformations: a pair of pure-looking functions over dicts of tensors.
+"""Optax-style transformations: a pair of pure functions over dicts of tensors.
 
-`init(params) -> state`; `update(updates, state, params) -> (updates, state)`.
-Inputs are local shards: a transformation never communicates, except through
-`global_norm`, which the step binds to the right process group.
-
-Contract (for speed, like a donated buffer in JAX): `update` may modify the incoming
-`updates` and the tensors of `state` in place and return them; it never modifies
-`params`. fz copies the state first when the caller did not donate it.
+`init(params) -> state`; `update(updates, state, params=None, **extra) -> (updates, state)`.
+Inputs are local shards. Like optax's `GradientTransformationExtraArgs`, whatever needs
+other ranks comes in `extra`, explicitly:
+- `norm_sq(tree) -> Tensor`: sum of squares over every shard (default: this rank's only);
+- `shard_sum(tree) -> tree`: per-parameter partial sums -> whole-parameter sums (default: as is);
+- `donate=True`: the caller gives up `updates` and `state` (as `jax.jit(donate_argnums)`
+  does): the new values may be written into their buffers. Without it a transformation
+  never modifies its inputs.
+`step(grads, state, params, **extra)` is update + apply_updates (params updated in place);
+a transformation may give it a faster kernel of the same meaning (adamw does).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -21,12 +23,16 @@ Params = Dict[str, Tensor]
 NormSq = Callable[[Params], Tensor]
 
 
-class GradientTransformation(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class GradientTransformation:
     init: Callable[[Params], Any]
     update: Callable[..., "tuple[Params, Any]"]
-    # Optional fast path with the same meaning as update + apply_updates, in one fused kernel:
-    # fused(grads, state, params) -> new state, params updated in place. Same state layout.
-    fused: Optional[Callable[..., Any]] = None
+
+    def step(self, grads: Params, state: Any, params: Params, **extra: Any) -> Any:
+        """Apply one update to `params` in place; returns the new state."""
+        updates, state = self.update(grads, state, params, **extra)
+        apply_updates(params, updates)
+        return state
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -35,10 +41,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None):
+    def update(updates: Params, state: tuple, params: Optional[Params] = None, **extra: Any):
         new_state = []
         for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+            updates, s = t.update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -51,7 +57,13 @@ def apply_updates(params: Params, updates: Params) -> None:
     torch._foreach_add_([params[k] for k in keys], [updates[k] for k in keys])
 
 
-def _local_norm_sq(tree: Params) -> Tensor:
+def owned(tensors: List[Tensor], donate: bool) -> List[Tensor]:
+    """Buffers to write new values of `tensors` into: themselves when the caller donated them,
+    else copies (so the caller's tensors never change)."""
+    return tensors if donate else [t.clone() for t in tensors]
+
+
+def local_norm_sq(tree: Params) -> Tensor:
     tensors = list(tree.values())
     if not tensors:
         return torch.zeros(())
@@ -59,49 +71,19 @@ def _local_norm_sq(tree: Params) -> Tensor:
     return torch.stack(norms).square().sum()
 
 
-_norm_sq: contextvars.ContextVar[NormSq] = contextvars.ContextVar("fz_norm_sq", default=_local_norm_sq)
+def global_norm(tree: Params, norm_sq: Optional[NormSq] = None) -> Tensor:
+    """L2 norm over every element of every leaf, across all ranks' shards (`norm_sq` sums them)."""
+    return (norm_sq or local_norm_sq)(tree).sqrt()
 
 
-@contextlib.contextmanager
-def _binding(var: contextvars.ContextVar, fn: Callable) -> Iterator[None]:
-    token = var.set(fn)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def norm_reduction(fn: NormSq):
-    """Within this block, `global_norm` uses `fn` (sum of squares over every shard)."""
-    return _binding(_norm_sq, fn)
-
-
-def _identity_sum(tree: Params) -> Params:
-    return tree
-
-
-_shard_sum: contextvars.ContextVar[Callable[[Params], Params]] = contextvars.ContextVar(
-    "fz_shard_sum", default=_identity_sum)
-
-
-def shard_reduction(fn: Callable[[Params], Params]):
-    """Within this block, `sum_across_shards` uses `fn` (the step binds it to the group)."""
-    return _binding(_shard_sum, fn)
-
-
-def sum_across_shards(partial: Params) -> Params:
+def sum_across_shards(partial: Params, shard_sum: Optional[Callable[[Params], Params]] = None) -> Params:
     """{param name: partial sum over this rank's rows} -> the sum over the whole parameter.
 
     For statistics a sharded optimizer needs whole (LAMB's per-parameter norms,
-    Adafactor's column means): one collective for all of them. Parameters whose
-    optimizer state is replicated come back unchanged.
+    Adafactor's column means): one collective for all of them, through `shard_sum`.
+    Parameters whose optimizer state is replicated come back unchanged.
     """
-    return _shard_sum.get()(partial)
-
-
-def global_norm(tree: Params) -> Tensor:
-    """L2 norm over every element of every leaf, across all ranks' shards."""
-    return _norm_sq.get()(tree).sqrt()
+    return partial if shard_sum is None else shard_sum(partial)
 
 
 def lr_at(lr: "float | Callable[[int], float]", count: int) -> float:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import GradientTransformation, Params, chain, sum_across_shards
+from fz.optim.base import GradientTransformation, Params, chain, owned, sum_across_shards
 from fz.optim.transforms import LR, _chunks, scale_by_learning_rate
 
 
@@ -37,13 +37,15 @@ def scale_by_lamb(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
         return LambState(torch.zeros((), dtype=torch.int64), zeros(), zeros())
 
-    def update(updates: Params, state: LambState, params: Optional[Params] = None):
+    def update(updates: Params, state: LambState, params: Optional[Params] = None, *, donate: bool = False,
+               shard_sum=None, **extra):
         if params is None:
             raise ConfigError("lamb needs params (the trust ratio uses ||p||)")
         count = state.count + 1
         t = int(count)
         keys = list(updates)
         g, m, v, p = ([tree[k] for k in keys] for tree in (updates, state.mu, state.nu, params))
+        g, m, v = owned(g, donate), owned(m, donate), owned(v, donate)
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
@@ -67,14 +69,14 @@ def scale_by_lamb(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_
 
         sums = {k: torch.stack([pk.float().square().sum(), uk.float().square().sum()])
                 for k, pk, uk in zip(keys, p, u)}
-        sums = sum_across_shards(sums)
+        sums = sum_across_shards(sums, shard_sum)
         for k, uk in zip(keys, u):
             w_norm, u_norm = (float(x) for x in sums[k].sqrt())
             trust = 1.0
             if w_norm != 0 and u_norm != 0:
                 trust = min(max(w_norm / u_norm, min_coeff), max_coeff)
             uk.mul_(trust)
-        return updates, LambState(count, state.mu, state.nu)
+        return dict(zip(keys, u)), LambState(count, dict(zip(keys, m)), dict(zip(keys, v)))
 
     return GradientTransformation(init, update)
 

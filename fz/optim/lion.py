@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from fz.errors import ConfigError
-from fz.optim.base import GradientTransformation, Params, chain
+from fz.optim.base import GradientTransformation, Params, chain, owned
 from fz.optim.transforms import LR, _chunks, add_decayed_weights, scale_by_learning_rate
 
 
@@ -25,16 +25,18 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def init(params: Params) -> LionState:
         return LionState({k: torch.zeros_like(p) for k, p in params.items()})
 
-    def update(updates: Params, state: LionState, params: Optional[Params] = None):
-        g = list(updates.values())
-        m = [state.mu[k] for k in updates]
+    def update(updates: Params, state: LionState, params: Optional[Params] = None, *, donate: bool = False,
+               **extra):
+        keys = list(updates)
+        g = owned([updates[k] for k in keys], donate)
+        m = owned([state.mu[k] for k in keys], donate)
         for lo, hi in _chunks(g):  # the result overwrites the gradients; scratch is one chunk
             direction = torch._foreach_lerp(m[lo:hi], g[lo:hi], 1 - b1)
             torch._foreach_lerp_(m[lo:hi], g[lo:hi], 1 - b2)
             torch._foreach_sign_(direction)
             torch._foreach_copy_(g[lo:hi], direction)
             del direction
-        return updates, state
+        return dict(zip(keys, g)), LionState(dict(zip(keys, m)))
 
     return GradientTransformation(init, update)
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from fz.optim.base import GradientTransformation, Params, global_norm, lr_at
+from fz.optim.base import GradientTransformation, Params, global_norm, lr_at, owned
 
 LR = Union[float, Callable[[int], float]]
 
@@ -50,10 +50,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
         return AdamState(_count0(), zeros(), zeros())
 
-    def update(updates: Params, state: AdamState, params: Optional[Params] = None):
+    def update(updates: Params, state: AdamState, params: Optional[Params] = None, *, donate: bool = False,
+               **extra):
         count = state.count + 1
         t = int(count)
         keys, g, (m, v) = _lists(updates, state.mu, state.nu)
+        g, m, v = owned(g, donate), owned(m, donate), owned(v, donate)
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
@@ -66,7 +68,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             torch._foreach_div_(g[lo:hi], denom)
             del denom
         torch._foreach_mul_(g, 1 / (1 - b1**t))
-        return updates, AdamState(count, state.mu, state.nu)
+        return dict(zip(keys, g)), AdamState(count, dict(zip(keys, m)), dict(zip(keys, v)))
 
     return GradientTransformation(init, update)
 
@@ -77,12 +79,15 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return ()
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None):
+    def update(updates: Params, state: tuple, params: Optional[Params] = None, *, donate: bool = False,
+               **extra):
         if weight_decay:
             if params is None:
                 raise ValueError("add_decayed_weights needs params")
             keys, u, (p,) = _lists(updates, params)
+            u = owned(u, donate)
             torch._foreach_add_(u, p, alpha=weight_decay)
+            updates = dict(zip(keys, u))
         return updates, state
 
     return GradientTransformation(init, update)
@@ -106,11 +111,13 @@ def scale_by_learning_rate(lr: LR) -> GradientTransformation:
     def init(params: Params) -> LearningRateState:
         return LearningRateState(_count0(), _lr0(lr_at(lr, 0)))
 
-    def update(updates: Params, state: LearningRateState, params: Optional[Params] = None):
+    def update(updates: Params, state: LearningRateState, params: Optional[Params] = None, *,
+               donate: bool = False, **extra):
         value = lr_at(lr, int(state.count))
-        torch._foreach_mul_(list(updates.values()), -value)
-        state.lr.fill_(value)
-        return updates, LearningRateState(state.count + 1, state.lr)
+        keys = list(updates)
+        u = owned([updates[k] for k in keys], donate)
+        torch._foreach_mul_(u, -value)
+        return dict(zip(keys, u)), LearningRateState(state.count + 1, _lr0(value))
 
     return GradientTransformation(init, update)
 
@@ -152,17 +159,25 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     def init(params: Params) -> TraceState:
         return TraceState({k: torch.zeros_like(p) for k, p in params.items()})
 
-    def update(updates: Params, state: TraceState, params: Optional[Params] = None):
+    def update(updates: Params, state: TraceState, params: Optional[Params] = None, *, donate: bool = False,
+               **extra):
         keys, g, (buf,) = _lists(updates, state.trace)
+        g, buf = owned(g, donate), owned(buf, donate)
         torch._foreach_mul_(buf, momentum)
         torch._foreach_add_(buf, g)
         if nesterov:
             torch._foreach_add_(g, buf, alpha=momentum)
         else:
             torch._foreach_copy_(g, buf)  # the updates, not the trace, get scaled next
-        return updates, state
+        return dict(zip(keys, g)), TraceState(dict(zip(keys, buf)))
 
     return GradientTransformation(init, update)
+
+
+def scale_to_max_norm(tensors, norm: Tensor, max_norm: float) -> None:
+    """Scale `tensors` in place so that their norm `norm` becomes at most `max_norm` (torch's clip_grad_norm_)."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(tensors, coef)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -171,10 +186,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return ()
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None):
-        norm = global_norm(updates)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(list(updates.values()), coef)
-        return updates, state
+    def update(updates: Params, state: tuple, params: Optional[Params] = None, *, donate: bool = False,
+               norm_sq=None, **extra):
+        keys = list(updates)
+        u = owned([updates[k] for k in keys], donate)
+        scale_to_max_norm(u, global_norm(updates, norm_sq), max_norm)
+        return dict(zip(keys, u)), state
 
     return GradientTransformation(init, update)

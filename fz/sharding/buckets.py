@@ -57,7 +57,7 @@ class Bucket:
     place: Placements
     trainable: bool
     slots: Tuple[Slot, ...]
-    world: int
+    shards: int  # ranks the bucket is sharded over (the shard group)
 
     @property
     def sharded_param(self) -> bool:
@@ -74,10 +74,10 @@ class Bucket:
 
     @property
     def padded_numel(self) -> int:
-        return self.shard_numel * self.world
+        return self.shard_numel * self.shards
 
 
-def make_buckets(params: Sequence[Tuple[str, torch.Size, int, bool]], stage: int, world: int,
+def make_buckets(params: Sequence[Tuple[str, torch.Size, int, bool]], stage: int, shards: int,
                  bucket_numel: int, persist_threshold: int) -> List[Bucket]:
     """Group (name, shape, unit, trainable) in order into buckets of at most bucket_numel.
 
@@ -94,12 +94,12 @@ def make_buckets(params: Sequence[Tuple[str, torch.Size, int, bool]], stage: int
             slots, full, shard = [], 0, 0
             for name, shape in group:
                 rows = shape[0] if len(shape) else 1
-                chunk = max(1, -(-rows // world))
+                chunk = max(1, -(-rows // shards))
                 slot = Slot(name, shape, full, shard, chunk)
                 slots.append(slot)
                 full += slot.numel
                 shard += chunk * slot.row_numel
-            buckets.append(Bucket(len(buckets), unit, place, trainable, tuple(slots), world))
+            buckets.append(Bucket(len(buckets), unit, place, trainable, tuple(slots), shards))
             group.clear()
 
     size = 0

@@ -47,16 +47,42 @@ def _gloo_fast_paths(group) -> bool:
 
 
 class Comm:
-    """One process group's collectives, counting the bytes each kind moves."""
+    """One step's collectives on a plan's groups, counting the bytes each kind moves.
 
-    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int,
-                 reduce_dtype: torch.dtype = torch.float32):
-        self.group, self.world, self.rank = group, world, rank
+    ZeRO's collectives run within the shard group (`world` ranks, this one is `rank`);
+    on a 2-D mesh, `replica_mean` averages across the groups (`replicas` of them), counted
+    apart as "inter_*". A Comm lives for one step (or one eval): states share none.
+    """
+
+    def __init__(self, plan, reduce_dtype: torch.dtype = torch.float32):
+        self.group, self.world, self.rank = plan.shard_group, plan.shards, plan.shard_rank
+        self.replica_group, self.replicas = plan.replica_group, plan.replicas
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
-        self.bytes: Counter = Counter()  # collective kind -> payload bytes since reset
-        self.fast = world > 1 and _gloo_fast_paths(group)
-        self.ranks = dist.get_process_group_ranks(group) if world > 1 else [0]
+        self.bytes: Counter = Counter()  # collective kind -> payload bytes
+        self.fast = self.world > 1 and _gloo_fast_paths(self.group)
+        self.ranks = plan.shard_ranks
         self._tag = 0  # point-to-point messages of one exchange share a tag; every rank counts alike
+
+    def replica_mean(self, t: Tensor, async_op: bool = False):
+        """Average `t` across the replica groups (a 2-D mesh's only inter-group traffic)."""
+        if self.replicas == 1:
+            return None
+        self.bytes["inter_all_reduce" if t.numel() > 8 else "inter_scalar"] += t.numel() * t.element_size()
+        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.replica_group, async_op=async_op)
+
+    def mesh_mean(self, t: Tensor) -> Tensor:
+        """Average a small tensor (a loss) over every rank of the mesh, in place."""
+        if self.world > 1:
+            self.all_reduce(t)
+        self.replica_mean(t)
+        return t
+
+    def broadcast_first(self, t: Tensor) -> None:
+        """Every rank of the mesh gets the first rank's `t` (within groups, then across)."""
+        if self.world > 1:
+            dist.broadcast(t, src=self.ranks[0], group=self.group)
+        if self.replicas > 1:
+            dist.broadcast(t, src=dist.get_process_group_ranks(self.replica_group)[0], group=self.replica_group)
 
     def _count_all_reduce(self, t: Tensor) -> None:
         # losses, norms and flags are counted apart from the model-sized traffic
@@ -116,14 +142,14 @@ class Comm:
 
 def _regions(buf: Tensor, bucket: Bucket):
     """Per slot: (slot, [world, chunk, row_numel] view of its region in a rank-major buffer)."""
-    view = buf.view(bucket.world, bucket.shard_numel)
+    view = buf.view(bucket.shards, bucket.shard_numel)
     for s in bucket.slots:
-        yield s, view[:, s.shard_offset:s.shard_offset + s.chunk * s.row_numel].view(bucket.world, s.chunk, s.row_numel)
+        yield s, view[:, s.shard_offset:s.shard_offset + s.chunk * s.row_numel].view(bucket.shards, s.chunk, s.row_numel)
 
 
 def pack(tensors: Sequence[Optional[Tensor]], bucket: Bucket, dtype: torch.dtype, device) -> Tensor:
     """Full-shape tensors (None = zeros) -> a new rank-major buffer of padded_numel."""
-    pad = any(s.chunk * bucket.world != s.rows for s in bucket.slots) or any(t is None for t in tensors)
+    pad = any(s.chunk * bucket.shards != s.rows for s in bucket.slots) or any(t is None for t in tensors)
     buf = (torch.zeros if pad else torch.empty)(bucket.padded_numel, dtype=dtype, device=device)
     for (s, region), t in zip(_regions(buf, bucket), tensors):
         if t is None:
@@ -131,7 +157,7 @@ def pack(tensors: Sequence[Optional[Tensor]], bucket: Bucket, dtype: torch.dtype
         rows = t.reshape(s.rows, s.row_numel)
         q = s.rows // s.chunk
         region[:q].copy_(rows[:q * s.chunk].view(q, s.chunk, s.row_numel))
-        if q < bucket.world and s.rows > q * s.chunk:
+        if q < bucket.shards and s.rows > q * s.chunk:
             region[q, :s.rows - q * s.chunk].copy_(rows[q * s.chunk:])
     return buf
 
@@ -140,7 +166,7 @@ def unpack(buf: Tensor, bucket: Bucket) -> List[Tensor]:
     """A rank-major buffer -> one new full-shape tensor per slot."""
     out = []
     for s, region in _regions(buf, bucket):
-        out.append(region.reshape(bucket.world * s.chunk, s.row_numel)[:s.rows].reshape(s.shape))
+        out.append(region.reshape(bucket.shards * s.chunk, s.row_numel)[:s.rows].reshape(s.shape))
     return out
 
 
@@ -150,7 +176,7 @@ def unpack_into(buf: Tensor, bucket: Bucket, full_flat: Tensor) -> None:
         rows = full_flat[s.full_offset:s.full_offset + s.numel].view(s.rows, s.row_numel)
         q = s.rows // s.chunk
         rows[:q * s.chunk].view(q, s.chunk, s.row_numel).copy_(region[:q])
-        if q < bucket.world and s.rows > q * s.chunk:
+        if q < bucket.shards and s.rows > q * s.chunk:
             rows[q * s.chunk:].copy_(region[q, :s.rows - q * s.chunk])
 
 

@@ -1,4 +1,10 @@
-"""The device mesh fz shards over: the default process group, or one made for world size 1."""
+"""The device mesh fz shards over: 1-D ("shard",) or 2-D ("replicate", "shard").
+
+A 2-D mesh is hybrid sharding (DeepSpeed's MiCS / ZeRO++ hpZ, FSDP2's HSDP): ZeRO shards
+within each group of consecutive ranks along "shard" (a node's fast links) and the groups
+hold replicas of each other along "replicate", so only one all-reduce of gradient shards
+crosses groups per step.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fz.errors import ConfigError
 
-
+MESH_DIMS = ("replicate", "shard")
 _IMPLICIT = False  # True once fz started its own one-process group
 
 
@@ -26,22 +32,41 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_mesh(mesh: Optional[DeviceMesh] = None) -> DeviceMesh:
-    """`mesh` itself, else a 1-D mesh over the default process group.
-
-    Without torch.distributed initialised, fz starts a one-process group of its own
-    (world size 1), so the same code runs in a notebook and under torchrun.
-    """
-    if mesh is not None:
-        if mesh.ndim != 1:
-            raise ConfigError(f"fz shards over a 1-D mesh, got a {mesh.ndim}-D one")
-        return mesh
+def _start_default_group(dev: str) -> None:
+    """Without torch.distributed initialised, fz starts a one-process group of its own
+    (world size 1), so the same code runs in a notebook and under torchrun."""
     global _IMPLICIT
-    dev = device_type()
     if not dist.is_initialized():
         backend = "nccl" if dev == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         _IMPLICIT = True
     if dev == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    return init_device_mesh(dev, (dist.get_world_size(),))
+
+
+def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int] = None) -> DeviceMesh:
+    """`mesh` itself (checked), else a mesh over the default process group: 1-D, or 2-D
+    ("replicate", "shard") with groups of `shard_group_size` consecutive ranks."""
+    if mesh is not None:
+        return _checked(mesh, shard_group_size)
+    dev = device_type()
+    _start_default_group(dev)
+    world = dist.get_world_size()
+    if shard_group_size is None or shard_group_size == world:
+        return init_device_mesh(dev, (world,), mesh_dim_names=("shard",))
+    if world % shard_group_size:
+        raise ConfigError(f"Spec.shard_group_size={shard_group_size} does not divide the world size {world}")
+    return init_device_mesh(dev, (world // shard_group_size, shard_group_size), mesh_dim_names=MESH_DIMS)
+
+
+def _checked(mesh: DeviceMesh, shard_group_size: Optional[int]) -> DeviceMesh:
+    if mesh.ndim not in (1, 2):
+        raise ConfigError(f"fz shards over a 1-D or 2-D mesh, got a {mesh.ndim}-D one")
+    if mesh.ndim == 2 and mesh.mesh_dim_names not in (None, MESH_DIMS):
+        raise ConfigError(f"a 2-D mesh needs dims {MESH_DIMS} (replicate across groups, shard within), "
+                          f"got {mesh.mesh_dim_names}")
+    shards = mesh.size(mesh.ndim - 1)
+    if shard_group_size is not None and shard_group_size != shards:
+        raise ConfigError(f"Spec.shard_group_size={shard_group_size} but the mesh's shard dimension has {shards} "
+                          "ranks; leave one of them unset")
+    return mesh

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from fz.errors import ConfigError
 from fz.sharding.plan import ShardPlan
 
 
@@ -45,14 +46,11 @@ def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor
         if key in slots:
             b, s = slots[key]
             placement = b.place.opt
-            expected = s.local_shape(plan.rank) if placement.is_shard() else s.shape
+            expected = s.local_shape(plan.shard_rank) if placement.is_shard() else s.shape
             if leaf.shape == expected:
-                return plan.to_dtensor(leaf, s, placement)
+                return plan.to_dtensor(leaf, s.shape, placement)
             if placement.is_shard() and _row_statistic(path) and leaf.dim() and leaf.shape[0] == expected[0]:
-                global_shape = torch.Size((s.rows, *leaf.shape[1:]))
-                stride = torch.empty(global_shape, device="meta").stride()
-                return DTensor.from_local(leaf, plan.mesh, [placement], run_check=False,
-                                          shape=global_shape, stride=stride)
+                return plan.to_dtensor(leaf, torch.Size((s.rows, *leaf.shape[1:])), placement)
         return leaf
 
     return pytree.tree_map_with_path(wrap, tree)
@@ -61,6 +59,29 @@ def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor
 def unwrap(tree: Any) -> Any:
     """DTensor leaves -> their local tensors (no copy)."""
     return pytree.tree_map(lambda x: x._local_tensor if isinstance(x, DTensor) else x, tree)
+
+
+def checked_opt_state(tree: Any, plan: ShardPlan) -> Any:
+    """The optimizer state's local tensors, after checking that every DTensor leaf kept by a
+    parameter has that parameter's optimizer placements (a ConfigError names the first that did not)."""
+    slots = plan.slots()
+
+    def check(path, leaf):
+        if not isinstance(leaf, DTensor):
+            return leaf
+        key = _param_key(path)
+        where = "state.opt_state" + "".join(str(k) for k in path)
+        if key in slots:
+            b, s = slots[key]
+            want = plan.placements(b.place.opt)
+            if tuple(leaf.placements) != want or leaf.device_mesh != plan.mesh:
+                raise ConfigError(f"{where} has placements {tuple(leaf.placements)}; parameter {key!r} keeps its "
+                                  f"optimizer state as {want} on {plan.mesh}")
+            if leaf.shape[:1] != s.shape[:1] and s.shape:
+                raise ConfigError(f"{where} has shape {tuple(leaf.shape)}; parameter {key!r} is {tuple(s.shape)}")
+        return leaf._local_tensor
+
+    return pytree.tree_map_with_path(check, tree)
 
 
 def reuse_map(tree: Any) -> Dict[int, DTensor]:

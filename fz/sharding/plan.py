@@ -1,53 +1,92 @@
-"""`ShardPlan`: the static map from parameter names to bucket storage on this rank.
+"""`ShardPlan`: the frozen map from parameter names to bucket storage on this rank.
 
-Each bucket owns one flat storage tensor per rank: the full parameters (replicated
-buckets) or this rank's padded Shard(0) rows (sharded buckets). Parameters in the state
-are DTensors whose local tensors are views of that storage, so a collective on the
-bucket is one call on one tensor.
+Each bucket's storage is one flat tensor per rank: the full parameters (replicated
+buckets, param-major) or this rank's padded Shard(0) rows (rank-major: the bucket's
+[shards, shard_numel] layout, whose row r is rank r's rows of every parameter). The State
+holds that storage as DTensor leaves; a parameter by name is a view of it, so a
+collective on the bucket is one call on one tensor.
+
+The plan holds no tensors and nothing mutable, so two states can share it and compare it.
+On a 2-D mesh every placement gains a leading Replicate() for the "replicate" dimension.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
 
-from fz.sharding.comm import Comm, full_views, local_rows_of_full, shard_views
-from fz.sharding.gather import LiveCounter
 from fz.sharding.buckets import Bucket, Slot
+from fz.sharding.comm import full_views, local_rows_of_full, shard_views
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     mesh: DeviceMesh
-    comm: Comm
     device: torch.device
     buckets: Tuple[Bucket, ...]
-    live: LiveCounter
-    order: List[int] = field(default_factory=list)  # units in forward call order (learned by the first step)
-    last_step_bytes: Dict[str, int] = field(default_factory=dict)  # collective kind -> payload bytes
+    rank: int  # this rank's global rank
+    ranks: Tuple[int, ...]  # global ranks of the whole mesh
+    shard_rank: int  # position within the shard group
+    shard_ranks: Tuple[int, ...]  # global ranks of this rank's shard group
+    replicas: int  # shard groups holding replicas of each other (1 on a 1-D mesh)
+    shard_group: Optional[dist.ProcessGroup] = field(compare=False, repr=False)
+    replica_group: Optional[dist.ProcessGroup] = field(compare=False, repr=False)
+
+    @staticmethod
+    def build(mesh: DeviceMesh, device: torch.device, buckets: Tuple[Bucket, ...]) -> "ShardPlan":
+        shard_group = mesh.get_group(mesh.ndim - 1)
+        replica_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        return ShardPlan(mesh, device, tuple(buckets), dist.get_rank(), tuple(mesh.mesh.flatten().tolist()),
+                         mesh.get_local_rank(mesh.ndim - 1), tuple(dist.get_process_group_ranks(shard_group)),
+                         mesh.size(0) if mesh.ndim == 2 else 1, shard_group, replica_group)
 
     @property
-    def rank(self) -> int:
-        return self.comm.rank
+    def shards(self) -> int:
+        """Ranks each sharded tensor is split over (ZeRO's N)."""
+        return len(self.shard_ranks)
 
     @property
     def world(self) -> int:
-        return self.comm.world
+        return len(self.ranks)
+
+    def placements(self, p: Placement) -> Tuple[Placement, ...]:
+        """The stage table's placement as one per mesh dimension."""
+        return (p,) if self.mesh.ndim == 1 else (Replicate(), p)
 
     def slots(self) -> Dict[str, Tuple[Bucket, Slot]]:
         return {s.name: (b, s) for b in self.buckets for s in b.slots}
 
+    # -- flat storage (the State's leaves) --------------------------------------------------
+
+    def flat_shape(self, b: Bucket, placement: Placement) -> torch.Size:
+        return torch.Size((b.padded_numel if isinstance(placement, Shard) else b.full_numel,))
+
+    def wrap_flat(self, local: Tensor, b: Bucket, placement: Placement) -> DTensor:
+        """A bucket's storage as a DTensor: Shard(0) of the rank-major padded flat, or Replicate."""
+        return self.to_dtensor(local, self.flat_shape(b, placement), placement)
+
+    def to_dtensor(self, local: Tensor, shape: torch.Size, placement: Placement) -> DTensor:
+        """Wrap without dispatching an op on `local` (it may still be arriving: see sync.py)."""
+        stride = torch.empty(shape, device="meta").stride()
+        spec = DTensorSpec(self.mesh, self.placements(placement), TensorMeta(shape, stride, local.dtype))
+        return DTensor(local, spec, requires_grad=False)
+
+    # -- per-parameter views of the storage -------------------------------------------------
+
     def param_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
-        """The state's local tensor of each parameter: full (replicated) or its rows (sharded)."""
-        return shard_views(flat, b, self.rank) if b.sharded_param else full_views(flat, b)
+        """The local tensor of each parameter: full (replicated) or its rows (sharded)."""
+        return shard_views(flat, b, self.shard_rank) if b.sharded_param else full_views(flat, b)
 
     def master_locals(self, mflat: Tensor, b: Bucket) -> List[Tensor]:
         """Master weights: full layout (optimizer Replicate) or this rank's padded rows."""
-        return shard_views(mflat, b, self.rank) if isinstance(b.place.opt, Shard) else full_views(mflat, b)
+        return shard_views(mflat, b, self.shard_rank) if isinstance(b.place.opt, Shard) else full_views(mflat, b)
 
     def opt_locals(self, flat: Tensor, mflat: Optional[Tensor], b: Bucket) -> List[Tensor]:
         """What the optimizer updates for each parameter: the whole of it or this rank's rows
@@ -55,64 +94,19 @@ class ShardPlan:
         if mflat is not None:
             return self.master_locals(mflat, b)
         if b.sharded_param:
-            return shard_views(flat, b, self.rank)
+            return shard_views(flat, b, self.shard_rank)
         if isinstance(b.place.opt, Shard):
-            return local_rows_of_full(flat, b, self.rank)
+            return local_rows_of_full(flat, b, self.shard_rank)
         return full_views(flat, b)
 
-    def to_dtensor(self, local: Tensor, slot: Slot, placement) -> DTensor:
-        if isinstance(placement, Shard):
-            stride = torch.empty(slot.shape, device="meta").stride()
-            return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=slot.shape, stride=stride)
-        return DTensor.from_local(local, self.mesh, [placement], run_check=False)
-
-    def wrap_params(self, flats: Sequence[Tensor]) -> Dict[str, DTensor]:
+    def named(self, flats, views_of, placement_of) -> Dict[str, DTensor]:
+        """{name: DTensor view} of per-bucket storage (`flats`: bucket index -> local flat)."""
         out: Dict[str, DTensor] = {}
-        for b, flat in zip(self.buckets, flats):
-            for s, t in zip(b.slots, self.param_locals(flat, b)):
-                out[s.name] = self.to_dtensor(t, s, b.place.param)
+        for b in self.buckets:
+            flat = flats.get(b.index) if isinstance(flats, dict) else flats[b.index]
+            if flat is None:
+                continue
+            placement = placement_of(b)
+            for s, t in zip(b.slots, views_of(flat, b)):
+                out[s.name] = self.to_dtensor(t, s.shape, placement)
         return out
-
-    def wrap_master(self, mflats: Sequence[Optional[Tensor]]) -> Dict[str, DTensor]:
-        out: Dict[str, DTensor] = {}
-        for b, mflat in zip(self.buckets, mflats):
-            if mflat is not None:
-                for s, t in zip(b.slots, self.master_locals(mflat, b)):
-                    out[s.name] = self.to_dtensor(t, s, b.place.opt)
-        return out
-
-    def packed_master(self, master: Optional[Dict[str, DTensor]], mflats: Sequence[Optional[Tensor]]):
-        """`mflats` (the same object) if every master weight still views its storage, else fresh copies."""
-        if master is None:
-            return mflats
-        out, changed = _repack(self.buckets, master, mflats, self.master_locals)
-        return out if changed else mflats
-
-    def packed_flats(self, params: Dict[str, DTensor], flats: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], bool]:
-        """(`flats`, False) if every parameter still views its bucket storage, else (fresh copies, True)."""
-        return _repack(self.buckets, params, flats, self.param_locals)
-
-
-def _repack(buckets, tensors: Dict[str, DTensor], storages: Sequence[Optional[Tensor]], views_of):
-    """Keep each bucket's storage whose views the tensors still are; copy the others into new storage.
-
-    A user may `replace` or `tree_map` a State: its tensors then no longer view the buckets."""
-    out, changed = [], False
-    for b, storage in zip(buckets, storages):
-        if storage is None:
-            out.append(None)
-            continue
-        locals_ = [_local(tensors[s.name]) for s in b.slots]
-        if all(x.data_ptr() == v.data_ptr() and x.shape == v.shape for x, v in zip(locals_, views_of(storage, b))):
-            out.append(storage)
-            continue
-        changed = True
-        new = torch.zeros_like(storage)
-        for x, v in zip(locals_, views_of(new, b)):
-            v.copy_(x)
-        out.append(new)
-    return tuple(out), changed
-
-
-def _local(t) -> Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t

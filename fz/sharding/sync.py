@@ -1,59 +1,69 @@
-"""Stages 1 and 2: bringing replicated parameters up to date after a sharded update.
+"""Stages 1 and 2: replicated parameters arriving after a sharded update, as leaf-level futures.
 
 Each rank's optimizer updates only its rows, so after the step every rank all-gathers
 the buckets. Waiting for that at the end of the step would leave the network idle
 during compute and the cores idle during the transfer; instead the all-gathers run
 while the next step's forward computes (DeepSpeed and FSDP do the same with their
-prefetch): `ParamSync.wait(bucket)` before a bucket's parameters are read, with at most
-`depth` buckets in flight (each holds a gathered buffer). `finish()` completes the rest;
-a State that carries a ParamSync calls it before its parameters are read in any other way.
+prefetch). Every one of them is started at the end of the step, on every rank: so a
+read of the state on one rank only waits for work already under way and never starts a
+collective of its own (a bounded pipeline would have to, and could hang). The price is
+one gathered buffer per bucket until the next forward has used it.
+
+The returned State holds such a bucket as an `Arriving` tensor: like a JAX array under
+async dispatch, it is a future of its values. Views of it (the parameters by name, a
+DTensor around it) are futures too; anything that reads its data waits for that bucket
+first; the next step takes the real storage and waits bucket by bucket, just before each
+block runs. Flattening, printing or mapping a state over its shapes never waits and never
+starts a collective: the all-gathers were started by every rank at the end of the step.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.sharding.comm import local_rows_of_full, shard_views, unpack_into
-from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
+from fz.sharding.comm import Comm, local_rows_of_full, shard_views, unpack_into
+
+aten = torch.ops.aten
+# ops that only make a view (the result is still arriving) or read no data (nothing to wait for)
+_VIEWS = {aten.view.default, aten.slice.Tensor, aten.as_strided.default, aten.alias.default,
+          aten._reshape_alias.default, aten.detach.default, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.expand.default}
+_SHAPE_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+               aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+               aten.empty_strided.default, aten.new_empty_strided.default}
 
 
 class ParamSync:
     """The all-gathers of one step's updated rows, in bucket order (the same on every rank)."""
 
-    def __init__(self, plan: ShardPlan, todo: Sequence[Tuple[Bucket, Tensor, Optional[Tensor]]], depth: int = 2):
-        self.plan, self.depth = plan, max(1, depth)
-        self.todo: List[Tuple[Bucket, Tensor, Optional[Tensor]]] = list(todo)  # (bucket, flat, master flat)
+    def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[Tuple[Bucket, Tensor, Optional[Tensor]]]):
+        self.comm, self.rank = comm, shard_rank
         self.inflight: List[Tuple[Bucket, Tensor, Tensor, object]] = []
-        self.waiting = {b.index for b, _, _ in self.todo}  # buckets not up to date yet
-        for b, flat, _ in self.todo:  # the bytes belong to the step that made the update
-            plan.comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
-        self._fill()
+        self.waiting = {b.index for b, _, _ in todo}  # buckets not up to date yet
+        for b, flat, mflat in todo:  # the bytes belong to the step that made the update
+            comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
+            self._launch(b, flat, mflat)
 
     def _launch(self, b: Bucket, flat: Tensor, mflat: Optional[Tensor]) -> None:
-        plan = self.plan
         if mflat is not None:  # this rank's updated rows, in the parameters' dtype
             shard = mflat.to(flat.dtype)
         else:
             shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
-            for dst, src in zip(shard_views(shard, b, plan.rank), local_rows_of_full(flat, b, plan.rank)):
+            for dst, src in zip(shard_views(shard, b, self.rank), local_rows_of_full(flat, b, self.rank)):
                 dst.copy_(src)
         full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
-        self.inflight.append((b, flat, full, plan.comm.all_gather(full, shard, async_op=True, counted=True)))
-
-    def _fill(self) -> None:
-        while self.todo and len(self.inflight) < self.depth:
-            self._launch(*self.todo.pop(0))
+        self.inflight.append((b, flat, full, self.comm.all_gather(full, shard, async_op=True, counted=True)))
 
     def _complete_oldest(self) -> None:
         b, flat, full, work = self.inflight.pop(0)
         work.wait()
         unpack_into(full, b, flat)
         self.waiting.discard(b.index)
-        self._fill()
 
     def wait(self, index: int) -> None:
         """Bucket `index` is up to date when this returns (earlier buckets too: collectives finish
@@ -70,8 +80,58 @@ class ParamSync:
         return bool(self.waiting)
 
 
-def start_param_sync(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[Optional[Tensor]],
-                     depth: int = 2) -> Optional[ParamSync]:
+class Arriving(torch.Tensor):
+    """A bucket's storage (or a view of it) whose values arrive with `sync`'s all-gather."""
+
+    @staticmethod
+    def __new__(cls, data: Tensor, sync: ParamSync, index: int) -> "Arriving":
+        r = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
+                                                storage_offset=data.storage_offset(), dtype=data.dtype,
+                                                device=data.device, requires_grad=False)
+        r._data, r._sync, r._index = data, sync, index
+        return r
+
+    def result(self) -> Tensor:
+        """The values, once this bucket has arrived (waits for it)."""
+        self._sync.wait(self._index)
+        return self._data
+
+    def __repr__(self) -> str:
+        state = "arriving" if self._index in self._sync.waiting else "arrived"
+        return f"Arriving(shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
+
+    def __deepcopy__(self, memo) -> Tensor:
+        return self.result().clone()
+
+    def __reduce_ex__(self, proto):
+        return self.result().__reduce_ex__(proto)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        futures = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Arriving)]
+        if func in _SHAPE_ONLY:
+            unwrapped = pytree.tree_map(lambda x: x._data if isinstance(x, Arriving) else x, (args, kwargs))
+            return func(*unwrapped[0], **unwrapped[1])
+        if func in _VIEWS and any(a._index in a._sync.waiting for a in futures):
+            unwrapped = pytree.tree_map(lambda x: x._data if isinstance(x, Arriving) else x, (args, kwargs))
+            out = func(*unwrapped[0], **unwrapped[1])
+            first = futures[0]
+            return pytree.tree_map(lambda t: Arriving(t, first._sync, first._index) if isinstance(t, Tensor) else t,
+                                   out)
+        unwrapped = pytree.tree_map(lambda x: x.result() if isinstance(x, Arriving) else x, (args, kwargs))
+        return func(*unwrapped[0], **unwrapped[1])
+
+
+def local_data(t: Tensor) -> Tuple[Tensor, Optional[ParamSync]]:
+    """(the storage, the sync it still waits for or None) of a bucket's local tensor."""
+    if isinstance(t, Arriving):
+        return t._data, (t._sync if t._index in t._sync.waiting else None)
+    return t, None
+
+
+def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
+                     mflats: Sequence[Optional[Tensor]]) -> Optional[ParamSync]:
     """Make every rank's parameters equal the updated (master) shards: a cast copy where the
     layouts agree (done now), an all-gather where a replicated parameter was updated in
     shards (returned as a ParamSync that runs during the next forward; None if there is none)."""
@@ -79,9 +139,9 @@ def start_param_sync(plan: ShardPlan, flats: Sequence[Tensor], mflats: Sequence[
     for b, flat, mflat in zip(plan.buckets, flats, mflats):
         if not b.trainable:
             continue
-        gathered = not b.sharded_param and isinstance(b.place.opt, Shard) and plan.world > 1
+        gathered = not b.sharded_param and isinstance(b.place.opt, Shard) and plan.shards > 1
         if gathered:
             todo.append((b, flat, mflat))
         elif mflat is not None:
             flat.copy_(mflat)  # same layout: a cast copy
-    return ParamSync(plan, todo, depth) if todo else None
+    return ParamSync(comm, plan.shard_rank, todo) if todo else None

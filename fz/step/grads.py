@@ -3,7 +3,9 @@
 Which collective and when comes from the bucket's placements (see fz/sharding/plan.py):
 grad Shard(0) -> reduce-scatter after every micro-batch, summed into a shard accumulator;
 grad Replicate -> accumulate in full, then one all-reduce (optimizer Replicate) or
-reduce-scatter (optimizer Shard(0)) in the last micro-batch. Sharded-parameter buckets
+reduce-scatter (optimizer Shard(0)) in the last micro-batch. These run within the shard
+group; on a 2-D mesh the step's accumulated result is then averaged across the groups
+(one all-reduce per bucket of what the optimizer reads: `reduce_across_replicas`). Sharded-parameter buckets
 (stage 3) send their gradients from the gather's backward (`reduce_gathered`): an
 asynchronous reduce-scatter after every micro-batch. At most MAX_INFLIGHT reductions are in
 flight, so full-size gradient buffers never pile up.
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.sharding.comm import full_views, pack, shard_views
+from fz.sharding.comm import Comm, full_views, pack, shard_views
 from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
 
@@ -26,8 +28,8 @@ MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gra
 
 
 class GradReducer:
-    def __init__(self, plan: ShardPlan, leaves: Sequence[Tensor]):
-        self.plan, self.leaves = plan, leaves
+    def __init__(self, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor]):
+        self.plan, self.comm, self.leaves = plan, comm, leaves
         self.buckets = [b for b in plan.buckets if b.trainable and not b.sharded_param]
         self.sharded = [b for b in plan.buckets if b.trainable and b.sharded_param]
         self.last = False
@@ -49,7 +51,7 @@ class GradReducer:
     def reduce_gathered(self, b: Bucket, grads: Sequence[Tensor]) -> None:
         """Stage 3: the gathered parameters' gradients -> an async reduce-scatter to this rank's shard."""
         self.launched.add(b.index)
-        comm = self.plan.comm
+        comm = self.comm
         dtype = self.leaves[b.index].dtype
         if comm.world == 1:
             self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype, "shard"))
@@ -90,7 +92,7 @@ class GradReducer:
     def _launch(self, b: Bucket, g: Tensor) -> None:
         """Start the bucket's collective, in the reduce dtype (`_finish` says which dtype the result keeps)."""
         self.launched.add(b.index)
-        comm = self.plan.comm
+        comm = self.comm
         sharded_opt = isinstance(b.place.opt, Shard)
         if comm.world == 1:
             self.pending.append((b, g, None, g.dtype, "shard" if sharded_opt else "full"))
@@ -120,6 +122,15 @@ class GradReducer:
         self.pending.clear()
         self.launched.clear()
 
+    def reduce_across_replicas(self) -> None:
+        """2-D mesh: average each bucket's reduced gradient across the replica groups (once per
+        step, on the sum over micro-batches: the average is linear)."""
+        if self.comm.replicas == 1:
+            return
+        works = [self.comm.replica_mean(self.acc[b.index], async_op=True) for b in (*self.buckets, *self.sharded)]
+        for w in works:
+            w.wait()
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -137,5 +148,5 @@ class GradReducer:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""
         g = self.acc[b.index]
         if self.layout[b.index] == "shard":
-            return shard_views(g, b, self.plan.rank)
+            return shard_views(g, b, self.plan.shard_rank)
         return full_views(g, b)

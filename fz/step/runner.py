@@ -17,7 +17,8 @@ from torch.func import functional_call
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from fz.sharding.gather import Gatherer, ParamSaver, gather_bucket
+from fz.sharding.comm import Comm
+from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
 from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
@@ -27,10 +28,13 @@ from fz.model.skeleton import Skeleton, running
 class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
-    def __init__(self, skel: Skeleton, plan: ShardPlan, leaves: Sequence[Tensor], buffers: Dict[str, Tensor],
-                 checkpointing: Any = False, grad_sink: Optional[Callable] = None, prefetch: int = 0,
-                 compile: Any = False, sync: Optional[ParamSync] = None, live_buckets: int = 0):
+    def __init__(self, skel: Skeleton, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor],
+                 buffers: Dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
+                 grad_sink: Optional[Callable] = None, prefetch: int = 0, compile: Any = False,
+                 sync: Optional[ParamSync] = None, live_buckets: int = 0):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.order = list(order)  # units in forward call order, as the last step saw them (for prefetch)
+        self.live = LiveCounter()
         self.sync = sync  # replicated buckets still being all-gathered from the last update
         self.grad_sink, self.prefetch = grad_sink, prefetch
         self.compiled = compiled_units(skel, compile) if compile else None
@@ -47,7 +51,7 @@ class Runner:
         self.keep_budget = live_buckets - self.sharded[0] - (1 + prefetch) * widest
         self.kept: set = set()  # units whose gathered buckets this forward keeps for backward
         self.root_tensors: Dict[str, Tensor] = {}
-        self.gatherer = Gatherer(plan.comm, plan.live)
+        self.gatherer = Gatherer(comm, self.live)
         self.saver = ParamSaver(self.gatherer, self._on_regather)
         self.backward_seen: set = set()
         self.in_unit = False
@@ -72,7 +76,7 @@ class Runner:
     def _prefetch_units(self, unit: int, direction: int) -> None:
         """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call
         order (direction 0: `unit` itself)."""
-        order = self.plan.order
+        order = self.order
         if not self.prefetch or unit not in order:
             return
         pos = order.index(unit)
@@ -91,8 +95,8 @@ class Runner:
             own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
         if index == 0:
             self.root_tensors = own
-            if self.plan.order:  # the root is gathered: start on the first block it will call
-                self._prefetch_units(self.plan.order[0], 0)
+            if self.order:  # the root is gathered: start on the first block it will call
+                self._prefetch_units(self.order[0], 0)
         unit = self.skel.units[index]
         args = {local: own[c] if c in own else self.root_tensors[c] for local, c in unit.params}
         args.update((local, self.buffers[c]) for local, c in unit.buffers)
@@ -122,7 +126,7 @@ class Runner:
                 out = self._run_unit(index, args, kwargs)
         finally:
             self.in_unit = False
-        if self.plan.order and index == self.plan.order[-1]:
+        if self.order and index == self.order[-1]:
             self._prefetch_units(index, 0)  # its backward comes first: gather it while the head and loss run
         return out
 
@@ -143,8 +147,7 @@ class Runner:
         self.kept = set()
         self.gatherer.close()
         if self.called:
-            self.plan.order[:] = self.called
-            self.called = []
+            self.order, self.called = self.called, []
 
 
 def _call(module, params, args, kwargs):

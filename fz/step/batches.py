@@ -1,0 +1,36 @@
+"""A step's batch as micro-batches, and the loss as a scalar: checked, with errors that name the cause."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fz.errors import ConfigError
+
+
+def micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
+    leaves, spec = pytree.tree_flatten(batch)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    if not tensors:
+        raise ConfigError("the batch holds no tensors")
+    sizes = {x.shape[0] if x.dim() else None for x in tensors}
+    if len(sizes) != 1 or None in sizes:
+        raise ConfigError(f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}")
+    size = sizes.pop()
+    if size % n or size == 0:
+        raise ConfigError(f"batch leading dimension {size} is not divisible by grad_accum={n} "
+                          f"(a batch is grad_accum * micro_batch rows of this rank's data)")
+    m = size // n
+    if micro is not None and m != micro:
+        raise ConfigError(f"batch has {size} rows but grad_accum={n} x micro_batch={micro} = {n * micro} "
+                          "(batch sizes are inconsistent with the spec)")
+    return [pytree.tree_unflatten([x.narrow(0, i * m, m) if isinstance(x, Tensor) else x for x in leaves], spec)
+            for i in range(n)]
+
+
+def scalar_loss(loss: Any) -> Tensor:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ConfigError(f"loss_fn must return a scalar tensor; got {shape}. Reduce it (e.g. .mean()) in loss_fn")
+    return loss.reshape(())
