@@ -176,6 +176,13 @@ def _zero(r: Reader, raw: Any, fields: set) -> Dict[str, Any]:
     _note_auto(r, zero, "bucket_mb", ("reduce_bucket_size", "allgather_bucket_size"))
     bucket_elems = out.get("bucket_mb", _default("bucket_mb")) * 2**20 / 4
 
+    mics, src = r.get(path, zero, "mics_shard_size", integer(-1, 2**31), -1)
+    if mics == 0 or mics < -1:
+        raise ConfigError(f"{path}.mics_shard_size: {mics!r} must be -1 (off) or a group size >= 1")
+    if mics != -1:  # MiCS: shard within groups of this many ranks, replicate across them
+        out["shard_group_size"] = mics
+        r.record("shard_group_size", mics, src, f"{path}.mics_shard_size")
+
     key, persist = _elements(r, zero, ("stage3_param_persistence_threshold", "param_persistence_threshold"))
     if persist is not None:
         out["persist_threshold"] = persist

@@ -43,7 +43,7 @@ ZERO_USED = {
     "stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_param_persistence_threshold",
     "param_persistence_threshold", "stage3_max_live_parameters", "max_live_parameters",
     "stage3_prefetch_bucket_size", "prefetch_bucket_size", "offload_optimizer", "offload_param",
-    "cpu_offload", "cpu_offload_param",
+    "cpu_offload", "cpu_offload_param", "mics_shard_size",
 }
 ZERO_IGNORED = {
     "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions",
@@ -60,8 +60,7 @@ ZERO_IGNORED = {
 }
 ZERO_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     "zero_hpz_partition_size": _not(1), "zero_quantized_weights": in_use, "zero_quantized_nontrainable_weights": in_use,
-    "zero_quantized_gradients": in_use, "zeropp_loco_param": in_use, "mics_shard_size": _not(-1),
-    "mics_hierarchical_params_gather": in_use, "zenflow": in_use,
+    "zero_quantized_gradients": in_use, "zeropp_loco_param": in_use, "mics_hierarchical_params_gather": in_use, "zenflow": in_use,
 }
 OFFLOAD_KEYS = {
     "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init",
