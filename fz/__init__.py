@@ -12,12 +12,12 @@ from fz.observe.memory import MemoryReport, memory_report
 from fz.observe.monitor import Monitor
 from fz.observe.full_params import full_params
 from fz.spec import LossScale, Spec
-from fz.state import State
+from fz.state import State, block_until_ready
 from fz.step.train import apply, eval_step, train_step
+from fz.version import __version__
 
 __all__ = [
     "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
-    "apply", "comm_report", "eval_step", "full_params", "init", "load_weights", "memory_report",
+    "apply", "block_until_ready", "comm_report", "eval_step", "full_params", "init", "load_weights", "memory_report",
     "optim", "restore", "save", "train_step", "wait_for_checkpoints",
 ]
-__version__ = "0.1.0"

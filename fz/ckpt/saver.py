@@ -35,6 +35,7 @@ from fz.ckpt.layout import META, PathLike, clean_stale, fsync_path, hook, prune,
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
 from fz.state import State, block_until_ready
+from fz.version import __version__
 
 FORMAT = 1
 
@@ -45,11 +46,6 @@ def _stage(t: Tensor) -> Tensor:
         local = t._local_tensor.detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
-
-
-def _fz_version() -> str:
-    import fz
-    return getattr(fz, "__version__", "unknown")
 
 
 class _Job:
@@ -241,7 +237,7 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
         if rank == 0:
             _prepare(root, n)
         spec = state.spec
-        meta = {"format": FORMAT, "fz_version": _fz_version(), "torch_version": torch.__version__, "step": n,
+        meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": n,
                 "train_step": int(state.step), "world": state.plan.world, "stage": spec.stage,
                 "precision": spec.precision, "master": state.master is not None, "checksum": manifest.ALGORITHM,
                 "client_state": client_json}

@@ -1,5 +1,5 @@
 """fz.config: DeepSpeed JSON configs -> fz.Spec, with the provenance of every value."""
-from fz.config.deepspeed import AUTO_NAMES, from_deepspeed
+from fz.config.deepspeed import AUTO_NAMES, read_deepspeed
 from fz.config.explain import Provenance, explain
 
-__all__ = ["AUTO_NAMES", "Provenance", "explain", "from_deepspeed"]
+__all__ = ["AUTO_NAMES", "Provenance", "explain", "read_deepspeed"]

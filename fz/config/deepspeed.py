@@ -18,7 +18,9 @@ from fz.config.optimizer import OptimizerConfig, read_scheduler
 from fz.config.values import (
     AUTO, Reader, betas, boolean, choice, integer, number, optional, section, string,
 )
+from fz import optim
 from fz.errors import ConfigError, suggest
+from fz.precision import LossScale
 
 AUTO_NAMES = ("lr", "betas", "eps", "weight_decay", "micro_batch", "grad_accum", "clip_grad_norm", "precision",
               "total_steps", "warmup_steps")
@@ -174,7 +176,7 @@ def _zero(r: Reader, raw: Any, fields: set) -> Dict[str, Any]:
         out["bucket_mb"] = sizes[key] * 4 / 2**20
         r.record("bucket_mb", out["bucket_mb"], "config", f"{key} * 4 / 2**20")
     _note_auto(r, zero, "bucket_mb", ("reduce_bucket_size", "allgather_bucket_size"))
-    bucket_elems = out.get("bucket_mb", _default("bucket_mb")) * 2**20 / 4
+    bucket_elems = out.get("bucket_mb", r.default("bucket_mb")) * 2**20 / 4
 
     mics, src = r.get(path, zero, "mics_shard_size", integer(-1, 2**31), -1)
     if mics == 0 or mics < -1:
@@ -198,13 +200,13 @@ def _zero(r: Reader, raw: Any, fields: set) -> Dict[str, Any]:
         r.record("prefetch", out["prefetch"], "config", f"{key} // bucket elements")
     else:
         _note_auto(r, zero, "prefetch", ("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
-    min_live = 2 + out.get("prefetch", _default("prefetch") if "prefetch" in fields else 0)
+    min_live = 2 + out.get("prefetch", r.default("prefetch") if "prefetch" in fields else 0)
 
     key, live = _elements(r, zero, ("stage3_max_live_parameters", "max_live_parameters"))
     if live is not None:
         out["live_buckets"] = max(min_live, int(live // bucket_elems))
         r.record("live_buckets", out["live_buckets"], "config", f"{key} // bucket elements (>= {min_live})")
-    elif _default("live_buckets") < min_live:
+    elif r.default("live_buckets") < min_live:
         out["live_buckets"] = min_live
         r.record("live_buckets", min_live, "config", "2 + prefetch")
     return out
@@ -225,17 +227,11 @@ def _note_auto(r: Reader, zero: Dict[str, Any], field: str, names: Tuple[str, ..
         return
     for name in names:
         if zero.get(name) == AUTO:
-            r.record(field, _default(field), "default", f'zero_optimization.{name} ("auto")')
+            r.record(field, r.default(field), "default", f'zero_optimization.{name} ("auto")')
             return
 
 
-def _default(field: str) -> Any:
-    from fz.spec import Spec
-    return {f.name: f.default for f in dataclasses.fields(Spec)}.get(field)
-
-
 def _precision(r: Reader, cfg: Dict[str, Any]) -> Tuple[str, Any]:
-    from fz.spec import LossScale
     enabled, sections = {}, {}
     for key, used, ignored, unsupported in (("fp16", K.FP16_USED, K.FP16_IGNORED, K.FP16_UNSUPPORTED),
                                             ("bf16", K.BF16_USED, K.BF16_IGNORED, K.BF16_UNSUPPORTED)):
@@ -308,17 +304,16 @@ def _tensorboard(r: Reader, raw: Any) -> Optional[str]:
     return log_dir
 
 
-def from_deepspeed(config: Union[dict, str, os.PathLike], **auto: Any):
-    """A DeepSpeed config (dict, path, or JSON text) -> fz.Spec; see the module docstring."""
-    from fz import optim
-    from fz.spec import Spec
+def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], **auto: Any):
+    """A DeepSpeed config (dict, path, or JSON text) -> `spec_cls` (fz.Spec, which calls this:
+    fz.config never imports fz.spec); see the module docstring."""
+    fields = {f.name: f.default for f in dataclasses.fields(spec_cls)}
     cfg, origin = load(config)
     auto = _check_auto(auto)
-    r = Reader({k: v for k, v in auto.items() if k != "world_size"})
+    r = Reader({k: v for k, v in auto.items() if k != "world_size"}, fields)
     r.check_keys("", cfg, K.TOP_USED, K.TOP_IGNORED, K.TOP_UNSUPPORTED)
     if "bf16" in cfg and "bfloat16" in cfg:
         r.ignored.append("bfloat16 (bf16 wins, as in DeepSpeed)")
-    fields = {f.name for f in dataclasses.fields(Spec)}
     world, source = _world_size(auto)
     r.record("world_size", world, source, "torch.distributed / world_size=")
     out: Dict[str, Any] = {}
@@ -331,8 +326,8 @@ def from_deepspeed(config: Union[dict, str, os.PathLike], **auto: Any):
     r.record("clip_grad_norm", out["clip_grad_norm"], source, "gradient_clipping")
     for field, key, check, default in (
             ("reduce_dtype", "communication_data_type", optional(choice(K.COMM_DTYPES)), None),
-            ("log_every", "steps_per_print", integer(1, 2**62), _default("log_every")),
-            ("seed", "seed", integer(-2**63, 2**64 - 1), _default("seed"))):
+            ("log_every", "steps_per_print", integer(1, 2**62), r.default("log_every")),
+            ("seed", "seed", integer(-2**63, 2**64 - 1), r.default("seed"))):
         out[field], source = r.get("", cfg, key, check, default)
         r.record(field, out[field], source, key)
     ac = _activation_checkpointing(r, cfg.get("activation_checkpointing"))
@@ -358,6 +353,6 @@ def from_deepspeed(config: Union[dict, str, os.PathLike], **auto: Any):
     prov = Provenance(r.entries, r.keys, r.ignored, r.unsupported, unused, origin,
                       objects={"optimizer": out["optimizer"]})
     try:
-        return Spec(**out, provenance=prov)
+        return spec_cls(**out, provenance=prov)
     except ConfigError as e:
         raise ConfigError(f"the DeepSpeed config gives an invalid Spec: {e}") from None

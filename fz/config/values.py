@@ -115,13 +115,17 @@ def section(path: str, v: Any) -> Dict[str, Any]:
 class Reader:
     """Reads values out of config sections, filling "auto" from the keyword arguments."""
 
-    def __init__(self, auto: Dict[str, Any]):
+    def __init__(self, auto: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None):
         self.auto = auto
+        self.defaults = dict(defaults or {})  # Spec field -> its default
         self.used_auto: set = set()
         self.entries: Dict[str, Tuple[Any, str]] = {}  # name -> (value, source)
         self.keys: Dict[str, str] = {}  # name -> DeepSpeed key path it came from
         self.ignored: List[str] = []  # accepted, tunes DeepSpeed internals
         self.unsupported: List[str] = []  # accepted, a DeepSpeed feature fz lacks (ignored)
+
+    def default(self, field: str) -> Any:
+        return self.defaults.get(field)
 
     def record(self, name: str, value: Any, source: str, key: str = "") -> None:
         self.entries[name] = (value, source)

@@ -1,0 +1,35 @@
+"""Precision settings: the compute dtypes fz knows and fp16 loss scaling (DeepSpeed's `fp16` keys)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fz.errors import ConfigError
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16 loss scaling, with DeepSpeed's `fp16` keys and meanings.
+
+    `loss_scale` 0 means dynamic: start at 2**initial_scale_power, halve on an overflow
+    after `hysteresis` overflows, double after `loss_scale_window` clean steps, never
+    below `min_loss_scale`. A positive `loss_scale` is a fixed scale.
+    """
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss_scale < 0:
+            raise ConfigError(f"LossScale.loss_scale={self.loss_scale!r}: must be 0 (dynamic) or > 0")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ConfigError("LossScale.loss_scale_window and hysteresis must be >= 1")
+        if self.min_loss_scale <= 0:
+            raise ConfigError(f"LossScale.min_loss_scale={self.min_loss_scale!r}: must be > 0")
