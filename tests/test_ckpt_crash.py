@@ -123,7 +123,9 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     from fz.ckpt import manifest
     from fz.ckpt.layout import read_latest
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
+    here = Path(__file__).parent  # the child imports the fz this process imported, not an installed one
+    path = os.pathsep.join([str(here), str(Path(fz.__file__).parent.parent)])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
