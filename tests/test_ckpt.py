@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 import fz
 from fz.ckpt import restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate
-from fz.ckpt.layout import HOOK_ENV
 from fz.ckpt.safetensors_io import load_weights
 from fz.ckpt.tree import opt_leaves
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks
+from ckpt_hooks import arm
 from helpers import make_model, max_rel, rank_batches, reference, spec
 
 WORLD, SAVE_AT, MORE = 2, 6, 6
@@ -77,7 +77,7 @@ def _write(rank: int, world: int, root: str) -> dict:
         save(state, f"{root}/s{stage}", client_state=CLIENT)
         out[stage] = _snapshot(state)
         if stage == 3:  # async: the write is held back 0.5 s, while training overwrites the buffers
-            os.environ[HOOK_ENV] = "write_begin:sleep=0.5"
+            disarm = arm("write_begin", "sleep=0.5")
             t = time.perf_counter()
             save(state, f"{root}/async", async_=True)
             took = time.perf_counter() - t
@@ -85,7 +85,7 @@ def _write(rank: int, world: int, root: str) -> dict:
         state, out[stage]["losses"] = _continue(state, rank, world)
         if stage == 3:
             wait_for_checkpoints()
-            os.environ.pop(HOOK_ENV)
+            disarm()
             out["async"] = (took, early, (Path(root) / "async" / f"step_{SAVE_AT}").exists())
     state = fz.init(make_model(), spec(3, 1, precision="bf16"))  # mixed precision: master weights saved
     for per_rank in _batches(world)[:SAVE_AT]:

@@ -28,10 +28,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from fz.ckpt import manifest
+from fz.ckpt import layout, manifest
 from fz.ckpt.group import agree, ckpt_group, dcp_error, exchange, run_local
-from fz.ckpt.layout import META, PathLike, clean_stale, fsync_path, hook, prune, read_latest, replace_durable, \
-    step_name, write_durable, LATEST
+from fz.ckpt.layout import LATEST, META, PathLike, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
 from fz.state import State
@@ -62,7 +61,6 @@ class _Job:
         self.tmp = root / (step_name(step) + ".tmp")
 
     def run(self) -> None:
-        hook("write_begin")
         try:
             self._run()
         except BaseException:
@@ -79,7 +77,6 @@ class _Job:
         finally:
             self.tensors = {}  # the staged copy is on disk (or failed): free it now
         sums, err = run_local(self._write_rank_files)
-        hook("written")
         all_sums = exchange(self.group, sums, err, f"writing checkpoint {self.tmp}")
         err = None
         if self.rank == 0:
@@ -101,10 +98,8 @@ class _Job:
         for n in rest:
             fsync_path(self.tmp / n)
         files.update(manifest.describe(self.tmp, rest))
-        hook("checksummed")
         manifest.write(self.tmp, files)  # last file of the checkpoint
         fsync_path(self.tmp)
-        hook("before_rename")
         final = self.root / step_name(self.step)
         old = None
         if final.exists():  # a committed step that `latest` does not name (checked in phase 1)
@@ -112,14 +107,11 @@ class _Job:
             os.replace(final, old)
         os.replace(self.tmp, final)
         fsync_path(self.root)
-        hook("renamed")
-        replace_durable(self.root / LATEST, final.name.encode())
-        hook("latest_updated")
+        layout.replace_durable(self.root / LATEST, final.name.encode())
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep_last is not None:
-            prune(self.root, self.keep_last)
-        hook("done")
+            layout.prune(self.root, self.keep_last)
 
 
 def _my_share(tensors: Dict[str, Tensor], rank: int, world: int) -> Dict[str, Tensor]:
@@ -161,7 +153,7 @@ def _prepare(root: Path, step: int) -> None:
     if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
         raise ConfigError(f"step {step} is already the latest checkpoint in {root}; saving it again would first "
                           f"delete the only committed copy. Save under another step= or delete {root / step_name(step)}")
-    clean_stale(root)
+    layout.clean_stale(root)
     (root / (step_name(step) + ".tmp")).mkdir()
     fsync_path(root)
 
@@ -246,7 +238,6 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
                 "client_state": client_json}
         return _Job(root, n, tensors, data_json, meta, keep_last, group, rank)
 
-    hook("start")
     job, err = run_local(local)
     agree(group, err, f"preparing checkpoint {root / step_name(n)}")
     if not async_:
