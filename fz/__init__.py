@@ -4,7 +4,7 @@
     state, loss = fz.train_step(state, batch)
 """
 from fz import optim
-from fz.ckpt import load_weights, restore, save, wait_for_checkpoints
+from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
 from fz.comm_report import CommReport, comm_report
 from fz.errors import ConfigError
 from fz.init import init
@@ -16,7 +16,7 @@ from fz.state import State
 from fz.step import apply, eval_step, train_step
 
 __all__ = [
-    "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
+    "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
     "apply", "comm_report", "eval_step", "full_params", "init", "load_weights", "memory_report",
     "optim", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

@@ -119,6 +119,25 @@ def test_keep_last_latest_and_resaving(tmp_path):
     assert int(restore(tmp_path, fz.init(make_model(), spec(1, 1)), step=4).step) == 1
 
 
+def test_checkpointer_steps_validation_and_close(tmp_path):
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    with pytest.raises(ConfigError, match="keep_last=0"):
+        fz.Checkpointer(tmp_path, keep_last=0)
+    ck = fz.Checkpointer(tmp_path / "ck", keep_last=2)
+    assert ck.latest_step() is None and ck.all_steps() == []
+    with pytest.raises(ConfigError, match="Checkpointer.save step=-1"):
+        ck.save(state, step=-1)
+    for step in (3, 5, 7):
+        ck.save(state, step=step)
+    assert ck.latest_step() == 7 and ck.all_steps() == [5, 7]
+    (tmp_path / "ck" / "latest").unlink()  # without `latest`: the newest committed step, as restore reads
+    assert ck.latest_step() == 7
+    assert int(ck.restore(fz.init(make_model(), spec(2, 1)), step=5).step) == 1
+    ck.close()
+    with pytest.raises(ConfigError, match="is closed"):
+        ck.restore(fz.init(make_model(), spec(2, 1)))
+
+
 def _max_rss_mb(args) -> float:
     """Peak RSS of one child process running `args` (measured from a clean parent)."""
     probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "

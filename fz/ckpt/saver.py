@@ -1,25 +1,22 @@
-"""`fz.save`: every rank writes its shards with DCP, then rank 0 commits the step atomically.
+"""Writing one checkpoint: every rank writes its shards with DCP, then rank 0 commits it atomically.
 
 Phases (each ends in an agreement, so a failure on one rank fails every rank promptly):
-  1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp.
+  1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp;
+     an async save also copies its tensors to host memory here.
   2. write: dcp.save of this rank's shards, its data position (data_<rank>.json), fsync.
   3. checksum: each rank sums its own files; rank 0 gathers them.
   4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to step_<N>,
      fsync the root, replace `latest`, prune to `keep_last`.
-With async_=True phases 2-4 run in a background thread on a staged (copied) state; the
-next save, a restore, wait_for_checkpoints() and interpreter exit wait for it.
+An async save runs phases 2-4 in a thread the Checkpointer owns, on the staged copy.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest
-from fz.ckpt.group import agree, ckpt_group, dcp_error, exchange, run_local
-from fz.ckpt.layout import LATEST, META, PathLike, fsync_path, read_latest, step_name, write_durable
+from fz.ckpt.group import agree, dcp_error, exchange, run_local
+from fz.ckpt.layout import LATEST, META, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
 from fz.state import State
@@ -51,7 +48,7 @@ def _fz_version() -> str:
     return getattr(fz, "__version__", "unknown")
 
 
-class _Job:
+class SaveJob:
     """One save after phase 1: the tensors to write and where; `run` does phases 2-4."""
 
     def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], data_json: Any, meta: Dict[str, Any],
@@ -60,22 +57,30 @@ class _Job:
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
         self.tmp = root / (step_name(step) + ".tmp")
 
+    def _writer(self) -> dcp.FileSystemWriter:
+        return dcp.FileSystemWriter(self.tmp, sync_files=True)
+
     def run(self) -> None:
+        self._cleaning(self._write_and_commit)
+
+    def _cleaning(self, fn: Callable[[], Any]) -> Any:
         try:
-            self._run()
+            return fn()
         except BaseException:
             if self.rank == 0:  # every rank is past its writes (failures are collective): drop the debris
                 shutil.rmtree(self.tmp, ignore_errors=True)
             raise
 
-    def _run(self) -> None:
+    def _write_and_commit(self) -> None:
         try:
-            dcp_md = dcp.save(self.tensors, storage_writer=dcp.FileSystemWriter(self.tmp, sync_files=True),
-                              process_group=self.group)
+            md = dcp.save(self.tensors, storage_writer=self._writer(), process_group=self.group)
         except CheckpointException as e:
             raise dcp_error(e, "writing checkpoint", self.tmp) from e
         finally:
-            self.tensors = {}  # the staged copy is on disk (or failed): free it now
+            self.tensors = {}  # on disk (or failed): free them now
+        self._commit_all(md)
+
+    def _commit_all(self, dcp_md) -> None:
         sums, err = run_local(self._write_rank_files)
         all_sums = exchange(self.group, sums, err, f"writing checkpoint {self.tmp}")
         err = None
@@ -147,7 +152,7 @@ def _tensor_totals(md) -> Dict[str, int]:
     return out
 
 
-def _prepare(root: Path, step: int) -> None:
+def _prepare_dir(root: Path, step: int) -> None:
     """Phase 1 on rank 0: the root exists, leftovers are gone, step_<N>.tmp is empty."""
     root.mkdir(parents=True, exist_ok=True)
     if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
@@ -158,92 +163,34 @@ def _prepare(root: Path, step: int) -> None:
     fsync_path(root)
 
 
-class _Pending:
-    def __init__(self, job: _Job):
-        self.job, self.error = job, None
-        self.thread = threading.Thread(target=self._run, name=f"fz-ckpt-{job.step}", daemon=False)
-
-    def _run(self) -> None:
-        try:
-            self.job.run()
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait_for_checkpoints
-            self.error = e
+def _has_master(state: State) -> bool:
+    # merge: state plumbing (recorded in fz.json for `fz inspect`)
+    return state.master is not None
 
 
-_pending: Optional[_Pending] = None
-_lock = threading.Lock()
+def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str, Any]], keep_last: Optional[int],
+            group, *, stage: bool) -> SaveJob:
+    """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
+    tensors to host memory here, so a rank that cannot (out of memory) fails every rank
+    before any background write starts."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
 
-
-def wait_for_checkpoints() -> None:
-    """Block until a pending async save has committed; raise its error if it failed."""
-    global _pending
-    with _lock:
-        p, _pending = _pending, None
-    if p is None:
-        return
-    p.thread.join()
-    if p.error is not None:
-        raise p.error
-
-
-def _wait_at_exit() -> None:
-    try:
-        wait_for_checkpoints()
-    except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
-        print(f"fz: an async checkpoint failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-atexit.register(_wait_at_exit)
-
-
-def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None) -> None:
-    """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
-
-    N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
-    the same on every rank. `keep_last=K` deletes older steps once this one is committed.
-    `async_=True` returns once the state is copied to host memory and finishes in a
-    background thread on a checkpoint-only process group; the next save or restore and
-    interpreter exit wait for it. Call `wait_for_checkpoints()` before
-    `dist.destroy_process_group()`, which would cut it off.
-    """
-    global _pending
-    state.check_alive("fz.save")
-    wait_for_checkpoints()
-    n = int(state.step) if step is None else step
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ConfigError(f"fz.save step={step!r}: must be an integer >= 0")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ConfigError(f"fz.save keep_last={keep_last!r}: must be None or an integer >= 1")
-    if client_state is not None and not isinstance(client_state, dict):
-        raise ConfigError(f"fz.save client_state must be a dict, got {type(client_state).__name__}")
-    group = ckpt_group(state)
-    rank = dist.get_rank(group)
-    root = Path(path)
-
-    def local():
+    def local() -> SaveJob:
         client_json, client_t = encode(client_state or {}, "client")
-        tensors = _my_share(dict(entries(state), **client_t), rank, dist.get_world_size(group))
+        tensors = _my_share(dict(entries(state), **client_t), rank, world)
         tensors[f"rng/{rank}"] = state.rng
         data_json, data_t = encode(state.data, f"data/{rank}")
         tensors.update(data_t)
-        if async_:
+        if stage:
             tensors = {k: _stage(t) for k, t in tensors.items()}
         if rank == 0:
-            _prepare(root, n)
+            _prepare_dir(root, step)
         spec = state.spec
-        meta = {"format": FORMAT, "fz_version": _fz_version(), "torch_version": torch.__version__, "step": n,
-                "train_step": int(state.step), "world": state.plan.world, "stage": spec.stage,
-                "precision": spec.precision, "master": state.master is not None, "checksum": manifest.ALGORITHM,
-                "client_state": client_json}
-        return _Job(root, n, tensors, data_json, meta, keep_last, group, rank)
+        meta = {"format": FORMAT, "fz_version": _fz_version(), "torch_version": torch.__version__, "step": step,
+                "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
+                "master": _has_master(state), "checksum": manifest.ALGORITHM, "client_state": client_json}
+        return SaveJob(root, step, tensors, data_json, meta, keep_last, group, rank)
 
     job, err = run_local(local)
-    agree(group, err, f"preparing checkpoint {root / step_name(n)}")
-    if not async_:
-        job.run()
-        return
-    pending = _Pending(job)
-    with _lock:
-        _pending = pending
-    pending.thread.start()
+    agree(group, err, f"preparing checkpoint {root / step_name(step)}")
+    return job
