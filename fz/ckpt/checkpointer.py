@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -35,16 +36,19 @@ _unwaited: Set["Checkpointer"] = set()
 
 
 class _Pending:
-    """One async save in flight: phases 2-4 in a thread of its own."""
+    """One async save in flight: DCP's write (dcp.async_save's thread), then fz's commit in a
+    thread of its own, because phases 3-4 run collectives and must follow the write."""
 
     def __init__(self, job: saver.SaveJob):
         self.step, self.error = job.step, None
-        self.thread = threading.Thread(target=self._finish, args=(job,), name=f"fz-ckpt-{job.step}", daemon=False)
+        written = job.launch()
+        self.thread = threading.Thread(target=self._finish, args=(job, written), name=f"fz-ckpt-{job.step}",
+                                       daemon=False)
         self.thread.start()
 
-    def _finish(self, job: saver.SaveJob) -> None:
+    def _finish(self, job: saver.SaveJob, written: Future) -> None:
         try:
-            job.run()
+            job.finish(written)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             self.error = e
 
@@ -133,6 +137,8 @@ class Checkpointer:
         if not self.async_:
             job.run()
             return
+        # If dcp.async_save raised on some ranks only, the others' DCP threads would wait for
+        # them until the group's timeout; it fails only on bad arguments, the same on every rank.
         pending = _Pending(job)
         with _lock:
             self._pending = pending

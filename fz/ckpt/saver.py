@@ -3,11 +3,14 @@
 Phases (each ends in an agreement, so a failure on one rank fails every rank promptly):
   1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp;
      an async save also copies its tensors to host memory here.
-  2. write: dcp.save of this rank's shards, its data position (data_<rank>.json), fsync.
+  2. write: DCP writes this rank's shards (`dcp.save`, or `dcp.async_save`'s thread), then
+     the rank writes its data position (data_<rank>.json) and fsyncs.
   3. checksum: each rank sums its own files; rank 0 gathers them.
   4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to step_<N>,
      fsync the root, replace `latest`, prune to `keep_last`.
-An async save runs phases 2-4 in a thread the Checkpointer owns, on the staged copy.
+DCP has no commit step of its own (it writes into the directory it is given and has no
+manifest, rename or pruning), so phases 3-4 stay fz's; for an async save they run in a
+thread the Checkpointer starts once DCP's future is done.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest
@@ -36,11 +41,28 @@ FORMAT = 1
 
 
 def _stage(t: Tensor) -> Tensor:
-    """A host copy that later training steps (which update buffers in place) cannot touch."""
+    """A host copy that later training steps (which update buffers in place) cannot touch.
+
+    fz's own copy, not DCP's stagers: in torch 2.13 both (BlockingAsyncStager, DefaultStager)
+    deep-copy each DTensor, which fails ("invalid python storage") when its local tensor is a
+    view at a nonzero storage offset, as fz's bucket views are; and they would copy the bucket.
+    """
     if isinstance(t, DTensor):
         local = t._local_tensor.detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
+
+
+class _AlreadyStaged(AsyncStager):
+    """dcp.async_save's stager for tensors fz already staged (in phase 1, before agreeing)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def close(self) -> None:
+        pass
 
 
 def _fz_version() -> str:
@@ -49,7 +71,8 @@ def _fz_version() -> str:
 
 
 class SaveJob:
-    """One save after phase 1: the tensors to write and where; `run` does phases 2-4."""
+    """One save after phase 1: the tensors to write and where. `run` does phases 2-4 in the
+    caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
     def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], data_json: Any, meta: Dict[str, Any],
                  keep_last: Optional[int], group, rank: int):
@@ -62,6 +85,26 @@ class SaveJob:
 
     def run(self) -> None:
         self._cleaning(self._write_and_commit)
+
+    def launch(self) -> Future:
+        """Phase 2 in dcp.async_save's thread; the staged tensors go with it (this job drops them)."""
+        def go():
+            try:
+                return dcp.async_save(self.tensors, storage_writer=self._writer(), process_group=self.group,
+                                      async_stager=_AlreadyStaged())
+            finally:
+                self.tensors = {}
+        return self._cleaning(go)
+
+    def finish(self, written: Future) -> None:
+        """Phases 3-4 once DCP's write is done (called from the Checkpointer's thread)."""
+        def go():
+            try:
+                md = written.result()
+            except CheckpointException as e:
+                raise dcp_error(e, "writing checkpoint", self.tmp) from e
+            self._commit_all(md)
+        self._cleaning(go)
 
     def _cleaning(self, fn: Callable[[], Any]) -> Any:
         try:
