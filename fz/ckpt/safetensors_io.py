@@ -150,6 +150,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
     from safetensors import safe_open
 
     state.check_alive("fz.load_weights")
+    # merge: state plumbing (params and master weights by name)
     files = _files(path)
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {k: h for h in handles for k in h.keys()}
