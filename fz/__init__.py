@@ -4,20 +4,20 @@
     state, loss = fz.train_step(state, batch)
 """
 from fz import optim
-from fz.ckpt import load_weights, restore, save, wait_for_checkpoints
-from fz.observe.comm_report import CommReport, comm_report
+from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
 from fz.errors import ConfigError
 from fz.init import init
+from fz.observe.comm_report import CommReport, comm_report
+from fz.observe.full_params import full_params
 from fz.observe.memory import MemoryReport, memory_report
 from fz.observe.monitor import Monitor
-from fz.observe.full_params import full_params
 from fz.spec import LossScale, Spec
 from fz.state import State, block_until_ready
 from fz.step.train import apply, eval_step, train_step
 from fz.version import __version__
 
 __all__ = [
-    "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
-    "apply", "block_until_ready", "comm_report", "eval_step", "full_params", "init", "load_weights", "memory_report",
-    "optim", "restore", "save", "train_step", "wait_for_checkpoints",
+    "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
+    "apply", "block_until_ready", "comm_report", "eval_step", "full_params", "init", "load_weights",
+    "memory_report", "optim", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

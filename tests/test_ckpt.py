@@ -1,5 +1,6 @@
 """Checkpoints across processes: exact continuation for every stage, resharding to other
-world sizes and stages, async saves, and damaged checkpoints seen by every rank.
+world sizes and stages, async saves, damaged checkpoints seen by every rank, and
+fz.Checkpointer (two with saves in flight at once, failed async saves).
 
 One spawn writes the checkpoints (world 2, 6 steps, then 6 more); fresh spawns restore
 them (world 2 and 4) and this process restores at world 1. Tests assert on the results.
@@ -18,11 +19,11 @@ from torch.distributed.tensor import DTensor
 import fz
 from fz.ckpt import restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate
-from fz.ckpt.layout import HOOK_ENV
 from fz.ckpt.safetensors_io import load_weights
 from fz.ckpt.tree import opt_leaves
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks
+from ckpt_hooks import arm
 from helpers import make_model, max_rel, rank_batches, reference, spec
 
 WORLD, SAVE_AT, MORE = 2, 6, 6
@@ -62,7 +63,7 @@ def _write(rank: int, world: int, root: str) -> dict:
         save(state, f"{root}/s{stage}", client_state=CLIENT)
         out[stage] = _snapshot(state)
         if stage == 3:  # async: the write is held back 0.5 s, while training overwrites the buffers
-            os.environ[HOOK_ENV] = "write_begin:sleep=0.5"
+            disarm = arm("write_begin", "sleep=0.5")
             t = time.perf_counter()
             save(state, f"{root}/async", async_=True)
             took = time.perf_counter() - t
@@ -70,7 +71,7 @@ def _write(rank: int, world: int, root: str) -> dict:
         state, out[stage]["losses"] = _continue(state, rank, world)
         if stage == 3:
             wait_for_checkpoints()
-            os.environ.pop(HOOK_ENV)
+            disarm()
             out["async"] = (took, early, (Path(root) / "async" / f"step_{SAVE_AT}").exists())
     state = fz.init(make_model(), spec(3, 1, precision="bf16"))  # mixed precision: master weights saved
     for per_rank in _batches(world)[:SAVE_AT]:
@@ -78,6 +79,75 @@ def _write(rank: int, world: int, root: str) -> dict:
     save(state, f"{root}/bf16")
     out["bf16"] = {"master": {n: m.full_tensor().clone() for n, m in state.master.items()}}
     _, out["bf16"]["losses"] = _continue(state, rank, world)
+    out["objects"] = _objects(rank, world, root)
+    return out
+
+
+def _fresh():
+    return fz.init(make_model(1), spec(2, 1))
+
+
+def _disk_full(*args):
+    raise OSError("disk full")
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ConfigError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _objects(rank: int, world: int, root: str) -> dict:
+    """fz.Checkpointer: round trip, two with async saves in flight at once, failed async saves,
+    its steps, and the with block waiting for the last save."""
+    state = fz.init(make_model(), spec(2, 1))
+    batches = _batches(world)
+    for per_rank in batches[:SAVE_AT]:
+        state, _ = fz.train_step(state, per_rank[rank])
+    state = state.replace(data={"rank": rank})
+    out = {"want": _snapshot(state)}
+    ck = fz.Checkpointer(f"{root}/obj", keep_last=2)
+    out["empty"] = (ck.latest_step(), ck.all_steps())
+    for n in (2, 4, SAVE_AT):
+        ck.save(state, step=n, client_state={"n": n})
+    got, client = ck.restore(_fresh(), with_client_state=True)
+    out["obj"] = dict(_snapshot(got), data=got.data, client=client, steps=(ck.latest_step(), ck.all_steps()))
+
+    disarm = arm("write_begin", "sleep=0.3")  # both writes are held back 0.3 s while training goes on
+    a, b = fz.Checkpointer(f"{root}/a", async_=True), fz.Checkpointer(f"{root}/b", async_=True)
+    t = time.perf_counter()
+    a.save(state)
+    b.save(state)
+    took = time.perf_counter() - t
+    early = (a.latest_step(), b.latest_step())
+    state, _ = fz.train_step(state, batches[SAVE_AT][rank])
+    a.wait()
+    fz.wait_for_checkpoints()  # waits for b, a Checkpointer's save
+    disarm()
+    out["two"] = (took, early, a.latest_step(), b.latest_step(), [_snapshot(c.restore(_fresh())) for c in (a, b)])
+
+    f = fz.Checkpointer(f"{root}/fail", async_=True)
+    f.save(state, step=1)
+    f.save(state, step=2, client_state={"sparse": torch.eye(2).to_sparse()})  # DCP fails, in its thread
+    dcp_err = _error(f.wait)
+    real = fz.ckpt.manifest.describe
+    if rank == 1:  # fz's checksum phase fails on rank 1 only, in the commit thread
+        fz.ckpt.manifest.describe = _disk_full
+    f.save(state, step=3)
+    fz_err = _error(f.wait)
+    fz.ckpt.manifest.describe = real
+    torch.distributed.barrier()  # rank 0 has removed the debris
+    out["fail"] = (dcp_err, fz_err, f.latest_step(), sorted(os.listdir(f"{root}/fail")), _error(f.wait))
+    f.close()
+
+    disarm = arm("write_begin", "sleep=0.3")
+    with fz.Checkpointer(f"{root}/ctx", async_=True) as c:
+        c.save(state)
+        inside = c.latest_step()
+    disarm()
+    out["with"] = (inside, c.latest_step(), _error(lambda: c.save(state)))
     return out
 
 
@@ -228,3 +298,42 @@ def test_load_weights_of_consolidated_file_reshards(results):
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_checkpointer_saves_restores_and_lists_steps(results):
+    for rank in range(WORLD):
+        obj = results["wrote"][rank]["objects"]
+        assert obj["empty"] == (None, [])
+        got, want = obj["obj"], obj["want"]
+        _assert_same(got, want, ("Checkpointer", rank))
+        assert torch.equal(got["rng"], want["rng"])
+        assert got["data"] == {"rank": rank} and got["client"] == {"n": SAVE_AT}
+        assert got["steps"] == (SAVE_AT, [4, SAVE_AT])  # keep_last=2
+
+
+def test_two_checkpointers_with_async_saves_in_flight_both_commit(results):
+    for rank in range(WORLD):
+        obj = results["wrote"][rank]["objects"]
+        took, early, a, b, restored = obj["two"]
+        assert took < 0.5 and early == (None, None) and a == b == SAVE_AT, obj["two"][:4]
+        for got in restored:  # what was staged, not the step trained after save() returned
+            _assert_same(got, obj["want"], ("two", rank))
+
+
+def test_wait_raises_a_failed_async_save_and_the_checkpointer_goes_on(results):
+    for rank in range(WORLD):
+        dcp_err, fz_err, latest, names, again = results["wrote"][rank]["objects"]["fail"]
+        assert dcp_err.startswith("ConfigError: writing checkpoint") and "step_2.tmp" in dcp_err, dcp_err
+        assert "NotImplementedError" in dcp_err, dcp_err
+        if rank == 1:
+            assert fz_err == "OSError: disk full", fz_err
+        else:  # the other rank learns which rank failed and why
+            assert "failed on rank 1: OSError: disk full" in fz_err and "step_3.tmp" in fz_err, fz_err
+        assert latest == 1 and names == ["latest", "step_1"] and again == "", (latest, names, again)
+
+
+def test_with_block_waits_for_the_last_save(results):
+    for rank in range(WORLD):
+        inside, after, closed = results["wrote"][rank]["objects"]["with"]
+        assert inside is None and after == SAVE_AT + 1, (inside, after)
+        assert "is closed" in closed, closed

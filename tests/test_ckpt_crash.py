@@ -2,7 +2,8 @@
 checkpoint, and the previous checkpoint restores identically.
 
 A worker process (this file run as a script; it imports torch once) forks one child per
-kill: 10 named points inside fz.save (test hook FZ_CKPT_TEST_HOOK=point:kill), including
+kill: 10 named points of a save, in a synchronous and in an async save (the child wraps the
+function at each phase boundary to SIGKILL itself there: see ckpt_hooks.POINTS), including
 between the rename and the `latest` update, and random-time kills from outside. Each child
 saves step 2, trains to step 4 and saves step 4 with keep_last=1 (so pruning runs too);
 random-kill children then keep saving that state as steps 5, 6, ... until the kill lands.
@@ -23,6 +24,7 @@ import torch
 POINTS = ["start", "write_begin", "written", "checksummed", "before_rename", "renamed", "latest_tmp_written",
           "latest_updated", "pruning", "done"]
 AFTER_COMMIT = {"latest_updated", "pruning", "done"}  # `latest` already names step_4 there
+KILLS = [*POINTS, *(f"async_{p}" for p in POINTS)]
 RANDOM_KILLS = 6
 
 
@@ -37,10 +39,10 @@ def _spec():
     return spec(1, 1)
 
 
-def _child(root: Path, hook: str, ready_fd: int = -1, ref: str = "", loop: bool = False) -> None:
+def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool = False) -> None:
     import fz
-    from fz.ckpt import save
-    from fz.ckpt.layout import HOOK_ENV
+    from fz.ckpt import save, wait_for_checkpoints
+    from ckpt_hooks import arm
     from helpers import rank_batches
 
     data = rank_batches(1, 1, 4)
@@ -51,12 +53,14 @@ def _child(root: Path, hook: str, ready_fd: int = -1, ref: str = "", loop: bool 
     save(state, root, keep_last=1)
     for b in data[2:]:
         state, _ = fz.train_step(state, b[0] % 64)
-    if hook:
-        os.environ[HOOK_ENV] = hook
+    async_ = kill.startswith("async_")
+    if kill:
+        arm(kill[len("async_"):] if async_ else kill, "kill")
     if ready_fd >= 0:
         os.write(ready_fd, b"x")
     t = time.perf_counter()
-    save(state, root, keep_last=1)
+    save(state, root, keep_last=1, async_=async_)
+    wait_for_checkpoints()
     for step in range(5, 1000 if loop else 0):  # random kills: keep saving until the kill lands
         save(state, root, step=step, keep_last=1)
     if ref:
@@ -69,9 +73,9 @@ def _async_then_exit(root: Path) -> None:
 
     import fz
     from fz.ckpt import save
-    from fz.ckpt.layout import HOOK_ENV
+    from ckpt_hooks import arm
 
-    os.environ[HOOK_ENV] = "write_begin:sleep=0.3"
+    arm("write_begin", "sleep=0.3")
     save(fz.init(_model(), _spec()), root, async_=True)
     atexit._run_exitfuncs()  # what interpreter exit runs (fz registers wait_for_checkpoints there)
 
@@ -100,8 +104,8 @@ def _status(pid: int) -> str:
 def worker(base: Path) -> dict:
     out = {"none": _status(_fork(_child, base / "none", "", -1, str(base / "ref.pt")))}
     seconds = torch.load(base / "ref.pt")["seconds"]
-    for p in POINTS:
-        out[p] = _status(_fork(_child, base / p, f"{p}:kill"))
+    for p in KILLS:
+        out[p] = _status(_fork(_child, base / p, p))
     rnd = random.Random(0)
     for i in range(RANDOM_KILLS):
         r, w = os.pipe()
@@ -123,7 +127,9 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     from fz.ckpt import manifest
     from fz.ckpt.layout import read_latest
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
+    here = Path(__file__).parent  # the child imports the fz this process imported, not an installed one
+    path = os.pathsep.join([str(here), str(Path(fz.__file__).parent.parent)])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -139,14 +145,14 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     assert status["async_exit"] == "exited" and read_latest(tmp_path / "async_exit") == "step_0", status
     manifest.verify(tmp_path / "async_exit" / "step_0")
     leftovers = {}
-    for name in ["none", *POINTS, *(f"random{i}" for i in range(RANDOM_KILLS))]:
+    for name in ["none", *KILLS, *(f"random{i}" for i in range(RANDOM_KILLS))]:
         root = tmp_path / name
         if name != "none":
             assert status[name] == "killed", (name, status[name])
         latest = read_latest(root)
         manifest.verify(root / latest)  # `latest` names a complete checkpoint
-        if name in POINTS:
-            assert latest == ("step_4" if name in AFTER_COMMIT else "step_2"), (name, latest)
+        if name in KILLS:
+            assert latest == ("step_4" if name.replace("async_", "") in AFTER_COMMIT else "step_2"), (name, latest)
         assert same(restore(root, fz.init(_model(), _spec())), 2 if latest == "step_2" else 4), name
         for d in root.glob("step_*"):  # every other committed checkpoint (the previous one) is intact
             if d.name != latest and d.is_dir() and not d.name.endswith((".tmp", ".del")):

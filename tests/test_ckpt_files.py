@@ -120,6 +120,45 @@ def test_keep_last_latest_and_resaving(tmp_path):
     assert int(restore(tmp_path, fz.init(make_model(), spec(1, 1)), step=4).step) == 1
 
 
+def test_checkpointer_steps_validation_and_close(tmp_path):
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    with pytest.raises(ConfigError, match="keep_last=0"):
+        fz.Checkpointer(tmp_path, keep_last=0)
+    ck = fz.Checkpointer(tmp_path / "ck", keep_last=2)
+    assert ck.latest_step() is None and ck.all_steps() == []
+    with pytest.raises(ConfigError, match="Checkpointer.save step=-1"):
+        ck.save(state, step=-1)
+    for step in (3, 5, 7):
+        ck.save(state, step=step)
+    assert ck.latest_step() == 7 and ck.all_steps() == [5, 7]
+    (tmp_path / "ck" / "latest").unlink()  # without `latest`: the newest committed step, as restore reads
+    assert ck.latest_step() == 7
+    assert int(ck.restore(fz.init(make_model(), spec(2, 1)), step=5).step) == 1
+    ck.close()
+    with pytest.raises(ConfigError, match="is closed"):
+        ck.restore(fz.init(make_model(), spec(2, 1)))
+
+
+def test_stream_writer_takes_boxes_in_any_order(tmp_path):
+    from safetensors.torch import load_file
+    from fz.ckpt.safetensors_io import StreamWriter
+
+    a, b, c = torch.arange(60.).reshape(3, 4, 5), torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.tensor(7.)
+    w = StreamWriter(tmp_path / "x.safetensors", [("a", a.dtype, a.shape), ("b", b.dtype, b.shape), ("c", c.dtype, ())])
+    for off, box in [((1, 0, 2), (2, 4, 3)), ((0, 0, 0), (1, 4, 5)), ((1, 0, 0), (2, 4, 2))]:  # columns, rows
+        w.write_chunk("a", off, a[tuple(slice(o, o + n) for o, n in zip(off, box))])
+    w.write_chunk("b", (1, 0), b[1:])
+    w.write("c", c)
+    with pytest.raises(ConfigError, match="not written completely"):
+        w.close()
+    w.write_chunk("b", (0, 0), b[:1])
+    with pytest.raises(ConfigError, match="expected a part of b"):
+        w.write_chunk("b", (1, 1), b)
+    w.close()
+    got = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and torch.equal(got["c"], c)
+
+
 def _max_rss_mb(args) -> float:
     """Peak RSS of one child process running `args` (measured from a clean parent)."""
     probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
@@ -139,7 +178,7 @@ def test_consolidate_cli_memory_output_and_load_weights(tmp_path, capsys):
     out = tmp_path / "model.safetensors"
     peak = _max_rss_mb([sys.executable, "-m", "fz.cli", "consolidate", str(tmp_path / "ck"), str(out)])
     print(f"consolidate peak RSS {peak:.0f} MB, baseline {base:.0f} MB, largest tensor {largest:.0f} MB")
-    assert peak < base + 2 * largest, (peak, base, largest)
+    assert peak < base + 1.5 * largest, (peak, base, largest)  # chunks are streamed: about 1x (2x if assembled)
     from safetensors.torch import load_file
     assert _equal_params(load_file(out), want)
 

@@ -1,19 +1,22 @@
 """Checkpoints: sharded save/restore on DCP with an atomic commit, and safetensors export.
 
-    fz.save(state, "ckpt", keep_last=3)                  # every rank; writes ckpt/step_<N>
-    state = fz.restore("ckpt", fz.init(model, spec))     # any world size, stage, precision
+    ckpt = fz.Checkpointer("ckpt", keep_last=3, async_=True)
+    ckpt.save(state)                                     # every rank; writes ckpt/step_<N>
+    state = ckpt.restore(fz.init(model, spec))           # any world size, stage, precision
+    fz.save(state, "ckpt"); fz.restore("ckpt", template) # the same as functions
     fz.load_weights(state, "model.safetensors")          # weights only, e.g. from consolidate
     $ fz consolidate ckpt model.safetensors --dtype bf16 # one file of the full weights
     $ fz inspect ckpt
 
-Modules: layout (directories, durable renames), manifest (checksums), tree (state <-> keys),
-group (checkpoint process group, agreement), saver, loader, reader (DCP files without
-torch.distributed), safetensors_io, export (consolidate, inspect), progress.
+Modules: checkpointer (Checkpointer and the function API), saver, loader, layout
+(directories, durable renames), manifest (checksums), tree (state <-> keys), group
+(checkpoint process groups, agreement), reader (DCP files without torch.distributed),
+safetensors_io, export (consolidate, inspect), progress.
 """
+from fz.ckpt.checkpointer import Checkpointer, restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect
-from fz.ckpt.loader import PartialRestoreWarning, restore
+from fz.ckpt.loader import PartialRestoreWarning
 from fz.ckpt.safetensors_io import load_weights
-from fz.ckpt.saver import save, wait_for_checkpoints
 
-__all__ = ["PartialRestoreWarning", "consolidate", "inspect", "load_weights", "restore", "save",
+__all__ = ["Checkpointer", "PartialRestoreWarning", "consolidate", "inspect", "load_weights", "restore", "save",
            "wait_for_checkpoints"]

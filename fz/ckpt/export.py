@@ -1,8 +1,8 @@
 """Offline tools on a checkpoint directory, one process and no torch.distributed:
 `consolidate` (full weights to one safetensors file) and `inspect` (what is in it).
 
-consolidate reads one tensor, casts it, appends it to the output and drops it: peak host
-memory stays near the largest tensor (plus its cast copy), not the model.
+consolidate streams each stored chunk (cast if asked) into its place in the output and
+drops it: peak host memory stays near the largest chunk (plus its cast copy), not the model.
 """
 from __future__ import annotations
 
@@ -60,23 +60,24 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
     writer = StreamWriter(out, entries, header)
     total = sum(reader.meta[k].size.numel() * reader.meta[k].properties.dtype.itemsize for k in names)
     bar = Progress(total, "consolidate", enabled=progress)
+
+    def put(name: str, offsets, chunk: torch.Tensor) -> None:
+        nbytes = chunk.numel() * chunk.element_size()
+        if cast is not None and chunk.dtype != cast:
+            chunk = chunk.to(cast)
+        writer.write_chunk(name, offsets, chunk)
+        bar.update(nbytes)
+
     try:
         for k in names:
-            t = reader.read(k)
-            nbytes = t.numel() * t.element_size()
-            if cast is not None and t.dtype != cast:
-                t = t.to(cast)
-            writer.write(k[len(_PREFIX):], t)
-            del t
-            bar.update(nbytes)
+            reader.stream(k, lambda offsets, chunk, name=k[len(_PREFIX):]: put(name, offsets, chunk))
         writer.close()
     except BaseException:
         writer.abort()
         raise
     finally:
         bar.close()
-    return {"checkpoint": str(d), "out": str(out), "tensors": len(names), "bytes": total,
-            "fast_chunks": reader.fast_chunks, "slow_chunks": reader.slow_chunks}
+    return {"checkpoint": str(d), "out": str(out), "tensors": len(names), "bytes": total, "chunks": reader.chunks}
 
 
 def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,

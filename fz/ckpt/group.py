@@ -2,7 +2,8 @@
 
 A separate gloo group (not the training group) lets an async save run its collectives in a
 background thread while training runs its own: collectives from two threads on one group
-could interleave differently on different ranks. Its timeout (FZ_CKPT_TIMEOUT seconds,
+could interleave differently on different ranks. For the same reason every Checkpointer
+has its own group (two may have saves in flight at once). Its timeout (FZ_CKPT_TIMEOUT seconds,
 default 600) bounds how long a rank waits for a peer that died.
 """
 from __future__ import annotations
@@ -17,20 +18,31 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fz.errors import ConfigError
 from fz.state import State
 
-_GROUPS: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+def state_ranks(state: State) -> Tuple[int, ...]:
+    """The global ranks holding `state`: the only thing checkpoints need from its plan."""
+    return tuple(state.plan.ranks)
 
 
-def ckpt_group(state: State):
-    """A gloo group over the ranks of the state's mesh (created once, collectively)."""
-    ranks = tuple(state.plan.ranks)
-    default = dist.distributed_c10d._get_default_group()
-    hit = _GROUPS.get(ranks)
-    if hit is not None and hit[0] is default:
-        return hit[1]
-    timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", "600")))
-    g = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
-    _GROUPS[ranks] = (default, g)
-    return g
+class GroupCache:
+    """Checkpoint groups by ranks, each created once (collectively, by those ranks) on first use.
+
+    A group belongs to the default group it was created under: after the default group is
+    destroyed and initialized again, `get` creates a new one.
+    """
+
+    def __init__(self) -> None:
+        self._groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+
+    def get(self, ranks: Tuple[int, ...]):
+        default = dist.distributed_c10d._get_default_group()
+        hit = self._groups.get(ranks)
+        if hit is not None and hit[0] is default:
+            return hit[1]
+        timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", "600")))
+        g = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+        self._groups[ranks] = (default, g)
+        return g
 
 
 def _message(err: BaseException) -> str:

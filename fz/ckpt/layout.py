@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import time
 from pathlib import Path
 from typing import List, Optional, Union
 
@@ -26,7 +24,6 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "fz.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-HOOK_ENV = "FZ_CKPT_TEST_HOOK"
 
 
 def step_name(step: int) -> str:
@@ -54,7 +51,6 @@ def replace_durable(path: Path, data: bytes) -> None:
     """Atomically replace `path` with `data`: write a sibling .tmp, fsync, rename, fsync the dir."""
     tmp = path.with_name(path.name + ".tmp")
     write_durable(tmp, data)
-    hook("latest_tmp_written")
     os.replace(tmp, path)
     fsync_path(path.parent)
 
@@ -133,21 +129,5 @@ def prune(root: Path, keep_last: int) -> None:
         dead = root / (step_name(s) + ".del")
         os.replace(root / step_name(s), dead)
         fsync_path(root)
-        hook("pruning")
         shutil.rmtree(dead, ignore_errors=True)
 
-
-def hook(point: str) -> None:
-    """Test hook: FZ_CKPT_TEST_HOOK="point:kill" SIGKILLs this process at `point`,
-    "point:sleep=S" sleeps S seconds there. Unset in normal use (one dict lookup)."""
-    spec = os.environ.get(HOOK_ENV)
-    if not spec:
-        return
-    for item in spec.split(","):
-        name, _, action = item.partition(":")
-        if name != point:
-            continue
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action.startswith("sleep="):
-            time.sleep(float(action[6:]))

@@ -1,4 +1,4 @@
-"""`fz.restore`: verify a checkpoint, then load it in place into a template state.
+"""Restoring: verify a checkpoint, then load it in place into a template state.
 
 DCP reshards on load: each rank reads the rows its template tensors hold, so a
 checkpoint restores at any world size, ZeRO stage or precision the template was built
@@ -24,9 +24,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.ckpt import manifest
-from fz.ckpt.group import agree, ckpt_group, dcp_error, exchange, run_local
+from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import META, PathLike, resolve
-from fz.ckpt.saver import wait_for_checkpoints
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import ConfigError
 from fz.model.materialize import module_seed
@@ -87,18 +86,33 @@ def _params_from_master(state: State) -> None:
         p._local_tensor.copy_(src.to_local())
 
 
-def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,
-            with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
-    """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
+def _template(state: State, saved: Dict[str, Any]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], Any]:
+    """The tensors to load into: the state's (in place), fresh buffers, a copy of the scaler."""
+    # what restore fills besides entries(state)
+    target = dict(entries(state))
+    buffers = {k: _fresh(t) for k, t in state.buffers.items()}
+    target.update((f"buffers/{k}", t) for k, t in buffers.items())
+    scaler = None
+    if state.scaler is not None:  # a checkpoint without a scaler keeps the template's initial one
+        scaler = {k: t.clone() for k, t in state.scaler.items()}
+        for k, t in scaler.items():
+            target.pop(f"scaler/{k}")
+            if f"scaler/{k}" in saved:
+                target[f"scaler/{k}"] = t
+    return target, buffers, scaler
 
-    Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of
-    another model raises ConfigError; with strict=False the tensors both share are loaded
-    and the rest is reported as a PartialRestoreWarning.
+
+def load(state: State, path: PathLike, group, *, step: Optional[int] = None, strict: bool = True,
+         with_client_state: bool = False, who: str = "restore",
+         stacklevel: int = 2) -> Union[State, Tuple[State, Dict[str, Any]]]:
+    """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`
+    over `group`; every rank calls it (the Checkpointer has checked the state and waited).
+
+    A damaged checkpoint (missing, truncated or corrupted file) or one of another model
+    raises ConfigError; with strict=False the tensors both share are loaded and the rest is
+    reported as a PartialRestoreWarning (`stacklevel` as in warnings.warn, from here).
     """
-    state.check_alive("fz.restore")
-    wait_for_checkpoints()
     template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
-    group = ckpt_group(state)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     d, err = run_local(_verify, path, step, rank, world)
     agree(group, err, f"verifying checkpoint {path}")
@@ -106,16 +120,7 @@ def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict:
     def plan():
         meta = json.loads((d / META).read_text())
         saved = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
-        target = dict(entries(state))
-        buffers = {k: _fresh(t) for k, t in state.buffers.items()}
-        target.update((f"buffers/{k}", t) for k, t in buffers.items())
-        scaler = None
-        if state.scaler is not None:  # a checkpoint without a scaler keeps the template's initial one
-            scaler = {k: t.clone() for k, t in state.scaler.items()}
-            for k, t in scaler.items():
-                target.pop(f"scaler/{k}")
-                if f"scaler/{k}" in saved:
-                    target[f"scaler/{k}"] = t
+        target, buffers, scaler = _template(state, saved)
         lines, bad = _differences(target, saved)
         load = {k: t for k, t in target.items() if k not in bad}
         rng_key = f"rng/{rank}"
@@ -140,9 +145,9 @@ def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict:
     agree(group, err, f"reading checkpoint {path}")
     load, buffers, scaler, lines, rng, (data_json, client_json, extra) = planned
     if lines:
-        warnings.warn(f"fz.restore(strict=False) from {d}: {len(lines)} tensors not restored: "
+        warnings.warn(f"{who}(strict=False) from {d}: {len(lines)} tensors not restored: "
                       + "; ".join(lines[:_SHOWN]) + (" ..." if len(lines) > _SHOWN else ""), PartialRestoreWarning,
-                      stacklevel=2)
+                      stacklevel=stacklevel)
     err = None
     try:
         dcp.load(load, storage_reader=dcp.FileSystemReader(d), process_group=group)
@@ -156,4 +161,3 @@ def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict:
     if with_client_state:
         return new, decode(client_json, extra)
     return new
-

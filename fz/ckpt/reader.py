@@ -1,126 +1,105 @@
-"""Read whole tensors out of a DCP checkpoint in one process, without torch.distributed.
+"""Tensors of a DCP checkpoint in one process, without torch.distributed, through DCP's public
+reader API: FileSystemReader and a LoadPlanner, driven the way dcp.load drives them.
 
-DCP's own reader `torch.load`s each saved chunk and then copies it into the target: two
-copies of a replicated tensor in memory. This reader copies each chunk's bytes straight
-from the file into its region of the output (DCP writes a chunk as a torch.save archive
-whose storage record is stored uncompressed), so reading a tensor costs the tensor itself.
-Anything else (stream transforms, strided chunks) falls back to torch.load of that chunk.
+DCP's reader torch.loads each stored chunk and copies it into the planner's target, so
+`read` (a whole tensor into a fresh target) costs the tensor plus one chunk: twice the
+tensor when one rank wrote it whole. `stream` meets "reading costs about the tensor"
+instead: its targets are storage-less tensors whose copy_ hands each chunk to the caller
+(who writes it out), so it costs one chunk. Nothing here parses DCP's file layout.
 """
 from __future__ import annotations
 
-import io
-import struct
-import zipfile
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from fz.errors import ConfigError
 
-
-class _Slice(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start + length) of an open file."""
-
-    def __init__(self, f, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        self.pos = {0: off, 1: self.pos + off, 2: self.length + off}[whence]
-        return self.pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(memoryview(b)[:n]) if n else 0
-        self.pos += got
-        return got
+Put = Callable[[Tuple[int, ...], Tensor], None]
 
 
-def _bytes_view(t: Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+class _Sink(Tensor):
+    """A tensor without storage: DCP's `target.copy_(chunk)` passes `chunk` to `put`."""
+
+    @staticmethod
+    def __new__(cls, size: torch.Size, dtype: torch.dtype, put: Callable[[Tensor], None]):
+        t = Tensor._make_wrapper_subclass(cls, size, dtype=dtype)
+        t._put = put
+        return t
+
+    def __init__(self, size, dtype, put):
+        super().__init__()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        if func is torch.ops.aten.copy_.default:
+            args[0]._put(args[1])
+            return args[0]
+        raise NotImplementedError(f"fz's streaming read got {func}; DCP's reader is expected to only copy_ into "
+                                  "its targets (torch changed?)")
+
+
+class _Streaming(DefaultLoadPlanner):
+    """DCP's default planning, with each read's target a _Sink that forwards the chunk."""
+
+    def __init__(self, put: Put):
+        super().__init__()
+        self._put_chunk = put
+
+    def transform_tensor(self, read_item: ReadItem, tensor: Tensor) -> Tensor:
+        offsets = tuple(read_item.dest_offsets)
+        return _Sink(torch.Size(read_item.lengths), tensor.dtype, lambda chunk: self._put_chunk(offsets, chunk))
 
 
 class CheckpointReader:
-    """Whole tensors of one checkpoint directory, read chunk by chunk."""
+    """The tensors of one checkpoint directory, one at a time."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
-        md = dcp.FileSystemReader(self.dir).read_metadata()
-        self.meta = {k: m for k, m in md.state_dict_metadata.items() if hasattr(m, "size")}
-        self.items: Dict[str, List[Tuple[torch.Size, object]]] = {}
-        for idx, info in md.storage_data.items():
-            self.items.setdefault(idx.fqn, []).append((idx.offset, info))
-        self.fast_chunks = self.slow_chunks = 0
+        self._reader = dcp.FileSystemReader(self.dir)
+        self._md = self._reader.read_metadata()  # DCP's own (pickled) .metadata, read once
+        self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if hasattr(m, "size")}
+        self.chunks = 0
 
     def keys(self) -> List[str]:
         return list(self.meta)
 
     def read(self, key: str) -> Tensor:
+        """The whole tensor (costs it plus one stored chunk)."""
         m = self.meta[key]
         out = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        sizes = {tuple(c.offsets): tuple(c.sizes) for c in m.chunks}
-        for offset, info in self.items.get(key, []):
-            size = sizes[tuple(offset)]
-            region = out
-            for dim, (o, s) in enumerate(zip(offset, size)):
-                region = region.narrow(dim, o, s)
-            self._read_chunk(info, region, key)
+        self._load(key, {key: out}, DefaultLoadPlanner())
         return out
 
-    def _read_chunk(self, info, region: Tensor, key: str) -> None:
-        path = self.dir / info.relative_path
-        with open(path, "rb", buffering=0) as f:
-            sl = _Slice(f, info.offset, info.length)
-            if not info.transform_descriptors and region.is_contiguous() and self._fast(sl, region):
-                self.fast_chunks += 1
-                return
-            sl.seek(0)
-            try:
-                chunk = torch.load(io.BufferedReader(sl), map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - a damaged file, named in the error
-                raise ConfigError(f"cannot read {key} from {path}: {type(e).__name__}: {e}") from e
-            region.copy_(chunk.view(region.shape))
-            self.slow_chunks += 1
+    def stream(self, key: str, put: Put) -> None:
+        """put(offsets, chunk) for each stored chunk of `key`, as DCP reads it; the chunks
+        tile the tensor (`offsets` is where `chunk` starts)."""
+        m = self.meta[key]
+        sizes_only = torch.empty((), dtype=m.properties.dtype).expand(tuple(m.size))  # planning needs no storage
 
-    @staticmethod
-    def _fast(sl: _Slice, region: Tensor) -> bool:
-        """Copy the archive's raw storage record into `region` if its layout is plain."""
+        def counted(offsets: Tuple[int, ...], chunk: Tensor) -> None:
+            self.chunks += 1
+            put(offsets, chunk)
+
+        self._load(key, {key: sizes_only}, _Streaming(counted))
+
+    def _load(self, key: str, state_dict: Dict[str, Tensor], planner: LoadPlanner) -> None:
+        """The steps of dcp.load(no_dist=True), without reading the metadata again per call."""
+        reader = self._reader
         try:
-            zf = zipfile.ZipFile(io.BufferedReader(sl))
-            records = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
-            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-                return False
-            rec = records[0]
-            if rec.file_size != region.numel() * region.element_size():
-                return False
-            sl.seek(0)
-            with torch.serialization.skip_data():
-                probe = torch.load(io.BufferedReader(sl), weights_only=True)
-            if probe.storage_offset() != 0 or not probe.is_contiguous() or probe.shape != region.shape:
-                return False
-            sl.seek(rec.header_offset)
-            head = sl.read(30)
-            name_len, extra_len = struct.unpack("<HH", head[26:30])
-            sl.seek(rec.header_offset + 30 + name_len + extra_len)
-        except Exception:  # noqa: BLE001 - not the layout we know: use torch.load
-            return False
-        view = _bytes_view(region)
-        got = 0
-        while got < len(view):
-            n = sl.readinto(view[got:])
-            if not n:
-                return False
-            got += n
-        return True
+            reader.set_up_storage_reader(self._md, True)
+            planner.set_up_planner(state_dict, self._md, True)
+            plan = reader.prepare_local_plan(planner.create_local_plan())
+            plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+            reader.read_data(planner.finish_plan(plan), planner).wait()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged file, named in the error
+            raise ConfigError(f"cannot read {key} from {self.dir}: {type(e).__name__}: {e}") from e

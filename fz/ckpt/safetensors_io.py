@@ -7,6 +7,7 @@ file with `safe_open(...).get_slice`, so each rank reads only the rows it holds.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -28,19 +29,20 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 
 
 class StreamWriter:
-    """Write a safetensors file tensor by tensor, in the order of `entries`."""
+    """Write a safetensors file tensor by tensor, or chunk by chunk in any order; `close`
+    checks that every byte of every tensor was written."""
 
     def __init__(self, path: PathLike, entries: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Optional[Dict[str, str]] = None):
         header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
-        self.expected: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
+        self.expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]] = {}
         for name, dtype, shape in entries:
             if dtype not in DTYPES:
                 raise ConfigError(f"safetensors cannot store {name!r} of dtype {dtype}")
             nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.expected.append((name, dtype, tuple(shape), nbytes))
+            self.expected[name] = (dtype, tuple(shape), offset, nbytes)
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -48,21 +50,38 @@ class StreamWriter:
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.f = open(self.tmp, "wb")
         self.f.write(len(raw).to_bytes(8, "little") + raw)
-        self.next = 0
+        self.f.flush()
+        self.data_start = 8 + len(raw)
+        self.written = {name: 0 for name in self.expected}
 
     def write(self, name: str, t: Tensor) -> None:
-        want_name, dtype, shape, nbytes = self.expected[self.next]
-        if name != want_name or t.dtype != dtype or tuple(t.shape) != shape:
-            raise ConfigError(f"StreamWriter: got {name} {t.dtype} {tuple(t.shape)}, expected {want_name} {dtype} {shape}")
-        if nbytes:
-            self.f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        self.next += 1
+        """The whole tensor `name`."""
+        self.write_chunk(name, (0,) * t.dim(), t)
+
+    def write_chunk(self, name: str, offsets: Sequence[int], chunk: Tensor) -> None:
+        """The box of tensor `name` that starts at `offsets` (chunks must not overlap)."""
+        dtype, shape, start, _ = self.expected.get(name, (None, (), 0, 0))
+        box = tuple(chunk.shape)
+        if (dtype is None or chunk.dtype != dtype or len(offsets) != len(shape) or len(box) != len(shape)
+                or any(o < 0 or o + n > s for o, n, s in zip(offsets, box, shape))):
+            raise ConfigError(f"StreamWriter: got {name} {chunk.dtype} {box} at {tuple(offsets)}, "
+                              f"expected a part of {name} {dtype} {shape}")
+        data = memoryview(chunk.contiguous().reshape(-1).view(torch.uint8).numpy())
+        for at, run in _runs(shape, offsets, box, dtype.itemsize):
+            self._pwrite(data[:run], self.data_start + start + at)
+            data = data[run:]
+        self.written[name] += chunk.numel() * dtype.itemsize
+
+    def _pwrite(self, data: memoryview, at: int) -> None:
+        while len(data):
+            n = os.pwrite(self.f.fileno(), data, at)
+            data, at = data[n:], at + n
 
     def close(self) -> None:
         """Finish atomically: fsync, then rename over the destination."""
-        if self.next != len(self.expected):
-            raise ConfigError(f"StreamWriter: {len(self.expected) - self.next} tensors were not written")
-        self.f.flush()
+        short = [n for n, (_, _, _, nbytes) in self.expected.items() if self.written[n] != nbytes]
+        if short:
+            raise ConfigError(f"StreamWriter: {len(short)} tensors were not written completely ({short[0]}, ...)")
         os.fsync(self.f.fileno())
         self.f.close()
         os.replace(self.tmp, self.path)
@@ -71,6 +90,22 @@ class StreamWriter:
     def abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def _runs(shape: Tuple[int, ...], offsets: Sequence[int], box: Tuple[int, ...], itemsize: int):
+    """(byte offset, byte length) of each contiguous run of a box of a row-major tensor, in
+    order: one run for a box of whole rows (a Shard(0) chunk), more for other boxes."""
+    k = len(shape)  # dims from k on are whole: the box is contiguous over them
+    while k > 0 and offsets[k - 1] == 0 and box[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0 or math.prod(box) == 0:
+        yield 0, math.prod(box) * itemsize
+        return
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    run = box[k - 1] * strides[k - 1] * itemsize
+    for lead in itertools.product(*(range(n) for n in box[:k - 1])):
+        first = sum((o + i) * st for o, i, st in zip(offsets, lead, strides)) + offsets[k - 1] * strides[k - 1]
+        yield first * itemsize, run
 
 
 def _files(path: PathLike) -> List[Path]:

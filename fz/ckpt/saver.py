@@ -1,37 +1,38 @@
-"""`fz.save`: every rank writes its shards with DCP, then rank 0 commits the step atomically.
+"""Writing one checkpoint: every rank writes its shards with DCP, then rank 0 commits it atomically.
 
 Phases (each ends in an agreement, so a failure on one rank fails every rank promptly):
-  1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp.
-  2. write: dcp.save of this rank's shards, its data position (data_<rank>.json), fsync.
+  1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp;
+     an async save also copies its tensors to host memory here.
+  2. write: DCP writes this rank's shards (`dcp.save`, or `dcp.async_save`'s thread), then
+     the rank writes its data position (data_<rank>.json) and fsyncs.
   3. checksum: each rank sums its own files; rank 0 gathers them.
   4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to step_<N>,
      fsync the root, replace `latest`, prune to `keep_last`.
-With async_=True phases 2-4 run in a background thread on a staged (copied) state; the
-next save, a restore, wait_for_checkpoints() and interpreter exit wait for it.
+DCP has no commit step of its own (it writes into the directory it is given and has no
+manifest, rename or pruning), so phases 3-4 stay fz's; for an async save they run in a
+thread the Checkpointer starts once DCP's future is done.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import sys
-import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from fz.ckpt import manifest
-from fz.ckpt.group import agree, ckpt_group, dcp_error, exchange, run_local
-from fz.ckpt.layout import META, PathLike, clean_stale, fsync_path, hook, prune, read_latest, replace_durable, \
-    step_name, write_durable, LATEST
+from fz.ckpt import layout, manifest
+from fz.ckpt.group import agree, dcp_error, exchange, run_local
+from fz.ckpt.layout import LATEST, META, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
 from fz.state import State, block_until_ready
@@ -41,15 +42,33 @@ FORMAT = 1
 
 
 def _stage(t: Tensor) -> Tensor:
-    """A host copy that later training steps (which update buffers in place) cannot touch."""
+    """A host copy that later training steps (which update buffers in place) cannot touch.
+
+    fz's own copy, not DCP's stagers: in torch 2.13 both (BlockingAsyncStager, DefaultStager)
+    deep-copy each DTensor, which fails ("invalid python storage") when its local tensor is a
+    view at a nonzero storage offset, as fz's bucket views are; and they would copy the bucket.
+    """
     if isinstance(t, DTensor):
         local = t._local_tensor.detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
 
 
-class _Job:
-    """One save after phase 1: the tensors to write and where; `run` does phases 2-4."""
+class _AlreadyStaged(AsyncStager):
+    """dcp.async_save's stager for tensors fz already staged (in phase 1, before agreeing)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def close(self) -> None:
+        pass
+
+
+class SaveJob:
+    """One save after phase 1: the tensors to write and where. `run` does phases 2-4 in the
+    caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
     def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], data_json: Any, meta: Dict[str, Any],
                  keep_last: Optional[int], group, rank: int):
@@ -57,25 +76,51 @@ class _Job:
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
         self.tmp = root / (step_name(step) + ".tmp")
 
+    def _writer(self) -> dcp.FileSystemWriter:
+        return dcp.FileSystemWriter(self.tmp, sync_files=True)
+
     def run(self) -> None:
-        hook("write_begin")
+        self._cleaning(self._write_and_commit)
+
+    def launch(self) -> Future:
+        """Phase 2 in dcp.async_save's thread; the staged tensors go with it (this job drops them)."""
+        def go():
+            try:
+                return dcp.async_save(self.tensors, storage_writer=self._writer(), process_group=self.group,
+                                      async_stager=_AlreadyStaged())
+            finally:
+                self.tensors = {}
+        return self._cleaning(go)
+
+    def finish(self, written: Future) -> None:
+        """Phases 3-4 once DCP's write is done (called from the Checkpointer's thread)."""
+        def go():
+            try:
+                md = written.result()
+            except CheckpointException as e:
+                raise dcp_error(e, "writing checkpoint", self.tmp) from e
+            self._commit_all(md)
+        self._cleaning(go)
+
+    def _cleaning(self, fn: Callable[[], Any]) -> Any:
         try:
-            self._run()
+            return fn()
         except BaseException:
             if self.rank == 0:  # every rank is past its writes (failures are collective): drop the debris
                 shutil.rmtree(self.tmp, ignore_errors=True)
             raise
 
-    def _run(self) -> None:
+    def _write_and_commit(self) -> None:
         try:
-            dcp_md = dcp.save(self.tensors, storage_writer=dcp.FileSystemWriter(self.tmp, sync_files=True),
-                              process_group=self.group)
+            md = dcp.save(self.tensors, storage_writer=self._writer(), process_group=self.group)
         except CheckpointException as e:
             raise dcp_error(e, "writing checkpoint", self.tmp) from e
         finally:
-            self.tensors = {}  # the staged copy is on disk (or failed): free it now
+            self.tensors = {}  # on disk (or failed): free them now
+        self._commit_all(md)
+
+    def _commit_all(self, dcp_md) -> None:
         sums, err = run_local(self._write_rank_files)
-        hook("written")
         all_sums = exchange(self.group, sums, err, f"writing checkpoint {self.tmp}")
         err = None
         if self.rank == 0:
@@ -97,10 +142,8 @@ class _Job:
         for n in rest:
             fsync_path(self.tmp / n)
         files.update(manifest.describe(self.tmp, rest))
-        hook("checksummed")
         manifest.write(self.tmp, files)  # last file of the checkpoint
         fsync_path(self.tmp)
-        hook("before_rename")
         final = self.root / step_name(self.step)
         old = None
         if final.exists():  # a committed step that `latest` does not name (checked in phase 1)
@@ -108,14 +151,11 @@ class _Job:
             os.replace(final, old)
         os.replace(self.tmp, final)
         fsync_path(self.root)
-        hook("renamed")
-        replace_durable(self.root / LATEST, final.name.encode())
-        hook("latest_updated")
+        layout.replace_durable(self.root / LATEST, final.name.encode())
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep_last is not None:
-            prune(self.root, self.keep_last)
-        hook("done")
+            layout.prune(self.root, self.keep_last)
 
 
 def _my_share(tensors: Dict[str, Tensor], rank: int, world: int) -> Dict[str, Tensor]:
@@ -151,105 +191,46 @@ def _tensor_totals(md) -> Dict[str, int]:
     return out
 
 
-def _prepare(root: Path, step: int) -> None:
+def _prepare_dir(root: Path, step: int) -> None:
     """Phase 1 on rank 0: the root exists, leftovers are gone, step_<N>.tmp is empty."""
     root.mkdir(parents=True, exist_ok=True)
     if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
         raise ConfigError(f"step {step} is already the latest checkpoint in {root}; saving it again would first "
                           f"delete the only committed copy. Save under another step= or delete {root / step_name(step)}")
-    clean_stale(root)
+    layout.clean_stale(root)
     (root / (step_name(step) + ".tmp")).mkdir()
     fsync_path(root)
 
 
-class _Pending:
-    def __init__(self, job: _Job):
-        self.job, self.error = job, None
-        self.thread = threading.Thread(target=self._run, name=f"fz-ckpt-{job.step}", daemon=False)
-
-    def _run(self) -> None:
-        try:
-            self.job.run()
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait_for_checkpoints
-            self.error = e
+def _has_master(state: State) -> bool:
+    # recorded in fz.json for `fz inspect`
+    return state.master is not None
 
 
-_pending: Optional[_Pending] = None
-_lock = threading.Lock()
-
-
-def wait_for_checkpoints() -> None:
-    """Block until a pending async save has committed; raise its error if it failed."""
-    global _pending
-    with _lock:
-        p, _pending = _pending, None
-    if p is None:
-        return
-    p.thread.join()
-    if p.error is not None:
-        raise p.error
-
-
-def _wait_at_exit() -> None:
-    try:
-        wait_for_checkpoints()
-    except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
-        print(f"fz: an async checkpoint failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-atexit.register(_wait_at_exit)
-
-
-def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None) -> None:
-    """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
-
-    N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
-    the same on every rank. `keep_last=K` deletes older steps once this one is committed.
-    `async_=True` returns once the state is copied to host memory and finishes in a
-    background thread on a checkpoint-only process group; the next save or restore and
-    interpreter exit wait for it. Call `wait_for_checkpoints()` before
-    `dist.destroy_process_group()`, which would cut it off.
-    """
-    global _pending
-    state.check_alive("fz.save")
-    wait_for_checkpoints()
-    n = int(state.step) if step is None else step
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ConfigError(f"fz.save step={step!r}: must be an integer >= 0")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ConfigError(f"fz.save keep_last={keep_last!r}: must be None or an integer >= 1")
-    if client_state is not None and not isinstance(client_state, dict):
-        raise ConfigError(f"fz.save client_state must be a dict, got {type(client_state).__name__}")
+def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str, Any]], keep_last: Optional[int],
+            group, *, stage: bool) -> SaveJob:
+    """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
+    tensors to host memory here, so a rank that cannot (out of memory) fails every rank
+    before any background write starts."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = block_until_ready(state)  # parameters still arriving from the last step are written whole
-    group = ckpt_group(state)
-    rank = dist.get_rank(group)
-    root = Path(path)
 
-    def local():
+    def local() -> SaveJob:
         client_json, client_t = encode(client_state or {}, "client")
-        tensors = _my_share(dict(entries(state), **client_t), rank, dist.get_world_size(group))
+        tensors = _my_share(dict(entries(state), **client_t), rank, world)
         tensors[f"rng/{rank}"] = state.rng
         data_json, data_t = encode(state.data, f"data/{rank}")
         tensors.update(data_t)
-        if async_:
+        if stage:
             tensors = {k: _stage(t) for k, t in tensors.items()}
         if rank == 0:
-            _prepare(root, n)
+            _prepare_dir(root, step)
         spec = state.spec
-        meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": n,
-                "train_step": int(state.step), "world": state.plan.world, "stage": spec.stage,
-                "precision": spec.precision, "master": state.master is not None, "checksum": manifest.ALGORITHM,
-                "client_state": client_json}
-        return _Job(root, n, tensors, data_json, meta, keep_last, group, rank)
+        meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
+                "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
+                "master": _has_master(state), "checksum": manifest.ALGORITHM, "client_state": client_json}
+        return SaveJob(root, step, tensors, data_json, meta, keep_last, group, rank)
 
-    hook("start")
     job, err = run_local(local)
-    agree(group, err, f"preparing checkpoint {root / step_name(n)}")
-    if not async_:
-        job.run()
-        return
-    pending = _Pending(job)
-    with _lock:
-        _pending = pending
-    pending.thread.start()
+    agree(group, err, f"preparing checkpoint {root / step_name(step)}")
+    return job

@@ -1,0 +1,254 @@
+"""`fz.Checkpointer`: the checkpoints of one run under one root (orbax's CheckpointManager
+is the model), and the function API `fz.save` / `fz.restore` / `fz.wait_for_checkpoints`
+as thin wrappers over it.
+
+    with fz.Checkpointer("ckpt", keep_last=3, async_=True) as ckpt:
+        if ckpt.latest_step() is not None:
+            state = ckpt.restore(state)
+        ...
+        ckpt.save(state)            # returns once staged; commits in the background
+    # leaving the block waits for the last save and raises its error
+
+A Checkpointer owns its pending async save (its next save, restore, wait() or close()
+waits for it) and its own gloo process group, so two Checkpointers can have saves in
+flight at once without their background collectives interleaving on one group.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+from fz.ckpt import loader, saver
+from fz.ckpt.group import GroupCache, state_ranks
+from fz.ckpt.layout import PathLike, committed_steps, read_latest
+from fz.errors import ConfigError
+from fz.state import State
+
+_lock = threading.Lock()
+# Checkpointers with an async save nobody has waited for yet. Strong references: a
+# Checkpointer dropped right after save(async) still commits, and its error still surfaces
+# in wait_for_checkpoints() (and at exit).
+_unwaited: Set["Checkpointer"] = set()
+
+
+class _Pending:
+    """One async save in flight: DCP's write (dcp.async_save's thread), then fz's commit in a
+    thread of its own, because phases 3-4 run collectives and must follow the write."""
+
+    def __init__(self, job: saver.SaveJob):
+        self.step, self.error = job.step, None
+        written = job.launch()
+        self.thread = threading.Thread(target=self._finish, args=(job, written), name=f"fz-ckpt-{job.step}",
+                                       daemon=False)
+        self.thread.start()
+
+    def _finish(self, job: saver.SaveJob, written: Future) -> None:
+        try:
+            job.finish(written)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _note(err: BaseException, text: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(text)
+
+
+def _check_keep_last(keep_last: Optional[int], who: str) -> None:
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"{who} keep_last={keep_last!r}: must be None or an integer >= 1")
+
+
+class Checkpointer:
+    """Saves to and restores from `root/step_<N>`; every rank makes the same calls in the same order.
+
+    `keep_last=K` deletes older steps once a newer one is committed. `async_=True` makes
+    `save` return once the state is copied to host memory; the write and the commit finish
+    in the background. Call `wait()` (or `close()`, or leave the `with` block) before
+    `dist.destroy_process_group()`, which would cut a pending save off.
+    """
+
+    def __init__(self, root: PathLike, keep_last: Optional[int] = None, async_: bool = False):
+        _check_keep_last(keep_last, "Checkpointer")
+        self.root, self.keep_last, self.async_ = Path(root), keep_last, bool(async_)
+        self._groups = GroupCache()
+        self._pending: Optional[_Pending] = None
+        self._closed = False
+        self._who = "Checkpointer."
+
+    @classmethod
+    def _for_functions(cls, root: PathLike, keep_last: Optional[int] = None, async_: bool = False,
+                       groups: Optional[GroupCache] = None) -> "Checkpointer":
+        """One call of the function API: its messages say fz.save / fz.restore, and it shares
+        one group with every other call (they never overlap: each first waits for all saves)."""
+        _check_keep_last(keep_last, "fz.save")
+        self = cls(root, None, async_)
+        self.keep_last, self._who = keep_last, "fz."
+        if groups is not None:
+            self._groups = groups
+        return self
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_={self.async_})"
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001 - the block's own exception goes first
+            _note(exc, f"also, a pending checkpoint of {self!r} failed: {type(e).__name__}: {e}")
+
+    def _group(self, state: State):
+        return self._groups.get(state_ranks(state))
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(f"{self!r} is closed: {what} needs a new Checkpointer")
+
+    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None) -> None:
+        """Write `state` (and `client_state`) as `root/step_<N>`, N = `step` or the state's step.
+
+        `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank.
+        Waits for this Checkpointer's previous save first and raises its error, if any.
+        """
+        state.check_alive(f"{self._who}save")
+        self._check_open("save")
+        self.wait()
+        n = int(state.step) if step is None else step
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"{self._who}save step={step!r}: must be an integer >= 0")
+        if client_state is not None and not isinstance(client_state, dict):
+            raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
+        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_)
+        if not self.async_:
+            job.run()
+            return
+        # If dcp.async_save raised on some ranks only, the others' DCP threads would wait for
+        # them until the group's timeout; it fails only on bad arguments, the same on every rank.
+        pending = _Pending(job)
+        with _lock:
+            self._pending = pending
+            _unwaited.add(self)
+
+    def restore(self, state: State, *, step: Optional[int] = None, strict: bool = True,
+                with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
+        """Load the latest committed step (or `step`) into the template `state`, which is donated.
+
+        Any world size, ZeRO stage or precision: the template says which. A damaged checkpoint
+        or one of another model raises ConfigError; `strict=False` loads what both have and
+        warns (PartialRestoreWarning). `with_client_state=True` returns (state, client_state).
+        """
+        return self._restore(state, step, strict, with_client_state, stacklevel=4)
+
+    def _restore(self, state: State, step: Optional[int], strict: bool, with_client_state: bool, stacklevel: int):
+        state.check_alive(f"{self._who}restore")
+        self._check_open("restore")
+        self.wait()
+        return loader.load(state, self.root, self._group(state), step=step, strict=strict,
+                           with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel)
+
+    def wait(self) -> None:
+        """Block until this Checkpointer's pending async save has committed; raise its error."""
+        with _lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.join()
+        finally:
+            with _lock:
+                if self._pending is None:
+                    _unwaited.discard(self)
+
+    def latest_step(self) -> Optional[int]:
+        """The step `latest` names, else the newest committed one, else None. Reads the
+        directory only (no collective); a pending async save counts once committed."""
+        name = read_latest(self.root)
+        if name is not None:
+            return int(name[len("step_"):])
+        steps = committed_steps(self.root)
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> List[int]:
+        """Committed steps under the root, ascending (no collective)."""
+        return committed_steps(self.root)
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error); later saves and restores are refused."""
+        self._closed = True
+        self.wait()
+
+
+def wait_for_checkpoints() -> None:
+    """Block until every Checkpointer's pending async save (fz.save's too) has committed;
+    raise the first error, after waiting for all of them."""
+    with _lock:
+        waiting = list(_unwaited)
+    first: Optional[BaseException] = None
+    for ckpt in waiting:
+        try:
+            ckpt.wait()
+        except BaseException as e:  # noqa: BLE001 - raised once all have finished
+            if first is None:
+                first = e
+            else:
+                _note(first, f"another checkpoint failed too: {type(e).__name__}: {e}")
+    if first is not None:
+        raise first
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait_for_checkpoints()
+    except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
+        print(f"fz: an async checkpoint failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+atexit.register(_wait_at_exit)
+
+_FUNCTION_GROUPS = GroupCache()
+
+
+def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
+         async_: bool = False, keep_last: Optional[int] = None) -> None:
+    """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
+
+    N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
+    the same on every rank. `keep_last=K` deletes older steps once this one is committed.
+    `async_=True` returns once the state is copied to host memory and finishes in the
+    background on a checkpoint-only process group; the next save or restore and
+    interpreter exit wait for it. Call `wait_for_checkpoints()` before
+    `dist.destroy_process_group()`, which would cut it off.
+    """
+    state.check_alive("fz.save")
+    wait_for_checkpoints()
+    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS)
+    ckpt.save(state, step=step, client_state=client_state)
+
+
+def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,
+            with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
+    """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
+
+    Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of
+    another model raises ConfigError; with strict=False the tensors both share are loaded
+    and the rest is reported as a PartialRestoreWarning.
+    """
+    state.check_alive("fz.restore")
+    wait_for_checkpoints()
+    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS)
+    return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
