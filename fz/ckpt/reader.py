@@ -42,7 +42,7 @@ class _Sink(Tensor):
         if func is torch.ops.aten.copy_.default:
             args[0]._put(args[1])
             return args[0]
-        raise NotImplementedError(f"fz's streaming read got {func}; DCP's reader is expected to only copy_ into "
+        raise RuntimeError(f"fz's streaming read got {func}; DCP's reader is expected to only copy_ into "
                                   "its targets (torch changed?)")
 
 
