@@ -19,6 +19,7 @@ reuses the buffers, and the old one refuses further use with a clear error.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -118,7 +119,6 @@ def block_until_ready(state: State) -> State:
 
 
 def _copy_leaf(x: Any, memo) -> Any:
-    import copy
     return copy.deepcopy(x, memo)
 
 
