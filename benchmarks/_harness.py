@@ -23,19 +23,21 @@ TAG = "FZBENCH "
 
 # ----------------------------------------------------------------------------- model
 
-def gpt_config(target: int, seq: int):
-    """gpt_for_params' width (vocab 4096), with the layer count that lands nearest `target`."""
+def gpt_config(target: int, seq: int, dim: int = 0):
+    """gpt_for_params' width (vocab 4096) or `dim`, with the layer count that lands nearest `target`."""
     import torch
 
     from fz.testing.gpt import GPT, GPTConfig, gpt_for_params
 
     base = gpt_for_params(target, seq=seq)
+    if dim:
+        base = GPTConfig(**{**base.__dict__, "dim": dim, "heads": max(1, dim // 64)})
 
     def count(layers: int) -> int:
         with torch.device("meta"):
             return sum(p.numel() for p in GPT(GPTConfig(**{**base.__dict__, "layers": layers})).parameters())
 
-    layers = min(range(1, 65), key=lambda n: abs(count(n) - target))
+    layers = min(range(1, 129), key=lambda n: abs(count(n) - target))
     return GPTConfig(**{**base.__dict__, "layers": layers}), count(layers)
 
 
@@ -66,10 +68,38 @@ def bytes_written() -> int:
     return 0
 
 
-def source_hash() -> str:
-    """Hash of fz/**/*.py, to catch fz changing in the middle of a run."""
+def tcp_sent_by_peer(pid: int) -> dict[int, int]:
+    """{peer pid: bytes this process has sent to it} over its open local TCP connections (`ss -tinp`).
+
+    Engine-agnostic: it counts what gloo really put on each connection, so bytes crossing a
+    group boundary can be measured for fz, FSDP2 and DeepSpeed alike."""
+    out = subprocess.run(["ss", "-tinpH"], check=False, capture_output=True, text=True, timeout=30).stdout
+    conns, owner, head = [], {}, None
+    for line in out.splitlines():
+        if line.startswith("ESTAB") or (line and not line[0].isspace()):
+            parts = line.split()
+            if len(parts) < 6 or "pid=" not in line:
+                head = None
+                continue
+            local, peer = parts[3].rsplit(":", 1)[1], parts[4].rsplit(":", 1)[1]
+            p = int(line.split("pid=")[1].split(",")[0])
+            owner[local] = p
+            head = (local, peer, p)
+        elif head is not None:
+            sent = next((int(t.split(":")[1]) for t in line.split() if t.startswith("bytes_sent:")), 0)
+            conns.append((*head, sent))
+            head = None
+    by_peer: dict[int, int] = {}
+    for local, peer, p, sent in conns:
+        if p == pid and peer in owner:
+            by_peer[owner[peer]] = by_peer.get(owner[peer], 0) + sent
+    return by_peer
+
+
+def source_hash(root: str | None = None) -> str:
+    """Hash of fz/**/*.py (of this checkout or `root`), to catch fz changing in the middle of a run."""
     h = hashlib.sha1()
-    for dirpath, dirs, files in sorted(os.walk(os.path.join(ROOT, "fz"))):
+    for dirpath, dirs, files in sorted(os.walk(os.path.join(root or ROOT, "fz"))):
         dirs.sort()
         for name in sorted(f for f in files if f.endswith(".py")):
             with open(os.path.join(dirpath, name), "rb") as f:
@@ -77,17 +107,18 @@ def source_hash() -> str:
     return h.hexdigest()[:10]
 
 
-def git_state() -> str:
-    """HEAD of the repo and whether fz/ differs from it (others may edit the working tree)."""
+def git_state(root: str | None = None) -> str:
+    """HEAD of the repo (this one or `root`) and whether fz/ differs from it (others may edit the working tree)."""
+    root = root or ROOT
     try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], check=False, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "fz"], check=False,
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "fz"], check=False,
                                capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "git: unknown"
-    return f"git {head or '?'}{' + uncommitted fz/ changes' if dirty else ''}, fz/ sources {source_hash()}"
+    return f"git {head or '?'}{' + uncommitted fz/ changes' if dirty else ''}, fz/ sources {source_hash(root)}"
 
 
 def report(result: dict) -> None:
@@ -205,8 +236,9 @@ def summarize(runs, engines, precisions, args):
             if not ok:
                 rows[e, p] = {"error": runs[e, p][-1]["error"]}
                 continue
-            ref = {"fz3": "fsdp2", "fz3-keep": "fsdp2-noreshard"}.get(e)
+            ref = {"fz3": "fsdp2", "fz3-keep": "fsdp2-noreshard"}.get(e.removesuffix("@base"))
             same_ds = "ds" + e[2] if e.startswith("fz") else None
+            base = e + "@base"
             row = {"step": median(per[e]), "min": min(x for x in per[e] if x), "max": max(x for x in per[e] if x),
                    "n": len(ok), "warn": sum("warning" in r for r in ok),
                    "rss": median(rss[e]), "base": median(r["base_mb"] for r in ok),
@@ -217,6 +249,8 @@ def summarize(runs, engines, precisions, args):
             row["vs_fsdp2"] = paired_ratio(per[e], per[ref]) if ref in per else None
             row["vs_fsdp2_reshard"] = paired_ratio(per[e], per["fsdp2"]) if "fsdp2" in per else None
             row["vs_ds"] = paired_ratio(per[e], per[same_ds]) if same_ds in per else None
+            row["vs_base"] = paired_ratio(per[e], per[base]) if base in per else None
+            row["rss_vs_base"] = paired_ratio(rss[e], rss[base]) if base in rss else None
             row["rss_vs_ddp"] = paired_ratio(rss[e], rss["ddp"]) if "ddp" in rss else None
             row["rss_vs_fsdp2"] = paired_ratio(rss[e], rss[ref]) if ref in rss else None
             row["rss_vs_ds"] = paired_ratio(rss[e], rss[same_ds]) if same_ds in rss else None
@@ -237,7 +271,7 @@ def table(rows, engines, p) -> str:
         if "error" in r:
             out.append([e, f"FAILED: {r['error']}"] + [""] * (len(header) - 2))
             continue
-        peer = " FSDP2-noreshard" if e.endswith("-keep") else " FSDP2"
+        peer = " FSDP2-noreshard" if e.removesuffix("@base").endswith("-keep") else " FSDP2"
         vs = " / ".join(x for x in [fmt(r["vs_fsdp2"], ".2f", "x" + peer) if r["vs_fsdp2"] else "",
                                     fmt(r["vs_ds"], ".2f", "x DS") if r["vs_ds"] else ""] if x) or "-"
         rv = " / ".join(x for x in [fmt(r["rss_vs_ddp"], ".2f", "x DDP") if e.startswith("fz") else "",
@@ -249,6 +283,13 @@ def table(rows, engines, p) -> str:
                     f"{r['rss'] - r['base']:.0f}", rv, f"{r['sent'] / 1e6:.2f}",
                     fmt(r.get("fz_sent") and r["fz_sent"] / 1e6, ".2f"), f"{r['loss']:.4f}"])
     return markdown(header, out)
+
+
+def base_table(rows, engines, p) -> str | None:
+    """Each fz engine against its `@base` twin (another checkout, same repeats): None without a baseline."""
+    out = [[e, fmt(rows[e, p].get("vs_base"), ".3f", "x"), fmt(rows[e, p].get("rss_vs_base"), ".3f", "x")]
+           for e in engines if e + "@base" in engines and "error" not in rows[e, p]]
+    return markdown(["engine", "step vs @base", "peak RSS vs @base"], out) if out else None
 
 
 def targets(rows, engines, p) -> list:

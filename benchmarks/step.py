@@ -2,6 +2,9 @@
 
     OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --precision fp32,bf16 --repeats 5 --with-deepspeed
     OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --engines floor,ddp,fz0 --steps 12 --warmup 4
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/step.py --world 4 --shard-group 2 \
+        --engines fz3,fz3-hsdp,fsdp2,fsdp2-hsdp --repeats 3          # hybrid sharding, bytes across groups
+    ... --baseline /path/to/other/checkout                          # each fz engine also from there, interleaved
 
 Every engine trains the same GPT (same initial weights, AdamW lr 1e-3 betas (0.9, 0.999) eps 1e-8
 wd 0.01, clip 1.0, lm_loss) on the same per-rank synthetic tokens, in each `--precision`:
@@ -29,6 +32,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (
+    ROOT,
+    tcp_sent_by_peer,
+    base_table,
     bytes_written,
     finish,
     git_state,
@@ -45,8 +51,10 @@ from _harness import (
     targets,
 )
 
-PEERS = ["floor", "ddp", "fsdp2", "fsdp2-noreshard"]
-FZ = ["fz0", "fz1", "fz2", "fz3", "fz3-keep"]  # fz3-keep: live_buckets with room for every block (DeepSpeed's default)
+PEERS = ["floor", "ddp", "fsdp2", "fsdp2-noreshard", "fsdp2-hsdp"]
+# fz3-keep: live_buckets with room for every block (DeepSpeed's default);
+# *-hsdp: shard within --shard-group ranks, replicate across groups (not run by default)
+FZ = ["fz0", "fz1", "fz2", "fz3", "fz3-keep", "fz3-hsdp"]
 DS = ["ds0", "ds1", "ds2", "ds3"]
 ENGINES = PEERS + FZ + DS
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -54,7 +62,7 @@ ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engines", default=",".join(PEERS + FZ),
+    p.add_argument("--engines", default=",".join(e for e in PEERS + FZ if not e.endswith("-hsdp")),
                    help=f"comma list from {ENGINES} (ds* are added by --with-deepspeed)")
     p.add_argument("--precision", default="fp32", help="comma list from fp32, bf16")
     p.add_argument("--with-deepspeed", action="store_true", help="add DeepSpeed ZeRO stages 0-3 (ds0..ds3)")
@@ -70,9 +78,16 @@ def parse_args(argv=None):
                    help="after the timed steps, profile 3 more on rank 0 and print its top N ops")
     p.add_argument("--meta-init", action="store_true",
                    help="fz engines only: build the model on the meta device (fz.init materialises its own rows)")
+    p.add_argument("--shard-group", type=int, default=0, metavar="N",
+                   help="hybrid sharding: *-hsdp engines shard within groups of N ranks; every engine reports the "
+                        "bytes crossing those groups (measured per TCP connection with ss)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="another fz checkout: every fz engine also runs from it as '<engine>@base', interleaved")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rank
     p.add_argument("--worker-precision", default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if any(e.endswith("-hsdp") for e in args.engines.split(",")) and args.shard_group < 1:
+        p.error("the *-hsdp engines need --shard-group N")
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
     args.precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
@@ -120,18 +135,26 @@ def build_step(engine: str, precision: str, model, lm_loss):
     if engine == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         return eager(ddp, ddp.parameters(), bf16)
-    if engine in ("fsdp2", "fsdp2-noreshard"):
+    group = int(os.environ.get("FZBENCH_SHARD_GROUP", "0"))
+    if engine in ("fsdp2", "fsdp2-noreshard", "fsdp2-hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
-        reshard = engine == "fsdp2"
+        reshard = engine != "fsdp2-noreshard"
+        world = torch.distributed.get_world_size()
+        mesh = init_device_mesh("cpu", (world // group, group), mesh_dim_names=("replicate", "shard")) \
+            if engine == "fsdp2-hsdp" else None
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         return eager(model, model.parameters(), False)
-    if engine in FZ:
+    if engine.split("@")[0] in FZ:
+        engine = engine.split("@")[0]
         import fz
         keep = {"live_buckets": 10**6} if engine.endswith("-keep") else {}
+        if engine.endswith("-hsdp"):
+            keep = {"shard_group_size": group}
         spec = fz.Spec(stage=int(engine[2]), **keep, optimizer=fz.optim.adamw(**ADAMW), grad_accum=1,
                        clip_grad_norm=1.0, precision=precision, loss_fn=lm_loss, seed=0)
         box = {"state": fz.init(model, spec)}
@@ -190,7 +213,7 @@ def worker(args) -> None:
     base_mb = rss_mb("VmRSS")                  # torch + gloo, before any model memory
     cfg, n_params = gpt_config(int(args.params), args.seq)
     torch.manual_seed(0)                       # same initial weights for every engine and rank
-    if args.meta_init and engine in FZ:
+    if args.meta_init and engine.split("@")[0] in FZ:
         with torch.device("meta"):
             model = GPT(cfg)
     else:
@@ -203,20 +226,33 @@ def worker(args) -> None:
 
     batches = [data[i * args.micro_batch:(i + 1) * args.micro_batch] for i in range(args.steps + extra)]
     times, losses, sent = [], [], []
-    for batch in batches[:args.steps]:
+    pids = [None] * (dist.get_world_size() if distributed else 1)
+    if args.shard_group and distributed:
+        dist.all_gather_object(pids, os.getpid())
+    tcp0 = None
+    for i, batch in enumerate(batches[:args.steps]):
         if distributed:
             dist.barrier()
+        if args.shard_group and distributed and i == args.warmup:
+            tcp0 = tcp_sent_by_peer(os.getpid())
         w0, t0 = bytes_written(), time.perf_counter()
         loss = float(step(batch))
         times.append(time.perf_counter() - t0)
         sent.append(bytes_written() - w0)
         losses.append(loss)
+    cross = None
+    if tcp0 is not None:  # bytes this rank sent to ranks outside its group, per timed step
+        tcp1 = tcp_sent_by_peer(os.getpid())
+        mine = rank // args.shard_group
+        cross = sum(tcp1.get(p, 0) - tcp0.get(p, 0) for r, p in enumerate(pids)
+                    if r // args.shard_group != mine) / (args.steps - args.warmup)
     result = {"rss_mb": rss_mb("VmHWM"), "base_mb": base_mb, "params": n_params, "layers": cfg.layers,
-              "dim": cfg.dim, "src": source_hash()}
+              "dim": cfg.dim, "src": source_hash(args.baseline if engine.endswith("@base") else None)}
     if box is not None:
         import fz
         comm = fz.comm_report(box["state"])
-        result["fz_comm"] = {"payload": comm.payload, "sent_total": comm.sent_total}
+        result["fz_comm"] = {"payload": comm.payload, "sent_total": comm.sent_total,
+                             "inter_sent_total": getattr(comm, "inter_sent_total", None)}
         result["fz_memory"] = fz.memory_report(box["state"]).as_dict()
     if args.profile:
         table = profile_steps(step, batches[args.steps:], args.profile)
@@ -229,6 +265,10 @@ def worker(args) -> None:
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
         l = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(l, op=dist.ReduceOp.SUM)
+        if cross is not None:
+            c = torch.tensor([cross], dtype=torch.float64)
+            dist.all_reduce(c, op=dist.ReduceOp.MAX)
+            result["cross_group"] = c.item()
         m = torch.tensor([result["rss_mb"], base_mb], dtype=torch.float64)
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         times, sent, losses = t.tolist(), s.tolist(), (l / dist.get_world_size()).tolist()
@@ -243,8 +283,23 @@ def worker(args) -> None:
 def run_one(engine: str, precision: str, args, argv) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", engine, "--worker-precision", precision]
     world = 1 if engine == "floor" else args.world
-    env = {"DS_ACCELERATOR": "cpu"} if engine in DS else None
+    env = {"DS_ACCELERATOR": "cpu"} if engine in DS else {}
+    env["FZBENCH_SHARD_GROUP"] = str(args.shard_group)
+    if engine.endswith("@base"):  # the baseline's fz first on the path; this file's worker and harness
+        env = {"PYTHONPATH": os.pathsep.join([os.path.abspath(args.baseline), ROOT])}
     return launch(cmd, world, args.timeout, env)
+
+
+def cross_table(runs, rows, engines, p) -> str:
+    out = []
+    for e in engines:
+        ok = [r for r in runs[e, p] if "error" not in r]
+        cross = median(r.get("cross_group") for r in ok)
+        inter = ok[0].get("fz_comm", {}).get("inter_sent_total") if ok else None
+        step = rows[e, p].get("step")
+        out.append([e, "-" if step is None else f"{1e3 * step:.1f}", "-" if cross is None else f"{cross / 1e6:.2f}",
+                    "-" if inter is None else f"{inter / 1e6:.2f}"])
+    return markdown(["engine", "step ms", "cross-group MB/step/rank (ss)", "fz comm_report inter MB"], out)
 
 
 def main() -> None:
@@ -262,12 +317,15 @@ def main() -> None:
                   "install it with DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation deepspeed "
                   "(+ hjson, msgpack, py-cpuinfo, pydantic, psutil, ninja, tqdm); running without it", flush=True)
             engines = [e for e in engines if e not in DS]
-    unknown = [e for e in engines if e not in ENGINES]
+    if args.baseline:
+        engines += [e + "@base" for e in engines if e in FZ]
+    unknown = [e for e in engines if e.removesuffix("@base") not in ENGINES]
     if unknown:
         sys.exit(f"unknown engines {unknown}; choose from {ENGINES}")
     print("$ " + shlex.join(["OMP_NUM_THREADS=1", sys.executable, *sys.argv]), flush=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average at start {load_average()}, "
-          f"{git_state()}", flush=True)
+          f"{git_state()}" + (f"; baseline {args.baseline}: {git_state(args.baseline)}" if args.baseline else ""),
+          flush=True)
     t_start = time.monotonic()
     runs = {(e, p): [] for e in engines for p in args.precisions}
     for rep in range(args.repeats):
@@ -292,8 +350,8 @@ def main() -> None:
               f"seq {args.seq}, micro-batch {args.micro_batch}/rank, world {args.world} (floor: 1 process), "
               f"gloo CPU, median of steps {args.warmup}-{args.steps - 1}, {args.repeats} repeat(s); ratios are "
               f"medians of per-repeat ratios; load average at end {load_average()}")
-    sources = {r["src"] for rs in runs.values() for r in rs if "src" in r}
-    if len(sources) > 1:
+    sources = {(e.endswith("@base"), r["src"]) for (e, _), rs in runs.items() for r in rs if "src" in r}
+    if len(sources) > len({b for b, _ in sources}):
         print(f"WARNING: fz/ sources changed during the run ({len(sources)} versions); rerun")
     for p in args.precisions:
         print(f"\n### {p}\n\n{table(rows, engines, p)}")
@@ -302,6 +360,12 @@ def main() -> None:
             if comm:
                 kinds = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(comm["payload"].items()))
                 print(f"{'' if e != engines[0] else chr(10)}- {e} fz.comm_report payload MB: {kinds}")
+        vs_base = base_table(rows, engines, p)
+        if vs_base:
+            print(f"\nAgainst the baseline ({p}, median of per-repeat ratios):\n\n{vs_base}")
+        if args.shard_group:
+            print(f"\nBytes crossing groups of {args.shard_group} ranks ({p}; ss per TCP connection, "
+                  f"max over ranks, median over repeats):\n\n" + cross_table(runs, rows, engines, p))
         checks = targets(rows, engines, p)
         if checks:
             print(f"\nTargets ({p}):\n\n" + markdown(["target", "value", "status"], checks))
