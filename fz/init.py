@@ -16,7 +16,8 @@ from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
 from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.mesh import make_mesh
-from fz.sharding.opt_state import wrap_opt_state
+from fz.offload.move import bucket_init_on_disk, check_room_at_init, param_to_disk
+from fz.sharding.opt_state import merge_opt_states, wrap_opt_state
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.state import State
@@ -54,17 +55,32 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     plan = ShardPlan.build(mesh, device, tuple(buckets))
     comm = Comm(plan)
 
-    storages = [_bucket_storage(model, plan, comm, b, spec) for b in buckets]
+    disk_opt = spec.offload is not None and spec.offload.optimizer == "disk"
+    if spec.offload is not None:
+        check_room_at_init(spec.offload, plan, spec.optimizer, spec.precision != "fp32")
+    storages, on_disk = [], []
+    for b in buckets:
+        flat, mflat = _bucket_storage(model, plan, comm, b, spec)
+        if disk_opt and b.trainable:  # straight to disk, one bucket at a time
+            local = spec.optimizer.init(dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b))))
+            mflat, opt_b = bucket_init_on_disk(spec.offload, plan, b, mflat, local)
+            on_disk.append(opt_b)
+        if spec.offload is not None and spec.offload.params == "disk" and b.sharded_param:
+            flat = param_to_disk(spec.offload, plan, b, flat)
+        storages.append((flat, mflat))
     param_flats = tuple(plan.wrap_flat(p, b, b.place.param) for b, (p, _) in zip(buckets, storages))
     master_flats = {b.index: plan.wrap_flat(m, b, b.place.opt) for b, (_, m) in zip(buckets, storages) if m is not None}
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
     buffers = initial_values(model, buffer_names, spec.seed, device)
 
-    opt_params = {}
-    for b, (flat, mflat) in zip(buckets, storages):
-        if b.trainable:
-            opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
-    opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
+    if disk_opt:
+        opt_state = merge_opt_states(on_disk, {s.name for b in buckets for s in b.slots})
+    else:
+        opt_params = {}
+        for b, (flat, mflat) in zip(buckets, storages):
+            if b.trainable:
+                opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
+        opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(module_seed(spec.seed, f"rank{plan.rank}"))
@@ -75,9 +91,10 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     except ValueError:
         lr = None
     metrics = initial_metrics(lr, float(scaler["scale"]) if scaler is not None else 1.0)
-    return State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
-                 opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
-                 skeleton=skel, spec=spec, plan=plan)
+    state = State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
+                  opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
+                  skeleton=skel, spec=spec, plan=plan)
+    return spec.offload(state) if spec.offload is not None and spec.offload.active else state
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:

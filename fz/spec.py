@@ -53,6 +53,7 @@ class Spec:
     log_every: int = 10  # DeepSpeed's steps_per_print
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
+    offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -91,6 +92,10 @@ class Spec:
                                                   or self.shard_group_size < 1):
             raise bad("shard_group_size", self.shard_group_size,
                       "must be None (shard over every rank) or an integer >= 1 that divides the world size")
+        if self.offload is not None:
+            if not getattr(self.offload, "is_fz_offload", False):
+                raise bad("offload", self.offload, "must be None or a policy: fz.offload.cpu(), fz.offload.nvme(path)")
+            self.offload.check_stage(self.stage)
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

@@ -88,8 +88,13 @@ class State:
             raise ConfigError(f"{what}: this state was donated to fz.train_step; use the state it returned")
 
     def donate(self) -> None:
-        """Mark this state as given up to a step (its buffers now belong to the new state)."""
+        """Mark this state as given up to a step (its buffers now belong to the new state); its
+        storage leaves are dropped, so files of the disk tier go as soon as the new state replaces them."""
         object.__setattr__(self, "_donated", True)
+        for name in ("param_flats", "master_flats", "opt_state"):
+            object.__setattr__(self, name, None)
+        self.__dict__.pop("params", None)
+        self.__dict__.pop("master", None)
 
     def __repr__(self) -> str:
         if self.__dict__.get("_donated"):

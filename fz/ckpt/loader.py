@@ -113,6 +113,10 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
     reported as a PartialRestoreWarning (`stacklevel` as in warnings.warn, from here).
     """
     template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
+    policy = state.spec.offload if state.spec.offload is not None and state.spec.offload.active else None
+    if policy is not None:  # DCP loads into memory; the restored leaves go back to the template's tiers below
+        from fz.offload.policy import none
+        state = none()(state)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     d, err = run_local(_verify, path, step, rank, world)
     agree(group, err, f"verifying checkpoint {path}")
@@ -157,6 +161,8 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
     if state.master is not None:
         _params_from_master(state)
     new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
+    if policy is not None:
+        new = policy(new)
     template.donate()
     if with_client_state:
         return new, decode(client_json, extra)

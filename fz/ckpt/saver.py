@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
@@ -35,6 +36,7 @@ from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import LATEST, META, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import encode, entries
 from fz.errors import ConfigError
+from fz.offload.disk import DiskTensor, load
 from fz.state import State, block_until_ready
 from fz.version import __version__
 
@@ -48,10 +50,23 @@ def _stage(t: Tensor) -> Tensor:
     deep-copy each DTensor, which fails ("invalid python storage") when its local tensor is a
     view at a nonzero storage offset, as fz's bucket views are; and they would copy the bucket.
     """
+    if _on_disk(t):  # a snapshot on disk (the step may delete the file it read): no memory
+        return DTensor(t._local_tensor.copy_to_new_blob(), t._spec, requires_grad=False)
     if isinstance(t, DTensor):
         local = t._local_tensor.detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
+
+
+def _on_disk(t: Tensor) -> bool:
+    return isinstance(t._local_tensor if isinstance(t, DTensor) else t, DiskTensor)
+
+
+class _ReadsDisk(DefaultSavePlanner):
+    """DCP's planner, reading each leaf of the disk tier only when DCP writes it (one at a time)."""
+
+    def resolve_data(self, write_item):
+        return load(super().resolve_data(write_item))
 
 
 class _AlreadyStaged(AsyncStager):
@@ -87,7 +102,7 @@ class SaveJob:
         def go():
             try:
                 return dcp.async_save(self.tensors, storage_writer=self._writer(), process_group=self.group,
-                                      async_stager=_AlreadyStaged())
+                                      planner=_ReadsDisk(), async_stager=_AlreadyStaged())
             finally:
                 self.tensors = {}
         return self._cleaning(go)
@@ -112,7 +127,7 @@ class SaveJob:
 
     def _write_and_commit(self) -> None:
         try:
-            md = dcp.save(self.tensors, storage_writer=self._writer(), process_group=self.group)
+            md = dcp.save(self.tensors, storage_writer=self._writer(), process_group=self.group, planner=_ReadsDisk())
         except CheckpointException as e:
             raise dcp_error(e, "writing checkpoint", self.tmp) from e
         finally:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from fz.sharding.comm import Comm, full_views, unpack
 from fz.sharding.pack import checked_flats
+from fz.offload.disk import load
 from fz.state import State
 
 
@@ -24,6 +25,7 @@ def full_params(state: State) -> Dict[str, Tensor]:
     comm = Comm(plan)
     out: Dict[str, Tensor] = {}
     for b, flat in zip(plan.buckets, flats):
+        flat = load(flat)  # a shard on the disk tier: read now
         if not b.sharded_param:
             tensors = [t.clone() for t in full_views(flat, b)]
         elif comm.world == 1:

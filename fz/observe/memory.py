@@ -9,7 +9,7 @@ optimizer 12 (master 4 + Adam's two moments), as in the paper's K=12.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, field
 from typing import Dict
 
 import torch.utils._pytree as pytree
@@ -34,6 +34,7 @@ class MemoryReport:
     formula_opt: float
     padding: int  # bytes of rows added so every rank's shard has the same size
     opt_other: int  # optimizer scalars (step counts): not part of ZeRO's accounting
+    tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # {device|host|disk: {kind: bytes}}
 
     @property
     def total(self) -> int:
@@ -55,6 +56,10 @@ class MemoryReport:
                  f"{'':10} {'measured':>10} {'formula':>10}"]
         lines += [f"{name:10} {mb(m)} {mb(f)}" for name, m, f in rows]
         lines.append(f"(bucket padding: {self.padding:,} bytes)")
+        if set(self.tiers) - {"device"}:
+            for tier, kinds in self.tiers.items():
+                parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in kinds.items() if v)
+                lines.append(f"{tier:>10}: {parts or '-'} MiB")
         return "\n".join(lines)
 
 
@@ -107,4 +112,30 @@ def memory_report(state: State) -> MemoryReport:
         elif isinstance(leaf, Tensor):
             other += _bytes(leaf)
     return MemoryReport(plan.rank, n, state.spec.stage, num, trainable, params, grads, opt,
-                        f_params, f_grads, f_opt, padding, other)
+                        f_params, f_grads, f_opt, padding, other, _tiers(state, grads))
+
+
+def _tiers(state: State, grads: int) -> Dict[str, Dict[str, int]]:
+    """Bytes per tier and kind: where each leaf lives (a DiskTensor: on disk; the policy's host
+    tier: host memory; else the device). Gradients and buffers always stay on the device."""
+    from fz.offload.disk import DiskTensor
+    policy = state.spec.offload
+    out: Dict[str, Dict[str, int]] = {t: {k: 0 for k in ("params", "master", "moments", "grads", "buffers")}
+                                      for t in ("device", "host", "disk")}
+
+    def add(kind: str, t: Tensor, policy_tier: str) -> None:
+        tier = "disk" if isinstance(t, DiskTensor) else ("host" if policy_tier == "host" else "device")
+        out[tier][kind] += _bytes(t)
+
+    for f in state.param_flats:
+        add("params", f._local_tensor, policy.params if policy else "device")
+    for f in state.master_flats.values():
+        add("master", f._local_tensor, policy.optimizer if policy else "device")
+    for leaf in pytree.tree_leaves(state.opt_state):
+        if isinstance(leaf, DTensor):
+            add("moments", leaf._local_tensor, policy.optimizer if policy else "device")
+    out["device"]["grads"] = grads
+    out["device"]["buffers"] = sum(_bytes(b) for b in state.buffers.values())
+    if policy is not None and "disk" in (policy.optimizer, policy.params):
+        out["host"]["io_buffers"] = policy.buffers * int(policy.buffer_mb * 2**20)
+    return out

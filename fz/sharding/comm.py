@@ -61,6 +61,7 @@ class Comm:
         self.bytes: Counter = Counter()  # collective kind -> payload bytes
         self.fast = self.world > 1 and _gloo_fast_paths(self.group)
         self.ranks = plan.shard_ranks
+        self.device = plan.device
         self._tag = 0  # point-to-point messages of one exchange share a tag; every rank counts alike
 
     def replica_mean(self, t: Tensor, async_op: bool = False):

@@ -17,6 +17,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from fz.offload.disk import load
+
+
+def _on_device(shard: Tensor, device: torch.device) -> Tensor:
+    """A shard kept on disk or in host memory (offload), brought to the compute device."""
+    return load(shard).to(device, non_blocking=True)
 from fz.sharding.comm import Comm, unpack
 from fz.sharding.buckets import Bucket
 
@@ -72,12 +78,15 @@ class Gatherer:
     def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
         if self.comm.world == 1 or bucket.index in self.inflight:
             return
-        full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
-        self.inflight[bucket.index] = (full, self.comm.all_gather(full, shard.detach(), async_op=True))
+        full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
+        self.inflight[bucket.index] = (full, self.comm.all_gather(full, _on_device(shard.detach(), self.comm.device),
+                                                                  async_op=True))
         self.live.acquire(bucket.full_numel)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
+        """The bucket's full parameters (a shard on the disk tier is read first)."""
         if self.comm.world == 1:
+            shard = _on_device(shard, self.comm.device)
             outs = tuple(t.clone() for t in unpack(shard, bucket))
         else:
             if bucket.index in self.inflight:
@@ -86,8 +95,8 @@ class Gatherer:
                 self.live.release(bucket.full_numel)
             else:
                 self.live.unprefetched += 1
-                full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
-                self.comm.all_gather(full, shard)
+                full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
+                self.comm.all_gather(full, _on_device(shard, self.comm.device))
             outs = tuple(unpack(full, bucket))
         self.live.track(outs, bucket.full_numel)
         return outs

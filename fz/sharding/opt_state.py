@@ -5,7 +5,7 @@ every moment's global shape and can reshard it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.utils._pytree as pytree
@@ -86,3 +86,21 @@ def checked_opt_state(tree: Any, plan: ShardPlan) -> Any:
 
 def reuse_map(tree: Any) -> Dict[int, DTensor]:
     return {id(x._local_tensor): x for x in pytree.tree_leaves(tree) if isinstance(x, DTensor)}
+
+
+def merge_opt_states(results: List[Any], every: Set[str]) -> Any:
+    """One optimizer state from the groups' results: parameter-keyed dicts united, the rest
+    (shared scalars, equal in every group) from the last group."""
+    last = results[-1]
+    if isinstance(last, dict):
+        if any(k in every for r in results for k in r):
+            out = {}
+            for r in results:
+                out.update(r)
+            return out
+        return {k: merge_opt_states([r[k] for r in results], every) for k in last}
+    if isinstance(last, tuple) and hasattr(last, "_fields"):
+        return type(last)(*(merge_opt_states([r[i] for r in results], every) for i in range(len(last))))
+    if isinstance(last, (tuple, list)):
+        return type(last)(merge_opt_states([r[i] for r in results], every) for i in range(len(last)))
+    return last

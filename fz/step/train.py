@@ -17,6 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz.offload.disk import DiskTensor
+from fz.offload.stream import disk_update, host_update
 from fz.optim.transforms import current_lr
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
@@ -38,8 +40,17 @@ def _autocast(state: State):
     return torch.autocast(state.plan.device.type, dtype=dtype)
 
 
+def _own(t: Tensor) -> Tensor:
+    """A copy the step may write into (a DiskTensor is never written: the step makes new files)."""
+    return t if isinstance(t, DiskTensor) else t.clone()
+
+
 def _clone_tree(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, tree)
+    return pytree.tree_map(lambda x: _own(x) if isinstance(x, Tensor) else x, tree)
+
+
+def _offload_of(spec):
+    return spec.offload if spec.offload is not None and spec.offload.active else None
 
 
 def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State, Tensor]:
@@ -50,6 +61,9 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     whose gradients overflow on any rank changes only the step count and the scaler.
     """
     state.check_alive("fz.train_step")
+    given, offload = state, _offload_of(state.spec)
+    if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
+        state = offload(state)
     spec, plan = state.spec, state.plan
     flats, sync, mflats = checked_flats(state)  # the leaves, exactly as given (ConfigError if one does not fit)
     local_opt = checked_opt_state(state.opt_state, plan)
@@ -57,8 +71,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         if sync is not None:
             sync.finish()
             sync = None
-        flats = [f.clone() for f in flats]
-        mflats = [None if m is None else m.clone() for m in mflats]
+        flats = [_own(f) for f in flats]
+        mflats = [None if m is None else _own(m) for m in mflats]
         local_opt = _clone_tree(local_opt)
     micro = micro_batches(batch, spec.grad_accum, spec.micro_batch)
     comm = Comm(plan, spec.grad_reduce_dtype)
@@ -102,8 +116,22 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         overflow = state.scaler is not None and any_overflow(comm, grads)
         new_sync, norm = None, None
         if not overflow:
-            local_opt, norm = apply_optimizer(spec, comm, local_opt, grads, params, sharded)
-            new_sync = start_param_sync(comm, plan, flats, mflats)
+            if offload is not None and "disk" in (offload.optimizer, offload.params):
+                try:
+                    local_opt, norm, mflats, flats = disk_update(spec, offload, comm, plan, local_opt, grads, flats,
+                                                                 mflats, sharded, donate)
+                except BaseException as e:
+                    if donate:
+                        given.donate()
+                        e.add_note("fz.train_step failed while streaming the offloaded optimizer state; the state "
+                                   "it was given is consumed (donated; its in-memory parameters may be partly "
+                                   "updated): restore the last checkpoint. With donate=False the input state stays whole.")
+                    raise
+                new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats))  # params already cast
+            else:
+                update = host_update if offload is not None and offload.optimizer == "host" else apply_optimizer
+                local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
+                new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
     if loss_work is not None:
         loss_work.wait()
@@ -116,6 +144,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                         master_flats=_master_leaves(state, mflats, donate),
                         metrics=step_metrics(order, comm, live, norm, _lr(opt_state), scaler))
     if donate:
+        given.donate()
         state.donate()
     return new, loss
 

@@ -1,0 +1,141 @@
+"""`DiskStore`: the NVMe tier's directory for one process, checked before anything is written.
+
+Each process gets a directory of its own, `<path>/fz-offload-<host>-<pid>-<n>/`, with an
+`owner` file; files in it are removed when the state holding them is dropped, and the
+directory when the process exits. A directory left by a killed run (its owner process is
+gone) is never mixed in: it is named in a warning and removed.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import shutil
+import socket
+import warnings
+from typing import Dict, Tuple
+
+from fz.errors import ConfigError
+from fz.offload.disk import Blob
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
+_STORES: Dict[Tuple[str, int], "DiskStore"] = {}
+_counter = itertools.count()
+
+
+def check_directory(path: str, need_bytes: int) -> None:
+    """A clear ConfigError unless `path` is an existing, writable directory with room for `need_bytes`."""
+    if not path:
+        raise ConfigError("fz.offload.nvme: path is empty; give a directory on a fast local disk")
+    if not os.path.exists(path):
+        raise ConfigError(f"fz.offload.nvme: {path} does not exist; create it (a directory on a fast local disk)")
+    if not os.path.isdir(path):
+        raise ConfigError(f"fz.offload.nvme: {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"fz.offload.nvme: {path} is not writable by this process")
+    free = shutil.disk_usage(path).free
+    if need_bytes > free:
+        raise ConfigError(f"fz.offload.nvme: {path} has {free / 2**30:.2f} GiB free; this rank's offloaded state "
+                          f"needs {need_bytes / 2**30:.2f} GiB (twice its size: a step writes the new values "
+                          "beside the old ones)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(root: str) -> None:
+    host = socket.gethostname()
+    for name in sorted(os.listdir(root)):
+        d = os.path.join(root, name)
+        if not name.startswith("fz-offload-") or not os.path.isdir(d):
+            continue
+        try:
+            with open(os.path.join(d, "owner")) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
+            warnings.warn(f"fz.offload: {d} was left by a run that is gone (pid {owner['pid']}); it is not reused "
+                          "and is being removed", stacklevel=3)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class DiskStore:
+    def __init__(self, root: str, direct: bool):
+        self.root = root
+        _remove_stale(root)
+        n = next(_counter)
+        self.dir = os.path.join(root, f"fz-offload-{socket.gethostname()}-{os.getpid()}-{n}")
+        try:
+            os.makedirs(self.dir)
+            with open(os.path.join(self.dir, "owner"), "w") as f:
+                json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+        except OSError as e:
+            raise ConfigError(f"fz.offload.nvme: cannot create {self.dir}: {e.strerror}") from e
+        self.direct = direct and _direct_io_works(self.dir)
+        self._names = itertools.count()
+        self._pools: Dict[tuple, "IOPool"] = {}
+        atexit.register(shutil.rmtree, self.dir, True)
+
+    def io_pool(self, policy) -> "IOPool":
+        """The I/O threads and buffers for `policy` (made once, reused by every step)."""
+        from fz.offload.io import IOPool
+        key = (policy.buffers, int(policy.buffer_mb * 2**20), policy.io_threads, policy.pin_memory)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = IOPool(key[0], _round_up(key[1]), key[2], self.direct, key[3])
+        return pool
+
+    def new_blob(self, kind: str, nbytes: int) -> Blob:
+        return Blob(self, os.path.join(self.dir, f"{kind}-{next(self._names)}.bin"), nbytes)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def store_for(root: str, direct: bool) -> DiskStore:
+    """This process's store under `root` (one per root; made on first use)."""
+    key = (os.path.abspath(root), os.getpid())
+    if key not in _STORES:
+        _STORES[key] = DiskStore(key[0], direct)
+    return _STORES[key]
+
+
+_warned = set()
+
+
+def _direct_io_works(directory: str) -> bool:
+    """Whether O_DIRECT opens and writes here (tmpfs and some filesystems refuse it); warns once if not."""
+    path = os.path.join(directory, "direct-io-probe")
+    ok = False
+    if hasattr(os, "O_DIRECT"):
+        import mmap
+        buf = mmap.mmap(-1, ALIGN)  # page-aligned
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            try:
+                ok = os.pwrite(fd, buf, 0) == ALIGN
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+        finally:
+            buf.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if not ok and directory not in _warned:
+        _warned.add(directory)
+        warnings.warn(f"fz.offload.nvme: O_DIRECT does not work under {os.path.dirname(directory)}; using buffered "
+                      "I/O (the page cache may hold offloaded bytes for a while)", stacklevel=3)
+    return ok
