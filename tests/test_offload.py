@@ -266,7 +266,7 @@ _RSS = textwrap.dedent("""
     from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
     torch.set_num_threads(1)
     kind, path = sys.argv[1], sys.argv[2]
-    cfg = GPTConfig(vocab=256, seq=16, dim=512, heads=4, layers=9)
+    cfg = GPTConfig(vocab=256, seq=16, dim=512, heads=4, layers=18)
     with torch.device("meta"):
         model = GPT(cfg)
     policy = fz.offload.nvme(path, buffer_mb=8, buffers=2, prefetch=1) if kind == "nvme" else None

@@ -68,8 +68,21 @@ def _remove_stale(root: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _pin_mmap_threshold() -> None:
+    """glibc raises its mmap threshold each time a large block is freed, after which freed
+    tensors stay in the heap: the memory the disk tier saves comes back as fragmentation
+    (measured: +0-90 MB of peak RSS from run to run). A fixed 1 MiB threshold keeps every
+    large tensor mmapped, returned to the system when freed."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 class DiskStore:
     def __init__(self, root: str, direct: bool):
+        _pin_mmap_threshold()
         self.root = root
         _remove_stale(root)
         n = next(_counter)
