@@ -1,0 +1,231 @@
+"""Offload: step time and peak RSS of fz stages 2-3 with no offload, CPU and NVMe offload (and
+DeepSpeed's CPU offload where it runs), the NVMe tier's bandwidth against dd, and the headline:
+a model whose states are 1.5x this machine's memory, trained at world 2.
+
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/offload.py --dir /work/offload-bench
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/offload.py --dir /work/offload-bench --headline --params 2.5e9
+
+Each engine run is a fresh world-2 group (benchmarks/_harness.launch). "moved MB" is what the
+NVMe tier reads and writes per step and rank (the optimizer state twice: read, then written
+to new files; plus parameter shards read in forward and backward at stage 3 with params=True).
+The dd lines write and read a file of the same size with O_DIRECT on the same disk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import finish, fmt, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
+
+ENGINES = ["fz2", "fz2-cpu", "fz2-nvme", "fz3", "fz3-cpu", "fz3-nvme", "fz3-nvme-params", "ds2-cpu", "ds3-cpu"]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", required=True, help="the NVMe tier's directory (created if missing)")
+    p.add_argument("--engines", default=",".join(e for e in ENGINES if not e.startswith("ds")))
+    p.add_argument("--with-deepspeed", action="store_true", help="add DeepSpeed's offload_optimizer: cpu")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--params", type=float, default=50e6)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dim", type=int, default=0, help="model width (default: benchmarks' usual 4-layer width)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--buffer-mb", type=float, default=64.0)
+    p.add_argument("--headline", action="store_true", help="one run: stage 3, NVMe params + optimizer, meta init")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def _timed(obj, name: str, totals: dict) -> None:
+    """Wrap obj.name to add its wall time to totals[name] (the time split of a step)."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fz.testing.gpt import GPT, lm_loss, synthetic_tokens
+
+    torch.set_num_threads(1)
+    engine = args.worker
+    if engine.startswith("ds"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = rss_mb("VmRSS")
+    cfg, n = gpt_config(int(args.params), args.seq, args.dim)
+    torch.manual_seed(0)
+    meta = args.headline or not engine.startswith("ds")
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = GPT(cfg)
+    data = synthetic_tokens(args.steps * args.micro_batch, cfg.seq, cfg.vocab, seed=1000 + rank)
+    stage = int(engine[2])
+    totals: dict = {}
+    t_init = time.perf_counter()
+    if engine.startswith("fz"):
+        import fz
+        import fz.offload.disk as disk
+        import fz.step.train as train
+        path = os.path.join(args.dir, f"rank{rank}")
+        os.makedirs(path, exist_ok=True)
+        kind = engine.split("-", 1)[1] if "-" in engine else ""
+        policy = {"": None, "cpu": fz.offload.cpu(),
+                  "nvme": fz.offload.nvme(path, buffer_mb=args.buffer_mb, buffers=4, prefetch=2),
+                  "nvme-params": fz.offload.nvme(path, params=True, buffer_mb=args.buffer_mb, buffers=4, prefetch=2)}[kind]
+        spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-4), clip_grad_norm=1.0, precision=args.precision,
+                       loss_fn=lm_loss, offload=policy)
+        box = {"s": fz.init(model, spec)}
+        _timed(train, "disk_update", totals)
+        _timed(disk.DiskTensor, "load", totals)
+
+        def step(batch):
+            box["s"], loss = fz.train_step(box["s"], batch)
+            return loss
+    else:
+        cfg_ds = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+                  "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10**9}
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg_ds)
+
+        def step(batch):
+            loss = lm_loss(eng, batch)
+            eng.backward(loss)
+            eng.step()
+            return loss.detach()
+    t_init = time.perf_counter() - t_init
+    times, losses, splits = [], [], []
+    for i in range(args.steps):
+        dist.barrier()
+        before = dict(totals)
+        t0 = time.perf_counter()
+        losses.append(float(step(data[i * args.micro_batch:(i + 1) * args.micro_batch])))
+        times.append(time.perf_counter() - t0)
+        splits.append({k: v - before.get(k, 0.0) for k, v in totals.items()})
+    out = {"times": times, "loss": losses, "rss_mb": rss_mb("VmHWM"), "base_mb": base, "params": n, "init_s": t_init,
+           "splits": splits}
+    if engine.startswith("fz"):
+        r = fz.memory_report(box["s"])
+        out["tiers"] = r.tiers
+        out["state_bytes"] = r.total
+    t = torch.tensor([max(times[args.warmup:] or times), out["rss_mb"]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        report(out)
+    finish(dist)
+
+
+def dd_bandwidth(directory: str, mb: int) -> dict:
+    """dd's O_DIRECT write and read MB/s for a file of `mb` MiB in `directory`."""
+    path = os.path.join(directory, "dd-probe")
+    out = {}
+    for what, cmd in (("write", ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={max(1, mb // 16)}",
+                                 "oflag=direct", "conv=fsync"]),
+                      ("read", ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"])):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        out[what] = max(1, mb // 16) * 16 / (time.perf_counter() - t0)
+    os.unlink(path)
+    return out
+
+
+def tier_bandwidth(directory: str, mb: int, buffer_mb: float) -> dict:
+    """The NVMe tier's own write/read MB/s: its IOPool moving `mb` MiB through its buffers."""
+    from fz.offload.policy import nvme
+    from fz.offload.store import store_for
+    policy = nvme(directory, buffer_mb=buffer_mb, buffers=4)
+    store = store_for(directory, True)
+    io = store.io_pool(policy)
+    size = int(buffer_mb * 2**20)
+    n = max(1, int(mb * 2**20) // size)
+    blob = store.new_blob("bandwidth", n * size)
+    out = {"direct": store.direct}
+    for what in ("write", "read"):
+        t0 = time.perf_counter()
+        futs = [(io.write if what == "write" else io.read)(blob, i * size, size, io.buffers[i % len(io.buffers)])
+                for i in range(n)]
+        for f in futs:
+            f.result()
+        if what == "write":
+            os.sync()
+        out[what] = n * size / 2**20 / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.dir, exist_ok=True)
+    argv = sys.argv[1:]
+    print("$ " + shlex.join(["OMP_NUM_THREADS=1", sys.executable, *sys.argv]), flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}, {git_state()}", flush=True)
+    engines = ["fz3-nvme-params"] if args.headline else [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.with_deepspeed and not args.headline:
+        engines += ["ds2-cpu", "ds3-cpu"]
+    rows, results = [], {}
+    for e in engines:
+        t0 = time.monotonic()
+        res = launch([sys.executable, os.path.abspath(__file__), *argv, "--worker", e], 2, args.timeout,
+                     {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else None)
+        results[e] = res
+        status = res.get("error") or f"{1e3 * median(res['times'][args.warmup:]):.0f} ms"
+        print(f"  {e:<16} {status} ({time.monotonic() - t0:.0f}s)", flush=True)
+        for line in res.get("tail", []) if "error" in res else []:
+            print(f"      | {line}", flush=True)
+    moved = {}
+    for e, r in results.items():
+        if "error" in r:
+            rows.append([e, f"FAILED: {r['error']}"] + [""] * 7)
+            continue
+        disk = r.get("tiers", {}).get("disk", {})
+        on_disk = sum(disk.values())
+        param_disk = disk.get("params", 0)
+        moved[e] = 2 * on_disk + 2 * param_disk  # opt read + written; params read twice (forward, backward)
+        step = median(r["times"][args.warmup:])
+        split = {k: median(s.get(k, 0.0) for s in r["splits"][args.warmup:]) for k in ("disk_update", "load")}
+        rows.append([e, f"{1e3 * step:.0f}", f"{r['rss_mb']:.0f}", f"{r['rss_mb'] - r['base_mb']:.0f}",
+                     f"{on_disk / 2**20:.0f}", f"{moved[e] / 2**20:.0f}", f"{1e3 * split['disk_update']:.0f}",
+                     f"{1e3 * split['load']:.0f}", f"{r['init_s']:.1f}", " ".join(f"{x:.3f}" for x in r["loss"])])
+    meta = next((r for r in results.values() if "params" in r), {})
+    print(f"\nGPT {meta.get('params', 0) / 1e6:.0f}M params, {args.precision}, world 2, micro-batch "
+          f"{args.micro_batch} x seq {args.seq}/rank, median of steps {args.warmup}-{args.steps - 1}; "
+          f"load average at end {load_average()}\n")
+    print(markdown(["engine", "step ms", "peak RSS MB/rank", "over base MB", "on disk MiB/rank", "moved MiB/step/rank",
+                    "optimizer+I/O ms", "param reads ms", "init s", "losses"], rows))
+    if not args.headline:
+        size = max(256, int(max(moved.values(), default=0) / 2 / 2**20))
+        dd, tier = dd_bandwidth(args.dir, size), tier_bandwidth(args.dir, size, args.buffer_mb)
+        print(f"\nDisk bandwidth, {size} MiB: dd O_DIRECT write {dd['write']:.0f} MB/s, read {dd['read']:.0f} MB/s; "
+              f"fz's NVMe tier (O_DIRECT {'on' if tier['direct'] else 'off'}) write {tier['write']:.0f} MiB/s "
+              f"({tier['write'] / dd['write']:.2f}x dd), read {tier['read']:.0f} MiB/s ({tier['read'] / dd['read']:.2f}x dd)")
+        for s in (2, 3):
+            base, nv = results.get(f"fz{s}"), results.get(f"fz{s}-nvme")
+            if base and nv and "error" not in base and "error" not in nv:
+                bw = 2 / (1 / dd["write"] + 1 / dd["read"]) * 2**20  # bytes/s, half read, half written
+                allowed = median(base["times"][args.warmup:]) + moved[f"fz{s}-nvme"] / bw
+                got = median(nv["times"][args.warmup:])
+                print(f"fz{s}-nvme step {1e3 * got:.0f} ms vs in-memory + moved/bandwidth {1e3 * allowed:.0f} ms: "
+                      f"{got / allowed:.2f}x (target <= 1.20x)")
+
+
+if __name__ == "__main__":
+    main()
