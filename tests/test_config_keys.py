@@ -1,9 +1,11 @@
 """Every key of a DeepSpeed config shows once in explain() with its outcome, and the batch
-arithmetic holds, for every config the loader accepts (real ones and generated ones).
+arithmetic holds, for every config the loader accepts (real ones and generated ones); the
+README's worked example (transformers' ds_config_zero3.json) prints what the README shows.
 """
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -197,3 +199,15 @@ def test_any_accepted_config_accounts_for_every_key_and_its_batch_sizes(cfg, kw)
         return
     check(cfg, spec)
 
+
+# --- the README's worked example ------------------------------------------------------------------------
+
+def test_readme_worked_example_prints_what_the_readme_shows(capsys, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    at = text.index('"tests/data/ds_config_zero3.json"')
+    code = re.search(r"```python\n(.*?)```", text[text.rindex("```python", 0, at):], re.S).group(1)
+    shown = re.search(r"```text\n(.*?)```", text[at:], re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    with pytest.warns(fz.config.DeepSpeedConfigWarning, match="offload_optimizer .*offload_param"):
+        exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out == shown
