@@ -114,10 +114,12 @@ class Spec:
     provenance: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_deepspeed(cls, config: Any, **auto: Any) -> "Spec":
-        """A Spec from a DeepSpeed JSON config (dict or path); "auto" values from `auto`."""
+    def from_deepspeed(cls, config: Any, *, strict: bool = False, **auto: Any) -> "Spec":
+        """A Spec from a DeepSpeed JSON config (dict or path); "auto" (and absent) values from
+        `auto`, the keywords a Hugging Face Trainer would fill in. Unsupported features warn;
+        `strict=True` makes them, and unknown keys, errors."""
         from fz.config.deepspeed import read_deepspeed
-        return read_deepspeed(cls, config, **auto)
+        return read_deepspeed(cls, config, strict=strict, **auto)
 
     def explain(self) -> str:
         """Every value of this Spec and its source (config, auto, default), as text."""

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fz
-from fz.optim import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, constant, cosine, linear
+from fz.optim import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, constant, cosine, linear,
+                      warmup_linear)
 
 L = math.log
 CASES = {
@@ -26,6 +27,16 @@ CASES = {
     # N = max(2, 1) = 2: it = 1 gives ln 2 / ln 2 = 1.
     "warmup_one_step": (WarmupLR(warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=1),
                         {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0}),
+    # N = max(2, 0) = 2 (DeepSpeed): the Hugging Face Trainer's default warmup_steps=0 is valid.
+    "warmup_zero": (WarmupLR(warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=0),
+                    {0: 0.0, 1: 0.0, 2: 1.0, 3: 1.0}),
+    # transformers' linear schedule: k / 4 while k < 4, then (10 - k) / (10 - 4), floored at 0.
+    "hf_linear": (warmup_linear(1.0, warmup_steps=4, total_steps=10),
+                  {0: 0.0, 2: 0.5, 4: 1.0, 7: 0.5, 10: 0.0, 12: 0.0}),
+    # warmup 0 is no warmup there (not DeepSpeed's 2 steps): (8 - k) / 8 from the first step.
+    "hf_linear_no_warmup": (warmup_linear(2.0, warmup_steps=0, total_steps=8), {0: 2.0, 2: 1.5, 8: 0.0}),
+    # no total: constant_with_warmup.
+    "hf_constant_with_warmup": (warmup_linear(1.0, warmup_steps=2), {0: 0.0, 1: 0.5, 2: 1.0, 100: 1.0}),
     # total 10, N = 4, linear warmup; then (10 - it) / (10 - 4), floored at 0.
     "warmup_decay": (WarmupDecayLR(total_num_steps=10, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4,
                                    warmup_type="linear"),
@@ -87,7 +98,9 @@ def test_schedules_print_their_parameters_and_pickle():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: WarmupLR(warmup_num_steps=0), "warmup_num_steps"),
+    (lambda: WarmupLR(warmup_num_steps=-1), "warmup_num_steps: -1 must be an integer >= 0"),
+    (lambda: warmup_linear(1.0, warmup_steps=-1), "warmup_steps"),
+    (lambda: warmup_linear(1.0, total_steps=0), "total_steps"),
     (lambda: WarmupLR(warmup_type="cubic"), "warmup_type: 'cubic' is not one of log, linear"),
     (lambda: WarmupDecayLR(total_num_steps=0), "total_num_steps"),
     (lambda: cosine(1.0, 0), "decay_steps"),

@@ -2,7 +2,8 @@
 
 Sources: "config" (the DeepSpeed file, or computed from its values), "auto" (an "auto"
 filled from a keyword argument, or detected like the world size), "default" (neither: fz's
-default, or the DeepSpeed optimizer's own default for that optimizer).
+default, or the DeepSpeed optimizer's own default for that optimizer). Then every key of
+the input once, with its outcome (fz.config.reader: mapped, auto, ignored, unsupported).
 """
 from __future__ import annotations
 
@@ -10,21 +11,32 @@ import dataclasses
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 SOURCES = ("config", "auto", "default")
+KEYS_HEADER = "DeepSpeed keys (each once: mapped / auto / ignored / unsupported = not in fz, warned at load):"
 
 
 class Provenance(Mapping[str, Tuple[Any, str]]):
-    """name -> (value, source); also the DeepSpeed key of each name and the keys fz ignored."""
+    """name -> (value, source); also the DeepSpeed key of each name, and each input key's outcome."""
 
-    def __init__(self, entries: Dict[str, Tuple[Any, str]], keys: Dict[str, str], ignored: Sequence[str] = (),
-                 unsupported: Sequence[str] = (), unused_auto: Sequence[str] = (), origin: str = "a dict",
-                 objects: Optional[Dict[str, Any]] = None):
+    def __init__(self, entries: Dict[str, Tuple[Any, str]], keys: Dict[str, str],
+                 outcomes: Optional[Dict[str, Tuple[str, str]]] = None, unused_auto: Sequence[str] = (),
+                 origin: str = "a dict", objects: Optional[Dict[str, Any]] = None,
+                 order: Optional[Dict[str, int]] = None):
         self._entries = dict(entries)
         self.objects = dict(objects or {})  # name -> the object in the Spec, where the entry is a description
         self.keys = dict(keys)
-        self.ignored: List[str] = list(dict.fromkeys(ignored))
-        self.unsupported: List[str] = list(dict.fromkeys(unsupported))
+        rank = dict(order or {})  # input key path -> position; keys not in the input go last
+        self.outcomes: Dict[str, Tuple[str, str]] = dict(
+            sorted((outcomes or {}).items(), key=lambda kv: rank.get(kv[0], len(rank))))
         self.unused_auto: List[str] = list(unused_auto)
         self.origin = origin
+
+    @property
+    def ignored(self) -> List[str]:
+        return [p for p, (o, _) in self.outcomes.items() if o == "ignored"]
+
+    @property
+    def unsupported(self) -> List[str]:
+        return [p for p, (o, _) in self.outcomes.items() if o == "unsupported"]
 
     def __getitem__(self, name: str) -> Tuple[Any, str]:
         return self._entries[name]
@@ -83,12 +95,11 @@ def explain(spec: Any) -> str:
     lines = [head, f"{'field':<{width}}{'source':<9}{'DeepSpeed key' if kwidth else '':<{kwidth}}value"]
     lines += [f"{n:<{width}}{s:<9}{k:<{kwidth}}{v}" for n, s, k, v in rows]
     if prov is not None:
-        if prov.ignored:
-            lines.append("ignored (tunes DeepSpeed internals, or a feature that is off): " + ", ".join(prov.ignored))
-        if prov.unsupported:
-            lines.append("not yet supported by fz, ignored: " + ", ".join(prov.unsupported))
-        if prov.unused_auto:
-            lines.append("keywords no \"auto\" asked for (unused): " + ", ".join(prov.unused_auto))
+        kw = max((len(p) for p in prov.outcomes), default=0) + 2
+        lines.append(KEYS_HEADER)
+        lines += [f"  {p:<{kw}}{o:<13}{note}".rstrip() for p, (o, note) in prov.outcomes.items()]
+    if prov is not None and prov.unused_auto:
+        lines.append("keywords the config had no use for: " + ", ".join(prov.unused_auto))
     return "\n".join(lines)
 
 

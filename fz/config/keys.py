@@ -1,8 +1,10 @@
 """Which DeepSpeed keys fz reads, which it accepts and ignores, and which are features it lacks.
 
 Ignored keys tune DeepSpeed's own machinery (fz's equivalents are fixed or automatic);
-unsupported ones are DeepSpeed features fz does not have: both are accepted and listed by
-`Spec.explain()`; any other key is an error with the closest valid key suggested.
+unsupported ones are DeepSpeed features fz does not have (warned at load when switched on):
+both are accepted and listed by `Spec.explain()`. Any other key inside a section is an error
+with the closest valid key suggested; at the top level DeepSpeed accepts unknown keys, and
+so does fz unless they look like a typo (fz.config.deepspeed).
 """
 from __future__ import annotations
 

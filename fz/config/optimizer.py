@@ -4,7 +4,9 @@ DeepSpeed semantics kept: "Adam" with `adam_w_mode` true (its default) is AdamW,
 always is; DeepSpeed's own optimizers default to weight_decay 0 (torch's AdamW, picked by
 `torch_adam`, to 0.01); "SGD" and "Adafactor" are torch.optim's, with torch's defaults.
 A scheduler becomes the optimizer's `lr=` schedule (fz.optim.schedules), with DeepSpeed's
-step convention. Without an `optimizer` section fz's default AdamW is used.
+step convention. Without an `optimizer` section the Hugging Face Trainer builds torch's
+AdamW from its arguments: so does fz, from the keywords (torch's defaults for the others);
+without a `scheduler` section, the Trainer's linear schedule from warmup_steps/total_steps.
 """
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from fz import optim
 from fz.config.explain import Described
-from fz.config.values import (
-    MISSING, Check, Reader, betas, boolean, choice, integer, join, number, optional, section,
-)
+from fz.config.reader import Reader
+from fz.config.values import MISSING, Check, betas, boolean, choice, integer, join, number, optional
 from fz.errors import ConfigError, suggest
 
 NONNEG = number(0.0)
 UNIT = number(0.0, 1.0)
 STEPS = integer(1, 2**62)
+WARMUP = integer(0, 2**62)  # DeepSpeed warms up over max(2, warmup_num_steps): 0 is fine
 
 _ADAM = ({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad", "maximize"},
          {"foreach", "fused", "capturable", "differentiable", "set_grad_none"})
@@ -35,6 +37,7 @@ OPTIMIZERS: Dict[str, Tuple[str, set, set]] = {
     "adafactor": ("Adafactor", {"lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"}, {"foreach"}),
 }
 DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "lamb": 1e-3, "lion": 1e-3, "sgd": 1e-3, "adafactor": 1e-2}
+COMPRESSED = {"onebitadam", "zerooneadam", "onebitlamb"}  # DeepSpeed's communication-compressing optimizers
 
 
 def _eps_pair(path: str, v: Any) -> Tuple[Optional[float], float]:
@@ -43,53 +46,66 @@ def _eps_pair(path: str, v: Any) -> Tuple[Optional[float], float]:
     return optional(NONNEG)(f"{path}[0]", v[0]), NONNEG(f"{path}[1]", v[1])
 
 
-def _off(path: str, v: Any) -> bool:
-    if boolean(path, v):
-        raise ConfigError(f"{path}: true is not supported by fz")
-    return False
+def _off(r: Reader, p: Dict[str, Any], key: str) -> None:
+    if r.get("optimizer.params", p, key, boolean, False)[0]:
+        raise ConfigError(f"optimizer.params.{key}: true is not supported by fz")
 
 
 class OptimizerConfig:
-    """The optimizer section read and checked, before the lr schedule is known."""
+    """The optimizer section (or, without one, the keywords) read and checked, before the lr
+    schedule is known. `source`: "config", "auto" (from keywords) or "default"."""
 
-    def __init__(self, r: Reader, raw: Any):
-        self.r, self.kind, self.values = r, None, {}
-        if raw is None:
+    def __init__(self, r: Reader, cfg: Dict[str, Any]):
+        self.r, self.values = r, {}
+        d = r.section("", cfg, "optimizer")
+        self.from_section = bool(d)
+        if not d:  # the Trainer's torch AdamW from its arguments
+            self.kind = "adamw"
+            self._read({})
+            used = any(f"optimizer.{k}" in r.entries and r.entries[f"optimizer.{k}"][1] == "auto"
+                       for k in ("lr", "betas", "eps", "weight_decay"))
+            self.source = "auto" if used else "default"
+            r.record("optimizer.type", "AdamW", self.source, "(no optimizer section: torch's AdamW, as the Trainer)")
             return
-        d = section("optimizer", raw)
         r.check_keys("optimizer", d, {"type", "params"}, {"legacy_fusion", "adam_w_mode"})
         kind = d.get("type")
+        if isinstance(kind, str) and kind.lower() in COMPRESSED:
+            raise ConfigError(f"optimizer.type: {kind!r} compresses gradient communication, which fz does not do; "
+                              "use Adam or Lamb (uncompressed)")
         if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
             names = [v[0] for v in OPTIMIZERS.values()]
             hint = suggest(kind, names) if isinstance(kind, str) else ""
             raise ConfigError(f"optimizer.type: {kind!r} is not one of {', '.join(names)}{hint}")
-        self.kind = kind.lower()
-        params = section("optimizer.params", {} if d.get("params") is None else d["params"])
+        self.kind, self.source = kind.lower(), "config"
+        params = r.section("optimizer", d, "params")
         name, used, ignored = OPTIMIZERS[self.kind]
         r.check_keys("optimizer.params", params, used, ignored)
         r.record("optimizer.type", name, "config", "optimizer.type")
+        r.mark("optimizer.type", "mapped")
         self._read(params)
 
     def get(self, params: Dict[str, Any], key: str, check: Check, default: Any, auto: Optional[str] = None) -> Any:
         path = "optimizer.params"
         value, source = self.r.get(path, params, key, check, default, auto=auto)
         self.values[key] = value
-        self.r.record(f"optimizer.{key}", value, source, join(path, key))
+        where = join(path, key) if self.from_section else f"keyword {auto}" if source == "auto" else "torch's default"
+        self.r.record(f"optimizer.{key}", value, source, where)
         return value
 
     def _read(self, p: Dict[str, Any]) -> None:
         kind, get = self.kind, self.get
         self.lr = get(p, "lr", NONNEG, DEFAULT_LR[kind], auto="lr")
         if kind in ("adam", "adamw"):
-            torch_adam = boolean("optimizer.params.torch_adam", p.get("torch_adam", False))
-            self.w_mode = kind == "adamw" or boolean("optimizer.params.adam_w_mode", p.get("adam_w_mode", True))
+            path = "optimizer.params"
+            torch_adam = self.r.get(path, p, "torch_adam", boolean, not self.from_section)[0]
+            w_mode = self.r.get(path, p, "adam_w_mode", boolean, True)[0]
+            self.w_mode = kind == "adamw" or w_mode
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
             get(p, "eps", NONNEG, 1e-8, auto="eps")
             get(p, "weight_decay", NONNEG, 0.01 if torch_adam and self.w_mode else 0.0, auto="weight_decay")
-            if not boolean("optimizer.params.bias_correction", p.get("bias_correction", True)):
-                raise ConfigError("optimizer.params.bias_correction: false is not supported by fz")
+            self.bias_correction = self.r.get(path, p, "bias_correction", boolean, True)[0]  # FusedAdam's
             for k in ("amsgrad", "maximize"):
-                _off(f"optimizer.params.{k}", p.get(k, False))
+                _off(self.r, p, k)
         elif kind == "lamb":
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
             get(p, "eps", NONNEG, 1e-8, auto="eps")
@@ -103,7 +119,7 @@ class OptimizerConfig:
             if get(p, "max_grad_norm", NONNEG, 0.0):
                 raise ConfigError("optimizer.params.max_grad_norm: FusedLamb's own clipping is not supported by fz; "
                                   "use gradient_clipping")
-            _off("optimizer.params.amsgrad", p.get("amsgrad", False))
+            _off(self.r, p, "amsgrad")
         elif kind == "lion":
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
             get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
@@ -113,15 +129,15 @@ class OptimizerConfig:
             get(p, "nesterov", boolean, False)
             if self.values["nesterov"] and not self.values["momentum"] > 0:
                 raise ConfigError("optimizer.params.nesterov: true needs momentum > 0")
-            if number(0.0)("optimizer.params.dampening", p.get("dampening", 0.0)) != 0:
+            if self.r.get("optimizer.params", p, "dampening", number(0.0), 0.0)[0] != 0:
                 raise ConfigError("optimizer.params.dampening: only 0 is supported by fz")
-            _off("optimizer.params.maximize", p.get("maximize", False))
+            _off(self.r, p, "maximize")
         elif kind == "adafactor":
             get(p, "beta2_decay", number(hi=0.0), -0.8)
             get(p, "eps", _eps_pair, (None, 1e-3))
             get(p, "d", number(1.0), 1.0)
             get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
-            _off("optimizer.params.maximize", p.get("maximize", False))
+            _off(self.r, p, "maximize")
 
     def build(self, lr: Any) -> Tuple[optim.GradientTransformation, str]:
         """The transformation with `lr` (a number or a schedule), and how to write it in fz."""
@@ -129,6 +145,8 @@ class OptimizerConfig:
         if kind in ("adam", "adamw"):
             fn = optim.adamw if self.w_mode else optim.adam
             args = dict(betas=v["betas"], eps=v["eps"], weight_decay=v["weight_decay"])
+            if not self.bias_correction:
+                args["bias_correction"] = False
         elif kind == "lamb":
             fn = optim.lamb
             args = {k: v[k] for k in ("betas", "eps", "weight_decay", "max_coeff", "min_coeff", "eps_inside_sqrt",
@@ -149,7 +167,7 @@ class OptimizerConfig:
 
 REQUIRED, OPT_LR = MISSING, object()  # table defaults: no default / the optimizer's lr
 # scheduler type -> [(key, check, default, keyword that fills "auto")]
-_WARMUP = [("warmup_num_steps", STEPS, 1000, "warmup_steps"), ("warmup_type", choice(("log", "linear")), "log", None)]
+_WARMUP = [("warmup_num_steps", WARMUP, 1000, "warmup_steps"), ("warmup_type", choice(("log", "linear")), "log", None)]
 SCHEDULES: Dict[str, Tuple[Callable, list]] = {
     "WarmupLR": (optim.WarmupLR, [("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
                                   ("warmup_max_lr", NONNEG, OPT_LR, "lr")] + _WARMUP),
@@ -174,29 +192,29 @@ SCHEDULES: Dict[str, Tuple[Callable, list]] = {
 }
 
 
-def read_scheduler(r: Reader, raw: Any, opt_lr: float, has_betas: bool) -> Optional[Callable[[int], float]]:
-    """The schedule the scheduler section describes, or None without one."""
-    if raw is None:
-        return None
-    d = section("scheduler", raw)
+def read_scheduler(r: Reader, cfg: Dict[str, Any], opt_lr: float, has_betas: bool) -> Optional[Callable[[int], float]]:
+    """The schedule the scheduler section describes; without one, the Trainer's (or None)."""
+    d = r.section("", cfg, "scheduler")
+    if not d:
+        return _trainer_schedule(r, opt_lr)
     r.check_keys("scheduler", d, {"type", "params"})
     kind = d.get("type")
     if not isinstance(kind, str) or kind not in SCHEDULES:
         hint = suggest(kind, list(SCHEDULES)) if isinstance(kind, str) else ""
         raise ConfigError(f"scheduler.type: {kind!r} is not one of {', '.join(SCHEDULES)}{hint}")
+    r.mark("scheduler.type", "mapped")
     cls, table = SCHEDULES[kind]
-    params = section("scheduler.params", {} if d.get("params") is None else d["params"])
-    r.check_keys("scheduler.params", params, [t[0] for t in table] + ["last_batch_iteration"])
-    integer()("scheduler.params.last_batch_iteration", params.get("last_batch_iteration", -1))
-    if params.get("last_batch_iteration", -1) != -1:
+    path = "scheduler.params"
+    params = r.section("scheduler", d, "params")
+    r.check_keys(path, params, [t[0] for t in table] + ["last_batch_iteration"])
+    if r.get(path, params, "last_batch_iteration", integer(), -1)[0] != -1:
         raise ConfigError("scheduler.params.last_batch_iteration: only -1 is supported "
                           "(fz resumes a schedule from the step count in the optimizer state)")
-    path = "scheduler.params"
     args: Dict[str, Any] = {}
     for key, check, default, auto in table:
         default = opt_lr if default is OPT_LR else default
         if auto == "warmup_min_lr":  # "auto" means 0, as the HF Trainer fills it
-            value, source = r.get(path, params, key, check, default, auto_value=0.0)
+            value, source = r.get(path, params, key, check, default, auto_value=0.0, auto_note="0, as the Trainer fills it")
         else:
             value, source = r.get(path, params, key, check, default, auto=auto)
         args[key] = value
@@ -204,10 +222,30 @@ def read_scheduler(r: Reader, raw: Any, opt_lr: float, has_betas: bool) -> Optio
     if kind == "WarmupCosineLR":
         args["lr"] = opt_lr
     if kind == "OneCycle" and args["cycle_momentum"] and has_betas:
-        r.unsupported.append("scheduler.params.cycle_momentum (fz keeps beta1 fixed)")
+        r.mark(f"{path}.cycle_momentum", "unsupported",
+               "fz keeps beta1 fixed" + ("" if "cycle_momentum" in params else " (DeepSpeed's default: true)"))
+    _check_total(r, args.get("total_num_steps"), args.get("warmup_num_steps"), f"scheduler ({kind})")
     try:
         schedule = cls(**args)
     except ValueError as e:
         raise ConfigError(f"scheduler: {e}") from None
     r.record("scheduler", schedule, "config", "scheduler")
     return schedule
+
+
+def _trainer_schedule(r: Reader, lr: float) -> Optional[Callable[[int], float]]:
+    """No scheduler section: the Trainer's default ("linear") when warmup_steps / total_steps are given."""
+    warmup, total = r.keyword("warmup_steps"), r.keyword("total_steps")
+    if warmup is MISSING and total is MISSING:
+        return None
+    warmup, total = 0 if warmup is MISSING else warmup, None if total is MISSING else total
+    _check_total(r, total, warmup, "the Trainer's linear schedule")
+    schedule = optim.warmup_linear(lr, warmup, total)
+    r.record("scheduler", schedule, "auto", "(no scheduler section: the Trainer's linear schedule)")
+    return schedule
+
+
+def _check_total(r: Reader, total: Optional[int], warmup: Optional[int], what: str) -> None:
+    if total is not None and warmup is not None and total < warmup:  # DeepSpeed warns too
+        r.advice.append(f"{what}: total_num_steps={total} is less than warmup_num_steps={warmup}: "
+                        "the lr never reaches its peak")

@@ -1,13 +1,12 @@
-"""Reading a DeepSpeed config: typed values with key paths, "auto" fill-ins, and bookkeeping.
+"""Typed values out of a DeepSpeed config: checks that name the key path in every error.
 
-Every error names the key path (`zero_optimization.stage: 4 is not one of 0, 1, 2, 3`).
-`Reader` remembers where each value came from (config, auto, default) and which keys were
-ignored or are not supported, for `Spec.explain()`.
+`zero_optimization.stage: 4 is not one of 0, 1, 2, 3`. `fz.config.reader.Reader` applies
+them and keeps the bookkeeping.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from fz.errors import ConfigError, suggest
 
@@ -110,59 +109,6 @@ def section(path: str, v: Any) -> Dict[str, Any]:
         if not isinstance(k, str):
             raise ConfigError(f"{path}: key {k!r} is not a string")
     return v
-
-
-class Reader:
-    """Reads values out of config sections, filling "auto" from the keyword arguments."""
-
-    def __init__(self, auto: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None):
-        self.auto = auto
-        self.defaults = dict(defaults or {})  # Spec field -> its default
-        self.used_auto: set = set()
-        self.entries: Dict[str, Tuple[Any, str]] = {}  # name -> (value, source)
-        self.keys: Dict[str, str] = {}  # name -> DeepSpeed key path it came from
-        self.ignored: List[str] = []  # accepted, tunes DeepSpeed internals
-        self.unsupported: List[str] = []  # accepted, a DeepSpeed feature fz lacks (ignored)
-
-    def default(self, field: str) -> Any:
-        return self.defaults.get(field)
-
-    def record(self, name: str, value: Any, source: str, key: str = "") -> None:
-        self.entries[name] = (value, source)
-        if key:
-            self.keys[name] = key
-
-    def check_keys(self, path: str, d: Dict[str, Any], used: Iterable[str], ignored: Iterable[str] = (),
-                   unsupported: Dict[str, Callable[[Any], bool]] | None = None) -> None:
-        """Unknown keys are errors; ignored ones and unsupported features in use are listed."""
-        used, ignored, unsupported = set(used), set(ignored), dict(unsupported or {})
-        valid = used | ignored | set(unsupported)
-        for k, v in d.items():
-            if k not in valid:
-                raise ConfigError(f"{join(path, k)}: unknown DeepSpeed key{suggest(k, sorted(valid))}")
-            if k in unsupported:
-                (self.unsupported if unsupported[k](v) else self.ignored).append(join(path, k))
-            elif k in ignored:
-                self.ignored.append(join(path, k))
-
-    def get(self, path: str, d: Dict[str, Any], key: str, check: Check, default: Any = MISSING,
-            auto: Optional[str] = None, auto_value: Any = MISSING) -> Tuple[Any, str]:
-        """(value, source). "auto" takes keyword `auto`, else `auto_value`, else is an error."""
-        full = join(path, key)
-        if key not in d or d[key] is None and default is not MISSING:
-            if default is MISSING:
-                raise ConfigError(f"{full}: required key is missing")
-            return default, "default"
-        v = d[key]
-        if isinstance(v, str) and v == AUTO:
-            if auto is not None and auto in self.auto:
-                self.used_auto.add(auto)
-                return self.auto[auto], "auto"
-            if auto_value is not MISSING:
-                return auto_value, "default"
-            how = f"pass {auto}=... to Spec.from_deepspeed" if auto else "fz has no keyword to fill it; set a value"
-            raise ConfigError(f'{full}: "auto" is left without a value ({how})')
-        return check(full, v), "config"
 
 
 def in_use(v: Any) -> bool:

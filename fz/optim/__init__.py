@@ -21,6 +21,7 @@ from fz.optim.schedules import (
     constant,
     cosine,
     linear,
+    warmup_linear,
 )
 from fz.optim.transforms import (
     add_decayed_weights,
@@ -38,5 +39,5 @@ __all__ = [
     "add_decayed_weights", "clip_by_global_norm", "scale_by_adam", "scale_by_lamb", "scale_by_lion",
     "scale_by_learning_rate", "scale_to_max_norm", "trace", "current_lr",
     "schedules", "constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
-    "LRRangeTest",
+    "LRRangeTest", "warmup_linear",
 ]

@@ -11,13 +11,17 @@ from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_ada
 
 
 def adamw(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.01) -> GradientTransformation:
+          weight_decay: float = 0.01, bias_correction: bool = True) -> GradientTransformation:
     """AdamW with decoupled weight decay, as torch.optim.AdamW.
 
     The chain is the definition; its `step` runs torch's fused AdamW kernel (one pass over
-    each shard instead of a dozen), with the chain's state layout and results.
+    each shard instead of a dozen), with the chain's state layout and results. That kernel
+    always corrects the bias, so `bias_correction=False` (DeepSpeed's option) runs the chain.
     """
-    t = chain(scale_by_adam(*betas, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    t = chain(scale_by_adam(*betas, eps, bias_correction), add_decayed_weights(weight_decay),
+              scale_by_learning_rate(lr))
+    if not bias_correction:
+        return t
     return _FusedAdamW(t.init, t.update, lr, betas, eps, weight_decay)
 
 
@@ -48,9 +52,10 @@ class _FusedAdamW(GradientTransformation):
 
 
 def adam(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-         weight_decay: float = 0.0) -> GradientTransformation:
+         weight_decay: float = 0.0, bias_correction: bool = True) -> GradientTransformation:
     """Adam with L2 weight decay added to the gradient, as torch.optim.Adam."""
-    return chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps), scale_by_learning_rate(lr))
+    return chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps, bias_correction),
+                 scale_by_learning_rate(lr))
 
 
 def sgd(lr: LR = 1e-2, momentum: float = 0.0, nesterov: bool = False,

@@ -24,8 +24,9 @@ WARMUP_TYPES = ("log", "linear")
 
 
 def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-        raise ConfigError(f"warmup_num_steps: {warmup_num_steps!r} must be a positive integer")
+    # 0 is fine: DeepSpeed warms up over max(2, warmup_num_steps) steps
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+        raise ConfigError(f"warmup_num_steps: {warmup_num_steps!r} must be an integer >= 0")
     if warmup_type not in WARMUP_TYPES:
         raise ConfigError(f"warmup_type: {warmup_type!r} is not one of {', '.join(WARMUP_TYPES)}")
 
@@ -81,6 +82,34 @@ class cosine:
         t = min(max(count, 0), self.decay_steps)
         decay = 0.5 * (1 + math.cos(math.pi * t / self.decay_steps))
         return float(self.init_value * ((1 - self.alpha) * decay ** self.exponent + self.alpha))
+
+
+@dataclass(frozen=True)
+class warmup_linear:
+    """The Hugging Face Trainer's default schedule ("linear"): 0 -> `lr` over `warmup_steps`, then
+    linear decay to 0 at `total_steps`; without `total_steps`, flat after warmup ("constant_with_warmup").
+
+    transformers' lr_lambda at the Trainer's step k (fz's count): k / max(1, W) during warmup, then
+    max(0, (T - k) / max(1, T - W)). Unlike DeepSpeed's warmups, W = 0 means no warmup at all.
+    """
+
+    lr: float
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps: {self.warmup_steps!r} must be an integer >= 0")
+        if self.total_steps is not None and (isinstance(self.total_steps, bool)
+                                             or not isinstance(self.total_steps, int) or self.total_steps < 1):
+            raise ConfigError(f"total_steps: {self.total_steps!r} must be None or an integer >= 1")
+
+    def __call__(self, count: int) -> float:
+        if count < self.warmup_steps:
+            return float(self.lr * count / max(1, self.warmup_steps))
+        if self.total_steps is None:
+            return float(self.lr)
+        return float(self.lr * max(0.0, (self.total_steps - count) / max(1, self.total_steps - self.warmup_steps)))
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,12 @@ class AdamState(NamedTuple):
     nu: Params
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adam's bias-corrected m / (sqrt(v) + eps), the same arithmetic as torch.optim.Adam."""
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  bias_correction: bool = True) -> GradientTransformation:
+    """Adam's bias-corrected m / (sqrt(v) + eps), the same arithmetic as torch.optim.Adam.
+
+    `bias_correction=False` is DeepSpeed's FusedAdam option of that name: m / (sqrt(v) + eps).
+    """
 
     def init(params: Params) -> AdamState:
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
@@ -62,12 +66,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         # the result overwrites the incoming gradients; only a chunk of `denom` is ever extra
         for lo, hi in _chunks(g):
             denom = torch._foreach_sqrt(v[lo:hi])
-            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+            if bias_correction:
+                torch._foreach_div_(denom, math.sqrt(1 - b2**t))
             torch._foreach_add_(denom, eps)
             torch._foreach_copy_(g[lo:hi], m[lo:hi])
             torch._foreach_div_(g[lo:hi], denom)
             del denom
-        torch._foreach_mul_(g, 1 / (1 - b1**t))
+        if bias_correction:
+            torch._foreach_mul_(g, 1 / (1 - b1**t))
         return dict(zip(keys, g)), AdamState(count, dict(zip(keys, m)), dict(zip(keys, v)))
 
     return GradientTransformation(init, update)
