@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import copy
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -116,9 +118,32 @@ ALL = {**SEEDS, **DOCS, **HF}
 def test_real_configs_load(name):
     keywords = {"zero3_fp16": "fp16", "zero3_bf16": "bf16", "seed_002_auto_optimizer": "bf16"}  # the "auto" ones
     kw = dict(AUTO, precision=keywords[name]) if name in keywords else {}  # a keyword must agree with the config
+    if name == "zero":  # DeepSpeed's full example offloads 30% of the optimizer: refused, naming the key
+        with pytest.raises(fz.ConfigError, match=r"offload_optimizer\.ratio=0\.3"):
+            fz.Spec.from_deepspeed(ALL[name], **kw)
+        return
     spec = fz.Spec.from_deepspeed(ALL[name], **kw)
     assert isinstance(spec, fz.Spec) and spec.provenance is not None
     assert "fz.Spec from DeepSpeed config" in spec.explain()
+
+
+def test_offload_sections_map_to_a_policy():
+    zero = copy.deepcopy(ALL["zero"])
+    del zero["zero_optimization"]["offload_optimizer"]["ratio"]
+    spec = fz.Spec.from_deepspeed(dict(zero, aio={"thread_count": 3, "queue_depth": 8}))
+    assert spec.offload == fz.offload.Offload("disk", "host", "/local_nvme", True, buffer_mb=1e8 * 4 / 2**20,
+                                              buffers=5, prefetch=2, io_threads=3)
+    text = spec.explain()
+    assert "aio.queue_depth" in text and "not libaio" in text and "max_in_cpu" in text
+    stage2 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    assert fz.Spec.from_deepspeed(stage2).offload == fz.offload.cpu()
+    assert fz.Spec.from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": True}}).offload == fz.offload.cpu()
+    with pytest.raises(fz.ConfigError, match="needs ZeRO stage 3"):
+        fz.Spec.from_deepspeed({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(fz.ConfigError, match="nvme_path.*missing|required key is missing"):
+        fz.Spec.from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    plain = fz.Spec.from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}})
+    assert plain.offload is None
 
 
 def test_the_example_config_loads_from_its_path():

@@ -212,9 +212,6 @@ def test_near_misses_of_known_keys_are_typos(key, known):
 # --- features that change training but fz lacks: one loud warning at load -----------------------------------
 
 FEATURES = {
-    "zero_optimization.offload_optimizer": {"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "cpu", "pin_memory": True}}},
-    "zero_optimization.offload_param": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
     "curriculum_learning": {"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen",
                                                     "min_difficulty": 8, "max_difficulty": 1024}},
     "data_efficiency": {"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
@@ -239,7 +236,6 @@ def test_unsupported_features_warn_once_at_load_and_strict_refuses(name):
 
 def test_all_unsupported_features_in_one_warning():
     cfg = {k: v for d in FEATURES.values() for k, v in d.items() if k not in ("zero_optimization", "scheduler")}
-    cfg["zero_optimization"] = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     with pytest.warns(DeepSpeedConfigWarning) as record:
         fz.Spec.from_deepspeed(cfg)
     assert len(record) == 1

@@ -20,11 +20,11 @@ def _not(*off: Any) -> Callable[[Any], bool]:
 TOP_USED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "activation_checkpointing",
-    "tensorboard", "steps_per_print", "seed", "communication_data_type",
+    "tensorboard", "steps_per_print", "seed", "communication_data_type", "aio",
 }
 TOP_IGNORED = {
     "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-    "disable_allgather", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "checkpoint",
+    "disable_allgather", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint",
     "data_types", "dataloader_drop_last", "graph_harvesting", "fp32_allreduce", "vocabulary_size",
     "disable_python_gc", "timers", "seq_parallel_communication_data_type", "seq_parallel_comm_data_type",
     "use_data_before_expert_parallelism", "load_universal_checkpoint", "use_node_local_storage",

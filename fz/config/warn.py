@@ -1,6 +1,6 @@
 """What a load tells the user at once: DeepSpeed settings fz accepts but does not honour.
 
-Unsupported features that are switched on (offload until it lands, curriculum learning,
+Unsupported features that are switched on (curriculum learning,
 random-LTD, sparse attention, ...) and top-level keys neither DeepSpeed nor fz knows are
 named in one DeepSpeedConfigWarning per load (the warnings module shows a given message
 once); `strict=True` makes them one ConfigError instead. `Spec.explain()` lists every key.

@@ -5,7 +5,7 @@ buckets (a positive prefetch size is at least one block, as DeepSpeed prefetches
 sizes are filled as the Hugging Face Trainer fills them from the model's hidden size h
 (`hidden_size=`): reduce_bucket_size h*h, and at stage 3 stage3_prefetch_bucket_size
 0.9*h*h and stage3_param_persistence_threshold 10*h; without it they take fz's defaults.
-Offload is read in one place, `_offload`.
+Offload sections are read by fz/config/offload.py.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from fz.config import keys as K
+from fz.config.offload import read_offload
 from fz.config.reader import Reader
 from fz.config.values import AUTO, MISSING, boolean, choice, integer, section
 from fz.errors import ConfigError
@@ -38,8 +39,9 @@ def read_zero(r: Reader, cfg: Dict[str, Any], fields: set) -> Dict[str, Any]:
         stage, src = r.get(PATH, zero, "stage", choice((0, 1, 2, 3)), 0)
     out["stage"] = stage
     r.record("stage", stage, src, f"{PATH}.stage")
-    for key, old in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
-        _offload(r, zero, key, old)
+    policy = read_offload(r, cfg, zero)
+    if policy is not None:
+        out["offload"] = policy
     sizes = {k: v for k, v in (_elements(r, zero, (k,), stage) for k in ("reduce_bucket_size", "allgather_bucket_size"))
              if v is not None and k is not None}
     for key, value in sizes.items():
@@ -90,27 +92,6 @@ def read_zero(r: Reader, cfg: Dict[str, Any], fields: set) -> Dict[str, Any]:
 
 def _source(r: Reader, key: Optional[str]) -> str:
     return "auto" if key is not None and r.outcomes.get(key, ("",))[0] == "auto" else "config"
-
-
-def _offload(r: Reader, zero: Dict[str, Any], key: str, old: str) -> None:
-    """offload_optimizer / offload_param (and the old cpu_offload* booleans): not in fz yet, so
-    any device but "none" is unsupported: warned at load, and an error with strict=True."""
-    path = f"{PATH}.{key}"
-    v = zero.get(key)
-    if isinstance(v, bool) or v is None:  # older configs: "offload_optimizer": false
-        device = "cpu" if v else "none"
-    else:
-        d = section(path, v)
-        r.check_keys(path, d, K.OFFLOAD_KEYS)
-        device = choice(K.OFFLOAD_DEVICES)(f"{path}.device", d.get("device", "none"))
-    if key in zero:
-        if device != "none":
-            r.mark(path, "unsupported", f"device {device!r}: fz has no offload yet")
-        else:
-            r.mark(path, "ignored", "device 'none'")
-    if zero.get(old) is not None:
-        on = boolean(f"{PATH}.{old}", zero[old])
-        r.mark(f"{PATH}.{old}", "unsupported" if on else "ignored", "fz has no offload yet" if on else "off")
 
 
 def _elements(r: Reader, zero: Dict[str, Any], names: Tuple[str, ...],
