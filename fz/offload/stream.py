@@ -146,6 +146,7 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             new_blob[g.bucket.index].group_bytes = g.blob.group_bytes
     every = set(plan.slots())
     params_mem: Dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
+    new_params: Dict[int, Tensor] = {}
     results: List[Any] = []
     free, writes, reads = list(io.buffers), deque(), {}
 
@@ -184,13 +185,15 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             else:
                 opt_params = dict(zip(g.names, pviews))
             sub = _subtree(_scalars_copied(local_opt, every), set(g.names), every, replace)
-            new_sub = spec.optimizer.step({n: grads[n] for n in g.names}, sub, opt_params, **extra)
+            new_sub = spec.optimizer.step({n: grads.pop(n) for n in g.names}, sub, opt_params, **extra)
             _copy_back(sub, new_sub, replace)
             if master:
                 for n, pv in zip(g.names, pviews):
                     pv.copy_(opt_params[n])
             results.append(new_sub)
             writes.append((buf, io.write(new_blob[b.index], g.start, g.length, buf)))
+            if i + 1 == len(groups) or groups[i + 1].bucket is not b:  # the bucket is done: its params leave memory
+                new_params[b.index] = _params_out(store, plan, b.index, flats[b.index], params_mem.pop(b.index))
         while writes:
             buf, fut = writes.popleft()
             fut.result()
@@ -210,16 +213,17 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
     new_opt = pytree.tree_map_with_path(lambda p, x: to_new_file(p, merged.get(pytree.keystr(p), x)), local_opt)
     new_m = [None if m is None else DiskTensor(new_blob[i], m._extents, m.shape, m.dtype, m.device)
              for i, m in enumerate(mflats)]
-    new_flats = []
-    for i, f in enumerate(flats):
-        if isinstance(f, DiskTensor) and i in params_mem:
-            d = DiskTensor(store.new_blob(f"param-rank{plan.rank}-b{i}", f.nbytes_on_disk), ((0, f.nbytes_on_disk),),
-                           f.shape, f.dtype, f.device)
-            d.store(params_mem[i])
-            new_flats.append(d)
-        else:
-            new_flats.append(f)
-    return new_opt, norm, new_m, new_flats
+    return new_opt, norm, new_m, [new_params.get(i, f) for i, f in enumerate(flats)]
+
+
+def _params_out(store, plan, index: int, old: Tensor, values: Tensor) -> Tensor:
+    """A bucket's updated parameters: written to a new file if they live on disk (else updated in place)."""
+    if not isinstance(old, DiskTensor):
+        return old
+    d = DiskTensor(store.new_blob(f"param-rank{plan.rank}-b{index}", old.nbytes_on_disk), ((0, old.nbytes_on_disk),),
+                   old.shape, old.dtype, old.device)
+    d.store(values)
+    return d
 
 
 def _bucket_of(plan, name: str) -> int:
