@@ -39,6 +39,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--buffer-mb", type=float, default=64.0)
     p.add_argument("--headline", action="store_true", help="one run: stage 3, NVMe params + optimizer, meta init")
+    p.add_argument("--same-batch", action="store_true", help="every step trains on the first batch (loss must fall)")
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -90,7 +92,7 @@ def worker(args) -> None:
         policy = {"": None, "cpu": fz.offload.cpu(),
                   "nvme": fz.offload.nvme(path, buffer_mb=args.buffer_mb, buffers=4, prefetch=2),
                   "nvme-params": fz.offload.nvme(path, params=True, buffer_mb=args.buffer_mb, buffers=4, prefetch=2)}[kind]
-        spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-4), clip_grad_norm=1.0, precision=args.precision,
+        spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0, precision=args.precision,
                        loss_fn=lm_loss, offload=policy)
         box = {"s": fz.init(model, spec)}
         _timed(train, "disk_update", totals)
@@ -101,7 +103,7 @@ def worker(args) -> None:
             return loss
     else:
         cfg_ds = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
                   "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
                   "bf16": {"enabled": args.precision == "bf16"}, "steps_per_print": 10**9}
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg_ds)
@@ -117,7 +119,8 @@ def worker(args) -> None:
         dist.barrier()
         before = dict(totals)
         t0 = time.perf_counter()
-        losses.append(float(step(data[i * args.micro_batch:(i + 1) * args.micro_batch])))
+        j = 0 if args.same_batch else i
+        losses.append(float(step(data[j * args.micro_batch:(j + 1) * args.micro_batch])))
         times.append(time.perf_counter() - t0)
         splits.append({k: v - before.get(k, 0.0) for k, v in totals.items()})
     out = {"times": times, "loss": losses, "rss_mb": rss_mb("VmHWM"), "base_mb": base, "params": n, "init_s": t_init,
