@@ -73,6 +73,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
             "gradient_accumulation_steps": "grad_accum"}
     known: Dict[str, int] = {}
     source: Dict[str, str] = {}
+    how: Dict[str, str] = {}  # derived sizes: the formula they came from
     pending = []
     for key in BATCH_KEYS:
         v = cfg.get(key)
@@ -107,6 +108,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
         if train is None:
             train = micro * accum * world
             known["train_batch_size"], source["train_batch_size"] = train, derived
+            how["train_batch_size"] = f"{BATCH_KEYS[1]} * {BATCH_KEYS[2]} * world_size"
         else:
             given_key, other_key = BATCH_KEYS[1:] if accum is None else BATCH_KEYS[:0:-1]
             given = known[given_key]
@@ -115,6 +117,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
                                   f"{other_key}={train / (given * world):g}, not a positive integer "
                                   "(train_batch_size = micro batch * accumulation steps * world size)")
             known[other_key], source[other_key] = train // (given * world), derived
+            how[other_key] = f"train_batch_size / ({given_key} * world_size)"
         pending = []
     if pending:
         key = pending[0]
@@ -126,15 +129,19 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
                               "(with gradient_accumulation_steps=1 and train_micro_batch_size_per_gpu unset)")
         known.update(gradient_accumulation_steps=1, train_micro_batch_size_per_gpu=train // world)
         source.update(gradient_accumulation_steps="default", train_micro_batch_size_per_gpu=source["train_batch_size"])
+        how["train_micro_batch_size_per_gpu"] = "train_batch_size / world_size"
     elif len(known) == 1 and micro is not None:
         known.update(gradient_accumulation_steps=1, train_batch_size=micro * world)
         source.update(gradient_accumulation_steps="default", train_batch_size=source["train_micro_batch_size_per_gpu"])
+        how["train_batch_size"] = "train_micro_batch_size_per_gpu * world_size"
     micro, accum = known.get("train_micro_batch_size_per_gpu"), known.get("gradient_accumulation_steps", 1)
     r.record("micro_batch", micro, source.get("train_micro_batch_size_per_gpu", "default"),
-             "train_micro_batch_size_per_gpu")
-    r.record("grad_accum", accum, source.get("gradient_accumulation_steps", "default"), "gradient_accumulation_steps")
+             how.get("train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"))
+    r.record("grad_accum", accum, source.get("gradient_accumulation_steps", "default"),
+             how.get("gradient_accumulation_steps", "gradient_accumulation_steps"))
     if "train_batch_size" in known:
-        r.record("train_batch_size", known["train_batch_size"], source["train_batch_size"], "train_batch_size")
+        r.record("train_batch_size", known["train_batch_size"], source["train_batch_size"],
+                 how.get("train_batch_size", "train_batch_size"))
     return micro, accum
 
 
