@@ -237,8 +237,8 @@ def _activation_checkpointing(r: Reader, cfg: Dict[str, Any]) -> Optional[bool]:
     return on
 
 
-def _tensorboard(r: Reader, cfg: Dict[str, Any]) -> Optional[str]:
-    path = "tensorboard"
+def _monitor(r: Reader, cfg: Dict[str, Any], path: str, field: str) -> Optional[str]:
+    """`tensorboard` / `csv_monitor`: output_path/job_name when enabled (the Spec's log_dir / csv_dir)."""
     d = r.section("", cfg, path)
     if cfg.get(path) is None:
         return None
@@ -246,9 +246,9 @@ def _tensorboard(r: Reader, cfg: Dict[str, Any]) -> Optional[str]:
     enabled = r.get(path, d, "enabled", boolean, False)[0]
     output = r.get(path, d, "output_path", optional(string), "")[0] or ""
     job = r.get(path, d, "job_name", string, "DeepSpeedJobName")[0]
-    log_dir = (os.path.join(output, job) if output else job) if enabled else None
-    r.record("log_dir", log_dir, "config", "tensorboard.output_path / job_name")
-    return log_dir
+    out = (os.path.join(output, job) if output else job) if enabled else None
+    r.record(field, out, "config", f"{path}.output_path / job_name")
+    return out
 
 
 def _top_level(r: Reader, cfg: Dict[str, Any], strict: bool) -> None:
@@ -298,9 +298,10 @@ def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], strict
     ac = _activation_checkpointing(r, cfg)
     if ac is not None:
         out["activation_checkpointing"] = ac
-    log_dir = _tensorboard(r, cfg)
-    if "tensorboard" in cfg:
-        out["log_dir"] = log_dir
+    for key, field in (("tensorboard", "log_dir"), ("csv_monitor", "csv_dir")):
+        value = _monitor(r, cfg, key, field)
+        if key in cfg:
+            out[field] = value
 
     opt = OptimizerConfig(r, cfg)
     schedule = read_scheduler(r, cfg, opt.lr, has_betas=opt.kind not in ("sgd", "adafactor"))
