@@ -5,6 +5,7 @@ machine with Python has the corpus), with fz: ZeRO stage 0-3, checkpoints, resum
     ... examples/train_gpt.py --steps 400 --save-every 100          # checkpoints in checkpoints/train_gpt
     ... examples/train_gpt.py --steps 600 --resume                  # continue exactly where it stopped
     ... examples/train_gpt.py --deepspeed examples/ds_config.json   # the spec from a DeepSpeed config
+    ... examples/train_gpt.py --offload cpu                         # optimizer state in host memory (or nvme)
     .venv/bin/python examples/train_gpt.py --ci                     # one process, a short run
 
 Tokens are bytes (vocab 256); the last 5% of the corpus is held out for the eval. The
@@ -100,6 +101,10 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"],
+                    help="where the optimizer state lives (and, at stage 3 with --offload-params, the params)")
+    ap.add_argument("--offload-params", action="store_true", help="stage 3: parameter shards too")
+    ap.add_argument("--nvme-path", default="nvme_offload", help="the disk tier's directory (--offload nvme)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=2)
@@ -126,15 +131,24 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def offload(args: argparse.Namespace):
+    if args.offload == "cpu":
+        return fz.offload.cpu(params=args.offload_params)
+    if args.offload == "nvme":
+        Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+        return fz.offload.nvme(args.nvme_path, params=args.offload_params)
+    return None
+
+
 def make_spec(args: argparse.Namespace) -> fz.Spec:
     if args.deepspeed:  # the JSON decides; flags fill its "auto" values only
         spec = fz.Spec.from_deepspeed(args.deepspeed, lr=args.lr, micro_batch=args.micro_batch,
                                       grad_accum=args.grad_accum, precision=args.precision, total_steps=args.steps)
-        return spec.replace(loss_fn=lm_loss, log_every=args.log_every)
+        return spec.replace(loss_fn=lm_loss, log_every=args.log_every, offload=offload(args) or spec.offload)
     return fz.Spec(stage=args.stage, optimizer=fz.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01),
                    grad_accum=args.grad_accum, micro_batch=args.micro_batch, clip_grad_norm=1.0,
                    precision=args.precision, loss_fn=lm_loss, seed=0, log_dir=args.logdir or None,
-                   csv_dir=args.csv or None, log_every=args.log_every)
+                   csv_dir=args.csv or None, log_every=args.log_every, offload=offload(args))
 
 
 def evaluate(state: fz.State, heldout: Dataset, batches: int) -> float:

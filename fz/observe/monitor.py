@@ -12,7 +12,8 @@ of `log_dir` (TensorBoard) and of `csv_dir` (`scalars.csv`):
   before clipping; when clipping is on), train/loss_scale and train/skipped_steps (fp16);
 - perf/step_time_s, perf/samples_per_s, perf/tokens_per_s (global: every rank's rows);
 - memory/rank<r>/{params,grads,optimizer,total}_mb (fz.memory_report: model states this
-  rank holds) and memory/rank<r>/peak_rss_mb (the process's peak resident memory).
+  rank holds), the same bytes by tier, memory/rank<r>/{device,host,disk}_mb (offload), and
+  memory/rank<r>/peak_rss_mb (the process's peak resident memory).
 The memory scalars gather one small tensor from every rank at those steps (a collective:
 every rank calls the monitor). On a terminal rank 0 shows a progress bar (steps, loss,
 tokens/s, ETA); elsewhere it prints a line per log instead.
@@ -36,7 +37,8 @@ from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
 from fz.state import State
 
 _MB = 2**20
-MEMORY = ("params", "grads", "optimizer", "total", "peak_rss")
+MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss")
+TIERS = ("device", "host", "disk")
 
 
 def peak_rss() -> int:
@@ -130,7 +132,8 @@ class Monitor:
 
     def _memory(self, state: State) -> Dict[str, float]:
         r = memory_report(state)
-        mine = torch.tensor([r.params, r.grads, r.opt, r.total, peak_rss()], dtype=torch.float64,
+        tiers = [sum(r.tiers.get(t, {}).values()) for t in TIERS]
+        mine = torch.tensor([r.params, r.grads, r.opt, r.total, *tiers, peak_rss()], dtype=torch.float64,
                             device=state.plan.device)
         every = mine
         if self.world > 1:
