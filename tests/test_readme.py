@@ -34,7 +34,8 @@ def _session() -> str:
 
 
 def test_readme_python_blocks_and_fz_lines_run_in_order(tmp_path):
-    (tmp_path / "examples").symlink_to(REPO / "examples")  # the README's paths are from the repository root
+    for d in ("examples", "tests"):  # the README's paths are from the repository root
+        (tmp_path / d).symlink_to(REPO / d)
     (tmp_path / "readme.py").write_text(_session())
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
