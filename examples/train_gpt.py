@@ -97,18 +97,21 @@ class Windows(Dataset):
         return self.data[i * self.seq:(i + 1) * self.seq + 1].long()
 
 
+KEYWORDS = {"precision": "fp32", "micro_batch": 8, "grad_accum": 2, "lr": 3e-3}  # with --deepspeed: "auto" fillers
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="default fp32")
     ap.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"],
                     help="where the optimizer state lives (and, at stage 3 with --offload-params, the params)")
     ap.add_argument("--offload-params", action="store_true", help="stage 3: parameter shards too")
     ap.add_argument("--nvme-path", default="nvme_offload", help="the disk tier's directory (--offload nvme)")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--micro-batch", type=int, help="default 8")
+    ap.add_argument("--grad-accum", type=int, help="default 2")
+    ap.add_argument("--lr", type=float, help="default 3e-3")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -119,15 +122,19 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--ckpt-dir", default="checkpoints/train_gpt")
     ap.add_argument("--resume", nargs="?", const="latest", default=None, help="from the latest step, or this one")
-    ap.add_argument("--deepspeed", metavar="JSON", help="take the spec from a DeepSpeed config (flags fill its \"auto\")")
+    ap.add_argument("--deepspeed", metavar="JSON",
+                    help="the spec from a DeepSpeed config; --precision/--micro-batch/--grad-accum/--lr fill its \"auto\"")
     ap.add_argument("--logdir", default="runs/train_gpt", help="TensorBoard root ('' for none)")
     ap.add_argument("--csv", default="", help="also write scalars.csv under this root")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--ci", action="store_true", help="a short run: tiny model and corpus, 30 steps")
     args = ap.parse_args()
+    args.given = {k: getattr(args, k) for k in KEYWORDS if getattr(args, k) is not None}  # said on the command line
     if args.ci:
         args.steps, args.seq, args.dim, args.layers, args.data_mb = min(args.steps, 30), 64, 64, 2, 0.5
-        args.eval_every, args.eval_batches, args.micro_batch = 10, 2, 4
+        args.eval_every, args.eval_batches, args.micro_batch = 10, 2, args.micro_batch or 4
+    for k, v in KEYWORDS.items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     return args
 
 
@@ -141,9 +148,8 @@ def offload(args: argparse.Namespace):
 
 
 def make_spec(args: argparse.Namespace) -> fz.Spec:
-    if args.deepspeed:  # the JSON decides; flags fill its "auto" values only
-        spec = fz.Spec.from_deepspeed(args.deepspeed, lr=args.lr, micro_batch=args.micro_batch,
-                                      grad_accum=args.grad_accum, precision=args.precision, total_steps=args.steps)
+    if args.deepspeed:  # the JSON decides; flags given fill its "auto" values (and must agree with the rest)
+        spec = fz.Spec.from_deepspeed(args.deepspeed, **args.given)
         return spec.replace(loss_fn=lm_loss, log_every=args.log_every, offload=offload(args) or spec.offload)
     return fz.Spec(stage=args.stage, optimizer=fz.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01),
                    grad_accum=args.grad_accum, micro_batch=args.micro_batch, clip_grad_norm=1.0,
