@@ -3,7 +3,7 @@
     state = fz.init(model, fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3)))
     state, loss = fz.train_step(state, batch)
 """
-from fz import offload, optim
+from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
 from fz.errors import ConfigError
 from fz.init import init
@@ -18,6 +18,6 @@ from fz.version import __version__
 
 __all__ = [
     "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
-    "apply", "block_until_ready", "comm_report", "eval_step", "full_params", "init", "load_weights",
-    "memory_report", "offload", "optim", "restore", "save", "train_step", "wait_for_checkpoints",
+    "apply", "block_until_ready", "comm_report", "data", "distributed", "eval_step", "full_params", "init",
+    "load_weights", "memory_report", "offload", "optim", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

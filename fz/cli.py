@@ -1,7 +1,8 @@
-"""The `fz` command: offline tools on checkpoints (one process, no torch.distributed).
+"""The `fz` command (also `python -m fz`): offline tools on checkpoints (one process, no torch.distributed).
 
     fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file
     fz inspect CKPT                                      step, world, stage, sizes, verification
+    fz --version                                         fz's version, and torch's
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from typing import List, Optional
 
 from fz.errors import ConfigError
+from fz.version import __version__
 
 
 def _mb(n: Optional[int]) -> str:
@@ -46,9 +48,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if info.get("verified", True) and "meta_error" not in info else 1
 
 
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fz", description="fz checkpoint tools")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"fz {__version__} (torch {_torch_version()})")
+    sub = parser.add_subparsers(dest="cmd")
     c = sub.add_parser("consolidate", help="write the full parameters of a checkpoint to one safetensors file")
     c.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")
     c.add_argument("out", help="output .safetensors file")
@@ -62,6 +73,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
         p.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
     args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 0
     try:
         return args.fn(args)
     except ConfigError as e:

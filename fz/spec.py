@@ -51,6 +51,7 @@ class Spec:
     wrap: Optional[Callable[[str, nn.Module], bool]] = None
     log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
     log_every: int = 10  # DeepSpeed's steps_per_print
+    csv_dir: Optional[str] = None  # CSV scalars (DeepSpeed's csv_monitor.output_path)
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
     offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live

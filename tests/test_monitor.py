@@ -1,29 +1,115 @@
-"""The Monitor writes TensorBoard scalars and a console line; the step itself stays pure."""
+"""The Monitor writes every listed scalar to TensorBoard and CSV (a sub-directory per run), per-rank
+memory, a progress bar on a terminal and plain lines elsewhere; saves and restores say what they did."""
 from __future__ import annotations
 
+import csv
 import io
+import re
+
+import pytest
+import torch
 
 import fz
-from helpers import make_model, rank_batches, spec
+from fz.testing.spawn import run_ranks
+from helpers import CFG, MICRO, make_model, rank_batches, spec
+
+STEPS, EVERY = 4, 2
+TRAIN = ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps")
+PERF = ("perf/step_time_s", "perf/samples_per_s", "perf/tokens_per_s")
+MEMORY = ("params_mb", "grads_mb", "optimizer_mb", "total_mb", "device_mb", "host_mb", "disk_mb", "peak_rss_mb")
 
 
-def test_monitor_writes_tensorboard_scalars(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    state = fz.init(make_model(), spec(0, 1, log_dir=str(tmp_path), log_every=2))
-    out = io.StringIO()
-    monitor = fz.Monitor(state.spec.log_dir, state.spec.log_every, total_steps=4, stream=out)
+def _train(rank, world, root):
+    state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4),
+                                       log_dir=f"{root}/tb", csv_dir=f"{root}/csv", log_every=EVERY))
+    monitor = fz.Monitor.from_spec(state.spec, total_steps=STEPS, run="run1", stream=io.StringIO())
     losses = []
-    for per_rank in rank_batches(1, 1, 4):
-        state, loss = fz.train_step(state, per_rank[0])
-        monitor(state, loss)
+    for per_rank in rank_batches(world, 1, STEPS):
+        state, loss = fz.train_step(state, per_rank[rank])
+        monitor(state, loss, per_rank[rank])
         losses.append(float(loss))
     monitor.close()
-    events = EventAccumulator(str(tmp_path))
+    return losses, monitor.dirs, monitor.stream.getvalue()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("monitor")
+    return root, run_ranks(2, _train, str(root), timeout=180)
+
+
+def test_tensorboard_and_csv_hold_every_scalar(world2):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, ranks = world2
+    losses, dirs, _ = ranks[0]
+    assert dirs == [str(root / "tb" / "run1"), str(root / "csv" / "run1")] and ranks[1][1] == []  # rank 0 writes
+    want = set(TRAIN + PERF) | {f"memory/rank{r}/{m}" for r in (0, 1) for m in MEMORY}
+    events = EventAccumulator(dirs[0])
     events.Reload()
-    logged = [e.value for e in events.Scalars("train/loss")]
-    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
-    assert all(abs(a - b) < 1e-6 for a, b in zip(logged, losses))
-    lines = out.getvalue().splitlines()
-    assert lines[0].startswith("step 1/4  loss") and lines[-1].startswith("step 4/4  loss")
-    assert len(lines) == 3  # first step, then every log_every=2 steps
+    assert set(events.Tags()["scalars"]) == want
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [2, 4]
+    assert [e.value for e in loss] == pytest.approx([sum(losses[:2]) / 2, sum(losses[2:]) / 2], rel=1e-6)
+    rows = list(csv.DictReader(open(f"{dirs[1]}/scalars.csv")))
+    assert {r["tag"] for r in rows} == want and {r["step"] for r in rows} == {"2", "4"}
+    by = {(r["tag"], r["step"]): float(r["value"]) for r in rows}
+    rows_per_step, tokens_per_step = 2 * MICRO, 2 * MICRO * (CFG.seq + 1)
+    assert by["perf/tokens_per_s", "4"] == pytest.approx(by["perf/samples_per_s", "4"] * tokens_per_step / rows_per_step)
+    assert by["train/loss_scale", "4"] == 2.0**4 and by["train/skipped_steps", "4"] == 0
+    assert by["train/grad_norm", "4"] > 0 and by["memory/rank1/optimizer_mb", "4"] > 0
+    assert by["memory/rank0/peak_rss_mb", "4"] > by["memory/rank0/total_mb", "4"]
+    assert by["memory/rank0/device_mb", "4"] > 0 and by["memory/rank0/host_mb", "4"] == by["memory/rank0/disk_mb", "4"] == 0
+
+
+def test_not_a_terminal_gets_plain_lines_and_a_terminal_a_progress_bar(world2, tmp_path):
+    _, ranks = world2
+    lines = ranks[0][2].splitlines()
+    assert [ln.split("  ")[0] for ln in lines] == ["step 2/4", "step 4/4"] and "\r" not in ranks[0][2]
+    assert ranks[1][2] == ""
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    state = fz.init(make_model(), spec(0, 1))
+    out = Tty()
+    monitor = fz.Monitor(None, 2, total_steps=3, stream=out, memory=False)
+    for per_rank in rank_batches(1, 1, 3):
+        state, loss = fz.train_step(state, per_rank[0])
+        monitor(state, loss, per_rank[0])
+    monitor.log({"eval/loss": 1.5}, 3)
+    monitor.close()
+    text = out.getvalue()
+    assert re.search(r"\r\x1b\[2K3/3 \[#+ *\] loss \d\.\d{4}  [\d,]+ tok/s  ETA 0:00", text), text
+    assert "step 3  eval/loss 1.5\n" in text and text.endswith("\n")
+
+
+def test_each_run_gets_its_own_directory(tmp_path):
+    a = fz.Monitor(str(tmp_path), run="same", stream=io.StringIO())
+    b = fz.Monitor(str(tmp_path), run="same", stream=io.StringIO())
+    c = fz.Monitor(str(tmp_path), stream=io.StringIO())
+    for m in (a, b, c):
+        m.close()
+    assert a.dirs == [str(tmp_path / "same")] and b.dirs == [str(tmp_path / "same-2")]
+    assert re.fullmatch(r"\d{8}-\d{6}", c.dirs[0].rsplit("/", 1)[1])
+
+
+def test_save_and_restore_report_bytes_and_seconds(tmp_path, capsys):
+    state = fz.init(make_model(), spec(0, 1))
+    fz.save(state, tmp_path)
+    fz.restore(tmp_path, fz.init(make_model(), spec(0, 1)))
+    with fz.Checkpointer(tmp_path / "quiet", verbose=False) as ckpt:
+        ckpt.save(state)
+    out = capsys.readouterr().out
+    assert re.search(rf"^fz: saved {re.escape(str(tmp_path))}/step_0 \(\d+\.\d MB in \d+\.\d\d s\)$", out, re.M), out
+    assert re.search(rf"^fz: restored {re.escape(str(tmp_path))}/step_0 \(\d+\.\d MB in \d+\.\d\d s\)$", out, re.M)
+    assert "quiet" not in out
+
+
+def test_deepspeed_monitor_keys_map_onto_the_spec():
+    spec = fz.Spec.from_deepspeed({"tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
+                                   "csv_monitor": {"enabled": True, "output_path": "csv", "job_name": "j"},
+                                   "steps_per_print": 7})
+    assert (spec.log_dir, spec.csv_dir, spec.log_every) == ("tb/j", "csv/j", 7)
+    assert "csv_monitor" not in " ".join(spec.provenance.unsupported)

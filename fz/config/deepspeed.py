@@ -73,6 +73,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
             "gradient_accumulation_steps": "grad_accum"}
     known: Dict[str, int] = {}
     source: Dict[str, str] = {}
+    how: Dict[str, str] = {}  # derived sizes: the formula they came from
     pending = []
     for key in BATCH_KEYS:
         v = cfg.get(key)
@@ -107,6 +108,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
         if train is None:
             train = micro * accum * world
             known["train_batch_size"], source["train_batch_size"] = train, derived
+            how["train_batch_size"] = f"{BATCH_KEYS[1]} * {BATCH_KEYS[2]} * world_size"
         else:
             given_key, other_key = BATCH_KEYS[1:] if accum is None else BATCH_KEYS[:0:-1]
             given = known[given_key]
@@ -115,6 +117,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
                                   f"{other_key}={train / (given * world):g}, not a positive integer "
                                   "(train_batch_size = micro batch * accumulation steps * world size)")
             known[other_key], source[other_key] = train // (given * world), derived
+            how[other_key] = f"train_batch_size / ({given_key} * world_size)"
         pending = []
     if pending:
         key = pending[0]
@@ -126,15 +129,19 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
                               "(with gradient_accumulation_steps=1 and train_micro_batch_size_per_gpu unset)")
         known.update(gradient_accumulation_steps=1, train_micro_batch_size_per_gpu=train // world)
         source.update(gradient_accumulation_steps="default", train_micro_batch_size_per_gpu=source["train_batch_size"])
+        how["train_micro_batch_size_per_gpu"] = "train_batch_size / world_size"
     elif len(known) == 1 and micro is not None:
         known.update(gradient_accumulation_steps=1, train_batch_size=micro * world)
         source.update(gradient_accumulation_steps="default", train_batch_size=source["train_micro_batch_size_per_gpu"])
+        how["train_batch_size"] = "train_micro_batch_size_per_gpu * world_size"
     micro, accum = known.get("train_micro_batch_size_per_gpu"), known.get("gradient_accumulation_steps", 1)
     r.record("micro_batch", micro, source.get("train_micro_batch_size_per_gpu", "default"),
-             "train_micro_batch_size_per_gpu")
-    r.record("grad_accum", accum, source.get("gradient_accumulation_steps", "default"), "gradient_accumulation_steps")
+             how.get("train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"))
+    r.record("grad_accum", accum, source.get("gradient_accumulation_steps", "default"),
+             how.get("gradient_accumulation_steps", "gradient_accumulation_steps"))
     if "train_batch_size" in known:
-        r.record("train_batch_size", known["train_batch_size"], source["train_batch_size"], "train_batch_size")
+        r.record("train_batch_size", known["train_batch_size"], source["train_batch_size"],
+                 how.get("train_batch_size", "train_batch_size"))
     return micro, accum
 
 
@@ -230,8 +237,8 @@ def _activation_checkpointing(r: Reader, cfg: Dict[str, Any]) -> Optional[bool]:
     return on
 
 
-def _tensorboard(r: Reader, cfg: Dict[str, Any]) -> Optional[str]:
-    path = "tensorboard"
+def _monitor(r: Reader, cfg: Dict[str, Any], path: str, field: str) -> Optional[str]:
+    """`tensorboard` / `csv_monitor`: output_path/job_name when enabled (the Spec's log_dir / csv_dir)."""
     d = r.section("", cfg, path)
     if cfg.get(path) is None:
         return None
@@ -239,9 +246,9 @@ def _tensorboard(r: Reader, cfg: Dict[str, Any]) -> Optional[str]:
     enabled = r.get(path, d, "enabled", boolean, False)[0]
     output = r.get(path, d, "output_path", optional(string), "")[0] or ""
     job = r.get(path, d, "job_name", string, "DeepSpeedJobName")[0]
-    log_dir = (os.path.join(output, job) if output else job) if enabled else None
-    r.record("log_dir", log_dir, "config", "tensorboard.output_path / job_name")
-    return log_dir
+    out = (os.path.join(output, job) if output else job) if enabled else None
+    r.record(field, out, "config", f"{path}.output_path / job_name")
+    return out
 
 
 def _top_level(r: Reader, cfg: Dict[str, Any], strict: bool) -> None:
@@ -291,9 +298,10 @@ def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], strict
     ac = _activation_checkpointing(r, cfg)
     if ac is not None:
         out["activation_checkpointing"] = ac
-    log_dir = _tensorboard(r, cfg)
-    if "tensorboard" in cfg:
-        out["log_dir"] = log_dir
+    for key, field in (("tensorboard", "log_dir"), ("csv_monitor", "csv_dir")):
+        value = _monitor(r, cfg, key, field)
+        if key in cfg:
+            out[field] = value
 
     opt = OptimizerConfig(r, cfg)
     schedule = read_scheduler(r, cfg, opt.lr, has_betas=opt.kind not in ("sgd", "adafactor"))

@@ -20,7 +20,7 @@ def _not(*off: Any) -> Callable[[Any], bool]:
 TOP_USED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "activation_checkpointing",
-    "tensorboard", "steps_per_print", "seed", "communication_data_type", "aio",
+    "tensorboard", "csv_monitor", "steps_per_print", "seed", "communication_data_type", "aio",
 }
 TOP_IGNORED = {
     "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
@@ -32,7 +32,7 @@ TOP_IGNORED = {
 }
 TOP_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
     k: in_use for k in (
-        "amp", "torch_autocast", "wandb", "csv_monitor", "comet", "flops_profiler", "pipeline", "tensor_parallel",
+        "amp", "torch_autocast", "wandb", "comet", "flops_profiler", "pipeline", "tensor_parallel",
         "expert_parallel", "sparse_attention", "sparse_gradients", "progressive_layer_drop", "curriculum_learning",
         "data_efficiency", "compression_training", "quantize_training", "weight_quantization", "eigenvalue",
         "elasticity", "hybrid_engine", "autotuning", "compile", "nebula",
@@ -83,5 +83,5 @@ ACTIVATION_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_mem
 # Any of these set means the model uses activation checkpointing.
 ACTIVATION_ENABLING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                        "number_checkpoints")
-TENSORBOARD_KEYS = {"enabled", "output_path", "job_name"}
+TENSORBOARD_KEYS = {"enabled", "output_path", "job_name"}  # also csv_monitor's
 COMM_DTYPES = ("fp32", "fp16", "bf16")

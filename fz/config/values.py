@@ -23,6 +23,15 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def got(v: Any) -> str:
+    """How an error names a value of the wrong type: `the string "3"`, `true`, `2.5`."""
+    if isinstance(v, str):
+        return f'the string "{v}"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else repr(v)
+
+
 def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
     """An int (JSON's 5e8 floats are fine when integral), within [lo, hi]."""
 
@@ -30,7 +39,7 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
         if isinstance(v, float) and math.isfinite(v) and v.is_integer():
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{path}: {v!r} must be an integer")
+            raise ConfigError(f"{path}: must be an integer, got {got(v)}")
         if lo is not None and v < lo:
             raise ConfigError(f"{path}: {v!r} must be >= {lo}")
         if hi is not None and v > hi:
@@ -87,6 +96,8 @@ def choice(options: Sequence[Any]) -> Check:
                 return v
             if isinstance(o, int) and isinstance(v, float) and v.is_integer() and v == o:
                 return o
+        if all(type(o) is int for o in options) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{path}: must be an integer, got {got(v)}")
         names = ", ".join(str(o) for o in options)
         hint = suggest(v, [str(o) for o in options]) if isinstance(v, str) else ""
         raise ConfigError(f"{path}: {v!r} is not one of {names}{hint}")

@@ -1,62 +1,170 @@
-"""`Monitor`: TensorBoard scalars and a console progress line, outside the pure step.
+"""`Monitor`: scalars to TensorBoard and CSV, a progress bar, all outside the pure step.
 
-The step stays a function; the training loop hands each (state, loss) to a Monitor,
-which writes on rank 0 only (DeepSpeed's `tensorboard` and `steps_per_print`).
+    monitor = fz.Monitor.from_spec(spec, total_steps=1000)   # every rank makes the same calls
+    for batch in loader:
+        state, loss = fz.train_step(state, batch)
+        monitor(state, loss, batch)
+    monitor.close()
+
+Every `log_every` steps (and at `total_steps`) rank 0 writes, under a run sub-directory
+of `log_dir` (TensorBoard) and of `csv_dir` (`scalars.csv`):
+- train/loss (mean over the steps since the last log), train/lr, train/grad_norm (global,
+  before clipping; when clipping is on), train/loss_scale and train/skipped_steps (fp16);
+- perf/step_time_s, perf/samples_per_s, perf/tokens_per_s (global: every rank's rows);
+- memory/rank<r>/{params,grads,optimizer,total}_mb (fz.memory_report: model states this
+  rank holds), the same bytes by tier, memory/rank<r>/{device,host,disk}_mb (offload), and
+  memory/rank<r>/peak_rss_mb (the process's peak resident memory).
+The memory scalars gather one small tensor from every rank at those steps (a collective:
+every rank calls the monitor). On a terminal rank 0 shows a progress bar (steps, loss,
+tokens/s, ETA); elsewhere it prints a line per log instead.
 """
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
-from typing import Optional
+from typing import Any, Dict, List, Optional, TextIO
 
+import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz.observe.memory import memory_report
+from fz.observe.progress import Bar
+from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
 from fz.state import State
+
+_MB = 2**20
+MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss")
+TIERS = ("device", "host", "disk")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def batch_counts(batch: Any) -> tuple:
+    """(rows, tokens) of this rank's batch: the leading dimension, and the elements of its first
+    integer tensor (token ids; None if it has none)."""
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor) and x.dim()]
+    if not leaves:
+        return 0, None
+    ids = next((x for x in leaves if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool), None)
+    return leaves[0].shape[0], None if ids is None else ids.numel()
 
 
 class Monitor:
-    """Logs loss, learning rate, loss scale and steps/s every `log_every` steps (rank 0)."""
+    """Logs a training run (rank 0 writes); see the module docstring for what and where."""
 
-    def __init__(self, log_dir: Optional[str] = None, log_every: int = 10, total_steps: Optional[int] = None,
-                 stream=sys.stdout):
+    def __init__(self, log_dir: Optional[str] = None, log_every: int = 10, total_steps: Optional[int] = None, *,
+                 csv_dir: Optional[str] = None, run: Optional[str] = None, progress: Optional[bool] = None,
+                 memory: bool = True, stream: TextIO = sys.stdout):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.log_every, self.total, self.stream = log_every, total_steps, stream
-        self.writer = None
-        if log_dir and self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir)
-        self.start = time.perf_counter()
-        self.seen = 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.log_every, self.total, self.stream, self.memory = log_every, total_steps, stream, memory
+        self.run = run or run_name()
+        self.writers: List[Any] = []
+        self.bar: Optional[Bar] = None
+        if self.rank == 0:
+            if log_dir:
+                self.writers.append(TensorBoardWriter(run_dir(log_dir, self.run)))
+            if csv_dir:
+                self.writers.append(CsvWriter(run_dir(csv_dir, self.run)))
+            self.bar = Bar(total_steps, stream, progress)
+        self._reset(time.perf_counter())
 
     @classmethod
-    def from_spec(cls, spec, total_steps: Optional[int] = None) -> "Monitor":
-        return cls(spec.log_dir, spec.log_every, total_steps)
+    def from_spec(cls, spec, total_steps: Optional[int] = None, **kw: Any) -> "Monitor":
+        """Directories and interval from the spec (DeepSpeed's tensorboard, csv_monitor, steps_per_print)."""
+        return cls(spec.log_dir, spec.log_every, total_steps, csv_dir=spec.csv_dir, **kw)
 
-    def __call__(self, state: State, loss: Tensor) -> None:
-        self.seen += 1
+    @property
+    def dirs(self) -> List[str]:
+        """The run directories written to (rank 0; empty elsewhere)."""
+        return [str(w.path) for w in self.writers]
+
+    def _reset(self, now: float) -> None:
+        self.t0, self.steps, self.loss, self.rows, self.tokens = now, 0, 0.0, 0, 0
+
+    def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: Optional[int] = None) -> None:
+        """Account one step (this rank's `batch` gives samples and tokens; `tokens=` overrides)."""
         step = int(state.step)
+        self.steps += 1
+        self.loss += float(loss)
+        if batch is not None:
+            rows, ids = batch_counts(batch)
+            self.rows += rows * self.world
+            n = tokens if tokens is not None else ids
+            self.tokens = None if n is None or self.tokens is None else self.tokens + n * self.world
+        if step % self.log_every == 0 or step == self.total:
+            self._log(state, step)
+        elif self.bar is not None:
+            self.bar.show(step, f"loss {float(loss):.4f}")
+
+    def _log(self, state: State, step: int) -> None:
+        now = time.perf_counter()
+        took = max(now - self.t0, 1e-9)
         m = state.metrics
-        scalars = {"train/loss": float(loss)}
-        for key, name in (("lr", "train/lr"), ("grad_norm", "train/grad_norm")):
+        scalars: Dict[str, float] = {"train/loss": self.loss / self.steps}
+        for key, tag in (("lr", "train/lr"), ("grad_norm", "train/grad_norm")):
             if not math.isnan(float(m[key])):
-                scalars[name] = float(m[key])
+                scalars[tag] = float(m[key])
         if state.scaler is not None:
             scalars["train/loss_scale"] = float(m["loss_scale"])
             scalars["train/skipped_steps"] = float(m["skipped"])
+        scalars["perf/step_time_s"] = took / self.steps
+        if self.rows:
+            scalars["perf/samples_per_s"] = self.rows / took
+            if self.tokens:
+                scalars["perf/tokens_per_s"] = self.tokens / took
+        if self.memory:
+            scalars.update(self._memory(state))
+        if self.rank == 0:
+            self.log(scalars, step, _console=False)
+            self.bar.show(step, _brief(scalars))
+            if not self.bar.enabled:
+                self.bar.write(f"step {step}{f'/{self.total}' if self.total else ''}  {_line(scalars)}")
+        self._reset(time.perf_counter())
+
+    def _memory(self, state: State) -> Dict[str, float]:
+        r = memory_report(state)
+        tiers = [sum(r.tiers.get(t, {}).values()) for t in TIERS]
+        mine = torch.tensor([r.params, r.grads, r.opt, r.total, *tiers, peak_rss()], dtype=torch.float64,
+                            device=state.plan.device)
+        every = mine
+        if self.world > 1:
+            every = mine.new_zeros(self.world * len(MEMORY))
+            dist.all_gather_single(every, mine)
+        rows = every.view(self.world, len(MEMORY)).tolist()
+        return {f"memory/rank{rank}/{name}_mb": v / _MB for rank, row in enumerate(rows) for name, v in zip(MEMORY, row)}
+
+    def log(self, scalars: Dict[str, float], step: int, _console: bool = True) -> None:
+        """Write extra scalars (e.g. {"eval/loss": x}) at `step`; rank 0 writes, other ranks do nothing."""
         if self.rank != 0:
             return
-        if self.writer is not None:
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, step)
-        if step % self.log_every == 0 or step == self.total or self.seen == 1:
-            rate = self.seen / (time.perf_counter() - self.start)
-            of = f"/{self.total}" if self.total else ""
-            extra = "  ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in scalars.items() if k != "train/loss")
-            print(f"step {step}{of}  loss {scalars['train/loss']:.4f}  {extra}  ({rate:.2f} steps/s)",
-                  file=self.stream, flush=True)
+        for w in self.writers:
+            w.write(scalars, step)
+        if _console:
+            self.bar.write(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for w in self.writers:
+            w.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _brief(scalars: Dict[str, float]) -> str:
+    out = f"loss {scalars['train/loss']:.4f}"
+    if "perf/tokens_per_s" in scalars:
+        out += f"  {scalars['perf/tokens_per_s']:,.0f} tok/s"
+    return out
+
+
+def _line(scalars: Dict[str, float]) -> str:
+    shown = [(k.split("/")[-1], v) for k, v in scalars.items() if not k.startswith("memory/")]
+    return "  ".join(f"{k} {v:.4g}" for k, v in shown)

@@ -9,39 +9,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fz import distributed
 from fz.errors import ConfigError
 
 MESH_DIMS = ("replicate", "shard")
-_IMPLICIT = False  # True once fz started its own one-process group
 
 
 def user_world_size():
     """The world size torch.distributed was started with by the user; None if it was not
     (fz's own one-process group does not count)."""
-    if not dist.is_available() or not dist.is_initialized() or _IMPLICIT:
+    if not dist.is_available() or not dist.is_initialized() or distributed.implicit():
         return None
     return dist.get_world_size()
-
-
-def device_type() -> str:
-    """CUDA with NCCL where there is a GPU, else the CPU with gloo."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _start_default_group(dev: str) -> None:
-    """Without torch.distributed initialised, fz starts a one-process group of its own
-    (world size 1), so the same code runs in a notebook and under torchrun."""
-    global _IMPLICIT
-    if not dist.is_initialized():
-        backend = "nccl" if dev == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        _IMPLICIT = True
-    if dev == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
 
 
 def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int] = None) -> DeviceMesh:
@@ -49,9 +31,8 @@ def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int]
     ("replicate", "shard") with groups of `shard_group_size` consecutive ranks."""
     if mesh is not None:
         return _checked(mesh, shard_group_size)
-    dev = device_type()
-    _start_default_group(dev)
-    world = dist.get_world_size()
+    dev = distributed.device_type()
+    _, world = distributed.init()  # torchrun's environment, else a one-process group
     if shard_group_size is None or shard_group_size == world:
         return init_device_mesh(dev, (world,), mesh_dim_names=("shard",))
     if world % shard_group_size:

@@ -1,0 +1,74 @@
+"""Starting torch.distributed: from torchrun's environment, or one process of fz's own.
+
+    fz.distributed.init()      # what fz.init does when no process group is running
+
+Under torchrun (`WORLD_SIZE` and friends in the environment) the default group is
+initialised from that environment, so every process joins the one job; a `WORLD_SIZE`
+without the rest is an error naming what is missing, never a silent one-process run.
+Without `WORLD_SIZE` (a notebook, `python script.py`) fz starts a one-process group.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from fz.errors import ConfigError
+
+ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_own = None  # the one-process group fz started, if it did
+
+
+def device_type() -> str:
+    """CUDA with NCCL where there is a GPU, else the CPU with gloo."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def implicit() -> bool:
+    """Whether the running group is fz's own one-process group (not one the user started)."""
+    return dist.is_initialized() and _own is not None and dist.group.WORLD is _own
+
+
+def _env_world() -> Optional[int]:
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return None
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not an integer") from None
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} in the environment must be >= 1")
+    missing = [k for k in ENV if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          "not: start the processes with torchrun (it sets all of "
+                          f"{', '.join(ENV)}), set them yourself, or unset WORLD_SIZE to run one process")
+    return world
+
+
+def init(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> Tuple[int, int]:
+    """Start the default process group unless one is running; return (rank, world size).
+
+    With `WORLD_SIZE` in the environment (torchrun sets it, with RANK, MASTER_ADDR and
+    MASTER_PORT) the group is initialised from the environment (`env://`); without it,
+    fz starts a one-process group. `backend` defaults to nccl with CUDA, else gloo. On
+    CUDA the current device becomes `LOCAL_RANK` (else rank modulo the device count).
+    """
+    global _own
+    dev = device_type()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if dev == "cuda" else "gloo")
+        kw = {} if timeout is None else {"timeout": timeout}
+        if _env_world() is not None:
+            dist.init_process_group(backend, init_method="env://", **kw)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+            _own = dist.group.WORLD
+    if dev == "cuda":
+        local = os.environ.get("LOCAL_RANK")
+        torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+    return dist.get_rank(), dist.get_world_size()

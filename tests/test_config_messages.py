@@ -1,0 +1,34 @@
+"""DeepSpeed config messages: a wrong type names the expected type; explain() names a derived value's real source."""
+from __future__ import annotations
+
+import pytest
+
+import fz
+
+
+@pytest.mark.parametrize("cfg, want", [
+    ({"zero_optimization": {"stage": "3"}}, 'zero_optimization.stage: must be an integer, got the string "3"'),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage: must be an integer, got true"),
+    ({"gradient_accumulation_steps": "2"}, 'gradient_accumulation_steps: must be an integer, got the string "2"'),
+])
+def test_wrong_type_names_the_expected_type(cfg, want):
+    with pytest.raises(fz.ConfigError) as e:
+        fz.Spec.from_deepspeed(cfg)
+    assert str(e.value) == want
+
+
+def _row(spec, field):
+    return next(ln for ln in spec.explain().splitlines() if ln.startswith(field + " "))
+
+
+def test_explain_names_where_a_derived_batch_size_came_from():
+    derived = fz.Spec.from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, world_size=2)
+    assert derived.grad_accum == 2
+    assert "train_batch_size / (train_micro_batch_size_per_gpu * world_size)" in _row(derived, "grad_accum")
+    assert derived.provenance.keys["grad_accum"] != "gradient_accumulation_steps"
+    micro = fz.Spec.from_deepspeed({"train_batch_size": 32, "gradient_accumulation_steps": 2}, world_size=2)
+    assert "train_batch_size / (gradient_accumulation_steps * world_size)" in _row(micro, "micro_batch")
+    only = fz.Spec.from_deepspeed({"train_batch_size": 8}, world_size=2)
+    assert "train_batch_size / world_size" in _row(only, "micro_batch")
+    given = fz.Spec.from_deepspeed({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3})
+    assert "gradient_accumulation_steps" in _row(given, "grad_accum") and "/" not in _row(given, "grad_accum")
