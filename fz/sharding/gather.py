@@ -12,12 +12,15 @@ are saved as usual: nothing is recomputed.
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from fz.offload.disk import load
+from fz.offload.disk import DiskTensor, load
+
+_READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
 
 
 def _on_device(shard: Tensor, device: torch.device) -> Tensor:
@@ -74,19 +77,29 @@ class Gatherer:
     def __init__(self, comm: Comm, live: LiveCounter):
         self.comm, self.live = comm, live
         self.inflight: Dict[int, Tuple[Tensor, object]] = {}
+        self.reads: Dict[int, Future] = {}  # shards on the disk tier being read ahead
+
+    def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
+        """Start reading a shard that lives on disk, so its gather finds it in memory."""
+        if isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight:
+            self.reads[bucket.index] = _READS.submit(shard.load)
+
+    def _local(self, bucket: Bucket, shard: Tensor) -> Tensor:
+        read = self.reads.pop(bucket.index, None)
+        return read.result().to(self.comm.device, non_blocking=True) if read else _on_device(shard, self.comm.device)
 
     def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
         if self.comm.world == 1 or bucket.index in self.inflight:
             return
         full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
-        self.inflight[bucket.index] = (full, self.comm.all_gather(full, _on_device(shard.detach(), self.comm.device),
+        self.inflight[bucket.index] = (full, self.comm.all_gather(full, self._local(bucket, shard.detach()),
                                                                   async_op=True))
         self.live.acquire(bucket.full_numel)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
         """The bucket's full parameters (a shard on the disk tier is read first)."""
         if self.comm.world == 1:
-            shard = _on_device(shard, self.comm.device)
+            shard = self._local(bucket, shard)
             outs = tuple(t.clone() for t in unpack(shard, bucket))
         else:
             if bucket.index in self.inflight:
@@ -96,7 +109,7 @@ class Gatherer:
             else:
                 self.live.unprefetched += 1
                 full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
-                self.comm.all_gather(full, _on_device(shard, self.comm.device))
+                self.comm.all_gather(full, self._local(bucket, shard))
             outs = tuple(unpack(full, bucket))
         self.live.track(outs, bucket.full_numel)
         return outs
@@ -105,6 +118,9 @@ class Gatherer:
         for index, (_, work) in list(self.inflight.items()):
             work.wait()
         self.inflight.clear()
+        for read in self.reads.values():
+            read.exception()  # a read nobody used: let it finish (its error, if any, is not this step's)
+        self.reads.clear()
 
 
 class ParamSaver:

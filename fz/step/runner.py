@@ -75,19 +75,22 @@ class Runner:
 
     def _prefetch_units(self, unit: int, direction: int) -> None:
         """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call
-        order (direction 0: `unit` itself)."""
+        order (direction 0: `unit` itself), and reading the one after those if its shards
+        live on disk (offload), so its gather finds them in memory."""
         order = self.order
         if not self.prefetch or unit not in order:
             return
         pos = order.index(unit)
-        for k in range(1, self.prefetch + 1) if direction else (0,):
+        for k in range(1, self.prefetch + 2) if direction else (0,):
             j = pos + direction * k
             if 0 <= j < len(order):
                 if direction < 0 and order[j] in self.kept:
                     continue  # still gathered since its forward
                 for b in self.unit_buckets[order[j]]:
-                    if b.sharded_param:
+                    if b.sharded_param and k <= self.prefetch:
                         self.gatherer.prefetch(b, self.leaves[b.index])
+                    elif b.sharded_param:  # one unit further: a shard on disk starts its read
+                        self.gatherer.read_ahead(b, self.leaves[b.index])
 
     def _unit_args(self, index: int) -> Dict[str, Tensor]:
         own: Dict[str, Tensor] = {}
