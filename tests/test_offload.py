@@ -25,7 +25,7 @@ from helpers import make_model, rank_batches, spec
 
 STEPS = 3
 CASES = [(stage, kind, precision) for stage in (1, 2, 3) for kind in ("cpu", "nvme") for precision in ("fp32", "bf16")]
-CASES += [(3, "nvme-params", "fp32"), (3, "nvme-params", "bf16"), (3, "cpu-params", "bf16")]
+CASES += [(3, "nvme-params", "fp32"), (3, "nvme-params", "bf16"), (3, "cpu-params", "fp32"), (3, "cpu-params", "bf16")]
 
 
 def _policy(kind: str, path: str):
