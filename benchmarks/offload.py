@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import finish, fmt, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
+from _harness import finish, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
 
 ENGINES = ["fz2", "fz2-cpu", "fz2-nvme", "fz3", "fz3-cpu", "fz3-nvme", "fz3-nvme-params", "ds2-cpu", "ds3-cpu"]
 

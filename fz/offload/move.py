@@ -22,6 +22,7 @@ from fz.offload.store import ALIGN, check_directory, store_for
 from fz.sharding.buckets import Bucket
 
 PART_ALIGN = 64
+Policy = Any  # an fz.offload.policy.Offload (not imported here: it imports this module)
 
 
 def _round(n: int, a: int) -> int:
@@ -71,7 +72,7 @@ def _slot_parts(plan, b: Bucket, mflat: Optional[Tensor], by_param) -> List[List
             for s, m in zip(b.slots, masters)]
 
 
-def write_opt_bucket(policy: "Offload", plan, b: Bucket, parts: List[List[Tensor]]) -> List[List[DiskTensor]]:
+def write_opt_bucket(policy: Policy, plan, b: Bucket, parts: List[List[Tensor]]) -> List[List[DiskTensor]]:
     """Write one bucket's optimizer parts into a new file; the DiskTensors that now hold them."""
     sizes = [[_round(t.numel() * t.element_size(), PART_ALIGN) for t in ts] for ts in parts]
     groups = group_slots([sum(s) for s in sizes], int(policy.buffer_mb * 2**20), b)
@@ -110,7 +111,7 @@ def _to_tier(t: Tensor, tier: str, device: torch.device, pin: bool) -> Tensor:
     return t.to(device)
 
 
-def _opt_on_disk(policy: "Offload", b: Bucket, mflat: Optional[Tensor], by_param) -> bool:
+def _opt_on_disk(policy: Policy, b: Bucket, mflat: Optional[Tensor], by_param) -> bool:
     """Whether the bucket's optimizer state is already one file laid out for this policy's buffers."""
     tensors = ([mflat] if mflat is not None else []) + [l._local_tensor for s in b.slots for _, l in by_param.get(s.name, [])]
     blobs = {t._blob for t in tensors if isinstance(t, DiskTensor)}
@@ -118,7 +119,7 @@ def _opt_on_disk(policy: "Offload", b: Bucket, mflat: Optional[Tensor], by_param
             and getattr(next(iter(blobs)), "group_bytes", None) == int(policy.buffer_mb * 2**20))
 
 
-def apply_policy(policy: "Offload", state):
+def apply_policy(policy: Policy, state):
     """`state` with every offloadable leaf in `policy`'s tier (leaves already there are kept)."""
     policy.check_stage(state.spec.stage)
     state.check_alive("an offload policy")
@@ -153,7 +154,7 @@ def apply_policy(policy: "Offload", state):
                                spec=spec.replace(offload=policy if policy.active else None))
 
 
-def _bucket_to_disk(policy: "Offload", plan, b: Bucket, mflat: Optional[Tensor], by_param) -> Dict[int, Tensor]:
+def _bucket_to_disk(policy: Policy, plan, b: Bucket, mflat: Optional[Tensor], by_param) -> Dict[int, Tensor]:
     """Write one bucket's master weights and optimizer tensors to a new file: {id(old local): DiskTensor}."""
     parts = _slot_parts(plan, b, mflat, by_param)
     disk = write_opt_bucket(policy, plan, b, parts)
@@ -167,7 +168,7 @@ def _bucket_to_disk(policy: "Offload", plan, b: Bucket, mflat: Optional[Tensor],
     return replaced
 
 
-def bucket_init_on_disk(policy: "Offload", plan, b: Bucket, mflat: Optional[Tensor], local_opt: Any):
+def bucket_init_on_disk(policy: Policy, plan, b: Bucket, mflat: Optional[Tensor], local_opt: Any):
     """fz.init's path for the disk tier, one bucket at a time (so the whole optimizer state is
     never in memory): (master storage on disk or None, the bucket's optimizer state on disk)."""
     from fz.sharding.opt_state import wrap_opt_state
@@ -182,7 +183,7 @@ def bucket_init_on_disk(policy: "Offload", plan, b: Bucket, mflat: Optional[Tens
     return (replaced[id(mflat)] if mflat is not None else None), pytree.tree_map(swap, tree)
 
 
-def check_room_at_init(policy: "Offload", plan, optimizer, mixed: bool) -> None:
+def check_room_at_init(policy: Policy, plan, optimizer, mixed: bool) -> None:
     """fz.init's check before anything is written: the bytes the disk tier will hold, from a
     meta-device run of the optimizer's init."""
     if "disk" not in (policy.optimizer, policy.params):
@@ -201,7 +202,7 @@ def check_room_at_init(policy: "Offload", plan, optimizer, mixed: bool) -> None:
     check_directory(policy.path, 2 * need)
 
 
-def _check_room(policy: "Offload", state, by_param) -> None:
+def _check_room(policy: Policy, state, by_param) -> None:
     """Before anything is written: the directory exists, is writable and has room (twice the
     bytes that will live there: a step writes new files beside the old ones)."""
     if "disk" not in (policy.optimizer, policy.params):
@@ -219,7 +220,7 @@ def _check_room(policy: "Offload", state, by_param) -> None:
         check_directory(policy.path, 2 * need)
 
 
-def param_to_disk(policy: "Offload", plan, b: Bucket, local: Tensor) -> DiskTensor:
+def param_to_disk(policy: Policy, plan, b: Bucket, local: Tensor) -> DiskTensor:
     """A bucket's parameter shard written to a new file (one contiguous file per rank and bucket)."""
     store = store_for(policy.path, policy.direct_io)
     blob = store.new_blob(f"param-rank{plan.rank}-b{b.index}", local.numel() * local.element_size())
@@ -228,7 +229,7 @@ def param_to_disk(policy: "Offload", plan, b: Bucket, local: Tensor) -> DiskTens
     return d
 
 
-def _move_params(policy: "Offload", plan, b: Bucket, f: DTensor, spec) -> DTensor:
+def _move_params(policy: Policy, plan, b: Bucket, f: DTensor, spec) -> DTensor:
     local = f._local_tensor
     if not b.sharded_param:  # replicated parameters are needed whole by every forward
         return f if not isinstance(local, DiskTensor) else DTensor(_to_tier(local, "device", plan.device, False),

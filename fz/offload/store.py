@@ -18,6 +18,7 @@ from typing import Dict, Tuple
 
 from fz.errors import ConfigError
 from fz.offload.disk import Blob
+from fz.offload.io import IOPool
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 _STORES: Dict[Tuple[str, int], "DiskStore"] = {}
@@ -95,12 +96,11 @@ class DiskStore:
             raise ConfigError(f"fz.offload.nvme: cannot create {self.dir}: {e.strerror}") from e
         self.direct = direct and _direct_io_works(self.dir)
         self._names = itertools.count()
-        self._pools: Dict[tuple, "IOPool"] = {}
+        self._pools: Dict[tuple, IOPool] = {}
         atexit.register(shutil.rmtree, self.dir, True)
 
-    def io_pool(self, policy) -> "IOPool":
+    def io_pool(self, policy) -> IOPool:
         """The I/O threads and buffers for `policy` (made once, reused by every step)."""
-        from fz.offload.io import IOPool
         key = (policy.buffers, int(policy.buffer_mb * 2**20), policy.io_threads, policy.pin_memory)
         pool = self._pools.get(key)
         if pool is None:

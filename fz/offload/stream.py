@@ -15,7 +15,7 @@ offloaded state is the pool's buffers, whatever the model's size.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.utils._pytree as pytree
