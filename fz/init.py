@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
-from fz.model.materialize import initial_values, module_seed
+from fz.model.materialize import InitialValues, module_seed
 from fz.model.skeleton import build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
@@ -29,9 +29,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
 
     `model` is not modified. Built on the meta device, it is initialised module by module
     with seeds from (spec.seed, module name); built normally, its values are used, taken
-    from the mesh's first rank so every rank starts alike (as DDP does). `mesh` is a 1-D
-    mesh, or a 2-D one with dims ("replicate", "shard") for hybrid sharding (by default
-    fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
+    from the mesh's first rank so every rank starts alike (as DDP does). A tensor meta init
+    leaves unset is a ConfigError naming it. `mesh` is a 1-D mesh, or a 2-D one with dims ("replicate", "shard") for hybrid
+    sharding (by default fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
@@ -54,11 +54,13 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     plan = ShardPlan.build(mesh, device, tuple(buckets))
     comm = Comm(plan)
 
-    storages = [_bucket_storage(model, plan, comm, b, spec) for b in buckets]
+    values = InitialValues(model, spec.seed, device, spec.init_fn)
+    storages = [_bucket_storage(model, plan, comm, b, spec, values) for b in buckets]
     param_flats = tuple(plan.wrap_flat(p, b, b.place.param) for b, (p, _) in zip(buckets, storages))
     master_flats = {b.index: plan.wrap_flat(m, b, b.place.opt) for b, (_, m) in zip(buckets, storages) if m is not None}
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
-    buffers = initial_values(model, buffer_names, spec.seed, device)
+    buffers = values(buffer_names)
+    values.check()  # nothing meta init left unset
 
     opt_params = {}
     for b, (flat, mflat) in zip(buckets, storages):
@@ -80,14 +82,15 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
                  skeleton=skel, spec=spec, plan=plan)
 
 
-def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:
+def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,
+                    initial: InitialValues) -> Tuple[Tensor, Optional[Tensor]]:
     """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
 
     Params are in the compute dtype, laid out by their placement (full or this rank's
     padded rows); master weights exist in mixed precision only, laid out by the
     optimizer's placement.
     """
-    values = initial_values(model, [s.name for s in b.slots], spec.seed, plan.device)
+    values = initial([s.name for s in b.slots])
     full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
     names = {s.name for s in b.slots}
     if any(not p.is_meta for n, p in model.named_parameters() if n in names):

@@ -53,6 +53,7 @@ class Spec:
     log_every: int = 10  # DeepSpeed's steps_per_print
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
+    init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -91,6 +92,8 @@ class Spec:
                                                   or self.shard_group_size < 1):
             raise bad("shard_group_size", self.shard_group_size,
                       "must be None (shard over every rank) or an integer >= 1 that divides the world size")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 
