@@ -18,6 +18,7 @@ from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.mesh import make_mesh
 from fz.sharding.opt_state import wrap_opt_state
 from fz.sharding.plan import ShardPlan
+from fz.sharding.replicated import check_replicated
 from fz.spec import Spec
 from fz.state import State
 from fz.step.metrics import initial_metrics
@@ -30,7 +31,8 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     `model` is not modified. Built on the meta device, it is initialised module by module
     with seeds from (spec.seed, module name); built normally, its values are used, taken
     from the mesh's first rank so every rank starts alike (as DDP does). A tensor meta init
-    leaves unset is a ConfigError naming it. `mesh` is a 1-D mesh, or a 2-D one with dims ("replicate", "shard") for hybrid
+    leaves unset, or a replicated value that differs between ranks, is a ConfigError naming
+    it. `mesh` is a 1-D mesh, or a 2-D one with dims ("replicate", "shard") for hybrid
     sharding (by default fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
     """
     if not isinstance(model, nn.Module):
@@ -61,6 +63,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
     buffers = values(buffer_names)
     values.check()  # nothing meta init left unset
+    replicated = {f"parameter {s.name!r}": v for b, (p, _) in zip(buckets, storages) if not b.sharded_param
+                  for s, v in zip(b.slots, full_views(p, b))}
+    check_replicated(plan, dict(replicated, **{f"buffer {n!r}": t for n, t in buffers.items()}))
 
     opt_params = {}
     for b, (flat, mflat) in zip(buckets, storages):

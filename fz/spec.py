@@ -54,6 +54,7 @@ class Spec:
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
     init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
+    weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -94,6 +95,8 @@ class Spec:
                       "must be None (shard over every rank) or an integer >= 1 that divides the world size")
         if self.init_fn is not None and not callable(self.init_fn):
             raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
+        if not isinstance(self.weight_by_rows, bool):
+            raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

@@ -119,11 +119,13 @@ class Checkpointer:
         if self._closed:
             raise ConfigError(f"{self!r} is closed: {what} needs a new Checkpointer")
 
-    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None) -> None:
+    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
+             client_state_per_rank: bool = False) -> None:
         """Write `state` (and `client_state`) as `root/step_<N>`, N = `step` or the state's step.
 
-        `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank.
-        Waits for this Checkpointer's previous save first and raises its error, if any.
+        `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank (a
+        ConfigError names the keys that differ), unless `client_state_per_rank=True` saves
+        each rank's own. Waits for this Checkpointer's previous save first and raises its error.
         """
         state.check_alive(f"{self._who}save")
         self._check_open("save")
@@ -133,7 +135,8 @@ class Checkpointer:
             raise ConfigError(f"{self._who}save step={step!r}: must be an integer >= 0")
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
-        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_)
+        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_,
+                            client_per_rank=client_state_per_rank)
         if not self.async_:
             job.run()
             return
@@ -224,11 +227,13 @@ _FUNCTION_GROUPS = GroupCache()
 
 
 def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None) -> None:
+         async_: bool = False, keep_last: Optional[int] = None, client_state_per_rank: bool = False) -> None:
     """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
 
     N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
-    the same on every rank. `keep_last=K` deletes older steps once this one is committed.
+    the same on every rank (a ConfigError names the keys that differ), unless
+    `client_state_per_rank=True` saves each rank's own. `keep_last=K` deletes older steps
+    once this one is committed.
     `async_=True` returns once the state is copied to host memory and finishes in the
     background on a checkpoint-only process group; the next save or restore and
     interpreter exit wait for it. Call `wait_for_checkpoints()` before
@@ -237,7 +242,7 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
     state.check_alive("fz.save")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS)
-    ckpt.save(state, step=step, client_state=client_state)
+    ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
 def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,

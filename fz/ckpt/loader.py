@@ -129,8 +129,9 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
         else:
             rng = _derived_rng(state, int(meta["train_step"]), rank)
         data_file = d / f"data_{rank}.json"
-        data_json = json.loads((data_file if data_file.exists() else d / "data_0.json").read_text())["data"]
-        client_json = meta.get("client_state", {})
+        rank_json = json.loads((data_file if data_file.exists() else d / "data_0.json").read_text())  # new rank: rank 0's
+        data_json = rank_json["data"]
+        client_json = rank_json.get("client", {}) if meta.get("client_state_per_rank") else meta.get("client_state", {})
         extra = {k: _empty_for(saved[k]) for k in tensor_refs(data_json) + tensor_refs(client_json)}
         load.update(extra)
         return load, buffers, scaler, lines, rng, (data_json, client_json, extra)

@@ -61,12 +61,11 @@ class Comm:
         h = Handle([t])
         return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.replica_group, async_op=True)), async_op)
 
-    def mesh_mean(self, t: Tensor) -> Tensor:
-        """Average a small tensor (a loss) over every rank of the mesh, in place."""
-        if self.world > 1:
-            self.all_reduce(t)
-        self.replica_mean(t)
-        return t
+    def replica_sum(self, t: Tensor, scalar: bool = False) -> None:
+        """Sum `t` across the replica groups, in place (`scalar`: count it with the scalars)."""
+        if self.replicas > 1:
+            self.bytes["inter_scalar" if scalar or t.numel() <= 8 else "inter_all_reduce"] += t.numel() * t.element_size()
+            Handle([t]).add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.replica_group, async_op=True)).wait()
 
     def broadcast_first(self, t: Tensor) -> None:
         """Every rank of the mesh gets the first rank's `t` (within groups, then across)."""
@@ -76,18 +75,19 @@ class Comm:
             src = dist.get_process_group_ranks(self.replica_group)[0]
             Handle([t]).add(dist.broadcast(t, src=src, group=self.replica_group, async_op=True)).wait()
 
-    def _count_all_reduce(self, t: Tensor) -> None:
+    def _count_all_reduce(self, t: Tensor, scalar: bool = False) -> None:
         # losses, norms and flags are counted apart from the model-sized traffic
-        self.bytes["all_reduce" if t.numel() > 8 else "scalar"] += t.numel() * t.element_size()
+        self.bytes["scalar" if scalar or t.numel() <= 8 else "all_reduce"] += t.numel() * t.element_size()
 
     def all_reduce(self, t: Tensor, async_op: bool = False):
         self._count_all_reduce(t)
         h = Handle([t])
         return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True)), async_op)
 
-    def all_reduce_sum(self, t: Tensor):
-        self._count_all_reduce(t)
-        return Handle([t]).add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)).wait()
+    def all_reduce_sum(self, t: Tensor, async_op: bool = False, scalar: bool = False):
+        self._count_all_reduce(t, scalar)
+        h = Handle([t])
+        return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), async_op)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""

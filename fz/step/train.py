@@ -23,6 +23,7 @@ from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
 from fz.sharding.pack import checked_flats
 from fz.sharding.sync import Arriving, start_param_sync
 from fz.state import State
+from fz.step.agree import Agreement
 from fz.step.batches import micro_batches, scalar_loss
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
@@ -61,6 +62,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         mflats = [None if m is None else m.clone() for m in mflats]
         local_opt = _clone_tree(local_opt)
     micro = micro_batches(batch, spec.grad_accum, spec.micro_batch)
+    agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
     loss_fn = spec.loss_fn or default_loss
     scale = float(state.scaler["scale"]) if state.scaler is not None else 1.0
@@ -71,6 +73,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                     spec.activation_checkpointing, grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch,
                     compile=spec.compile, sync=sync, live_buckets=spec.live_buckets)
     model = BoundModel(runner)
+    weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state.rng)
@@ -79,7 +82,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 reducer.last = i == len(micro) - 1
                 with _autocast(state):
                     loss = scalar_loss(loss_fn(model, mb)).float()
-                (loss * (scale / spec.grad_accum)).backward()
+                (loss * weight).backward()
                 runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
@@ -93,21 +96,20 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
-    loss = total / spec.grad_accum  # averaged over ranks while the optimizer runs
-    loss_work = comm.all_reduce(loss, async_op=True) if comm.world > 1 else None
+    agreement.start(comm, total / spec.grad_accum)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
+        loss, factor = agreement.finish(comm)  # ranks that disagree raise here, before any update
+        if factor != 1.0:
+            torch._foreach_mul_(list(grads.values()), factor)
         overflow = state.scaler is not None and any_overflow(comm, grads)
         new_sync, norm = None, None
         if not overflow:
             local_opt, norm = apply_optimizer(spec, comm, local_opt, grads, params, sharded)
             new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
-    if loss_work is not None:
-        loss_work.wait()
-    comm.replica_mean(loss)
 
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
@@ -170,8 +172,9 @@ def eval_step(state: State, batch: Any) -> Tensor:
     loss_fn = state.spec.loss_fn or default_loss
 
     def run(runner, comm):
-        loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach().clone()
-        return comm.mesh_mean(loss)
+        agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
+        loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
+        return agreement.start(comm, loss).finish(comm)[0].to(loss.dtype)
 
     return _forward(state, run)
 
