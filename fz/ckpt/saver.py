@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
-from fz.ckpt.layout import LATEST, META, fsync_path, read_latest, step_name, write_durable
+from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
 from fz.errors import ConfigError
 from fz.state import State, block_until_ready
@@ -105,9 +105,13 @@ class SaveJob:
     def _cleaning(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except BaseException:
+        except BaseException as e:
+            interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
+            full = None if interrupted else disk_full(self.tmp, e)  # before the debris goes, which frees space
             if self.rank == 0:  # every rank is past its writes (failures are collective): drop the debris
                 shutil.rmtree(self.tmp, ignore_errors=True)
+            if full is not None:
+                raise full from e
             raise
 
     def _write_and_commit(self) -> None:

@@ -46,6 +46,9 @@ class Agreement:
         self.n = len(self.ranks)
         self.step = int(step)
         self.rows, self.numel = batch_size(batch)
+        if self.numel == 0:
+            raise ConfigError(f"{what}: the batch is empty ({self.rows} rows and no elements): did this rank's data "
+                              "run out?")
         self.vec = None
         self.work = None
 
