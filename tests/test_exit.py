@@ -1,23 +1,62 @@
-"""How processes end: no collective's tensors are left to gloo's threads, and short world-2
-stage-3 jobs with checkpoints all exit cleanly."""
+"""How processes end: a failed async save is never silent (the next fz call raises it, or the
+process exits non-zero), and short world-2 stage-3 jobs with checkpoints all exit cleanly."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import fz
+from fz.errors import ConfigError
 from helpers import make_model, rank_batches, spec
 
 HERE = Path(__file__).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join([str(HERE), str(Path(fz.__file__).parent.parent)]))
+SPARSE = {"sparse": torch.eye(2).to_sparse()}  # DCP cannot write it: the save fails in its thread
+
+
+def _background_saves_done(timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(t.name.startswith("fz-ckpt-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the async save did not finish"
+        time.sleep(0.02)
+
+
+def test_a_failed_async_save_is_raised_by_the_next_fz_call(tmp_path):
+    state = fz.init(make_model(), spec(0, 1))
+    batch = rank_batches(1, 1, 1)[0][0]
+    fz.save(state, tmp_path, async_=True, client_state=SPARSE)
+    _background_saves_done()
+    where = re.escape(str(tmp_path / "step_0"))
+    with pytest.raises(ConfigError, match=rf"the async save of checkpoint {where} failed in the background: "
+                                          r"ConfigError: writing checkpoint .*NotImplementedError"):
+        fz.train_step(state, batch)
+    state, loss = fz.train_step(state, batch)  # raised once: training goes on if the caller chooses to
+    assert torch.isfinite(loss)
+
+
+def test_a_failed_async_save_at_exit_makes_the_process_exit_non_zero(tmp_path):
+    code = (
+        "import torch, fz\n"
+        "from helpers import make_model, spec\n"
+        "state = fz.init(make_model(), spec(0, 1))\n"
+        f"fz.save(state, {str(tmp_path)!r}, async_=True, client_state={{'sparse': torch.eye(2).to_sparse()}})\n"
+        "print('the program ends', flush=True)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    assert "the program ends" in res.stdout
+    assert f"fz: error: the async save of checkpoint {tmp_path / 'step_0'} failed" in res.stderr, res.stderr[-2000:]
+    assert "NotImplementedError" in res.stderr
 
 
 _COLLECTIVES = {"all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single", "isend", "irecv", "all_gather",
@@ -35,6 +74,7 @@ def _where_collective_tensors_die(rank: int, world: int, root: str) -> list:
 
     import fz.ckpt.group
     import fz.sharding.comm
+    import fz.sharding.replicated
 
     foreign: list = []
 
@@ -57,7 +97,7 @@ def _where_collective_tensors_die(rank: int, world: int, root: str) -> list:
                 return real(*args, **kwargs)
             return call
 
-    for module in (fz.sharding.comm, fz.ckpt.group):
+    for module in (fz.sharding.comm, fz.ckpt.group, fz.sharding.replicated):
         module.dist = Watched()
     for stage in (1, 3):
         state = fz.init(make_model(), spec(stage, 1))

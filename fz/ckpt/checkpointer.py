@@ -16,15 +16,18 @@ flight at once without their background collectives interleaving on one group.
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
+from fz.background import on_next_call
 from fz.ckpt import loader, saver
 from fz.ckpt.group import GroupCache, state_ranks
-from fz.ckpt.layout import PathLike, committed_steps, read_latest
+from fz.ckpt.layout import PathLike, committed_steps, read_latest, step_name
 from fz.errors import ConfigError
 from fz.state import State
 
@@ -41,6 +44,7 @@ class _Pending:
 
     def __init__(self, job: saver.SaveJob):
         self.step, self.error = job.step, None
+        self.where = job.root / step_name(job.step)
         written = job.launch()
         self.thread = threading.Thread(target=self._finish, args=(job, written), name=f"fz-ckpt-{job.step}",
                                        daemon=False)
@@ -56,6 +60,10 @@ class _Pending:
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None and not self.thread.is_alive()
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -116,6 +124,7 @@ class Checkpointer:
         return self._groups.get(state_ranks(state))
 
     def _check_open(self, what: str) -> None:
+        raise_failed_saves()
         if self._closed:
             raise ConfigError(f"{self!r} is closed: {what} needs a new Checkpointer")
 
@@ -214,11 +223,45 @@ def wait_for_checkpoints() -> None:
         raise first
 
 
+def raise_failed_saves() -> None:
+    """Raise the error of an async save that has already failed in the background (each once),
+    naming the checkpoint: fz's entry points call this, so it surfaces at the next fz call."""
+    with _lock:
+        failed = [c for c in _unwaited if c._pending is not None and c._pending.failed]
+    if failed:
+        where = failed[0]._pending.where
+        try:
+            failed[0].wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised naming the checkpoint
+            raise ConfigError(f"the async save of checkpoint {where} failed in the background: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+on_next_call(raise_failed_saves)
+
+
 def _wait_at_exit() -> None:
-    try:
-        wait_for_checkpoints()
-    except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
-        print(f"fz: an async checkpoint failed: {type(e).__name__}: {e}", file=sys.stderr)
+    """At interpreter exit: wait for the pending saves; each failed one is reported with its
+    checkpoint and cause, and the process exits with status 1 (an exit handler cannot change
+    the status otherwise: logging and the standard streams are flushed first, and the exit
+    handlers registered before fz was imported are skipped)."""
+    with _lock:
+        waiting = [(c, c._pending.where) for c in _unwaited if c._pending is not None]
+    failed = 0
+    for ckpt, where in waiting:
+        try:
+            ckpt.wait()
+        except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
+            failed += 1
+            print(f"fz: error: the async save of checkpoint {where} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    if failed:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
 
 
 atexit.register(_wait_at_exit)

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz.background import raise_background_failures
 from fz.optim.transforms import current_lr
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
@@ -51,6 +52,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     whose gradients overflow on any rank changes only the step count and the scaler.
     """
     state.check_alive("fz.train_step")
+    raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
     spec, plan = state.spec, state.plan
     flats, sync, mflats = checked_flats(state)  # the leaves, exactly as given (ConfigError if one does not fit)
     local_opt = checked_opt_state(state.opt_state, plan)
@@ -153,6 +155,7 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
+    raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
         sync.finish()
