@@ -9,8 +9,9 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from fz.background import raise_background_failures
 from fz.errors import ConfigError
-from fz.model.materialize import initial_values, module_seed
+from fz.model.materialize import InitialValues, module_seed
 from fz.model.skeleton import build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
@@ -19,6 +20,7 @@ from fz.sharding.mesh import make_mesh
 from fz.offload.move import bucket_init_on_disk, check_room_at_init, param_to_disk
 from fz.sharding.opt_state import merge_opt_states, wrap_opt_state
 from fz.sharding.plan import ShardPlan
+from fz.sharding.replicated import check_replicated
 from fz.spec import Spec
 from fz.state import State
 from fz.step.metrics import initial_metrics
@@ -30,14 +32,16 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
 
     `model` is not modified. Built on the meta device, it is initialised module by module
     with seeds from (spec.seed, module name); built normally, its values are used, taken
-    from the mesh's first rank so every rank starts alike (as DDP does). `mesh` is a 1-D
-    mesh, or a 2-D one with dims ("replicate", "shard") for hybrid sharding (by default
-    fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
+    from the mesh's first rank so every rank starts alike (as DDP does). A tensor meta init
+    leaves unset, or a replicated value that differs between ranks, is a ConfigError naming
+    it. `mesh` is a 1-D mesh, or a 2-D one with dims ("replicate", "shard") for hybrid
+    sharding (by default fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
+    raise_background_failures()
     mesh = make_mesh(mesh, spec.shard_group_size)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
@@ -58,9 +62,10 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     disk_opt = spec.offload is not None and spec.offload.optimizer == "disk"
     if spec.offload is not None:
         check_room_at_init(spec.offload, plan, spec.optimizer, spec.precision != "fp32")
+    values = InitialValues(model, spec.seed, device, spec.init_fn)
     storages, on_disk = [], []
     for b in buckets:
-        flat, mflat = _bucket_storage(model, plan, comm, b, spec)
+        flat, mflat = _bucket_storage(model, plan, comm, b, spec, values)
         if disk_opt and b.trainable:  # straight to disk, one bucket at a time
             local = spec.optimizer.init(dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b))))
             mflat, opt_b = bucket_init_on_disk(spec.offload, plan, b, mflat, local)
@@ -71,7 +76,11 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     param_flats = tuple(plan.wrap_flat(p, b, b.place.param) for b, (p, _) in zip(buckets, storages))
     master_flats = {b.index: plan.wrap_flat(m, b, b.place.opt) for b, (_, m) in zip(buckets, storages) if m is not None}
     buffer_names = [n for n, _ in model.named_buffers(remove_duplicate=True)]
-    buffers = initial_values(model, buffer_names, spec.seed, device)
+    buffers = values(buffer_names)
+    values.check()  # nothing meta init left unset
+    replicated = {f"parameter {s.name!r}": v for b, (p, _) in zip(buckets, storages) if not b.sharded_param
+                  for s, v in zip(b.slots, full_views(p, b))}
+    check_replicated(plan, dict(replicated, **{f"buffer {n!r}": t for n, t in buffers.items()}))
 
     if disk_opt:
         opt_state = merge_opt_states(on_disk, {s.name for b in buckets for s in b.slots})
@@ -97,14 +106,15 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     return spec.offload(state) if spec.offload is not None and spec.offload.active else state
 
 
-def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec) -> Tuple[Tensor, Optional[Tensor]]:
+def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,
+                    initial: InitialValues) -> Tuple[Tensor, Optional[Tensor]]:
     """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
 
     Params are in the compute dtype, laid out by their placement (full or this rank's
     padded rows); master weights exist in mixed precision only, laid out by the
     optimizer's placement.
     """
-    values = initial_values(model, [s.name for s in b.slots], spec.seed, plan.device)
+    values = initial([s.name for s in b.slots])
     full = torch.cat([values[s.name].reshape(-1) for s in b.slots])
     names = {s.name for s in b.slots}
     if any(not p.is_meta for n, p in model.named_parameters() if n in names):

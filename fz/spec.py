@@ -55,6 +55,8 @@ class Spec:
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
     offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
+    init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
+    weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -97,6 +99,10 @@ class Spec:
             if not getattr(self.offload, "is_fz_offload", False):
                 raise bad("offload", self.offload, "must be None or a policy: fz.offload.cpu(), fz.offload.nvme(path)")
             self.offload.check_stage(self.stage)
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
+        if not isinstance(self.weight_by_rows, bool):
+            raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

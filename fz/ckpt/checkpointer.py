@@ -16,6 +16,8 @@ flight at once without their background collectives interleaving on one group.
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import sys
 import threading
 import time
@@ -23,6 +25,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
+from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
@@ -42,6 +45,7 @@ class _Pending:
 
     def __init__(self, job: saver.SaveJob, done=None):
         self.step, self.error, self.done = job.step, None, done
+        self.where = job.root / step_name(job.step)
         written = job.launch()
         self.thread = threading.Thread(target=self._finish, args=(job, written), name=f"fz-ckpt-{job.step}",
                                        daemon=False)
@@ -60,6 +64,10 @@ class _Pending:
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None and not self.thread.is_alive()
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -121,14 +129,17 @@ class Checkpointer:
         return self._groups.get(state_ranks(state))
 
     def _check_open(self, what: str) -> None:
+        raise_failed_saves()
         if self._closed:
             raise ConfigError(f"{self!r} is closed: {what} needs a new Checkpointer")
 
-    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None) -> None:
+    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
+             client_state_per_rank: bool = False) -> None:
         """Write `state` (and `client_state`) as `root/step_<N>`, N = `step` or the state's step.
 
-        `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank.
-        Waits for this Checkpointer's previous save first and raises its error, if any.
+        `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank (a
+        ConfigError names the keys that differ), unless `client_state_per_rank=True` saves
+        each rank's own. Waits for this Checkpointer's previous save first and raises its error.
         """
         state.check_alive(f"{self._who}save")
         self._check_open("save")
@@ -139,7 +150,8 @@ class Checkpointer:
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
         t0, first = time.perf_counter(), self._reports(state)
-        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_)
+        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_,
+                            client_per_rank=client_state_per_rank)
         if not self.async_:
             job.run()
             self._report(first, "saved", self.root / step_name(n), t0)
@@ -237,11 +249,45 @@ def wait_for_checkpoints() -> None:
         raise first
 
 
+def raise_failed_saves() -> None:
+    """Raise the error of an async save that has already failed in the background (each once),
+    naming the checkpoint: fz's entry points call this, so it surfaces at the next fz call."""
+    with _lock:
+        failed = [c for c in _unwaited if c._pending is not None and c._pending.failed]
+    if failed:
+        where = failed[0]._pending.where
+        try:
+            failed[0].wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised naming the checkpoint
+            raise ConfigError(f"the async save of checkpoint {where} failed in the background: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+on_next_call(raise_failed_saves)
+
+
 def _wait_at_exit() -> None:
-    try:
-        wait_for_checkpoints()
-    except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
-        print(f"fz: an async checkpoint failed: {type(e).__name__}: {e}", file=sys.stderr)
+    """At interpreter exit: wait for the pending saves; each failed one is reported with its
+    checkpoint and cause, and the process exits with status 1 (an exit handler cannot change
+    the status otherwise: logging and the standard streams are flushed first, and the exit
+    handlers registered before fz was imported are skipped)."""
+    with _lock:
+        waiting = [(c, c._pending.where) for c in _unwaited if c._pending is not None]
+    failed = 0
+    for ckpt, where in waiting:
+        try:
+            ckpt.wait()
+        except BaseException as e:  # noqa: BLE001 - nobody is left to catch it
+            failed += 1
+            print(f"fz: error: the async save of checkpoint {where} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    if failed:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
 
 
 atexit.register(_wait_at_exit)
@@ -250,11 +296,13 @@ _FUNCTION_GROUPS = GroupCache()
 
 
 def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None) -> None:
+         async_: bool = False, keep_last: Optional[int] = None, client_state_per_rank: bool = False) -> None:
     """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
 
     N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
-    the same on every rank. `keep_last=K` deletes older steps once this one is committed.
+    the same on every rank (a ConfigError names the keys that differ), unless
+    `client_state_per_rank=True` saves each rank's own. `keep_last=K` deletes older steps
+    once this one is committed.
     `async_=True` returns once the state is copied to host memory and finishes in the
     background on a checkpoint-only process group; the next save or restore and
     interpreter exit wait for it. Call `wait_for_checkpoints()` before
@@ -263,7 +311,7 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
     state.check_alive("fz.save")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS)
-    ckpt.save(state, step=step, client_state=client_state)
+    ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
 def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,

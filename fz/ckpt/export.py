@@ -6,14 +6,13 @@ drops it: peak host memory stays near the largest chunk (plus its cast copy), no
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
 from fz.ckpt import manifest
-from fz.ckpt.layout import META, PathLike, resolve
+from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
 from fz.ckpt.safetensors_io import StreamWriter
@@ -49,7 +48,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
     d = resolve(ckpt, step)
     if verify:
         _verify(d, progress)
-    meta = json.loads((d / META).read_text())
+    meta = read_json(d / META)
     reader = CheckpointReader(d)
     cast = _dtype(dtype)
     names = [k for k in reader.keys() if k.startswith(_PREFIX)]
@@ -72,8 +71,11 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
         for k in names:
             reader.stream(k, lambda offsets, chunk, name=k[len(_PREFIX):]: put(name, offsets, chunk))
         writer.close()
-    except BaseException:
+    except BaseException as e:
+        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)  # before abort
         writer.abort()
+        if full is not None:
+            raise full from e
         raise
     finally:
         bar.close()
@@ -86,10 +88,10 @@ def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,
     d = resolve(ckpt, step)
     info: Dict[str, Any] = {"path": str(d)}
     try:
-        meta = json.loads((d / META).read_text())
-    except (OSError, ValueError) as e:
+        meta = read_json(d / META)
+    except ConfigError as e:
         meta = {}
-        info["meta_error"] = f"{d / META}: {type(e).__name__}: {e}"
+        info["meta_error"] = str(e)
     for k in ("step", "train_step", "world", "stage", "precision", "master", "fz_version", "torch_version",
               "tensors", "bytes", "model_tensors", "model_bytes"):
         info[k] = meta.get(k)

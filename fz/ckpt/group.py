@@ -8,14 +8,17 @@ default 600) bounds how long a rank waits for a peer that died.
 """
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.errors import ConfigError
+from fz.sharding.settle import Handle
 from fz.state import State
 
 
@@ -61,14 +64,29 @@ def exchange(group, value: Any, err: Optional[BaseException], what: str) -> List
             raise err
         return [value]
     payload = (value, None if err is None else (isinstance(err, ConfigError), _message(err)))
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, payload, group=group)
+    out = _all_gather_json(group, world, payload)
     if err is not None:
         raise err
     for rank, (_, e) in enumerate(out):
         if e is not None:
             raise ConfigError(f"{what} failed on rank {rank}: {e[1]}")
     return [v for v, _ in out]
+
+
+def _all_gather_json(group, world: int, value: Any) -> List[Any]:
+    """Every rank's JSON-able `value` (all_gather_object without pickle, and settled: see
+    fz/sharding/settle.py; a save's last collective is often a job's last)."""
+    mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    size = torch.tensor([mine.numel()], dtype=torch.int64)
+    sizes = torch.empty(world, dtype=torch.int64)
+    Handle([sizes, size]).add(dist.all_gather_single(sizes, size, group=group, async_op=True)).wait()
+    n = int(sizes.max())
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    out = torch.empty(world * n, dtype=torch.uint8)
+    Handle([out, padded]).add(dist.all_gather_single(out, padded, group=group, async_op=True)).wait()
+    rows = out.view(world, n)
+    return [json.loads(bytes(rows[r, :int(sizes[r])].numpy()).decode()) for r in range(world)]
 
 
 def agree(group, err: Optional[BaseException], what: str) -> None:

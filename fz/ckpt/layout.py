@@ -11,11 +11,13 @@ renamed into place only after every file in it is fsynced, and `latest` is repla
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from fz.errors import ConfigError
 
@@ -24,6 +26,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "fz.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+LOW_FREE = 64 << 20  # bytes: a write that fails with less than this free is blamed on a full disk
 
 
 def step_name(step: int) -> str:
@@ -53,6 +56,51 @@ def replace_durable(path: Path, data: bytes) -> None:
     write_durable(tmp, data)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; missing, unreadable or unparsable is a ConfigError naming it."""
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint file {path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _no_space(err: BaseException) -> bool:
+    seen = set()
+    stack = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [e.__cause__, e.__context__]
+    return False
+
+
+def disk_full(path: PathLike, err: BaseException) -> Optional[ConfigError]:
+    """The error to raise instead of `err`, a failed write to `path`, when the disk is full: a
+    full disk surfaces as many errors (torch.save's "unexpected pos 704 vs 598", ENOSPC, ...),
+    so the free space is checked when a write fails. None when there is room."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError:
+        return None
+    if usage.free >= LOW_FREE and not _no_space(err):
+        return None
+    cause = str(err) if isinstance(err, ConfigError) else f"writing {path} failed: {type(err).__name__}: {err}"
+    return ConfigError(f"the disk is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB on "
+                       f"the filesystem holding {probe}): {cause}")
 
 
 def read_latest(root: Path) -> Optional[str]:

@@ -12,7 +12,6 @@ Data position: rank r gets rank r's, or rank 0's when rank r did not exist.
 """
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -25,7 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.ckpt import manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
-from fz.ckpt.layout import META, PathLike, resolve
+from fz.ckpt.layout import META, PathLike, read_json, resolve
+from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import ConfigError
 from fz.model.materialize import module_seed
@@ -122,8 +122,8 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
     agree(group, err, f"verifying checkpoint {path}")
 
     def plan():
-        meta = json.loads((d / META).read_text())
-        saved = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+        meta = read_json(d / META)
+        saved = read_metadata(d).state_dict_metadata
         target, buffers, scaler = _template(state, saved)
         lines, bad = _differences(target, saved)
         load = {k: t for k, t in target.items() if k not in bad}
@@ -133,8 +133,12 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
         else:
             rng = _derived_rng(state, int(meta["train_step"]), rank)
         data_file = d / f"data_{rank}.json"
-        data_json = json.loads((data_file if data_file.exists() else d / "data_0.json").read_text())["data"]
-        client_json = meta.get("client_state", {})
+        data_file = data_file if data_file.exists() else d / "data_0.json"  # a new rank gets rank 0's
+        rank_json = read_json(data_file)
+        if not isinstance(rank_json, dict) or "data" not in rank_json:
+            raise ConfigError(f"checkpoint file {data_file} is damaged: it holds no 'data' entry")
+        data_json = rank_json["data"]
+        client_json = rank_json.get("client", {}) if meta.get("client_state_per_rank") else meta.get("client_state", {})
         extra = {k: _empty_for(saved[k]) for k in tensor_refs(data_json) + tensor_refs(client_json)}
         load.update(extra)
         return load, buffers, scaler, lines, rng, (data_json, client_json, extra)

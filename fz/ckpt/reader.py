@@ -58,13 +58,22 @@ class _Streaming(DefaultLoadPlanner):
         return _Sink(torch.Size(read_item.lengths), tensor.dtype, lambda chunk: self._put_chunk(offsets, chunk))
 
 
+def read_metadata(directory: Path):
+    """DCP's own .metadata of a checkpoint directory; unreadable is a ConfigError naming the file."""
+    try:
+        return dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read it, named
+        raise ConfigError(f"checkpoint file {Path(directory) / '.metadata'} is unreadable "
+                          f"({type(e).__name__}: {e})") from e
+
+
 class CheckpointReader:
     """The tensors of one checkpoint directory, one at a time."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self._reader = dcp.FileSystemReader(self.dir)
-        self._md = self._reader.read_metadata()  # DCP's own (pickled) .metadata, read once
+        self._md = read_metadata(self.dir)  # DCP's own (pickled) .metadata, read once
         self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if hasattr(m, "size")}
         self.chunks = 0
 

@@ -120,6 +120,13 @@ def _files(path: PathLike) -> List[Path]:
     return [p]
 
 
+def _open(safe_open, f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # noqa: BLE001 - a damaged file, named
+        raise ConfigError(f"weights file {f} is unreadable ({type(e).__name__}: {e})") from e
+
+
 def _local_rows(t: DTensor) -> Tuple[int, int]:
     """[start, stop) rows of dim 0 this rank holds (torch.chunk semantics, as Shard(0))."""
     rows, world = t.shape[0], t.device_mesh.size()
@@ -152,7 +159,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
     state.check_alive("fz.load_weights")
     state = block_until_ready(state)
     files = _files(path)
-    handles = [safe_open(str(f), framework="pt") for f in files]
+    handles = [_open(safe_open, f) for f in files]
     where = {k: h for h in handles for k in h.keys()}
     problems = [f"missing: {n}" for n in state.params if n not in where]
     problems += [f"unexpected: {k}" for k in where if k not in state.params]
@@ -170,7 +177,11 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
         for n, p in state.params.items():
             if n in bad:
                 continue
-            _fill(p, where[n], n)
-            if state.master is not None:
-                _fill(state.master[n], where[n], n)
+            try:
+                _fill(p, where[n], n)
+                if state.master is not None:
+                    _fill(state.master[n], where[n], n)
+            except Exception as e:  # noqa: BLE001 - a damaged file, named
+                raise ConfigError(f"cannot read {n} from weights file {files[handles.index(where[n])]} "
+                                  f"({type(e).__name__}: {e})") from e
     return state

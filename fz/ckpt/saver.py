@@ -20,7 +20,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
-from fz.ckpt.layout import LATEST, META, fsync_path, read_latest, step_name, write_durable
-from fz.ckpt.tree import encode, entries
+from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
+from fz.ckpt.tree import digests, encode, entries
 from fz.errors import ConfigError
 from fz.offload.disk import DiskTensor, load
 from fz.state import State, block_until_ready
@@ -85,9 +85,9 @@ class SaveJob:
     """One save after phase 1: the tensors to write and where. `run` does phases 2-4 in the
     caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
-    def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], data_json: Any, meta: Dict[str, Any],
-                 keep_last: Optional[int], group, rank: int):
-        self.root, self.step, self.tensors, self.data_json = root, step, tensors, data_json
+    def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], rank_json: Dict[str, Any],
+                 meta: Dict[str, Any], keep_last: Optional[int], group, rank: int):
+        self.root, self.step, self.tensors, self.rank_json = root, step, tensors, rank_json
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
         self.tmp = root / (step_name(step) + ".tmp")
 
@@ -120,9 +120,13 @@ class SaveJob:
     def _cleaning(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except BaseException:
+        except BaseException as e:
+            interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
+            full = None if interrupted else disk_full(self.tmp, e)  # before the debris goes, which frees space
             if self.rank == 0:  # every rank is past its writes (failures are collective): drop the debris
                 shutil.rmtree(self.tmp, ignore_errors=True)
+            if full is not None:
+                raise full from e
             raise
 
     def _write_and_commit(self) -> None:
@@ -143,7 +147,7 @@ class SaveJob:
         agree(self.group, err, f"committing checkpoint {self.tmp}")
 
     def _write_rank_files(self) -> Dict[str, dict]:
-        write_durable(self.tmp / f"data_{self.rank}.json", json.dumps({"data": self.data_json}).encode())
+        write_durable(self.tmp / f"data_{self.rank}.json", json.dumps(self.rank_json).encode())
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == f"data_{self.rank}.json"]
         return manifest.describe(self.tmp, sorted(mine))
 
@@ -223,19 +227,25 @@ def _has_master(state: State) -> bool:
 
 
 def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str, Any]], keep_last: Optional[int],
-            group, *, stage: bool) -> SaveJob:
+            group, *, stage: bool, client_per_rank: bool = False) -> SaveJob:
     """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
     tensors to host memory here, so a rank that cannot (out of memory) fails every rank
-    before any background write starts."""
+    before any background write starts. One `client_state` is saved for all ranks, so the
+    ranks' must agree (compared by hash, on the agreement this phase ends with) unless
+    `client_per_rank` saves each rank's own (in data_<rank>.json and client/<rank>/...)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = block_until_ready(state)  # parameters still arriving from the last step are written whole
 
-    def local() -> SaveJob:
-        client_json, client_t = encode(client_state or {}, "client")
-        tensors = _my_share(dict(entries(state), **client_t), rank, world)
+    def local() -> Tuple[SaveJob, Dict[str, str]]:
+        client_json, client_t = encode(client_state or {}, f"client/{rank}" if client_per_rank else "client")
+        tensors = _my_share(dict(entries(state), **({} if client_per_rank else client_t)), rank, world)
         tensors[f"rng/{rank}"] = state.rng
         data_json, data_t = encode(state.data, f"data/{rank}")
         tensors.update(data_t)
+        rank_json = {"data": data_json}
+        if client_per_rank:
+            tensors.update(client_t)
+            rank_json["client"] = client_json
         if stage:
             tensors = {k: _stage(t) for k, t in tensors.items()}
         if rank == 0:
@@ -243,9 +253,31 @@ def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str
         spec = state.spec
         meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
                 "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
-                "master": _has_master(state), "checksum": manifest.ALGORITHM, "client_state": client_json}
-        return SaveJob(root, step, tensors, data_json, meta, keep_last, group, rank)
+                "master": _has_master(state), "checksum": manifest.ALGORITHM,
+                "client_state": {} if client_per_rank else client_json, "client_state_per_rank": client_per_rank}
+        job = SaveJob(root, step, tensors, rank_json, meta, keep_last, group, rank)
+        return job, ({} if client_per_rank else digests(client_json, client_t))
 
-    job, err = run_local(local)
-    agree(group, err, f"preparing checkpoint {root / step_name(step)}")
-    return job
+    done, err = run_local(local)
+    where = root / step_name(step)
+    hashes = exchange(group, None if done is None else done[1], err, f"preparing checkpoint {where}")
+    differ = _differing_keys(hashes)
+    if differ:
+        if rank == 0:
+            shutil.rmtree(done[0].tmp, ignore_errors=True)
+        raise ConfigError(
+            f"saving checkpoint {where}: client_state differs between ranks in {'; '.join(differ)}. One client_state "
+            "is saved for all ranks: make it the same on every rank, or pass client_state_per_rank=True to save "
+            "each rank's own.")
+    return done[0]
+
+
+def _differing_keys(hashes: List[Dict[str, str]]) -> List[str]:
+    """'key' (ranks that differ from rank 0) for each top-level client_state key the ranks disagree on."""
+    keys = sorted({k for h in hashes for k in h})
+    out = []
+    for k in keys:
+        ranks = [r for r, h in enumerate(hashes) if h.get(k) != hashes[0].get(k)]
+        if ranks:
+            out.append(f"{k!r} (rank {', '.join(map(str, ranks))} vs rank 0)")
+    return out

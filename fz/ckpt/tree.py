@@ -9,8 +9,11 @@ key because DCP writes a plain tensor once, as if every rank held the same one.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Dict, Tuple
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -101,3 +104,24 @@ def decode(obj: Any, tensors: Dict[str, Tensor]) -> Any:
     if isinstance(obj, list):
         return [decode(v, tensors) for v in obj]
     return obj
+
+
+def _tensor_bytes(t: Tensor) -> bytes:
+    t = t.detach().cpu()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def digests(obj: Any, tensors: Dict[str, Tensor]) -> Dict[str, str]:
+    """{top-level key: sha256 of its value} of an encoded dict (`encode`'s output and tensors):
+    ranks holding equal values get equal digests."""
+    out = {}
+    for k, v in (obj.items() if isinstance(obj, dict) else [("<root>", obj)]):
+        h = hashlib.sha256(json.dumps(v, sort_keys=True).encode())
+        for ref in tensor_refs(v):
+            t = tensors[ref]
+            h.update(f"{ref}|{t.dtype}|{tuple(t.shape)}|{t.layout}".encode())
+            h.update(_tensor_bytes(t))
+        out[k] = h.hexdigest()
+    return out

@@ -3,17 +3,29 @@
 For a model built on the meta device, each module is materialised alone (peak host
 memory ~ the largest module) under a seed derived from (spec.seed, module name), so the
 values are the same for every world size and stage; each rank keeps only its rows.
+
+Nothing is left to `torch.empty`: every tensor is filled with a sentinel first (a signalling
+NaN, which arithmetic never makes; a pattern for integers; for one-byte dtypes, two runs
+with different fills), and a tensor that still holds it after `reset_parameters()` and
+`Spec.init_fn` is named in a ConfigError instead of training on garbage.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from fz.errors import ConfigError
+
+InitFn = Callable[[str, nn.Module], None]
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# signalling NaNs (arithmetic only makes quiet ones) with a payload of their own
+_FLOAT_SENTINELS = {torch.float32: 0x7FA5A5A5, torch.float64: 0x7FF4A5A5A5A5A5A5, torch.float16: 0x7CA5,
+                    torch.bfloat16: 0x7FA5, torch.complex64: 0x7FA5A5A57FA5A5A5}
+_BYTE_FILLS = (0x00, 0x01)  # dtypes without a sentinel: two runs, filled with each
 
 
 def module_seed(seed: int, module_name: str) -> int:
@@ -26,46 +38,119 @@ def _owner(name: str) -> Tuple[str, str]:
     return mod, leaf
 
 
-def _materialize_module(module: nn.Module, mname: str, wanted: Iterable[str], seed: int,
-                        device: torch.device) -> Dict[str, Tensor]:
-    """Direct params/buffers `wanted` of `module`, initialised by its reset_parameters()."""
-    if not hasattr(module, "reset_parameters"):
-        raise ConfigError(
-            f"module {mname or '<root>'!r} ({type(module).__name__}) is on the meta device but has no "
-            "reset_parameters(): fz cannot initialise it; build it on the CPU or add reset_parameters()")
-    twin = nn.Module.__new__(type(module))
-    twin.__dict__ = dict(module.__dict__)
-    twin._parameters = {k: (None if p is None else nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
-                        for k, p in module._parameters.items()}
-    twin._buffers = {k: (None if b is None else torch.empty_like(b, device=device)) for k, b in module._buffers.items()}
-    twin._modules = dict(module._modules)  # children stay on meta: their own turn comes
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(module_seed(seed, mname))
-        twin.reset_parameters()
-    out = {}
-    for leaf in wanted:
-        t = twin._parameters.get(leaf)
-        t = twin._buffers.get(leaf) if t is None else t
-        out[leaf] = t.detach()
-    return out
+def _signed(bits: int, size: int) -> int:
+    return bits - (1 << 8 * size) if bits >= 1 << (8 * size - 1) else bits
 
 
-def initial_values(model: nn.Module, names: List[str], seed: int, device: torch.device) -> Dict[str, Tensor]:
-    """Full initial values of the canonical parameters/buffers `names` (one module at a time)."""
-    tensors = dict(model.named_parameters(remove_duplicate=True))
-    tensors.update(model.named_buffers(remove_duplicate=True))
-    out: Dict[str, Tensor] = {}
-    meta_by_module: Dict[str, List[str]] = {}
-    for n in names:
-        t = tensors[n]
-        if t.is_meta:
-            meta_by_module.setdefault(_owner(n)[0], []).append(n)
+def sentinel(t: Tensor) -> Optional[Tuple[torch.dtype, int]]:
+    """(integer view dtype, value) of the sentinel that fills `t`; None: no value can be told
+    apart (one-byte dtypes, complex128), so those are initialised twice with different fills."""
+    size = t.element_size()
+    if t.dtype in _FLOAT_SENTINELS:
+        return _INTS[size], _signed(_FLOAT_SENTINELS[t.dtype], size)
+    if t.is_floating_point() or t.is_complex() or size not in (2, 4, 8):
+        return None
+    return _INTS[size], _signed(int.from_bytes(b"\xa5" * size, "little"), size)
+
+
+def _fill(t: Tensor, second: bool) -> Tensor:
+    if t.numel():
+        s = sentinel(t)
+        if s is None:
+            t.view(-1).view(torch.uint8).fill_(_BYTE_FILLS[second])
         else:
-            out[n] = t.detach().to(device)
-    for mname, full_names in meta_by_module.items():
-        module = model.get_submodule(mname)
-        vals = _materialize_module(module, mname, [_owner(n)[1] for n in full_names], seed, device)
-        for n in full_names:
-            out[n] = vals[_owner(n)[1]]
-    return out
+            t.view(-1).view(s[0]).fill_(s[1])
+    return t
 
+
+def still_filled(t: Tensor, second: bool = False) -> Tensor:
+    """Per element: does `t` still hold its fill (that of the second run if `second`)? (bool, flat)"""
+    flat = t.detach().contiguous().view(-1)
+    s = sentinel(t)
+    if s is None:
+        return (flat.view(torch.uint8).view(-1, t.element_size()) == _BYTE_FILLS[second]).all(dim=1)
+    return flat.view(s[0]) == s[1]
+
+
+class InitialValues:
+    """Full initial values of canonical parameters/buffers, one module at a time; remembers
+    every tensor its initialisers left unset for one error (`check`) that names them all."""
+
+    def __init__(self, model: nn.Module, seed: int, device: torch.device, init_fn: Optional[InitFn] = None):
+        self.model, self.seed, self.device, self.init_fn = model, seed, device, init_fn
+        self.tensors = dict(model.named_parameters(remove_duplicate=True))
+        self.tensors.update(model.named_buffers(remove_duplicate=True))
+        self.unset: List[Tuple[str, str, str]] = []  # (kind, canonical name, why)
+
+    def __call__(self, names: List[str]) -> Dict[str, Tensor]:
+        out: Dict[str, Tensor] = {}
+        meta_by_module: Dict[str, List[str]] = {}
+        for n in names:
+            t = self.tensors[n]
+            if t.is_meta:
+                meta_by_module.setdefault(_owner(n)[0], []).append(n)
+            else:
+                out[n] = t.detach().to(self.device)
+        for mname, full_names in meta_by_module.items():
+            out.update(self._materialize(self.model.get_submodule(mname), mname, full_names))
+        return out
+
+    def _twin(self, module: nn.Module, mname: str, second: bool) -> nn.Module:
+        """A copy of `module` with its own tensors filled, its children left on meta (their
+        own turn comes), after reset_parameters() and init_fn under the module's seed."""
+        dev = self.device
+        twin = nn.Module.__new__(type(module))
+        twin.__dict__ = dict(module.__dict__)
+        twin._parameters = {k: (None if p is None else nn.Parameter(_fill(torch.empty_like(p, device=dev), second),
+                                                                    p.requires_grad))
+                            for k, p in module._parameters.items()}
+        twin._buffers = {k: (None if b is None else _fill(torch.empty_like(b, device=dev), second))
+                         for k, b in module._buffers.items()}
+        twin._modules = dict(module._modules)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(self.seed, mname))
+            if hasattr(twin, "reset_parameters"):
+                twin.reset_parameters()
+            if self.init_fn is not None:
+                self.init_fn(mname, twin)
+        return twin
+
+    def _materialize(self, module: nn.Module, mname: str, full_names: List[str]) -> Dict[str, Tensor]:
+        twin = self._twin(module, mname, False)
+        leaves = [_owner(n)[1] for n in full_names]
+        values = [self._leaf(twin, leaf) for leaf in leaves]
+        again = None
+        if any(sentinel(v) is None for v in values):  # e.g. a bool mask: run it again, filled otherwise
+            again = self._twin(module, mname, True)
+        for n, leaf, v in zip(full_names, leaves, values):
+            unset = still_filled(v)
+            if sentinel(v) is None:
+                unset &= still_filled(self._leaf(again, leaf), True)
+            if bool(unset.any()):
+                self.unset.append(("parameter" if leaf in module._parameters else "buffer", n,
+                                   self._why(module, unset)))
+        return dict(zip(full_names, values))
+
+    @staticmethod
+    def _leaf(twin: nn.Module, leaf: str) -> Tensor:
+        t = twin._parameters.get(leaf)
+        return (twin._buffers.get(leaf) if t is None else t).detach()
+
+    def _why(self, module: nn.Module, unset: Tensor) -> str:
+        part = "" if bool(unset.all()) else f"{int(unset.sum())} of {unset.numel()} elements "
+        if hasattr(module, "reset_parameters"):
+            return f"{part}not set by {type(module).__name__}.reset_parameters()" + (" or init_fn" if self.init_fn else "")
+        return f"{part}not set: {type(module).__name__} has no reset_parameters()" + (
+            " and init_fn does not set it" if self.init_fn else "")
+
+    def check(self) -> None:
+        """Raise the ConfigError naming every tensor left unset (none: return)."""
+        if not self.unset:
+            return
+        lines = "\n  ".join(f"{kind} {name!r}: {why}" for kind, name, why in self.unset)
+        raise ConfigError(
+            f"fz.init: the model was built on the meta device and {len(self.unset)} tensor(s) would start as "
+            f"uninitialised memory:\n  {lines}\n"
+            "Set them with Spec(init_fn=fn) (fn(module_name, module) runs on each module after its "
+            "reset_parameters(), under no_grad; fill its tensors in place), give the module a reset_parameters() "
+            "that sets them, or build the model on the CPU.")

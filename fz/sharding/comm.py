@@ -16,25 +16,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fz.sharding.buckets import Bucket
+from fz.sharding.settle import Handle
 
 
 _TAGS = 1 << 20
 
 
-class _Then:
-    """A collective's handle that runs `then()` once the collective has finished."""
-
-    def __init__(self, works, then=None):
-        self.works, self.then = [w for w in works if w is not None], then
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        self.works = []
-        if self.then is not None:
-            self.then()
-            self.then = None
-        return True
+def _done(handle: Handle, async_op: bool):
+    """The handle (async) or the finished collective (its tensors released: fz/sharding/settle.py)."""
+    return handle if async_op else handle.wait()
 
 
 def _gloo_fast_paths(group) -> bool:
@@ -69,43 +59,47 @@ class Comm:
         if self.replicas == 1:
             return None
         self.bytes["inter_all_reduce" if t.numel() > 8 else "inter_scalar"] += t.numel() * t.element_size()
-        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.replica_group, async_op=async_op)
+        h = Handle([t])
+        return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.replica_group, async_op=True)), async_op)
 
-    def mesh_mean(self, t: Tensor) -> Tensor:
-        """Average a small tensor (a loss) over every rank of the mesh, in place."""
-        if self.world > 1:
-            self.all_reduce(t)
-        self.replica_mean(t)
-        return t
+    def replica_sum(self, t: Tensor, scalar: bool = False) -> None:
+        """Sum `t` across the replica groups, in place (`scalar`: count it with the scalars)."""
+        if self.replicas > 1:
+            self.bytes["inter_scalar" if scalar or t.numel() <= 8 else "inter_all_reduce"] += t.numel() * t.element_size()
+            Handle([t]).add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.replica_group, async_op=True)).wait()
 
     def broadcast_first(self, t: Tensor) -> None:
         """Every rank of the mesh gets the first rank's `t` (within groups, then across)."""
         if self.world > 1:
-            dist.broadcast(t, src=self.ranks[0], group=self.group)
+            Handle([t]).add(dist.broadcast(t, src=self.ranks[0], group=self.group, async_op=True)).wait()
         if self.replicas > 1:
-            dist.broadcast(t, src=dist.get_process_group_ranks(self.replica_group)[0], group=self.replica_group)
+            src = dist.get_process_group_ranks(self.replica_group)[0]
+            Handle([t]).add(dist.broadcast(t, src=src, group=self.replica_group, async_op=True)).wait()
 
-    def _count_all_reduce(self, t: Tensor) -> None:
+    def _count_all_reduce(self, t: Tensor, scalar: bool = False) -> None:
         # losses, norms and flags are counted apart from the model-sized traffic
-        self.bytes["all_reduce" if t.numel() > 8 else "scalar"] += t.numel() * t.element_size()
+        self.bytes["scalar" if scalar or t.numel() <= 8 else "all_reduce"] += t.numel() * t.element_size()
 
     def all_reduce(self, t: Tensor, async_op: bool = False):
         self._count_all_reduce(t)
-        return dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+        h = Handle([t])
+        return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True)), async_op)
 
-    def all_reduce_sum(self, t: Tensor):
-        self._count_all_reduce(t)
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+    def all_reduce_sum(self, t: Tensor, async_op: bool = False, scalar: bool = False):
+        self._count_all_reduce(t, scalar)
+        h = Handle([t])
+        return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), async_op)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""
         self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()
         if self.fast:
-            done = self._exchange_sum(out, inp)
-            return done if async_op else done.wait()
-        return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+            return _done(self._exchange_sum(out, inp), async_op)
+        h = Handle([out, inp])
+        return _done(h.add(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)),
+                     async_op)
 
-    def _exchange_sum(self, out: Tensor, inp: Tensor) -> _Then:
+    def _exchange_sum(self, out: Tensor, inp: Tensor) -> Handle:
         """Reduce-scatter as a pairwise exchange: send each rank its rows of `inp`, receive
         ours from every rank, and sum them in rank order (the same order on every rank and
         for every stage, so results do not depend on who reduced them)."""
@@ -113,11 +107,13 @@ class Comm:
         parts = inp.view(n, -1)
         others = [q for q in range(n) if q != r]
         recv = torch.empty((n - 1, parts.shape[1]), dtype=inp.dtype, device=inp.device)
-        works = []
-        for k in range(1, n):
-            dst, src = (r + k) % n, (r - k) % n
-            works.append(dist.isend(parts[dst], dst=self.ranks[dst], group=self.group, tag=self._tag))
-            works.append(dist.irecv(recv[others.index(src)], src=self.ranks[src], group=self.group, tag=self._tag))
+        pairs = [((r + k) % n, (r - k) % n) for k in range(1, n)]
+        sends = [parts[dst] for dst, _ in pairs]
+        recvs = [recv[others.index(src)] for _, src in pairs]
+        h = Handle([*sends, *recvs])
+        for (dst, src), out_piece, in_piece in zip(pairs, sends, recvs):
+            h.add(dist.isend(out_piece, dst=self.ranks[dst], group=self.group, tag=self._tag))
+            h.add(dist.irecv(in_piece, src=self.ranks[src], group=self.group, tag=self._tag))
         self._tag = (self._tag + 1) % _TAGS
 
         def total() -> None:
@@ -126,7 +122,8 @@ class Comm:
             for t in terms[2:]:
                 out.add_(t)
             out.div_(n)
-        return _Then(works, total)
+        h.then = total
+        return h
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False, counted: bool = False):
         """out (rank-major) = every rank's `inp`, in rank order (`counted`: its bytes already were)."""
@@ -135,10 +132,13 @@ class Comm:
         if self.fast:  # each rank broadcasts its piece
             parts = out.view(self.world, -1)
             parts[self.rank].copy_(inp)
-            works = [dist.broadcast(parts[r], src=g, group=self.group, async_op=True) for r, g in enumerate(self.ranks)]
-            done = _Then(works)
-            return done if async_op else done.wait()
-        return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+            pieces = [parts[r] for r in range(self.world)]
+            h = Handle(pieces)
+            for piece, g in zip(pieces, self.ranks):
+                h.add(dist.broadcast(piece, src=g, group=self.group, async_op=True))
+            return _done(h, async_op)
+        h = Handle([out, inp])
+        return _done(h.add(dist.all_gather_single(out, inp, group=self.group, async_op=True)), async_op)
 
 
 def _regions(buf: Tensor, bucket: Bucket):

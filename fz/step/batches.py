@@ -18,7 +18,10 @@ def micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
     if len(sizes) != 1 or None in sizes:
         raise ConfigError(f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}")
     size = sizes.pop()
-    if size % n or size == 0:
+    if size == 0:
+        raise ConfigError("the batch is empty (0 rows): every rank needs grad_accum * micro_batch rows per step "
+                          "(did this rank's data run out?)")
+    if size % n:
         raise ConfigError(f"batch leading dimension {size} is not divisible by grad_accum={n} "
                           f"(a batch is grad_accum * micro_batch rows of this rank's data)")
     m = size // n

@@ -19,12 +19,14 @@ from torch import Tensor
 
 from fz.offload.disk import DiskTensor
 from fz.offload.stream import disk_update, host_update
+from fz.background import raise_background_failures
 from fz.optim.transforms import current_lr
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
 from fz.sharding.pack import checked_flats
 from fz.sharding.sync import Arriving, start_param_sync
 from fz.state import State
+from fz.step.agree import Agreement
 from fz.step.batches import micro_batches, scalar_loss
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
@@ -61,6 +63,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     whose gradients overflow on any rank changes only the step count and the scaler.
     """
     state.check_alive("fz.train_step")
+    raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
     given, offload = state, _offload_of(state.spec)
     if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
         state = offload(state)
@@ -75,6 +78,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         mflats = [None if m is None else _own(m) for m in mflats]
         local_opt = _clone_tree(local_opt)
     micro = micro_batches(batch, spec.grad_accum, spec.micro_batch)
+    agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
     loss_fn = spec.loss_fn or default_loss
     scale = float(state.scaler["scale"]) if state.scaler is not None else 1.0
@@ -85,6 +89,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                     spec.activation_checkpointing, grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch,
                     compile=spec.compile, sync=sync, live_buckets=spec.live_buckets)
     model = BoundModel(runner)
+    weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state.rng)
@@ -93,7 +98,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 reducer.last = i == len(micro) - 1
                 with _autocast(state):
                     loss = scalar_loss(loss_fn(model, mb)).float()
-                (loss * (scale / spec.grad_accum)).backward()
+                (loss * weight).backward()
                 runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
@@ -107,12 +112,14 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
-    loss = total / spec.grad_accum  # averaged over ranks while the optimizer runs
-    loss_work = comm.all_reduce(loss, async_op=True) if comm.world > 1 else None
+    agreement.start(comm, total / spec.grad_accum)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
+        loss, factor = agreement.finish(comm)  # ranks that disagree raise here, before any update
+        if factor != 1.0:
+            torch._foreach_mul_(list(grads.values()), factor)
         overflow = state.scaler is not None and any_overflow(comm, grads)
         new_sync, norm = None, None
         if not overflow:
@@ -133,9 +140,6 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
-    if loss_work is not None:
-        loss_work.wait()
-    comm.replica_mean(loss)
 
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
@@ -180,6 +184,7 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
+    raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
         sync.finish()
@@ -199,8 +204,9 @@ def eval_step(state: State, batch: Any) -> Tensor:
     loss_fn = state.spec.loss_fn or default_loss
 
     def run(runner, comm):
-        loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach().clone()
-        return comm.mesh_mean(loss)
+        agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
+        loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
+        return agreement.start(comm, loss).finish(comm)[0].to(loss.dtype)
 
     return _forward(state, run)
 

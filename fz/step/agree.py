@@ -1,0 +1,98 @@
+"""Ranks agree on the step and on the batch size: checked on the loss all-reduce itself.
+
+Besides the loss, the all-reduce carries one slot per rank for its state's step, its
+batch rows and its batch elements (each rank fills its own slots, so the sum hands every
+rank all of them). A rank that fell behind (it caught an exception and carried on) or a
+batch of another size is then an error on every rank at once, naming the ranks, before
+the optimizer changes anything, and without a collective of its own. With
+`Spec.weight_by_rows` unequal batches are allowed and each rank counts by its rows: its
+loss is scaled by its rows before backward and the averaged gradients by ranks / total rows.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fz.errors import ConfigError
+
+
+def batch_size(batch: Any) -> Tuple[int, int]:
+    """(rows, elements) of a batch: the first tensor's leading dimension, every tensor's numel."""
+    tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor)]
+    rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+    return rows, sum(x.numel() for x in tensors)
+
+
+def _by_value(values: List[int], ranks: List[int], unit: str) -> str:
+    groups: Dict[int, List[int]] = {}
+    for r, v in zip(ranks, values):
+        groups.setdefault(v, []).append(r)
+    parts = []
+    for v, rs in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0])):
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs[:8]))}" + (", ..." if len(rs) > 8 else "")
+        parts.append(f"{who}: {unit} {v}")
+    return "; ".join(parts)
+
+
+class Agreement:
+    """One loss all-reduce with the step and batch-size slots of every rank of the mesh."""
+
+    def __init__(self, plan, step: Tensor, batch: Any, weight_by_rows: bool, what: str = "fz.train_step"):
+        self.plan, self.weight_by_rows, self.what = plan, weight_by_rows, what
+        self.ranks = list(plan.ranks)
+        self.n = len(self.ranks)
+        self.step = int(step)
+        self.rows, self.numel = batch_size(batch)
+        if self.numel == 0:
+            raise ConfigError(f"{what}: the batch is empty ({self.rows} rows and no elements): did this rank's data "
+                              "run out?")
+        self.vec = None
+        self.work = None
+
+    @property
+    def loss_weight(self) -> float:
+        """What this rank's loss is multiplied by before backward."""
+        return float(self.rows) if self.weight_by_rows and self.n > 1 else 1.0
+
+    def start(self, comm, loss: Tensor) -> "Agreement":
+        """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss."""
+        n = self.n
+        slots = [0.0] * (3 * n)
+        if n > 1:
+            i = self.ranks.index(self.plan.rank)
+            for k, v in enumerate((self.step, self.rows, self.numel)):
+                slots[k * n + i] = float(v)
+        mine = (loss.detach().double() * self.loss_weight).reshape(1)
+        self.vec = torch.cat([mine, torch.tensor(slots, dtype=torch.float64, device=loss.device)])
+        if n > 1 and comm.world > 1:
+            self.work = comm.all_reduce_sum(self.vec, async_op=True, scalar=True)
+        return self
+
+    def finish(self, comm) -> Tuple[Tensor, float]:
+        """(the mean loss over every rank, the factor for the averaged gradients); raises a
+        ConfigError on every rank if the ranks' steps or (unless weighted) batch sizes differ."""
+        vec, n = self.vec, self.n
+        if n == 1:
+            return vec[0].float(), 1.0
+        if self.work is not None:
+            self.work.wait()
+        comm.replica_sum(vec, scalar=True)
+        steps, rows, numel = (vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(3))
+        if len(set(steps)) > 1:
+            raise ConfigError(
+                f"{self.what}: the ranks are at different steps ({_by_value(steps, self.ranks, 'step')}): their "
+                "collectives no longer pair up. Did a rank catch an exception and carry on? Every rank must "
+                "call fz.train_step on the same state, step after step.")
+        if self.weight_by_rows:
+            total = sum(rows)
+            return (vec[0] / total).float(), n / total
+        if len(set(rows)) > 1 or len(set(numel)) > 1:
+            sizes = [f"{r} rows/{e} elements" for r, e in zip(rows, numel)]
+            raise ConfigError(
+                f"{self.what}: the ranks' batches differ in size ({_by_value(sizes, self.ranks, 'batch of')}): "
+                "each rank's mean loss would count equally whatever its size. Give every rank batches of the "
+                "same shape, or set Spec(weight_by_rows=True) to weight each rank by its rows.")
+        return (vec[0] / n).float(), 1.0

@@ -1,0 +1,127 @@
+"""Meta init never trains on garbage: what reset_parameters() leaves unset is named, init_fn fills it.
+
+(Replicated values that differ between ranks are checked at world 2 in test_agreement.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fz
+from fz.model.materialize import _fill, still_filled
+
+
+class Scaled(nn.Module):
+    """A Linear whose extra `gain` is set only in __init__ (reset_parameters does not touch it)."""
+
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def reset_parameters(self) -> None:  # nothing of its own: the Linear child has its own turn
+        pass
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+class Rope(nn.Module):
+    """A RoPE-like table computed in __init__; no reset_parameters."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+    def forward(self, x):
+        return x * self.inv_freq.repeat(2)
+
+
+class RopeWithReset(Rope):
+    """torchtune's way: reset_parameters() recomputes the table, so meta init works."""
+
+    def reset_parameters(self) -> None:
+        dim = 2 * self.inv_freq.numel()
+        self.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+
+
+class Net(nn.Module):
+    def __init__(self, rope=Rope):
+        super().__init__()
+        self.rope = rope()
+        self.blocks = nn.ModuleList(Scaled() for _ in range(2))
+        self.mask = nn.Module()
+        self.mask.register_buffer("keep", torch.tril(torch.ones(4, 4)).bool())  # a bool buffer from __init__
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.rope(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).mean() + 0 * self.mask.keep.sum()
+
+
+def _meta(**kw) -> Net:
+    with torch.device("meta"):
+        return Net(**kw)
+
+
+def test_tensors_meta_init_leaves_unset_are_named_with_what_to_do():
+    with pytest.raises(fz.ConfigError) as e:
+        fz.init(_meta(), fz.Spec(stage=3))
+    msg = str(e.value)
+    for name in ("'blocks.0.gain'", "'blocks.1.gain'", "'rope.inv_freq'", "'mask.keep'"):
+        assert name in msg, (name, msg)
+    assert "parameter 'blocks.0.gain': not set by Scaled.reset_parameters()" in msg
+    assert "buffer 'rope.inv_freq': not set: Rope has no reset_parameters()" in msg
+    assert "Spec(init_fn=" in msg and "build the model on the CPU" in msg
+    assert "'blocks.0.lin.weight'" not in msg and "'head.bias'" not in msg  # reset_parameters set those
+
+
+def test_init_fn_and_a_recomputing_reset_parameters_fill_them_with_the_cpu_values():
+    torch.manual_seed(0)
+    cpu = Net(rope=RopeWithReset)
+
+    def init_fn(name: str, module: nn.Module) -> None:
+        if isinstance(module, Scaled):
+            module.gain.fill_(1.0)
+        if name == "mask":
+            module.keep.copy_(torch.tril(torch.ones(4, 4)).bool())
+
+    for stage in (0, 3):
+        state = fz.init(_meta(rope=RopeWithReset), fz.Spec(stage=stage, init_fn=init_fn))
+        params = fz.full_params(state)
+        assert torch.equal(params["blocks.1.gain"], torch.ones(8))
+        assert torch.equal(state.buffers["rope.inv_freq"], cpu.rope.inv_freq)
+        assert torch.equal(state.buffers["mask.keep"], cpu.mask.keep)
+        state, loss = fz.train_step(state, torch.randn(4, 8))
+        assert torch.isfinite(loss)
+
+
+def test_a_partly_set_tensor_is_named_with_the_count():
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+        def reset_parameters(self):
+            self.w[:2].fill_(0.5)  # the other two rows stay uninitialised
+
+        def forward(self, x):
+            return (x @ self.w).mean()
+
+    with torch.device("meta"):
+        m = Half()
+    with pytest.raises(fz.ConfigError, match=r"parameter 'w': 8 of 16 elements not set by Half.reset_parameters\(\)"):
+        fz.init(m, fz.Spec())
+
+
+def test_the_sentinel_is_no_value_arithmetic_makes():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64):
+        made = torch.tensor([0.0, float("nan"), float("inf"), -1.0], dtype=dtype)
+        made = torch.cat([made, made * 0 / 0, torch.sqrt(-made.abs() - 1), made.exp() * float("inf")])
+        assert not still_filled(made).any(), (dtype, made)
+        filled = _fill(torch.empty(3, dtype=dtype), False)
+        assert still_filled(filled).all() and not still_filled(filled * 1).any(), dtype  # arithmetic quiets it
+    assert not still_filled(torch.tensor([-1, 0, 1, 2**31 - 1], dtype=torch.int32)).any()
