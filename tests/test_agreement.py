@@ -35,7 +35,7 @@ def _weighted_batches():
     return [synthetic_tokens(sum(WEIGHTED_ROWS), CFG.seq, CFG.vocab, seed=500 + s) for s in range(STEPS)]
 
 
-def _carry_on_after_a_failure(rank: int, world: int, stage: int) -> str:
+def _carry_on_after_a_failure(rank: int, world: int, stage: int):
     """Rank 1's second step fails after its collectives (it caught the exception and carried on
     with the state it had): its third step pairs with rank 0's third, one step behind."""
     state = fz.init(make_model(), spec(stage, 1))
@@ -52,7 +52,8 @@ def _carry_on_after_a_failure(rank: int, world: int, stage: int) -> str:
         pass  # ... and carries on
     finally:
         train_module.step_metrics = real
-    return _error(lambda: fz.train_step(state, batches[2][rank]))
+    msg = _error(lambda: fz.train_step(state, batches[2][rank]))
+    return msg, _error(lambda: fz.train_step(state, batches[2][rank]))  # its buffers took that update
 
 
 class Noisy(nn.Module):
@@ -105,9 +106,10 @@ def results(tmp_path_factory):
 
 def test_ranks_at_different_steps_raise_on_every_rank_naming_them(results):
     for rank, res in enumerate(results):
-        for stage, msg in res["steps"].items():
+        for stage, (msg, again) in res["steps"].items():
             assert "different steps" in msg, (rank, stage, msg)
             assert "rank 1: step 1" in msg and "rank 0: step 2" in msg, (rank, stage, msg)
+            assert "donated" in again, again  # the state the failed step took is not reused silently
 
 
 def test_unequal_batches_raise_naming_the_ranks_and_sizes(results):

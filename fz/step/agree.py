@@ -3,10 +3,11 @@
 Besides the loss, the all-reduce carries one slot per rank for its state's step, its
 batch rows and its batch elements (each rank fills its own slots, so the sum hands every
 rank all of them). A rank that fell behind (it caught an exception and carried on) or a
-batch of another size is then an error on every rank at once, naming the ranks, before
-the optimizer changes anything, and without a collective of its own. With
-`Spec.weight_by_rows` unequal batches are allowed and each rank counts by its rows: its
-loss is scaled by its rows before backward and the averaged gradients by ranks / total rows.
+batch of another size is then an error on every rank at once, naming the ranks, without a
+collective of its own; the all-reduce still runs while the optimizer does (the state the
+step took is then unusable: it was donated). With `Spec.weight_by_rows` unequal batches are
+allowed and each rank counts by its rows: its loss is scaled by its rows before backward
+and the averaged gradients by ranks / total rows, so that mode waits before the update.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from fz.offload.disk import DiskTensor
 from fz.offload.stream import disk_update, host_update
 from fz.background import raise_background_failures
+from fz.errors import ConfigError
 from fz.optim.transforms import current_lr
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
@@ -117,9 +118,10 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
-        loss, factor = agreement.finish(comm)  # ranks that disagree raise here, before any update
-        if factor != 1.0:
-            torch._foreach_mul_(list(grads.values()), factor)
+        if spec.weight_by_rows:  # the gradients' weights need every rank's rows before the update
+            loss, factor = agreement.finish(comm)
+            if factor != 1.0:
+                torch._foreach_mul_(list(grads.values()), factor)
         overflow = state.scaler is not None and any_overflow(comm, grads)
         new_sync, norm = None, None
         if not overflow:
@@ -140,6 +142,13 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
+    if not spec.weight_by_rows:  # waited for while the optimizer ran
+        try:
+            loss, _ = agreement.finish(comm)
+        except ConfigError:
+            if donate:  # its buffers took this update in place: no silent reuse
+                state.donate()
+            raise
 
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
