@@ -11,6 +11,7 @@ from fz.observe.comm_report import CommReport, comm_report
 from fz.observe.full_params import full_params
 from fz.observe.memory import MemoryReport, memory_report
 from fz.observe.monitor import Monitor
+from fz.planning import estimate
 from fz.spec import LossScale, Spec
 from fz.state import State, block_until_ready
 from fz.step.train import apply, eval_step, train_step
@@ -18,6 +19,6 @@ from fz.version import __version__
 
 __all__ = [
     "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
-    "apply", "block_until_ready", "comm_report", "data", "distributed", "eval_step", "full_params", "init",
+    "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "eval_step", "full_params", "init",
     "load_weights", "memory_report", "offload", "optim", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

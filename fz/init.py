@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
-from fz.model.skeleton import build_skeleton
+from fz.model.skeleton import bucket_entries, build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
 from fz.sharding.comm import Comm, full_views, pack
@@ -46,12 +46,10 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
 
-    named = list(model.named_parameters(remove_duplicate=True))
-    for n, p in named:
+    for n, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise ConfigError(f"parameter {n!r} is {p.dtype}; fz keeps fp32 parameters (precision is set in the Spec)")
-    order = sorted(range(len(named)), key=lambda i: skel.param_unit[named[i][0]])
-    entries = [(named[i][0], named[i][1].shape, skel.param_unit[named[i][0]], named[i][1].requires_grad) for i in order]
+    entries = bucket_entries(model, skel)
     if not any(e[3] for e in entries):
         raise ConfigError("every parameter of the model is frozen (requires_grad=False): there is nothing to train")
     shards = mesh.size(mesh.ndim - 1)

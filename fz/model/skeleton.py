@@ -126,3 +126,11 @@ def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None) -> Skele
     if not param_unit:
         raise ConfigError("the model has no parameters: there is nothing to train")
     return Skeleton(root, (Unit("", root, root_params, root_buffers), *units), param_unit, aliases)
+
+
+def bucket_entries(model: nn.Module, skel: Skeleton) -> List[Tuple[str, torch.Size, int, bool]]:
+    """(name, shape, unit, trainable) of every parameter in bucket order (by unit, then the
+    model's order): what `make_buckets` groups. fz.init and fz.estimate share it."""
+    named = list(model.named_parameters(remove_duplicate=True))
+    order = sorted(range(len(named)), key=lambda i: skel.param_unit[named[i][0]])
+    return [(named[i][0], named[i][1].shape, skel.param_unit[named[i][0]], named[i][1].requires_grad) for i in order]

@@ -29,6 +29,18 @@ def _row_statistic(path) -> bool:
     return any(isinstance(e, pytree.GetAttrKey) and e.name.endswith("_rows") for e in path)
 
 
+def placement_follows_rows(path, leaf: Tensor, expected: torch.Size, sharded: bool) -> bool:
+    """A row statistic (`*_rows`) of a sharded parameter: it takes the parameter's placement."""
+    return sharded and _row_statistic(path) and leaf.dim() > 0 and leaf.shape[0] == expected[0]
+
+
+def is_placed_leaf(path, leaf: Tensor, expected: torch.Size, sharded: bool) -> bool:
+    """Whether an optimizer-state leaf of a parameter becomes a DTensor with its placement (what
+    memory_report counts as optimizer bytes): parameter-shaped (`expected`: its local shape),
+    or a row statistic."""
+    return leaf.shape == expected or placement_follows_rows(path, leaf, expected, sharded)
+
+
 def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor]] = None) -> Any:
     """Local optimizer state -> the same tree with param-shaped leaves as DTensors.
 
@@ -49,7 +61,7 @@ def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor
             expected = s.local_shape(plan.shard_rank) if placement.is_shard() else s.shape
             if leaf.shape == expected:
                 return plan.to_dtensor(leaf, s.shape, placement)
-            if placement.is_shard() and _row_statistic(path) and leaf.dim() and leaf.shape[0] == expected[0]:
+            if placement_follows_rows(path, leaf, expected, placement.is_shard()):
                 return plan.to_dtensor(leaf, torch.Size((s.rows, *leaf.shape[1:])), placement)
         return leaf
 

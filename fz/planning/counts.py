@@ -1,0 +1,75 @@
+"""What the estimator needs to know about a model: its parameters in bucket order, by unit.
+
+From a model (built on the meta device or not: only shapes are read) through the same
+skeleton and bucket order `fz.init` uses, or from raw counts (total parameters, largest
+layer), as DeepSpeed's estimator takes them: then every layer is one unit of one tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from fz.errors import ConfigError
+from fz.model.skeleton import bucket_entries, build_skeleton
+
+Entry = Tuple[str, torch.Size, int, bool]  # (name, shape, unit, trainable)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Raw counts, as DeepSpeed's estimator takes them: total parameters and the largest layer's."""
+
+    total_params: int
+    largest_layer: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.total_params, int) and isinstance(self.largest_layer, int)) \
+                or not 0 < self.largest_layer <= self.total_params:
+            raise ConfigError(f"fz.estimate: counts need 0 < largest_layer <= total_params (integers), got "
+                              f"total_params={self.total_params!r}, largest_layer={self.largest_layer!r}")
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    entries: Tuple[Entry, ...]
+    unit_names: Tuple[str, ...]  # unit index -> module name ("" is the root)
+    buffer_bytes: int
+    model: Optional[nn.Module]  # None for raw counts (no activations can be traced)
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(e[1]) for e in self.entries)
+
+    @property
+    def largest_layer(self) -> int:
+        """Elements of the largest unit (the root included): what one gather holds at most."""
+        per: dict = {}
+        for _, shape, unit, _ in self.entries:
+            per[unit] = per.get(unit, 0) + math.prod(shape)
+        return max(per.values())
+
+
+def model_counts(model_or_counts: Union[nn.Module, Counts, Tuple[float, float]],
+                 wrap: Optional[Callable[[str, nn.Module], bool]] = None) -> ModelCounts:
+    """The parameters of a model (or of raw counts) in the order fz.init buckets them."""
+    if isinstance(model_or_counts, nn.Module):
+        skel = build_skeleton(model_or_counts, wrap)
+        buffers = sum(b.numel() * b.element_size() for b in model_or_counts.buffers())
+        return ModelCounts(tuple(bucket_entries(model_or_counts, skel)), tuple(u.name for u in skel.units),
+                           buffers, model_or_counts)
+    if isinstance(model_or_counts, tuple) and len(model_or_counts) == 2:
+        model_or_counts = Counts(int(model_or_counts[0]), int(model_or_counts[1]))
+    if not isinstance(model_or_counts, Counts):
+        raise ConfigError(f"fz.estimate needs an nn.Module, fz.planning.Counts or (total_params, largest_layer), "
+                          f"got {type(model_or_counts).__name__}")
+    total, largest = model_or_counts.total_params, model_or_counts.largest_layer
+    layers = -(-total // largest)
+    entries: List[Entry] = []
+    for i in range(layers):
+        numel = min(largest, total - i * largest)
+        entries.append((f"layer{i}", torch.Size((numel,)), i + 1, True))
+    return ModelCounts(tuple(entries), ("", *(f"layer{i}" for i in range(layers))), 0, None)

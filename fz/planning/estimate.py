@@ -1,0 +1,253 @@
+"""`fz.estimate`: bytes per device, per host and on disk of a configuration, before running it.
+
+Model states come from the accounting `fz.memory_report` measures, computed from the same
+pieces: the bucket plan `fz.init` would build (`make_buckets`, so the padding is the same),
+parameters in the compute dtype, fp32 master weights in mixed precision, the optimizer's
+own state from a meta-device run of its `init` on this rank's rows, and the offload
+policy's tiers. On top of that, what only exists during a step: the gathered buckets of
+stage 3 (`live_buckets` of them), reduction buffers in flight, the disk tier's I/O buffers,
+gradients as the optimizer reads them (fp32), and activations traced from one micro-batch
+(fz/planning/activations.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Shard
+
+from fz.errors import ConfigError
+from fz.planning.activations import default_batch, trace
+from fz.planning.counts import ModelCounts, model_counts
+from fz.precision import PRECISIONS
+from fz.sharding.buckets import make_buckets
+from fz.sharding.opt_state import _param_key, is_placed_leaf
+from fz.sharding.plan import ShardPlan
+from fz.spec import Spec
+from fz.step.grads import MAX_INFLIGHT
+from fz.step.runner import _wants_checkpoint
+
+KINDS = ("params", "master", "moments", "grads", "buffers")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted bytes of one configuration. Per-rank fields are the largest rank's (rank 0:
+    Shard(0) gives the first ranks the most rows); `per_host` and `per_disk` add up the ranks
+    of one node."""
+
+    world_size: int
+    nodes: int
+    stage: int
+    precision: str
+    num_params: int
+    params: int  # as memory_report: this rank's parameter storage (any tier)
+    grads: int  # as memory_report: the step's gradient buffers, in the parameters' dtype
+    master: int  # fp32 master weights (mixed precision)
+    optimizer: int  # the optimizer's own state (Adam: two moments); memory_report's opt = master + optimizer
+    buffers: int  # the model's buffers
+    gather: int  # stage 3: gathered buckets alive at once (the root's and live_buckets - 1 blocks')
+    reduce: int  # gradient reductions in flight (their own buffers)
+    grads_update: int  # gradients as the update reads them (fp32 copies in mixed precision)
+    sync: int  # stages 1-2: the buffers the updated parameters are all-gathered into (fz/sharding/sync.py)
+    io_buffers: int  # the disk tier's host buffers
+    activations: Optional[int]  # at the forward's end, traced from one micro-batch (None: no batch given)
+    backward: Optional[int]  # activations + gradients at backward's worst point (fz/planning/activations.py)
+    model_copy: int  # a model built normally (not on the meta device): its fp32 values on the host
+    tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
+    ranks_per_node: int = 1
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def per_device(self) -> int:
+        """Peak device bytes of one rank during a step."""
+        resident = sum(v for k, v in self.tiers["device"].items() if k != "grads")
+        # backward frees a block's activations as it makes the block's gradients (`backward` is
+        # its worst point); the update holds the gradients and, stages 1-2, the all-gathers' buffers
+        during_backward = self.reduce + max(self.grads_update, self.backward or 0)
+        return resident + self.gather + max(during_backward, self.grads_update + self.sync)
+
+    @property
+    def per_rank_host(self) -> int:
+        return sum(self.tiers["host"].values()) + self.model_copy
+
+    @property
+    def per_host(self) -> int:
+        """Host memory of one node: every local rank's host tier, I/O buffers and model copy."""
+        return self.ranks_per_node * self.per_rank_host
+
+    @property
+    def per_disk(self) -> int:
+        """Bytes the disk tier holds on one node (a step writes new files beside the old: fz
+        asks for twice this much free space)."""
+        return self.ranks_per_node * sum(self.tiers["disk"].values())
+
+    def __str__(self) -> str:
+        gb = lambda x: f"{x / 2**30:8.2f} GB"  # noqa: E731
+        rows = [("params", self.params), ("grads", self.grads), ("master", self.master),
+                ("optimizer", self.optimizer), ("buffers", self.buffers), ("gather", self.gather),
+                ("reduce", self.reduce), ("io_buffers", self.io_buffers),
+                ("activations", self.activations or 0), ("model copy", self.model_copy)]
+        head = (f"fz estimate: {self.num_params / 1e6:,.1f}M params, ZeRO stage {self.stage}, {self.precision}, "
+                f"{self.nodes} node(s) x {self.ranks_per_node} rank(s)")
+        body = [f"  {k:<12}{gb(v)}  per rank" for k, v in rows if v]
+        tail = [f"  per device {gb(self.per_device)} (peak)   per host {gb(self.per_host)}   "
+                f"on disk {gb(self.per_disk)} per node"]
+        return "\n".join([head, *body, *tail])
+
+
+def _rank_plan(buckets, world: int, shards: int, rank: int = 0) -> ShardPlan:
+    """A plan without a process group: enough for the layout helpers (rank 0 of shard group 0)."""
+    return ShardPlan(None, torch.device("cpu"), tuple(buckets), rank, tuple(range(world)), rank,
+                     tuple(range(shards)), world // shards, None, None)
+
+
+def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> int:
+    """Bytes of the optimizer state memory_report counts (leaves placed like their parameter)."""
+    flat = torch.empty(b.shard_numel if b.sharded_param else b.full_numel, dtype=el_dtype, device="meta")
+    mflat = torch.empty(b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel, device="meta") \
+        if mixed else None
+    views = dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
+    tree = spec.optimizer.init(views)
+    total = 0
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        key = _param_key(path)
+        if isinstance(leaf, torch.Tensor) and key in views and \
+                is_placed_leaf(path, leaf, views[key].shape, isinstance(b.place.opt, Shard)):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage: Optional[int] = None,
+             precision: Optional[str] = None, offload: Any = "spec", shard_group_size: Optional[int] = None,
+             micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
+             activation_checkpointing: Any = None, spec: Optional[Spec] = None, batch: Any = None,
+             zero_init: Optional[bool] = None) -> Estimate:
+    """Bytes per device, per host and on disk of training `model_or_counts` (an nn.Module, best
+    built on the meta device, or raw counts `(total_params, largest_layer)`) as `spec` says, with
+    the keywords overriding it. Activations are traced from one micro-batch when `batch` (shapes
+    only) or `micro_batch` and `seq_len` (token ids) are given. `zero_init`: the model is built on
+    the meta device (default: True unless `model_or_counts` is a module with real values)."""
+    spec = spec or Spec()
+    changes = dict(stage=stage, precision=precision, shard_group_size=shard_group_size,
+                   activation_checkpointing=activation_checkpointing)
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if offload != "spec":
+        changes["offload"] = offload
+    spec = spec.replace(**changes)
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(nodes, int) or nodes < 1 \
+            or world_size % nodes:
+        raise ConfigError(f"fz.estimate: world_size={world_size!r} must be a positive multiple of nodes={nodes!r}")
+    shards = spec.shard_group_size or world_size
+    if world_size % shards:
+        raise ConfigError(f"fz.estimate: shard_group_size={shards} does not divide world_size={world_size}")
+    counts = model_counts(model_or_counts, spec.wrap)
+    buckets = make_buckets(counts.entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
+    plan = _rank_plan(buckets, world_size, shards)
+    dtype, mixed = spec.compute_dtype, spec.precision != "fp32"
+    el = torch.empty((), dtype=dtype).element_size()
+    policy = spec.offload if spec.offload is not None and spec.offload.active else None
+    tiers = {t: dict.fromkeys(KINDS, 0) for t in ("device", "host", "disk")}
+    params = grads = master = opt = 0
+    for b in buckets:
+        p = (b.shard_numel if b.sharded_param else b.full_numel) * el
+        tier = policy.params if policy else "device"
+        tiers["device" if tier == "disk" and not b.sharded_param else tier]["params"] += p
+        params += p
+        if not b.trainable:
+            continue
+        grads += (b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel) * el
+        m = (b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel) * 4 if mixed else 0
+        o = _opt_bytes(spec, plan, b, mixed, dtype)
+        tier = policy.optimizer if policy else "device"
+        tiers[tier]["master"] += m
+        tiers[tier]["moments"] += o
+        master, opt = master + m, opt + o
+    tiers["device"]["grads"] = grads
+    tiers["device"]["buffers"] = counts.buffer_bytes
+    io = policy.buffers * int(policy.buffer_mb * 2**20) if policy and "disk" in (policy.optimizer, policy.params) else 0
+    if io:
+        tiers["host"]["io_buffers"] = io
+    return Estimate(world_size, nodes, spec.stage, spec.precision, counts.num_params, params, grads, master, opt,
+                    counts.buffer_bytes, _gather(spec, buckets, el), _reduce(spec, buckets, shards),
+                    _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
+                    *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
+                    _model_copy(counts, zero_init),
+                    tiers, world_size // nodes)
+
+
+def _gather(spec: Spec, buckets, el: int) -> int:
+    """Stage 3: the root's gathered buckets (held for the whole step) and the largest
+    `live_buckets - 1` blocks' ones (the running block and the prefetched or kept ones)."""
+    sharded = [b for b in buckets if b.sharded_param]
+    root = sum(b.full_numel for b in sharded if b.unit == 0)
+    blocks = sorted((b.full_numel for b in sharded if b.unit != 0), reverse=True)
+    return (root + sum(blocks[:spec.live_buckets - 1])) * el
+
+
+def _reduce(spec: Spec, buckets, shards: int) -> int:
+    """Gradient buffers of the buckets being reduced (at most MAX_INFLIGHT at once), in the reduce
+    dtype: a packed full bucket and its shard when sharded, the bucket's full gradient otherwise
+    (autograd sums its parameters' gradients into one bucket-sized buffer)."""
+    rb = PRECISIONS[spec.reduce_dtype or "fp32"].itemsize
+    trainable = [b for b in buckets if b.trainable]
+    if shards > 1 and spec.stage > 0:
+        sizes = [b.padded_numel + b.shard_numel for b in trainable]
+    else:
+        sizes = [b.full_numel for b in trainable]
+    return sum(sorted(sizes, reverse=True)[:MAX_INFLIGHT]) * rb
+
+
+def _grads_update(buckets, el: int, mixed: bool, shards: int, spec: Spec) -> int:
+    """Gradients as the update holds them (this rank's rows when the optimizer state is sharded):
+    the last micro-batch's sum stays in the reduce dtype when that is wider (fp32); a narrower
+    sum (one rank, or a low reduce_dtype) is copied to fp32 for the optimizer beside itself."""
+    rb = PRECISIONS[spec.reduce_dtype or "fp32"].itemsize
+    kept = max(el, rb) if shards > 1 else el
+    n = sum(b.shard_numel if shards > 1 and (isinstance(b.place.grad, Shard) or isinstance(b.place.opt, Shard))
+            else b.full_numel for b in buckets if b.trainable)
+    return n * (kept + (4 if mixed and kept < 4 else 0))
+
+
+def _sync(buckets, el: int, shards: int) -> int:
+    """Stages 1-2 over several ranks: one gathered buffer per replicated, sharded-optimizer bucket."""
+    if shards == 1:
+        return 0
+    return sum(b.padded_numel for b in buckets if b.trainable and not b.sharded_param
+               and isinstance(b.place.opt, Shard)) * el
+
+
+def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int, batch, micro_batch,
+                 seq_len) -> Tuple[Optional[int], Optional[int]]:
+    """(activations at the forward's end, activations + gradients at backward's worst point)."""
+    if batch is None and micro_batch is None:
+        return None, None
+    if counts.model is None:
+        raise ConfigError("fz.estimate: activations need a model to trace (raw counts have none); "
+                          "leave micro_batch/seq_len unset, or pass the model")
+    if batch is None:
+        if seq_len is None:
+            raise ConfigError("fz.estimate: micro_batch= needs seq_len= (or pass batch= with one micro-batch)")
+        batch = default_batch(micro_batch, seq_len)
+    t = trace(counts.model, counts.unit_names, batch, spec.precision, spec.loss_fn)
+    policy = spec.activation_checkpointing
+    modules = {n: counts.model.get_submodule(n) for n in counts.unit_names[1:]}
+    grads: Dict[str, int] = {}
+    for b in buckets:
+        if b.trainable:
+            n = b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel
+            grads[counts.unit_names[b.unit]] = grads.get(counts.unit_names[b.unit], 0) + n * el
+    return t.peaks(lambda name: bool(policy) and _wants_checkpoint(policy, name, modules[name]), grads)
+
+
+def _model_copy(counts: ModelCounts, zero_init: Optional[bool]) -> int:
+    """A model built with real values stays in the user's hands: 4 bytes per parameter per rank."""
+    if zero_init is None:
+        zero_init = counts.model is None or all(p.is_meta for p in counts.model.parameters())
+    return 0 if zero_init else counts.num_params * 4 + counts.buffer_bytes
+

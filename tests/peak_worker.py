@@ -1,0 +1,54 @@
+"""One configuration's peak RSS above the baseline, on each rank of a fresh process group.
+
+`measure(rank, world, cfg)` runs under fz.testing.spawn.run_ranks (test_planning.py): the
+peak RSS (VmHWM) minus the RSS before fz.init (interpreter, torch, fz and the meta model
+loaded), and fz.estimate's prediction for the same configuration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(key)
+
+
+def measure(rank: int, world: int, cfg: dict) -> dict:
+    import torch
+    import fz
+    from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+    torch.set_num_threads(1)
+    gpt = GPTConfig(**cfg["gpt"])
+    with torch.device("meta"):
+        model = GPT(gpt)
+    offload = cfg.get("offload")
+    if offload == "cpu":
+        offload = fz.offload.cpu()
+    elif offload == "nvme":
+        path = os.path.join(cfg["path"], f"rank{rank}")
+        os.makedirs(path, exist_ok=True)
+        offload = fz.offload.nvme(path, params=True, buffer_mb=cfg.get("buffer_mb", 32))
+    spec = fz.Spec(stage=cfg["stage"], precision=cfg["precision"], loss_fn=lm_loss, offload=offload,
+                   activation_checkpointing=cfg.get("ac", False), clip_grad_norm=1.0)
+    micro = cfg["micro"]
+    data = synthetic_tokens(micro * cfg["steps"], gpt.seq, gpt.vocab, seed=rank)
+    est = fz.estimate(model, spec=spec, micro_batch=micro, seq_len=gpt.seq + 1, world_size=world)
+    base = rss("VmRSS")
+    state = fz.init(model, spec)
+    for i in range(cfg["steps"]):
+        state, loss = fz.train_step(state, data[i * micro:(i + 1) * micro])
+    float(loss)
+    return {"peak": rss("VmHWM") - base, "predicted": est.per_device + est.per_rank_host,
+            "states": est.model_states, "activations": est.activations}
+
+
+if __name__ == "__main__":  # by hand: python tests/peak_worker.py WORLD '{"stage": 0, ...}'
+    from fz.testing.spawn import run_ranks
+    print(json.dumps(run_ranks(int(sys.argv[1]), measure, json.loads(sys.argv[2]))))
