@@ -46,6 +46,12 @@ def parse_args():
     return p.parse_args()
 
 
+def headline_model(params: float = 2.5e9, seq: int = 128):
+    """The headline's model (`fz plan --model benchmarks/offload.py:headline_model`: built on the meta device)."""
+    from fz.testing.gpt import GPT
+    return GPT(gpt_config(int(params), seq)[0])
+
+
 def _timed(obj, name: str, totals: dict) -> None:
     """Wrap obj.name to add its wall time to totals[name] (the time split of a step)."""
     fn = getattr(obj, name)

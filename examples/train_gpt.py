@@ -68,6 +68,11 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+def default_model() -> GPT:
+    """The example's model at its default sizes (`fz plan --model examples/train_gpt.py:default_model`)."""
+    return GPT(seq=128, dim=128, heads=4, layers=4)
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())

@@ -11,7 +11,7 @@ from fz.observe.comm_report import CommReport, comm_report
 from fz.observe.full_params import full_params
 from fz.observe.memory import MemoryReport, memory_report
 from fz.observe.monitor import Monitor
-from fz.planning import estimate
+from fz.planning import estimate, estimate_table, plan
 from fz.spec import LossScale, Spec
 from fz.state import State, block_until_ready
 from fz.step.train import apply, eval_step, train_step
@@ -19,6 +19,6 @@ from fz.version import __version__
 
 __all__ = [
     "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "Spec", "State",
-    "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "eval_step", "full_params", "init",
-    "load_weights", "memory_report", "offload", "optim", "restore", "save", "train_step", "wait_for_checkpoints",
+    "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step", "full_params", "init",
+    "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

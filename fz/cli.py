@@ -3,6 +3,7 @@
     fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file
     fz inspect CKPT                                      step, world, stage, sizes, verification
     fz --version                                         fz's version, and torch's
+    fz estimate ... / fz plan ...                        memory estimates and plans (fz/planning/cli.py)
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.add_argument("--step", type=int, default=None, help="a step of the root instead of `latest`")
         p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
         p.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
+    # issue 11: memory estimator and automatic plan
+    from fz.planning.cli import add_commands
+    add_commands(sub)
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()

@@ -1,0 +1,104 @@
+"""`fz estimate` and `fz plan`: the estimator table and the automatic plan from the command line.
+
+    fz estimate --params 2.8e9 --largest-layer 65e6 --gpus-per-node 8 --nodes 1
+    fz estimate --model pkg.mod:factory [--loss-fn pkg.mod:fn] [--micro-batch 4 --seq-len 1024]
+    fz plan --model path/to/file.py:factory [--world-size 2] [--device-gb 80 --host-gb 512 --disk-gb 2000]
+
+A factory is called with no arguments under `torch.device("meta")` (nothing is allocated);
+it returns an nn.Module. Importing it runs that module's code, as `python file.py` would.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+from fz.errors import ConfigError
+
+GB = 2**30
+
+
+def load(ref: str) -> Callable[..., Any]:
+    """`pkg.mod:name` or `path/to/file.py:name` -> the object it names."""
+    where, sep, name = ref.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"{ref!r}: expected module:function (pkg.mod:factory or path/to/file.py:factory)")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ConfigError(f"{ref!r}: no file {where}")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise ConfigError(f"{ref!r}: {where} has no {name!r}")
+    return getattr(module, name)
+
+
+def build(ref: str):
+    import torch
+    with torch.device("meta"):
+        model = load(ref)()
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"{ref}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _target(args: argparse.Namespace):
+    from fz.planning.counts import Counts
+    if args.model:
+        return build(args.model)
+    if args.params is None or args.largest_layer is None:
+        raise ConfigError("give --model module:factory, or --params and --largest-layer (raw counts)")
+    return Counts(int(args.params), int(args.largest_layer))
+
+
+def _spec(args: argparse.Namespace):
+    from fz.spec import Spec
+    return Spec(loss_fn=load(args.loss_fn) if args.loss_fn else None)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from fz.planning.table import estimate_table
+    print(estimate_table(_target(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.precision,
+                         spec=_spec(args), nvme_path=args.nvme_path, micro_batch=args.micro_batch, seq_len=args.seq_len))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from fz.planning.ladder import plan
+    gb = lambda x: None if x is None else x * GB  # noqa: E731
+    plan(_target(args), spec=_spec(args).replace(precision=args.precision), world_size=args.world_size,
+         nodes=args.nodes, device_budget=gb(args.device_gb), host_budget=gb(args.host_gb), disk_budget=gb(args.disk_gb),
+         nvme_path=args.nvme_path, margin=args.margin, micro_batch=args.micro_batch, seq_len=args.seq_len, report=print)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register `fz estimate` and `fz plan` on the `fz` command's subparsers."""
+    e = sub.add_parser("estimate", help="memory per GPU / CPU / disk for every stage and offload (DeepSpeed's table)")
+    e.add_argument("--params", type=float, help="total parameters (raw counts), e.g. 2.8e9")
+    e.add_argument("--largest-layer", type=float, help="parameters of the largest layer (raw counts), e.g. 65e6")
+    e.add_argument("--gpus-per-node", "--num-gpus", type=int, default=1)
+    e.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    e.set_defaults(fn=_estimate)
+    p = sub.add_parser("plan", help="the fastest configuration that fits this machine (or the given budgets)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks in all (default: this node's GPUs, else 1)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="where the ladder starts")
+    p.add_argument("--device-gb", type=float, help="per-device budget (default: this machine's)")
+    p.add_argument("--host-gb", type=float, help="per-host budget (default: this machine's RAM)")
+    p.add_argument("--disk-gb", type=float, help="free disk for the NVMe tier (default: free space under --nvme-path)")
+    p.add_argument("--margin", type=float, default=0.2, help="fraction of each budget kept free (default 0.2)")
+    p.set_defaults(fn=_plan)
+    for c in (e, p):
+        c.add_argument("--model", help="module:factory returning the nn.Module (called under the meta device)")
+        c.add_argument("--loss-fn", help="module:function (model, batch) -> loss, for the activation trace")
+        c.add_argument("--nodes", "--num-nodes", "--num_nodes", type=int, default=1)
+        c.add_argument("--micro-batch", type=int, help="rows per micro-batch: traces activations")
+        c.add_argument("--seq-len", type=int, help="tokens per row of the traced micro-batch")
+        c.add_argument("--nvme-path", default="nvme", help="the disk tier's directory (default ./nvme)")

@@ -1,0 +1,123 @@
+"""`fz.plan`: the seed's procedure for picking a configuration, as code.
+
+Start with the fastest configuration and, while it does not fit, take one step toward the
+most frugal (DeepSpeed's advice, each step keeping the previous ones): activation
+checkpointing, ZeRO-2, + optimizer offload to the host, ZeRO-3, + parameter offload to the
+host, lower precision (bf16), then NVMe for the optimizer state and the parameters. Each
+candidate is checked with `fz.estimate` against the budgets less a safety margin (the
+estimate counts live bytes; the allocator keeps some freed memory, measured 5-20% on glibc),
+and the disk tier needs twice its bytes free, as `fz.init` requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+from fz.errors import ConfigError
+from fz.offload.policy import cpu, nvme
+from fz.planning.estimate import Estimate, estimate
+from fz.planning.machine import Budgets, local_devices, this_machine
+from fz.planning.render import plan_report
+from fz.spec import Spec
+
+GB = 2**30
+
+
+def rungs(base: Spec, nvme_path: str, activations: bool = True) -> List[Tuple[str, Spec]]:
+    """The ladder from fastest to most frugal; each rung keeps the previous rungs' changes.
+    Without `activations` (no batch shape to trace) checkpointing has nothing to show for itself."""
+    steps: List[Tuple[str, Callable[[Spec], Spec]]] = [
+        ("ZeRO-0 (data parallel)", lambda s: s.replace(stage=0, offload=None)),
+        ("+ activation checkpointing", lambda s: s.replace(activation_checkpointing=True)),
+        ("ZeRO-2", lambda s: s.replace(stage=2)),
+        ("ZeRO-2 + optimizer offload (host)", lambda s: s.replace(offload=cpu())),
+        ("ZeRO-3 + optimizer offload (host)", lambda s: s.replace(stage=3)),
+        ("ZeRO-3 + optimizer and parameter offload (host)", lambda s: s.replace(offload=cpu(params=True))),
+        ("+ bf16 mixed precision", lambda s: s.replace(precision="bf16") if s.precision == "fp32" else s),
+        ("ZeRO-3 + optimizer and parameter offload (NVMe)", lambda s: s.replace(offload=nvme(nvme_path, params=True))),
+    ]
+    out, spec = [], base
+    for name, step in steps:
+        if name.startswith("+ activation") and not activations:
+            continue
+        spec = step(spec)
+        out.append((name, spec))
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    spec: Spec
+    estimate: Estimate
+    problems: Tuple[str, ...]  # empty: it fits
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def check(est: Estimate, budgets: Budgets, margin: float) -> Tuple[str, ...]:
+    """Why `est` does not fit `budgets` (an empty tuple if it does)."""
+    usable = lambda b: b * (1 - margin)  # noqa: E731
+    out = []
+    local = est.ranks_per_node
+    if budgets.device_is_host:
+        need = local * (est.per_device + est.per_rank_host)
+        if need > usable(budgets.host):
+            out.append(f"needs {need / GB:.2f} GB of memory ({local} rank(s) x (device {est.per_device / GB:.2f} + "
+                       f"host {est.per_rank_host / GB:.2f})) > {usable(budgets.host) / GB:.2f} GB "
+                       f"({budgets.host / GB:.2f} GB less the {margin:.0%} margin)")
+    else:
+        if est.per_device > usable(budgets.device):
+            out.append(f"needs {est.per_device / GB:.2f} GB per device > {usable(budgets.device) / GB:.2f} GB")
+        if est.per_host > usable(budgets.host):
+            out.append(f"needs {est.per_host / GB:.2f} GB per host > {usable(budgets.host) / GB:.2f} GB")
+    if est.per_disk and 2 * est.per_disk > budgets.disk:
+        out.append(f"the disk tier holds {est.per_disk / GB:.2f} GB per node and needs twice that free, "
+                   f"{budgets.disk / GB:.2f} GB are")
+    return tuple(out)
+
+
+def candidates(model: Any, *, base: Optional[Spec] = None, world_size: Optional[int] = None, nodes: int = 1,
+               device_budget: Optional[float] = None, host_budget: Optional[float] = None,
+               disk_budget: Optional[float] = None, nvme_path: str = "nvme", margin: float = 0.2,
+               micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
+               stop_at_first: bool = True) -> Tuple[List[Candidate], Budgets]:
+    """The ladder's rungs, estimated and checked, up to the first that fits (or all of them)."""
+    machine = this_machine(nvme_path)
+    budgets = Budgets(int(device_budget) if device_budget is not None else machine.device,
+                      int(host_budget) if host_budget is not None else machine.host,
+                      int(disk_budget) if disk_budget is not None else machine.disk, machine.device_is_host)
+    world = world_size or local_devices() * nodes
+    out: List[Candidate] = []
+    for name, spec in rungs(base or Spec(), nvme_path, batch is not None or micro_batch is not None):
+        est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
+                       batch=batch)
+        out.append(Candidate(name, spec, est, check(est, budgets, margin)))
+        if out[-1].fits and stop_at_first:
+            break
+    return out, budgets
+
+
+def plan(model: Any, *, spec: Optional[Spec] = None, world_size: Optional[int] = None, nodes: int = 1,
+         device_budget: Optional[float] = None, host_budget: Optional[float] = None,
+         disk_budget: Optional[float] = None, nvme_path: str = "nvme", margin: float = 0.2,
+         micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
+         report: Optional[Callable[[str], None]] = None) -> Spec:
+    """The fastest configuration of `spec` (optimizer, loss, batch...) that fits the budgets
+    (defaults: this machine's RAM, GPU memory and the free disk under `nvme_path`). `report`
+    (e.g. print) receives why each faster rung was rejected, the Spec as Python and its DeepSpeed JSON."""
+    if not 0 <= margin < 1:
+        raise ConfigError(f"fz.plan: margin={margin!r} must be in [0, 1) (the fraction of each budget kept free)")
+    found, budgets = candidates(model, base=spec, world_size=world_size, nodes=nodes, device_budget=device_budget,
+                                host_budget=host_budget, disk_budget=disk_budget, nvme_path=nvme_path,
+                                margin=margin, micro_batch=micro_batch, seq_len=seq_len, batch=batch)
+    if report is not None:
+        report(plan_report(found, budgets))
+    if not found[-1].fits:
+        last = found[-1]
+        raise ConfigError(f"fz.plan: no configuration fits; the most frugal ({last.name}) "
+                          f"{'; '.join(last.problems)}. Use more devices or nodes (world_size=, nodes=), a smaller "
+                          "micro-batch, or a larger disk for the NVMe tier (nvme_path=)")
+    return found[-1].spec
