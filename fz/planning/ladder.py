@@ -40,8 +40,10 @@ def rungs(base: Spec, nvme_path: str, activations: bool = True) -> List[Tuple[st
     for name, step in steps:
         if name.startswith("+ activation") and not activations:
             continue
-        spec = step(spec)
-        out.append((name, spec))
+        nxt = step(spec)
+        if nxt != spec or not out:  # a rung that changes nothing (bf16 already) is not a step
+            spec = nxt
+            out.append((name, spec))
     return out
 
 

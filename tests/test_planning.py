@@ -1,0 +1,168 @@
+"""fz.estimate / estimate_table / plan: predictions against memory_report and measured peaks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fz
+from fz.config.export import to_deepspeed
+from fz.planning.ladder import candidates
+from fz.testing.gpt import GPT, GPTConfig, lm_loss
+from fz.testing.spawn import run_ranks
+from peak_worker import measure
+
+SMALL = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=3)
+MID = {"vocab": 4096, "seq": 128, "dim": 512, "heads": 8, "layers": 8}  # 27M params: states dominate noise
+
+
+def _meta(cfg=SMALL):
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def _configs(path):
+    """(stage, precision, offload, shard_group_size) combinations memory_report is compared on."""
+    out = []
+    for stage in range(4):
+        for prec in ("fp32", "bf16"):
+            out.append((stage, prec, None, None))
+        if stage:
+            out.append((stage, "bf16", fz.offload.cpu(), None))
+    out += [(3, "fp32", fz.offload.nvme(path, params=True, buffer_mb=1), None), (3, "bf16", fz.offload.cpu(params=True), None),
+            (3, "bf16", None, 2), (2, "fp32", None, 2)]
+    return out
+
+
+def _compare(rank, world, path):
+    """Every rank's memory_report against fz.estimate for the same rank position (rank 0 holds the most)."""
+    out = []
+    os.makedirs(os.path.join(path, f"r{rank}"), exist_ok=True)
+    for stage, prec, off, group in _configs(os.path.join(path, f"r{rank}")):
+        if group is not None and world % group:
+            continue
+        spec = fz.Spec(stage=stage, precision=prec, offload=off, shard_group_size=group, loss_fn=lm_loss, bucket_mb=0.01)
+        r = fz.memory_report(fz.init(_meta(), spec))
+        e = fz.estimate(_meta(), spec=spec, world_size=world)
+        out.append(((stage, prec, off and (off.optimizer, off.params), group),
+                    (r.params, r.grads, r.opt, r.tiers), (e.params, e.grads, e.master + e.optimizer, e.tiers)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_estimate_equals_memory_report(world, tmp_path):
+    results = run_ranks(world, _compare, str(tmp_path), timeout=240)
+    for what, measured, predicted in results[0]:  # rank 0: the estimate is the largest rank's
+        assert measured == predicted, (world, what)
+    assert len(results[0]) >= 12
+
+
+def test_peak_within_10_percent(tmp_path, monkeypatch):
+    """Peak RSS above the baseline vs per_device + per_rank_host (host = device on this CPU).
+    glibc's dynamic mmap threshold would keep freed blocks of up to 32 MB in the heap, so RSS
+    would count freed memory too: a fixed threshold makes RSS follow the live bytes."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    nvme_gpt = dict(MID, vocab=1024)
+    runs = [(1, dict(stage=3, precision="bf16", micro=8, gpt=MID)),
+            (1, dict(stage=0, precision="fp32", micro=16, ac=True, gpt=MID)),
+            (1, dict(stage=3, precision="bf16", micro=2, offload="nvme", buffer_mb=12, path=str(tmp_path), gpt=nvme_gpt)),
+            (2, dict(stage=2, precision="bf16", micro=2, gpt=MID))]
+    for world, cfg in runs:
+        for r in run_ranks(world, measure, dict(cfg, steps=2), timeout=240):
+            assert abs(r["peak"] - r["predicted"]) <= 0.10 * r["peak"], (cfg, r)
+
+
+def test_activations_traced_and_checkpointing_saves():
+    m = _meta(GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=4))
+    spec = fz.Spec(loss_fn=lm_loss)
+    full = fz.estimate(m, spec=spec, micro_batch=4, seq_len=65)
+    ckpt = fz.estimate(m, spec=spec, micro_batch=4, seq_len=65, activation_checkpointing=True)
+    double = fz.estimate(m, spec=spec, micro_batch=8, seq_len=65)
+    assert 0 < ckpt.activations < full.activations
+    assert double.activations == pytest.approx(2 * full.activations, rel=0.02)  # linear in the batch
+    assert fz.estimate(m, spec=spec).activations is None
+    with pytest.raises(fz.ConfigError, match="seq_len"):
+        fz.estimate(m, spec=spec, micro_batch=4)
+    with pytest.raises(fz.ConfigError, match="raw counts"):
+        fz.estimate((1000, 100), micro_batch=4, seq_len=8)
+
+
+def test_seed_table_raw_counts():
+    """The seed's example: 2,783M params, 65M largest layer, 1 node x 1 GPU (README: the formulas)."""
+    text = fz.estimate_table((2783e6, 65e6), gpus_per_node=1, nodes=1)
+    lines = text.splitlines()
+    assert lines[:4] == ["Estimated memory needed for params, optim states and gradients for a:",
+                         "HW: Setup with 1 node, 1 GPU per node.",
+                         "SW: Model with 2783M total params, 65M largest layer params; fz, bf16, no activations.",
+                         "  per CPU  |  per GPU |   Options"]
+    assert len(lines) == 4 + 2 * (5 + 3 + 3 + 1)  # zero_init 1/0 x the offload options of stages 3, 2, 1, 0
+    psi, layer, gb = 2783e6, 65e6, 2**30
+    row = {l.split("| ")[2]: l for l in lines[4:]}
+    def cols(key):
+        cpu, gpu = row[key].split("|")[:2]
+        return float(cpu.strip()[:-2]) * gb, float(gpu.strip()[:-2]) * gb
+    # ZeRO-3, nothing offloaded: device 14Ψ resident (2 params + 4 master + 8 moments) + 2 gathered layers (2L x 2 B)
+    # + max(2 reductions in flight (2L x 4 B) + the update's gradients (2 bf16 + 4 fp32: 6Ψ))
+    cpu, gpu = cols("stage=3, offload_param=none, offload_optimizer=none, zero_init=1")
+    assert cpu == 0 and gpu == pytest.approx(14 * psi + 4 * layer + 8 * layer + 6 * psi, rel=1e-3)
+    cpu, gpu = cols("stage=3, offload_param=none, offload_optimizer=none, zero_init=0")
+    assert cpu == pytest.approx(4 * psi, rel=1e-3)  # the model built with values: fp32 on the host
+    cpu, gpu = cols("stage=3, offload_param=cpu , offload_optimizer=cpu , zero_init=1")
+    assert cpu == pytest.approx(14 * psi, rel=1e-3) and gpu == pytest.approx(4 * layer + 8 * layer + 6 * psi, rel=1e-3)
+    cpu, gpu = cols("stage=3, offload_param=none, offload_optimizer=cpu , zero_init=1")
+    assert cpu == pytest.approx(12 * psi, rel=1e-3) and gpu == pytest.approx(2 * psi + 12 * layer + 6 * psi, rel=1e-3)
+    nvme_row = row["stage=3, offload_param=nvme, offload_optimizer=nvme, zero_init=1 (+36.29GB on disk per node)"]
+    assert nvme_row.startswith("    0.06GB")  # on the host only the 4 I/O buffers of 16 MB; 14Ψ on disk
+
+
+def test_plan_ladder_and_deepspeed_json(tmp_path, capsys):
+    model = _meta(GPTConfig(**MID))
+    base = fz.Spec(loss_fn=lm_loss)
+    roomy = fz.plan(model, spec=base, world_size=2, device_budget=2**40, host_budget=2**40, disk_budget=2**40,
+                    micro_batch=2, seq_len=129, nvme_path=str(tmp_path))
+    assert roomy.stage == 0 and not roomy.activation_checkpointing and roomy.offload is None
+    found, _ = candidates(model, base=base, world_size=2, micro_batch=2, seq_len=129, nvme_path=str(tmp_path),
+                          stop_at_first=False, disk_budget=2**40)
+    needs = [c.estimate.ranks_per_node * (c.estimate.per_device + c.estimate.per_rank_host) for c in found]
+    chosen, budgets = [], sorted(set(needs), reverse=True)
+    for need in budgets:  # a budget that just fits each distinct need, largest first
+        spec = fz.plan(model, spec=base, world_size=2, host_budget=need / 0.8, device_budget=need / 0.8,
+                       disk_budget=2**40, micro_batch=2, seq_len=129, nvme_path=str(tmp_path), report=print)
+        chosen.append([c.spec for c in found].index(spec))
+    assert chosen == sorted(chosen) and len(set(chosen)) >= 4  # ever more frugal as the budget shrinks
+    assert all(needs[i] <= b for i, b in zip(chosen, budgets))  # and each one fits its budget
+    out = capsys.readouterr().out
+    assert "rejected: needs" in out and "spec = fz.Spec(stage=" in out and '"zero_optimization"' in out
+    with pytest.raises(fz.ConfigError, match="no configuration fits"):
+        fz.plan(model, spec=base, world_size=2, host_budget=1e6, device_budget=1e6, disk_budget=1e6,
+                nvme_path=str(tmp_path))
+    for c in found:  # the DeepSpeed JSON reads back into the same Spec
+        back = fz.Spec.from_deepspeed(to_deepspeed(c.spec, 2), world_size=2)
+        for f in ("stage", "precision", "activation_checkpointing", "offload", "bucket_mb", "live_buckets", "prefetch"):
+            assert getattr(back, f) == getattr(c.spec, f), (c.name, f)
+
+
+def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):
+    """This machine's budgets (RAM, free disk of the NVMe path): the example GPT trains at stage 0,
+    the offload benchmark's 2.5B-parameter model needs stage 3 with NVMe (estimated on the meta device)."""
+    from fz.cli import main
+    assert main(["plan", "--model", "examples/train_gpt.py:default_model", "--loss-fn", "examples/train_gpt.py:lm_loss",
+                 "--micro-batch", "8", "--seq-len", "129", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:\n  ZeRO-0" in out and "spec = fz.Spec(loss_fn=loss_fn)" in out
+    assert main(["plan", "--model", "benchmarks/offload.py:headline_model", "--world-size", "2", "--precision", "bf16",
+                 "--host-gb", "23.5", "--device-gb", "23.5", "--disk-gb", "76"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:\n  ZeRO-3 + optimizer and parameter offload (NVMe)" in out
+    assert "offload=fz.offload.nvme('nvme', params=True)" in out and '"device": "nvme"' in out
+    assert out.count("rejected") == 5
+
+
+def test_cli_estimate_raw_counts(capsys):
+    from fz.cli import main
+    assert main(["estimate", "--params", "2.8e9", "--largest-layer", "65e6", "--gpus-per-node", "8", "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "HW: Setup with 1 node, 8 GPUs per node." in out and "SW: Model with 2800M total params" in out
+    assert main(["estimate", "--params", "2.8e9"]) == 2
+    assert "--largest-layer" in capsys.readouterr().err
