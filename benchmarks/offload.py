@@ -46,10 +46,11 @@ def parse_args():
     return p.parse_args()
 
 
-def headline_model(params: float = 2.5e9, seq: int = 128):
-    """The headline's model (`fz plan --model benchmarks/offload.py:headline_model`: built on the meta device)."""
+def headline_model(params: float = 2.5e9, seq: int = 128, dim: int = 3072):
+    """The headline's model, as RESULTS.md ran it (`fz plan --model benchmarks/offload.py:headline_model`:
+    built on the meta device)."""
     from fz.testing.gpt import GPT
-    return GPT(gpt_config(int(params), seq)[0])
+    return GPT(gpt_config(int(params), seq, dim)[0])
 
 
 def _timed(obj, name: str, totals: dict) -> None:

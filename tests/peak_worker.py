@@ -49,6 +49,33 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
             "states": est.model_states, "activations": est.activations}
 
 
+def measure_plan(rank: int, world: int, cfg: dict) -> dict:
+    """fz.plan under a budget (memory per node, shared by its ranks), then its Spec trained: the peak."""
+    import torch
+    import fz
+    from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+    torch.set_num_threads(1)
+    gpt = GPTConfig(**cfg["gpt"])
+    with torch.device("meta"):
+        model = GPT(gpt)
+    path = os.path.join(cfg["path"], f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    spec = fz.plan(model, spec=fz.Spec(loss_fn=lm_loss, clip_grad_norm=1.0), world_size=world,
+                   host_budget=cfg["budget"], device_budget=cfg["budget"], disk_budget=cfg.get("disk", 2**40),
+                   micro_batch=cfg["micro"], seq_len=gpt.seq + 1, nvme_path=path)
+    micro = cfg["micro"]
+    data = synthetic_tokens(micro * 2, gpt.seq, gpt.vocab, seed=rank)
+    base = rss("VmRSS")
+    state = fz.init(model, spec)
+    for i in range(2):
+        state, loss = fz.train_step(state, data[i * micro:(i + 1) * micro])
+    float(loss)
+    off = spec.offload
+    return {"peak": rss("VmHWM") - base, "stage": spec.stage, "precision": spec.precision,
+            "offload": off and (off.optimizer, off.params), "ac": spec.activation_checkpointing}
+
+
 if __name__ == "__main__":  # by hand: python tests/peak_worker.py WORLD '{"stage": 0, ...}'
     from fz.testing.spawn import run_ranks
     print(json.dumps(run_ranks(int(sys.argv[1]), measure, json.loads(sys.argv[2]))))

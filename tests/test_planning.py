@@ -11,7 +11,7 @@ from fz.config.export import to_deepspeed
 from fz.planning.ladder import candidates
 from fz.testing.gpt import GPT, GPTConfig, lm_loss
 from fz.testing.spawn import run_ranks
-from peak_worker import measure
+from peak_worker import measure, measure_plan
 
 SMALL = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=3)
 MID = {"vocab": 4096, "seq": 128, "dim": 512, "heads": 8, "layers": 8}  # 27M params: states dominate noise
@@ -141,6 +141,22 @@ def test_plan_ladder_and_deepspeed_json(tmp_path, capsys):
         back = fz.Spec.from_deepspeed(to_deepspeed(c.spec, 2), world_size=2)
         for f in ("stage", "precision", "activation_checkpointing", "offload", "bucket_mb", "live_buckets", "prefetch"):
             assert getattr(back, f) == getattr(c.spec, f), (c.name, f)
+
+
+def test_the_chosen_plan_runs_within_its_budget(tmp_path, monkeypatch):
+    """A budget too small for stage 0 (world 2) and one only the NVMe rung fits (world 1): the
+    plan chosen in each fresh process trains, and its ranks' measured peaks stay within the budget."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS follows the live bytes (see the peak test)
+    model = _meta(GPTConfig(**MID))
+    for world, rung, want in ((2, "ZeRO-2", (2, None)), (1, "ZeRO-3 + optimizer and parameter offload (NVMe)", (3, "disk"))):
+        found, _ = candidates(model, base=fz.Spec(loss_fn=lm_loss, clip_grad_norm=1.0), world_size=world,
+                              micro_batch=2, seq_len=MID["seq"] + 1, nvme_path=str(tmp_path), stop_at_first=False,
+                              disk_budget=2**40)
+        c = next(c for c in found if c.name == rung)
+        budget = c.estimate.ranks_per_node * (c.estimate.per_device + c.estimate.per_rank_host) / 0.8 * 1.01
+        runs = run_ranks(world, measure_plan, dict(gpt=MID, micro=2, budget=budget, path=str(tmp_path)), timeout=240)
+        assert (runs[0]["stage"], runs[0]["offload"] and runs[0]["offload"][1]) == want, runs[0]
+        assert sum(r["peak"] for r in runs) <= budget, (rung, budget, runs)
 
 
 def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):

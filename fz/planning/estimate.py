@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
+from fz.offload.move import PART_ALIGN
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
@@ -58,6 +59,7 @@ class Estimate:
     model_copy: int  # a model built normally (not on the meta device): its fp32 values on the host
     tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
     ranks_per_node: int = 1
+    largest_opt_part: int = 0  # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
 
     @property
     def model_states(self) -> int:
@@ -107,20 +109,29 @@ def _rank_plan(buckets, world: int, shards: int, rank: int = 0) -> ShardPlan:
                      tuple(range(shards)), world // shards, None, None)
 
 
-def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> int:
-    """Bytes of the optimizer state memory_report counts (leaves placed like their parameter)."""
+def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> Tuple[int, int]:
+    """Bytes of the optimizer state memory_report counts (leaves placed like their parameter),
+    and the largest parameter's part on the disk tier (its master rows and leaves, aligned as
+    fz/offload/move.py writes them: one part must fit one I/O buffer)."""
     flat = torch.empty(b.shard_numel if b.sharded_param else b.full_numel, dtype=el_dtype, device="meta")
     mflat = torch.empty(b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel, device="meta") \
         if mixed else None
     views = dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
     tree = spec.optimizer.init(views)
     total = 0
+    sharded = isinstance(b.place.opt, Shard)
+    parts = {s.name: _aligned((s.chunk * s.row_numel if sharded else s.numel) * 4) if mixed else 0 for s in b.slots}
     for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         key = _param_key(path)
         if isinstance(leaf, torch.Tensor) and key in views and \
-                is_placed_leaf(path, leaf, views[key].shape, isinstance(b.place.opt, Shard)):
+                is_placed_leaf(path, leaf, views[key].shape, sharded):
             total += leaf.numel() * leaf.element_size()
-    return total
+            parts[key] += _aligned(leaf.numel() * leaf.element_size())
+    return total, max(parts.values(), default=0)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PART_ALIGN) * PART_ALIGN
 
 
 def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage: Optional[int] = None,
@@ -153,7 +164,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     el = torch.empty((), dtype=dtype).element_size()
     policy = spec.offload if spec.offload is not None and spec.offload.active else None
     tiers = {t: dict.fromkeys(KINDS, 0) for t in ("device", "host", "disk")}
-    params = grads = master = opt = 0
+    params = grads = master = opt = largest_part = 0
     for b in buckets:
         p = (b.shard_numel if b.sharded_param else b.full_numel) * el
         tier = policy.params if policy else "device"
@@ -163,7 +174,8 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
             continue
         grads += (b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel) * el
         m = (b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel) * 4 if mixed else 0
-        o = _opt_bytes(spec, plan, b, mixed, dtype)
+        o, part = _opt_bytes(spec, plan, b, mixed, dtype)
+        largest_part = max(largest_part, part)
         tier = policy.optimizer if policy else "device"
         tiers[tier]["master"] += m
         tiers[tier]["moments"] += o
@@ -178,7 +190,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
                     _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
-                    tiers, world_size // nodes)
+                    tiers, world_size // nodes, largest_part)
 
 
 def _gather(spec: Spec, buckets, el: int) -> int:

@@ -10,7 +10,7 @@ and the disk tier needs twice its bytes free, as `fz.init` requires.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 from fz.errors import ConfigError
@@ -96,6 +96,12 @@ def candidates(model: Any, *, base: Optional[Spec] = None, world_size: Optional[
     for name, spec in rungs(base or Spec(), nvme_path, batch is not None or micro_batch is not None):
         est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
                        batch=batch)
+        off = spec.offload
+        if off is not None and off.optimizer == "disk" and est.largest_opt_part > off.buffer_mb * 2**20:
+            # the disk tier streams whole parameters: its I/O buffers must hold the largest one's state
+            spec = spec.replace(offload=replace(off, buffer_mb=float(-(-est.largest_opt_part // 2**20))))
+            est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch,
+                           seq_len=seq_len, batch=batch)
         out.append(Candidate(name, spec, est, check(est, budgets, margin)))
         if out[-1].fits and stop_at_first:
             break
