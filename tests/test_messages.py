@@ -45,7 +45,7 @@ def _garbled_copy(src, dst, name: str):
     return dst
 
 
-@pytest.mark.parametrize("name", ["fz.json", "data_0.json", ".metadata"])
+@pytest.mark.parametrize("name", ["fz.json", "data_0.json", "index.json", "__0_0.distcp"])
 def test_every_unreadable_checkpoint_file_is_named(saved, tmp_path, name):
     bad = _garbled_copy(saved, tmp_path / "step_1", name)
     with pytest.raises(ConfigError) as e:

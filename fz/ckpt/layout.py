@@ -105,7 +105,7 @@ def disk_full(path: PathLike, err: BaseException) -> Optional[ConfigError]:
 
 def read_latest(root: Path) -> Optional[str]:
     try:
-        name = (root / LATEST).read_text().strip()
+        name = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
     except FileNotFoundError:
         return None
     if not _STEP_RE.match(name):

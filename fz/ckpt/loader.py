@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fz.ckpt import manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import META, PathLike, read_json, resolve
+from fz.ckpt.index import SafeReader
 from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import ConfigError
@@ -158,7 +159,7 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
                       stacklevel=stacklevel)
     err = None
     try:
-        dcp.load(load, storage_reader=dcp.FileSystemReader(d), process_group=group)
+        dcp.load(load, storage_reader=SafeReader(d), process_group=group)
     except CheckpointException as e:
         err = dcp_error(e, "loading checkpoint", d)
     exchange(group, None, err, f"loading checkpoint {d}")

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
+from fz.ckpt.index import SafeReader
 from fz.errors import ConfigError
 
 Put = Callable[[Tuple[int, ...], Tensor], None]
@@ -59,12 +59,9 @@ class _Streaming(DefaultLoadPlanner):
 
 
 def read_metadata(directory: Path):
-    """DCP's own .metadata of a checkpoint directory; unreadable is a ConfigError naming the file."""
-    try:
-        return dcp.FileSystemReader(directory).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any failure to read it, named
-        raise ConfigError(f"checkpoint file {Path(directory) / '.metadata'} is unreadable "
-                          f"({type(e).__name__}: {e})") from e
+    """DCP's Metadata of a checkpoint directory, from fz's JSON index (never DCP's pickled
+    .metadata); unreadable is a ConfigError naming the file."""
+    return SafeReader(directory).read_metadata()
 
 
 class CheckpointReader:
@@ -72,8 +69,8 @@ class CheckpointReader:
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
-        self._reader = dcp.FileSystemReader(self.dir)
-        self._md = read_metadata(self.dir)  # DCP's own (pickled) .metadata, read once
+        self._reader = SafeReader(self.dir)
+        self._md = self._reader.read_metadata()  # fz's JSON index, read once
         self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if hasattr(m, "size")}
         self.chunks = 0
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest
+from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
@@ -153,6 +154,7 @@ class SaveJob:
 
     def _commit(self, all_sums: List[Dict[str, dict]], dcp_md) -> None:
         meta = dict(self.meta, **_tensor_totals(dcp_md), created_unix=time.time())
+        write_durable(self.tmp / INDEX, json.dumps(index_of(dcp_md)).encode())  # what fz reads, not DCP's pickle
         write_durable(self.tmp / META, json.dumps(meta, indent=1).encode())
         files: Dict[str, dict] = {}
         for s in all_sums:

@@ -1,0 +1,139 @@
+"""fz's index of a checkpoint's tensors, in JSON, and a DCP storage reader that executes nothing.
+
+DCP keeps its index in `.metadata`, a pickle: unpickling a downloaded checkpoint can run any
+code. fz writes the same facts to `index.json` (each tensor's dtype, size and chunks, and where
+each chunk's bytes are) and reads only that; DCP's `.metadata` stays beside it for other tools.
+Each chunk in the data files is one `torch.save` record, a zip of a small pickle and the raw
+storage: `chunk.py` takes the raw bytes and reads the pickle's opcodes without running them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from fz.ckpt.chunk import read_chunk
+from fz.errors import ConfigError
+
+INDEX = "index.json"
+INDEX_FORMAT = 1
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def index_of(md: Metadata) -> Dict[str, Any]:
+    """The JSON-able index of DCP's global metadata (as `dcp.save` returns it on rank 0)."""
+    chunks: Dict[str, List[dict]] = {}
+    for idx, info in (md.storage_data or {}).items():
+        if info.transform_descriptors:
+            raise ConfigError(f"fz.save: DCP stored {idx.fqn!r} with transforms {info.transform_descriptors}; "
+                              "fz's index does not describe them")
+        chunks.setdefault(idx.fqn, []).append({"offsets": list(idx.offset), "file": info.relative_path,
+                                               "at": info.offset, "length": info.length})
+    tensors = {}
+    for key, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            raise ConfigError(f"fz.save: {key!r} is not a tensor ({type(m).__name__}); fz saves only tensors")
+        where = {tuple(c["offsets"]): c for c in chunks.get(key, [])}
+        rows = []
+        for c in m.chunks:
+            w = where.get(tuple(c.offsets))
+            if w is None:
+                raise ConfigError(f"fz.save: DCP wrote no bytes for {key!r} at {list(c.offsets)}")
+            rows.append(dict(w, sizes=list(c.sizes)))
+        tensors[key] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "size": list(m.size), "chunks": rows}
+    return {"format": INDEX_FORMAT, "tensors": tensors}
+
+
+def read_index(directory: Path) -> Dict[str, Any]:
+    """index.json of a checkpoint, checked for shape (never DCP's pickled .metadata)."""
+    path = Path(directory) / INDEX
+    if not path.exists():
+        if (Path(directory) / ".metadata").exists():
+            raise ConfigError(
+                f"checkpoint {directory} has no {INDEX}: only DCP's .metadata, a pickle, which fz never reads "
+                "(unpickling can run code from the file). It was written by an older fz or by DCP itself; if you "
+                "trust where it came from, load it with torch.distributed.checkpoint and save it again with fz.save")
+        raise ConfigError(f"checkpoint file {path} is missing")
+    try:
+        index = json.loads(path.read_bytes())
+        _check(index)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"checkpoint file {path} is unreadable or damaged ({type(e).__name__}: {e})") from e
+    return index
+
+
+def _check(index: Any) -> None:
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or not isinstance(index.get("tensors"), dict):
+        raise ValueError(f"not an fz index of format {INDEX_FORMAT}")
+    for key, t in index["tensors"].items():
+        if t["dtype"] not in _DTYPES:
+            raise ValueError(f"{key!r}: unknown dtype {t['dtype']!r}")
+        ndim = len(t["size"])
+        if any(not isinstance(n, int) or n < 0 for n in t["size"]):
+            raise ValueError(f"{key!r}: bad size {t['size']!r}")
+        for c in t["chunks"]:
+            fields = (c["offsets"], c["sizes"])
+            if any(len(f) != ndim or any(not isinstance(n, int) or n < 0 for n in f) for f in fields) \
+                    or any(o + s > n for o, s, n in zip(c["offsets"], c["sizes"], t["size"])):
+                raise ValueError(f"{key!r}: chunk {c!r} does not fit size {t['size']!r}")
+            if not isinstance(c["file"], str) or "/" in c["file"] or c["file"].startswith(".") \
+                    or not isinstance(c["at"], int) or not isinstance(c["length"], int) or c["at"] < 0 or c["length"] < 0:
+                raise ValueError(f"{key!r}: bad location {c!r}")
+
+
+def metadata_of(index: Dict[str, Any]) -> Metadata:
+    """DCP's Metadata, rebuilt from the index (for DCP's planners)."""
+    sd, storage = {}, {}
+    for key, t in index["tensors"].items():
+        chunks = []
+        for c in t["chunks"]:
+            chunks.append(ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])))
+            storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(c["file"], c["at"], c["length"])
+        sd[key] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[t["dtype"]]), torch.Size(t["size"]), chunks)
+    return Metadata(sd, planner_data={k: (k,) for k in sd}, storage_data=storage, storage_meta=StorageMeta())
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader with fz's JSON index and raw chunk reads: no unpickling."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = metadata_of(read_index(Path(self.path)))
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        sd = self._tensors
+        for req in sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
+                                                     self.storage_data[r.storage_index].offset)):
+            if req.type == LoadItemType.BYTE_IO:
+                raise ConfigError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
+            info = self.storage_data[req.storage_index]
+            m = sd[req.storage_index.fqn]
+            chunk = next(c for c in m.chunks if c.offsets == req.storage_index.offset)
+            tensor = read_chunk(Path(self.path) / info.relative_path, info.offset, info.length,
+                                m.properties.dtype, tuple(chunk.sizes))
+            for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                tensor = tensor.narrow(dim, start, n)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise ConfigError(f"checkpoint {self.path}: {req.storage_index.fqn!r} chunk of size "
+                                  f"{tuple(tensor.size())}, expected {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
