@@ -90,7 +90,7 @@ class InitialValues:
             if t.is_meta:
                 meta_by_module.setdefault(_owner(n)[0], []).append(n)
             else:
-                out[n] = t.detach().to(self.device)
+                out[n] = t.detach().to(self.device, copy=True)  # never the module's own (training updates buffers in place)
         for mname, full_names in meta_by_module.items():
             out.update(self._materialize(self.model.get_submodule(mname), mname, full_names))
         return out
