@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from fz.errors import ConfigError
 from fz.model.standin import _UnitCall
@@ -66,6 +67,12 @@ class Skeleton:
     aliases: Dict[str, str]  # every parameter/buffer name (tied included) -> canonical name
     persistent: Tuple[str, ...] = ()  # canonical buffers in the model's state_dict (exported with the weights)
     cast_buffers: Tuple[str, ...] = ()  # floating buffers of modules with parameters (given in the compute dtype)
+    running_stats: Tuple[str, ...] = ()  # buffers that kernels update in train mode without a version bump (BatchNorm)
+
+    @property
+    def training(self) -> bool:
+        """The mode the last `set_mode` put the modules in."""
+        return bool(getattr(self.root, "_fz_mode", False))
 
     def set_mode(self, training: bool) -> None:
         """Put every module of the skeleton (the root and each unit's block) in train or eval mode."""
@@ -110,7 +117,7 @@ def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None) -> Skele
         users.setdefault(aliases[full], set()).add(owner)
     param_unit = {c: (min(u) if len(u) == 1 else 0) for c, u in users.items()}
 
-    persistent, cast = _buffer_kinds(root, aliases)
+    persistent, cast, running = _buffer_kinds(root, aliases)
     units: List[Unit] = []
     for i, uname in enumerate(chosen, start=1):
         inner = root.get_submodule(uname)
@@ -125,17 +132,21 @@ def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None) -> Skele
     root_buffers = tuple((n, aliases[n]) for n, _ in root.named_buffers(remove_duplicate=False))
     if not param_unit:
         raise ConfigError("the model has no parameters: there is nothing to train")
-    return Skeleton(root, (Unit("", root, root_params, root_buffers), *units), param_unit, aliases, persistent, cast)
+    return Skeleton(root, (Unit("", root, root_params, root_buffers), *units), param_unit, aliases, persistent, cast, running)
 
 
-def _buffer_kinds(root: nn.Module, aliases: Dict[str, str]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-    """(buffers in the state_dict, floating buffers whose module has floating parameters), canonical names.
+def _buffer_kinds(root: nn.Module, aliases: Dict[str, str]) -> Tuple[Tuple[str, ...], ...]:
+    """(buffers in the state_dict, floating buffers whose module has floating parameters, running
+    statistics of norm layers), canonical names.
 
     The second kind is a module's running statistics (BatchNorm's): its math mixes them with
     its weights, so in bf16/fp16 fz gives them in the compute dtype; a buffer of a module
     without parameters (a RoPE table) keeps its dtype, as under autocast."""
-    persistent, cast = [], []
+    persistent, cast, running = [], [], []
     for mname, module in root.named_modules(remove_duplicate=False):
+        if isinstance(module, _NormBase) and module.track_running_stats:  # updated inside the kernel
+            running += [aliases[f"{mname}.{leaf}" if mname else leaf] for leaf in ("running_mean", "running_var")
+                        if module._buffers.get(leaf) is not None]
         has_float_params = any(p.is_floating_point() for p in module.parameters(recurse=False))
         for leaf, b in module._buffers.items():
             if b is None:
@@ -145,7 +156,7 @@ def _buffer_kinds(root: nn.Module, aliases: Dict[str, str]) -> Tuple[Tuple[str, 
                 persistent.append(name)
             if has_float_params and b.is_floating_point() and name not in cast:
                 cast.append(name)
-    return tuple(persistent), tuple(cast)
+    return tuple(persistent), tuple(cast), tuple(dict.fromkeys(running))
 
 
 def _take_hf_checkpointing(block: nn.Module) -> bool:

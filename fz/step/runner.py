@@ -179,8 +179,9 @@ class Runner:
         and remember the call order so the next step can prefetch."""
         self.root_tensors = {}
         self.bindings.release()
+        running = set(self.skel.running_stats) if self.skel.training else set()
         for c, (copy, version) in self.cast_copies.items():
-            if copy._version != version:  # the module updated it (BatchNorm's running statistics)
+            if copy._version != version or c in running:  # the module updated it (BatchNorm's statistics)
                 self.buffers[c].copy_(copy)
         self.cast_copies = {}
         self.backward_seen = set()

@@ -113,7 +113,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
             reducer.close()
         rng = torch.get_rng_state()
     reducer.reduce_across_replicas()
-    sync_changed(comm, buffers, before, spec.buffer_sync)  # the same BatchNorm statistics on every rank
+    sync_changed(comm, buffers, before, spec.buffer_sync, state.skeleton.running_stats)  # equal on every rank
     order, live = runner.order, runner.live
     runner.dispose()
     del runner, model

@@ -1,0 +1,113 @@
+"""Real models at world 2, stages 0-3, against the single-process reference (one spawn):
+plain-torch models that read and iterate their blocks or checkpoint inside them, a BatchNorm
+CNN whose statistics stay equal on every rank, and transformers' GPT-2, Llama, BERT, T5 and
+ModernBERT from small configs, in fp32 and bf16 (HF's own gradient checkpointing too)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fz
+from helpers import max_rel
+from fz.testing.spawn import run_ranks
+from real_nets import (CheckpointsInside, Readers, TinyResNet, hf_loss, hf_model, images, mse, points, reference,
+                       tokens, xent)
+
+pytest.importorskip("transformers")
+STAGES, HF, ROWS = (0, 1, 2, 3), ("gpt2", "llama", "bert", "t5"), 8
+PLAIN = {"readers": (Readers, mse, points), "ckpt_inside": (CheckpointsInside, mse, points),
+         "resnet": (TinyResNet, xent, images)}
+
+
+def _seeded(cls):
+    def make():
+        torch.manual_seed(0)
+        return cls()
+    return make
+
+
+def _hf(name):
+    return lambda: hf_model(name)
+
+
+def _data(name):
+    return lambda i, rows: tokens(i, rows, name)
+
+
+def _gc_gpt2():
+    m = hf_model("gpt2")
+    m.gradient_checkpointing_enable()  # HF's own checkpointing inside each block
+    return m
+
+
+def _cases():
+    """name -> (make, loss_fn, data, steps, precisions, stages)"""
+    out = {k: (_seeded(cls), loss, data, 3, ("fp32",), STAGES) for k, (cls, loss, data) in PLAIN.items()}
+    out.update((k, (_hf(k), hf_loss, _data(k), 2, ("fp32", "bf16"), STAGES)) for k in HF)
+    out["modernbert"] = (_hf("modernbert"), hf_loss, _data("modernbert"), 2, ("fp32",), (0, 3))
+    out["gpt2_gc"] = (_gc_gpt2, hf_loss, _data("gpt2"), 2, ("fp32",), (0, 3))
+    return out
+
+
+def _rank_rows(batch, rank, world):
+    return {k: v.chunk(world)[rank] for k, v in batch.items()}
+
+
+def _runs(rank, world):
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, (make, loss_fn, data, steps, precisions, stages) in _cases().items():
+        for precision in precisions:
+            for stage in stages:
+                spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2, weight_decay=0.01), loss_fn=loss_fn,
+                               precision=precision)
+                state = fz.init(make(), spec)
+                losses = []
+                for i in range(steps):
+                    state, loss = fz.train_step(state, _rank_rows(data(i, world * ROWS), rank, world))
+                    losses.append(float(loss))
+                full = fz.full_params(state) if name == "resnet" else {}
+                out[name, precision, stage] = (losses, {n: b.clone() for n, b in state.buffers.items()}, full)
+    spec = fz.Spec(stage=0, optimizer=fz.optim.adamw(lr=1e-2), loss_fn=xent, buffer_sync="rank0")
+    state, _ = fz.train_step(fz.init(_seeded(TinyResNet)(), spec), _rank_rows(images(0, world * ROWS), rank, world))
+    out["rank0"] = dict(state.buffers)
+    return out
+
+
+_CACHE = {}
+
+
+@pytest.fixture(scope="module")
+def results():
+    if "r" not in _CACHE:
+        _CACHE["r"] = run_ranks(2, _runs, timeout=400)
+    return _CACHE["r"]
+
+
+def test_every_model_follows_the_single_process_reference_at_every_stage(results):
+    warnings.filterwarnings("ignore")
+    for name, (make, loss_fn, data, steps, precisions, stages) in _cases().items():
+        want, ref_sd = reference(make, loss_fn, [data(i, 2 * ROWS) for i in range(steps)], 2)
+        for precision in precisions:
+            tol = 1e-5 if precision == "fp32" else 2e-2
+            for stage in stages:
+                for rank, res in enumerate(results):
+                    losses, buffers, full = res[name, precision, stage]
+                    assert max_rel(losses, want) < tol, (name, precision, stage, rank, losses, want)
+                    if name == "resnet":  # BatchNorm statistics: averaged over ranks, as the reference does
+                        for n, b in buffers.items():
+                            assert torch.allclose(b.double(), ref_sd[n].double(), rtol=1e-5, atol=1e-6), (stage, n)
+                            assert torch.equal(b, results[0][name, precision, stage][1][n]), (stage, n, "ranks differ")
+                        model = TinyResNet()
+                        model.load_state_dict(full, strict=True)
+
+
+def test_buffer_sync_rank0_takes_the_first_ranks_statistics(results):
+    mean = results[0]["resnet", "fp32", 0][1]
+    assert all(torch.equal(results[0]["rank0"][n], results[1]["rank0"][n]) for n in mean)
+    chunk0 = _rank_rows(images(0, 2 * ROWS), 0, 2)
+    model = _seeded(TinyResNet)()
+    model(chunk0["x"])  # train mode: rank 0's rows update the statistics
+    assert torch.allclose(results[1]["rank0"]["bn1.running_mean"], model.bn1.running_mean, atol=1e-7)
