@@ -111,6 +111,9 @@ class Spec:
             raise bad("buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)")
         if not isinstance(self.skip_unused, bool):
             raise bad("skip_unused", self.skip_unused, "must be True or False")
+        if self.skip_unused and self.offload is not None and "disk" in (self.offload.optimizer, self.offload.params):
+            raise bad("skip_unused", self.skip_unused, "is not supported with the disk tier (the update streams group "
+                      "by group): use fz.offload.cpu() or no offload, or skip_unused=False")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

@@ -83,6 +83,33 @@ class CheckpointsInside(nn.Module):
         return self.out(h).squeeze(-1)
 
 
+class MoE(nn.Module):
+    """Experts chosen by the batch (`route`): an expert no row picks gets no gradient."""
+
+    def __init__(self, experts: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(experts))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x, route):
+        h = self.inp(x)
+        for e in sorted(set(route.tolist())):
+            h = h + torch.tanh(self.experts[e](h)) * (route == e).float()[:, None]
+        return self.out(h).squeeze(-1)
+
+
+def moe_loss(model, batch):
+    return F.mse_loss(model(batch["x"], batch["route"]), batch["y"])
+
+
+def routed(step: int, rows: int, experts=(0,)) -> dict:
+    """points() with a route: the rows split evenly among `experts` (in order, so ranks' chunks differ)."""
+    out = points(step, rows)
+    out["route"] = torch.tensor(experts).repeat_interleave(rows // len(experts))
+    return out
+
+
 class BasicBlock(nn.Module):
     """torchvision's resnet BasicBlock, small."""
 

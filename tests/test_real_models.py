@@ -9,7 +9,8 @@ import torch
 import fz
 from fz.ckpt.export import consolidate
 from helpers import max_rel
-from real_nets import (CheckpointsInside, Readers, ReadsWeight, TinyResNet, images, mse, points, reference, xent)
+from real_nets import (CheckpointsInside, MoE, Readers, ReadsWeight, TinyResNet, images, moe_loss, mse, points,
+                       reference, routed, xent)
 
 
 def _spec(stage: int, loss_fn, **kw) -> fz.Spec:
@@ -123,3 +124,20 @@ def test_batchnorm_in_bf16_at_stage_3_exports_with_strict_load_and_the_same_eval
     fp32.load_state_dict(fz.full_params(fresh), strict=True)
     fp32.eval()
     assert torch.allclose(fz.apply(fresh, x), fp32(x), atol=1e-6)  # fp32: the same outputs
+
+
+def test_parameters_without_a_gradient_move_by_default_and_skip_unused_leaves_them_as_torch_does():
+    want, ref_sd = reference(_seeded(MoE), moe_loss, [routed(i, 8) for i in range(3)], 1)
+    start = _seeded(MoE)().state_dict()
+    for stage in (0, 3):
+        state, got = _train(_seeded(MoE), moe_loss, routed, stage, skip_unused=True)
+        assert max_rel(got, want) < 1e-5, (stage, got, want)
+        full = fz.full_params(state)
+        for n in ("experts.1.weight", "experts.2.bias"):  # no row picked them: as torch, untouched
+            assert torch.equal(full[n], start[n]) and torch.equal(ref_sd[n], start[n]), (stage, n)
+        assert not torch.equal(full["experts.0.weight"], start["experts.0.weight"])
+        moment = state.opt_state[0].mu["experts.1.weight"].full_tensor()
+        assert not moment.any(), stage
+        state, _ = _train(_seeded(MoE), moe_loss, routed, stage)  # default: a zero gradient (DeepSpeed)
+        full = fz.full_params(state)
+        assert not torch.equal(full["experts.1.weight"], start["experts.1.weight"]), stage  # weight decay moved it

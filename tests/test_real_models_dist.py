@@ -12,8 +12,8 @@ import torch
 import fz
 from helpers import max_rel
 from fz.testing.spawn import run_ranks
-from real_nets import (CheckpointsInside, Readers, TinyResNet, hf_loss, hf_model, images, mse, points, reference,
-                       tokens, xent)
+from real_nets import (CheckpointsInside, MoE, Readers, TinyResNet, hf_loss, hf_model, images, moe_loss, mse, points,
+                       reference, routed, tokens, xent)
 
 pytest.importorskip("transformers")
 STAGES, HF, ROWS = (0, 1, 2, 3), ("gpt2", "llama", "bert", "t5"), 8
@@ -43,11 +43,14 @@ def _gc_gpt2():
 
 
 def _cases():
-    """name -> (make, loss_fn, data, steps, precisions, stages)"""
-    out = {k: (_seeded(cls), loss, data, 3, ("fp32",), STAGES) for k, (cls, loss, data) in PLAIN.items()}
-    out.update((k, (_hf(k), hf_loss, _data(k), 2, ("fp32", "bf16"), STAGES)) for k in HF)
-    out["modernbert"] = (_hf("modernbert"), hf_loss, _data("modernbert"), 2, ("fp32",), (0, 3))
-    out["gpt2_gc"] = (_gc_gpt2, hf_loss, _data("gpt2"), 2, ("fp32",), (0, 3))
+    """name -> (make, loss_fn, data, steps, precisions, stages, Spec keywords)"""
+    out = {k: (_seeded(cls), loss, data, 3, ("fp32",), STAGES, {}) for k, (cls, loss, data) in PLAIN.items()}
+    out.update((k, (_hf(k), hf_loss, _data(k), 2, ("fp32", "bf16"), STAGES, {})) for k in HF)
+    out["modernbert"] = (_hf("modernbert"), hf_loss, _data("modernbert"), 2, ("fp32",), (0, 3), {})
+    out["gpt2_gc"] = (_gc_gpt2, hf_loss, _data("gpt2"), 2, ("fp32",), (0, 3), {})
+    # every rank's rows pick experts 0 and 1 (every rank calls the same blocks): expert 2 is unused
+    out["moe"] = (_seeded(MoE), moe_loss, lambda i, rows: routed(i, rows, (0, 1, 0, 1)), 3, ("fp32",), (0, 3),
+                  {"skip_unused": True})
     return out
 
 
@@ -58,17 +61,17 @@ def _rank_rows(batch, rank, world):
 def _runs(rank, world):
     warnings.filterwarnings("ignore")
     out = {}
-    for name, (make, loss_fn, data, steps, precisions, stages) in _cases().items():
+    for name, (make, loss_fn, data, steps, precisions, stages, kw) in _cases().items():
         for precision in precisions:
             for stage in stages:
                 spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2, weight_decay=0.01), loss_fn=loss_fn,
-                               precision=precision)
+                               precision=precision, **kw)
                 state = fz.init(make(), spec)
                 losses = []
                 for i in range(steps):
                     state, loss = fz.train_step(state, _rank_rows(data(i, world * ROWS), rank, world))
                     losses.append(float(loss))
-                full = fz.full_params(state) if name == "resnet" else {}
+                full = fz.full_params(state) if name in ("resnet", "moe") else {}
                 out[name, precision, stage] = (losses, {n: b.clone() for n, b in state.buffers.items()}, full)
     spec = fz.Spec(stage=0, optimizer=fz.optim.adamw(lr=1e-2), loss_fn=xent, buffer_sync="rank0")
     state, _ = fz.train_step(fz.init(_seeded(TinyResNet)(), spec), _rank_rows(images(0, world * ROWS), rank, world))
@@ -88,7 +91,7 @@ def results():
 
 def test_every_model_follows_the_single_process_reference_at_every_stage(results):
     warnings.filterwarnings("ignore")
-    for name, (make, loss_fn, data, steps, precisions, stages) in _cases().items():
+    for name, (make, loss_fn, data, steps, precisions, stages, _) in _cases().items():
         want, ref_sd = reference(make, loss_fn, [data(i, 2 * ROWS) for i in range(steps)], 2)
         for precision in precisions:
             tol = 1e-5 if precision == "fp32" else 2e-2
@@ -102,6 +105,10 @@ def test_every_model_follows_the_single_process_reference_at_every_stage(results
                             assert torch.equal(b, results[0][name, precision, stage][1][n]), (stage, n, "ranks differ")
                         model = TinyResNet()
                         model.load_state_dict(full, strict=True)
+                    if name == "moe":  # skip_unused: the expert no rank used is untouched, the others move
+                        for n in full:
+                            assert torch.allclose(full[n], ref_sd[n], rtol=1e-5, atol=1e-6), (stage, n)
+                        assert torch.equal(full["experts.2.weight"], make().experts[2].weight.detach()), stage
 
 
 def test_buffer_sync_rank0_takes_the_first_ranks_statistics(results):

@@ -23,6 +23,7 @@ from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
 from fz.step.binding import Bindings, checkpoint_seen
+from fz.step.unused import UsedParams
 from fz.model.skeleton import Skeleton
 from fz.model.standin import running
 
@@ -33,9 +34,11 @@ class Runner:
     def __init__(self, skel: Skeleton, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor],
                  buffers: Dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
                  grad_sink: Optional[Callable] = None, prefetch: int = 0, compile: Any = False,
-                 sync: Optional[ParamSync] = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32):
+                 sync: Optional[ParamSync] = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32,
+                 used: Optional[UsedParams] = None):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
         self.bindings = Bindings()
+        self.used = used  # Spec.skip_unused: which parameters backward reaches
         # floating buffers of modules with parameters (BatchNorm's statistics) in the compute dtype,
         # one copy per step, written back after it (fz/model/skeleton.py: _buffer_kinds)
         self.cast = set(skel.cast_buffers) if compute_dtype != torch.float32 else set()
@@ -103,6 +106,8 @@ class Runner:
         own: Dict[str, Tensor] = {}
         for b in self.unit_buckets[index]:
             own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
+        if self.used is not None and torch.is_grad_enabled():
+            self.used.watch(own)
         if index == 0:
             self.root_tensors = own
             if self.order:  # the root is gathered: start on the first block it will call

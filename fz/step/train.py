@@ -34,6 +34,7 @@ from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
+from fz.step.unused import UsedParams, put_back, snapshot, unused_everywhere
 from fz.step.update import any_overflow, apply_optimizer, optimizer_inputs
 
 
@@ -90,9 +91,11 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, comm, leaves)
     state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics
+    used = UsedParams() if spec.skip_unused else None
     runner = Runner(state.skeleton, plan, comm, leaves, buffers, state.metrics["order"].tolist(),
                     spec.activation_checkpointing, grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch,
-                    compile=spec.compile, sync=sync, live_buckets=spec.live_buckets, compute_dtype=spec.compute_dtype)
+                    compile=spec.compile, sync=sync, live_buckets=spec.live_buckets, compute_dtype=spec.compute_dtype,
+                    used=used)
     model = BoundModel(runner)
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
@@ -144,7 +147,11 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats))  # params already cast
             else:
                 update = host_update if offload is not None and offload.optimizer == "host" else apply_optimizer
+                skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
+                kept = snapshot(skip, params, local_opt) if skip else None
                 local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
+                if kept is not None:  # Spec.skip_unused: as torch, no update without a gradient
+                    put_back(*kept, params, local_opt)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
     if not spec.weight_by_rows:  # waited for while the optimizer ran
