@@ -76,6 +76,13 @@ def _runs(rank, world):
     spec = fz.Spec(stage=0, optimizer=fz.optim.adamw(lr=1e-2), loss_fn=xent, buffer_sync="rank0")
     state, _ = fz.train_step(fz.init(_seeded(TinyResNet)(), spec), _rank_rows(images(0, world * ROWS), rank, world))
     out["rank0"] = dict(state.buffers)
+    for stage in (0, 3):  # rank 0 calls expert 0 only, rank 1 expert 1 only: the ranks' collectives pair up wrongly
+        state = fz.init(_seeded(MoE)(), fz.Spec(stage=stage, loss_fn=moe_loss))
+        try:
+            fz.train_step(state, _rank_rows(routed(0, world * ROWS, (0, 1)), rank, world))
+            out["split", stage] = None
+        except fz.ConfigError as e:
+            out["split", stage] = str(e)
     return out
 
 
@@ -118,3 +125,11 @@ def test_buffer_sync_rank0_takes_the_first_ranks_statistics(results):
     model = _seeded(TinyResNet)()
     model(chunk0["x"])  # train mode: rank 0's rows update the statistics
     assert torch.allclose(results[1]["rank0"]["bn1.running_mean"], model.bn1.running_mean, atol=1e-7)
+
+
+def test_ranks_that_call_different_blocks_fail_on_every_rank_instead_of_training_wrong(results):
+    for res in results:
+        for stage in (0, 3):
+            msg = res["split", stage]
+            assert msg is not None and "the ranks called different blocks" in msg, (stage, msg)
+            assert "route inside a block" in msg

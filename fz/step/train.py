@@ -99,6 +99,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     model = BoundModel(runner)
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
+    calls: List[int] = []  # the blocks each forward called, in order (checked across ranks)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state.rng)
         try:
@@ -107,6 +108,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 with _autocast(state):
                     loss = scalar_loss(loss_fn(model, mb)).float()
                 runner.backward(loss * weight)
+                calls += runner.called
                 runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
@@ -121,7 +123,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
-    agreement.start(comm, total / spec.grad_accum)  # the loss all-reduce, with every rank's step and batch size
+    agreement.start(comm, total / spec.grad_accum, calls)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
@@ -231,7 +233,7 @@ def eval_step(state: State, batch: Any) -> Tensor:
     def run(runner, comm):
         agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
         loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
-        return agreement.start(comm, loss).finish(comm)[0].to(loss.dtype)
+        return agreement.start(comm, loss, runner.called).finish(comm)[0].to(loss.dtype)
 
     return _forward(state, run)
 
