@@ -164,7 +164,7 @@ def tokens(step: int, rows: int, name: str) -> dict:
 
 
 def hf_model(name: str, seed: int = 0) -> nn.Module:
-    """GPT-2, Llama (untied), BERT, T5, ModernBERT from 2-layer configs with hidden size 32, no
+    """GPT-2, Llama (untied, or tied: "llama_tied"), BERT, T5, ModernBERT from 2-layer configs with hidden size 32, no
     dropout (so that a reference with another generator takes the same path)."""
     import transformers as tr
     torch.manual_seed(seed)
@@ -173,9 +173,9 @@ def hf_model(name: str, seed: int = 0) -> nn.Module:
     if name == "gpt2":
         m = tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids))
-    elif name == "llama":
+    elif name in ("llama", "llama_tied"):
         m = tr.LlamaForCausalLM(tr.LlamaConfig(num_key_value_heads=1, max_position_embeddings=16,
-                                               tie_word_embeddings=False, **small, **ids))
+                                               tie_word_embeddings=name == "llama_tied", **small, **ids))
     elif name == "bert":
         m = tr.BertForMaskedLM(tr.BertConfig(max_position_embeddings=16, pad_token_id=0, hidden_dropout_prob=0.0,
                                              attention_probs_dropout_prob=0.0, **small))

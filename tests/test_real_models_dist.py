@@ -48,6 +48,7 @@ def _cases():
     out.update((k, (_hf(k), hf_loss, _data(k), 2, ("fp32", "bf16"), STAGES, {})) for k in HF)
     out["modernbert"] = (_hf("modernbert"), hf_loss, _data("modernbert"), 2, ("fp32",), (0, 3), {})
     out["gpt2_gc"] = (_gc_gpt2, hf_loss, _data("gpt2"), 2, ("fp32",), (0, 3), {})
+    out["llama_tied"] = (_hf("llama_tied"), hf_loss, _data("llama_tied"), 2, ("fp32",), (0, 3), {})
     # every rank's rows pick experts 0 and 1 (every rank calls the same blocks): expert 2 is unused
     out["moe"] = (_seeded(MoE), moe_loss, lambda i, rows: routed(i, rows, (0, 1, 0, 1)), 3, ("fp32",), (0, 3),
                   {"skip_unused": True})
