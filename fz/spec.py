@@ -57,6 +57,10 @@ class Spec:
     offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
     init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
     weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
+    # real models (issue 12): buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
+    # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed) or skipped (torch)
+    buffer_sync: str = "mean"
+    skip_unused: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -103,6 +107,13 @@ class Spec:
             raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
         if not isinstance(self.weight_by_rows, bool):
             raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
+        if self.buffer_sync not in ("mean", "rank0"):
+            raise bad("buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)")
+        if not isinstance(self.skip_unused, bool):
+            raise bad("skip_unused", self.skip_unused, "must be True or False")
+        if self.skip_unused and self.offload is not None and "disk" in (self.offload.optimizer, self.offload.params):
+            raise bad("skip_unused", self.skip_unused, "is not supported with the disk tier (the update streams group "
+                      "by group): use fz.offload.cpu() or no offload, or skip_unused=False")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

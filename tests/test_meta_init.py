@@ -125,3 +125,42 @@ def test_the_sentinel_is_no_value_arithmetic_makes():
         filled = _fill(torch.empty(3, dtype=dtype), False)
         assert still_filled(filled).all() and not still_filled(filled * 1).any(), dtype  # arithmetic quiets it
     assert not still_filled(torch.tensor([-1, 0, 1, 2**31 - 1], dtype=torch.int32)).any()
+
+
+def _hf_meta_params(rank, world):
+    """GPT-2 and Llama built on meta, initialised by fz at stage 3: full values and buffers."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from real_nets import hf_model
+    out = {}
+    for name in ("gpt2", "llama"):
+        with torch.device("meta"):
+            model = hf_model(name)
+        state = fz.init(model, fz.Spec(stage=3))
+        out[name] = (fz.full_params(state), dict(state.buffers))
+    return out
+
+
+def test_a_hugging_face_model_on_meta_gets_its_own_init_the_same_at_every_world_size():
+    pytest.importorskip("transformers")
+    from fz.testing.spawn import run_ranks
+    from real_nets import hf_model
+    one = _hf_meta_params(0, 1)
+    two = run_ranks(2, _hf_meta_params, timeout=180)
+    for name in ("gpt2", "llama"):
+        params, buffers = one[name]
+        for res in two:
+            assert params.keys() == res[name][0].keys()
+            assert all(torch.equal(params[k], res[name][0][k]) for k in params), name  # world-size invariant
+        cpu = hf_model(name)  # what HF's own init gives on the CPU: the same statistics and tables
+        for k, v in cpu.named_parameters():
+            got, want = params[k], v.detach()
+            if want.std() > 0:
+                assert abs(float(got.std()) / float(want.std()) - 1) < 0.15, (name, k, float(got.std()), float(want.std()))
+            else:
+                assert torch.equal(got, want), (name, k)  # norms' ones, biases' zeros
+        for k, v in cpu.named_buffers():
+            assert torch.equal(buffers[k], v), (name, k)  # Llama's RoPE table, from HF's init
+    gpt2 = one["gpt2"][0]
+    assert abs(float(gpt2["transformer.h.0.attn.c_proj.weight"].std()) - 0.02 / 2) < 2e-3  # GPT-2's scaled residual init
+    assert abs(float(gpt2["transformer.wte.weight"].std()) - 0.02) < 2e-3

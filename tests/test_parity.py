@@ -215,3 +215,17 @@ def test_stage3_gathered_buckets_bounded_by_live_limit(world_results):
         assert units == 1 + CFG.layers  # the root and one unit per block
         assert 2 <= max_live <= limit < units + 1, res["live"]  # root, one block, one prefetched: never all
         assert live_after == 0  # nothing gathered survives the step
+
+
+def test_what_is_bit_identical_across_stages(world_results):
+    """README: stages 1-3 reduce with the same reduce-scatter, so without accumulation they are
+    bit-identical; with it, 2-3 (each micro-batch reduced, then summed) still are, 1 sums the
+    micro-batches first. Stage 0's all-reduce adds the ranks in another order, which changes
+    nothing at world 2 (a sum of two terms), where 0 = 1-3 without accumulation and 0 = 1 with it."""
+    world, results = world_results
+    pairs = [(1, 2, 1), (1, 3, 1), (2, 3, 2)] + ([(0, 1, 1), (0, 3, 1), (0, 1, 2)] if world <= 2 else [])
+    for res in results:
+        p = res["parity"]
+        for a, b, ga in pairs:
+            assert p[a, ga][0] == p[b, ga][0], (world, a, b, ga)
+            assert all(torch.equal(p[a, ga][1][k], p[b, ga][1][k]) for k in p[a, ga][1]), (world, a, b, ga)

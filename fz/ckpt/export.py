@@ -19,7 +19,12 @@ from fz.ckpt.safetensors_io import StreamWriter
 from fz.errors import ConfigError
 from fz.spec import PRECISIONS
 
-_PREFIX = "model/"
+_PREFIX, _BUFFERS = "model/", "buffers/"
+
+
+def _name(key: str) -> str:
+    """A checkpoint key's name in the exported file (the model's state_dict name)."""
+    return key.split("/", 1)[1]
 
 
 def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -42,8 +47,10 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
                 verify: bool = True, progress: Optional[bool] = None) -> Dict[str, Any]:
     """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
 
-    Names are the canonical parameter names; `dtype` ("bf16", "fp16", "fp32") casts, None
-    keeps the stored dtype (fp32 master weights when the run had them). Returns a summary.
+    Names are the canonical parameter names, then the buffers of the model's state_dict (its
+    persistent ones: BatchNorm's statistics), so the file loads with `strict=True`; `dtype`
+    ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
+    master weights when the run had them). Returns a summary.
     """
     d = resolve(ckpt, step)
     if verify:
@@ -54,7 +61,13 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
     names = [k for k in reader.keys() if k.startswith(_PREFIX)]
     if not names:
         raise ConfigError(f"checkpoint {d} holds no model weights")
-    entries = [(k[len(_PREFIX):], cast or reader.meta[k].properties.dtype, tuple(reader.meta[k].size)) for k in names]
+    names += [f"{_BUFFERS}{n}" for n in meta.get("state_dict_buffers", []) if f"{_BUFFERS}{n}" in reader.meta]
+
+    def out_dtype(k: str) -> torch.dtype:
+        stored = reader.meta[k].properties.dtype
+        return cast if cast is not None and stored.is_floating_point else stored
+
+    entries = [(_name(k), out_dtype(k), tuple(reader.meta[k].size)) for k in names]
     header = {"format": "pt", "fz_step": str(meta.get("step")), "fz_checkpoint": str(d.resolve())}
     writer = StreamWriter(out, entries, header)
     total = sum(reader.meta[k].size.numel() * reader.meta[k].properties.dtype.itemsize for k in names)
@@ -62,14 +75,14 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
 
     def put(name: str, offsets, chunk: torch.Tensor) -> None:
         nbytes = chunk.numel() * chunk.element_size()
-        if cast is not None and chunk.dtype != cast:
+        if cast is not None and chunk.dtype != cast and chunk.is_floating_point():
             chunk = chunk.to(cast)
         writer.write_chunk(name, offsets, chunk)
         bar.update(nbytes)
 
     try:
         for k in names:
-            reader.stream(k, lambda offsets, chunk, name=k[len(_PREFIX):]: put(name, offsets, chunk))
+            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))
         writer.close()
     except BaseException as e:
         full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)  # before abort

@@ -147,9 +147,10 @@ def _fill(target: DTensor, handle, name: str) -> None:
 
 
 def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
-    """Fill the parameters (and fp32 master weights) from a safetensors file or directory.
+    """Fill the parameters (and fp32 master weights) and the state_dict's buffers (the persistent
+    ones, e.g. BatchNorm's statistics) from a safetensors file or directory.
 
-    Names are the canonical parameter names (fz.full_params's keys, the HF convention).
+    Names are the canonical parameter and buffer names (fz.full_params's keys, the HF convention).
     Each rank reads only its own rows of a sharded tensor. The optimizer state is kept.
     Missing, unexpected or mis-shaped tensors are a ConfigError (strict=False: a warning,
     and the tensors both have are loaded). Returns the state (filled in place).
@@ -161,9 +162,11 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
     files = _files(path)
     handles = [_open(safe_open, f) for f in files]
     where = {k: h for h in handles for k in h.keys()}
-    problems = [f"missing: {n}" for n in state.params if n not in where]
-    problems += [f"unexpected: {k}" for k in where if k not in state.params]
-    for n, p in state.params.items():
+    buffers = {n: state.buffers[n] for n in state.skeleton.persistent if n in state.buffers}
+    expected = {**state.params, **buffers}
+    problems = [f"missing: {n}" for n in expected if n not in where]
+    problems += [f"unexpected: {k}" for k in where if k not in expected]
+    for n, p in expected.items():
         if n in where and tuple(where[n].get_slice(n).get_shape()) != tuple(p.shape):
             problems.append(f"shape mismatch: {n} is {tuple(where[n].get_slice(n).get_shape())} in the file, "
                             f"{tuple(p.shape)} here")
@@ -184,4 +187,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
             except Exception as e:  # noqa: BLE001 - a damaged file, named
                 raise ConfigError(f"cannot read {n} from weights file {files[handles.index(where[n])]} "
                                   f"({type(e).__name__}: {e})") from e
+        for n, b in buffers.items():
+            if n in where and n not in bad:
+                b.copy_(where[n].get_tensor(n))
     return state

@@ -256,6 +256,7 @@ def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str
         meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
                 "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
                 "master": _has_master(state), "checksum": manifest.ALGORITHM,
+                "state_dict_buffers": list(state.skeleton.persistent),
                 "client_state": {} if client_per_rank else client_json, "client_state_per_rank": client_per_rank}
         job = SaveJob(root, step, tensors, rank_json, meta, keep_last, group, rank)
         return job, ({} if client_per_rank else digests(client_json, client_t))

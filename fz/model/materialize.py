@@ -1,8 +1,12 @@
-"""Initial parameter values: the user's own, or `reset_parameters()` under a per-module seed.
+"""Initial parameter values: the user's own, or the model's own init under a per-module seed.
 
 For a model built on the meta device, each module is materialised alone (peak host
 memory ~ the largest module) under a seed derived from (spec.seed, module name), so the
-values are the same for every world size and stage; each rank keeps only its rows.
+values are the same for every world size and stage; each rank keeps only its rows. The
+init is what building the model on the CPU would do: `reset_parameters()` (torch's
+modules), then, for a Hugging Face model, its `_init_weights` on the module and on each
+of its ancestors, nearest first (HF's `initialize_weights` order: a block's init may set
+its children, as GPT-2's scaled `c_proj`), then `Spec.init_fn`.
 
 Nothing is left to `torch.empty`: every tensor is filled with a sentinel first (a signalling
 NaN, which arithmetic never makes; a pattern for integers; for one-byte dtypes, two runs
@@ -90,7 +94,7 @@ class InitialValues:
             if t.is_meta:
                 meta_by_module.setdefault(_owner(n)[0], []).append(n)
             else:
-                out[n] = t.detach().to(self.device)
+                out[n] = t.detach().to(self.device, copy=True)  # never the module's own (training updates buffers in place)
         for mname, full_names in meta_by_module.items():
             out.update(self._materialize(self.model.get_submodule(mname), mname, full_names))
         return out
@@ -111,9 +115,37 @@ class InitialValues:
             torch.manual_seed(module_seed(self.seed, mname))
             if hasattr(twin, "reset_parameters"):
                 twin.reset_parameters()
+            self._model_init(twin, mname)
             if self.init_fn is not None:
                 self.init_fn(mname, twin)
         return twin
+
+    def _model_init(self, twin: nn.Module, mname: str) -> None:
+        """A Hugging Face model's own `_init_weights` on `twin` and then on each ancestor, nearest
+        first; an ancestor is a shallow copy whose child on the way down is the twin (its other
+        tensors stay meta: initialising them does nothing, their own turn comes)."""
+        names = [mname] + [mname.rsplit(".", k)[0] for k in range(1, mname.count(".") + 1)] + ([""] if mname else [])
+        current = twin
+        for k, name in enumerate(names):
+            if k:
+                original = self.model.get_submodule(name)
+                current_leaf = names[k - 1].rsplit(".", 1)[-1]
+                shell = nn.Module.__new__(type(original))
+                shell.__dict__ = dict(original.__dict__)
+                shell._modules = dict(original._modules, **{current_leaf: current})
+                current = shell
+            init = self._hf_init(name)
+            if init is not None:
+                init(current)
+
+    def _hf_init(self, name: str) -> Optional[Callable[[nn.Module], None]]:
+        """`_init_weights` of the nearest Hugging Face model (one with a config) containing `name`."""
+        parts = name.split(".") if name else []
+        for k in range(len(parts), -1, -1):
+            owner = self.model.get_submodule(".".join(parts[:k]))
+            if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
+                return owner._init_weights
+        return None
 
     def _materialize(self, module: nn.Module, mname: str, full_names: List[str]) -> Dict[str, Tensor]:
         twin = self._twin(module, mname, False)

@@ -1,4 +1,5 @@
-"""`full_params`: every parameter whole, identical on every rank (for export and tests).
+"""`full_params`: every parameter whole, and the buffers of the model's state_dict, identical on
+every rank (for export and tests: `model.load_state_dict(fz.full_params(state), strict=True)`).
 
 A collective API: every rank of the mesh calls it (stage 3 all-gathers within the shard group).
 """
@@ -16,7 +17,9 @@ from fz.state import State
 
 
 def full_params(state: State) -> Dict[str, Tensor]:
-    """{name: full tensor}; sharded buckets are all-gathered, one bucket at a time."""
+    """{name: full tensor}: the parameters (sharded buckets all-gathered, one bucket at a time), then
+    the persistent buffers (BatchNorm's statistics; not the non-persistent ones, such as a RoPE
+    table, which a state_dict leaves out too)."""
     state.check_alive("fz.full_params")
     plan = state.plan
     flats, sync, _ = checked_flats(state)
@@ -35,4 +38,5 @@ def full_params(state: State) -> Dict[str, Tensor]:
             comm.all_gather(full, flat)
             tensors = unpack(full, b)
         out.update(zip((s.name for s in b.slots), tensors))
+    out.update((n, state.buffers[n].clone()) for n in state.skeleton.persistent if n in state.buffers)
     return out

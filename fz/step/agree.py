@@ -1,9 +1,11 @@
-"""Ranks agree on the step and on the batch size: checked on the loss all-reduce itself.
+"""Ranks agree on the step, the batch size and the blocks called: checked on the loss all-reduce itself.
 
 Besides the loss, the all-reduce carries one slot per rank for its state's step, its
-batch rows and its batch elements (each rank fills its own slots, so the sum hands every
-rank all of them). A rank that fell behind (it caught an exception and carried on) or a
-batch of another size is then an error on every rank at once, naming the ranks, without a
+batch rows, its batch elements and a checksum of the blocks its forwards called, in order
+(each rank fills its own slots, so the sum hands every rank all of them). A rank that fell
+behind (it caught an exception and carried on), a batch of another size, or a rank that
+called other blocks (an MoE expert only some ranks call: the ranks' per-block collectives
+then paired up wrongly) is then an error on every rank at once, naming the ranks, without a
 collective of its own; the all-reduce still runs while the optimizer does (the state the
 step took is then unusable: it was donated). With `Spec.weight_by_rows` unequal batches are
 allowed and each rank counts by its rows: its loss is scaled by its rows before backward
@@ -11,7 +13,8 @@ and the averaged gradients by ranks / total rows, so that mode waits before the 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import zlib
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,6 +41,9 @@ def _by_value(values: List[int], ranks: List[int], unit: str) -> str:
     return "; ".join(parts)
 
 
+_SLOTS = 4  # per rank: step, batch rows, batch elements, blocks called
+
+
 class Agreement:
     """One loss all-reduce with the step and batch-size slots of every rank of the mesh."""
 
@@ -58,13 +64,15 @@ class Agreement:
         """What this rank's loss is multiplied by before backward."""
         return float(self.rows) if self.weight_by_rows and self.n > 1 else 1.0
 
-    def start(self, comm, loss: Tensor) -> "Agreement":
-        """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss."""
+    def start(self, comm, loss: Tensor, calls: Sequence[int] = ()) -> "Agreement":
+        """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss, `calls`
+        the blocks its forwards called, in order."""
         n = self.n
-        slots = [0.0] * (3 * n)
+        slots = [0.0] * (_SLOTS * n)
         if n > 1:
             i = self.ranks.index(self.plan.rank)
-            for k, v in enumerate((self.step, self.rows, self.numel)):
+            called = zlib.crc32(",".join(map(str, calls)).encode())  # < 2**32: exact in float64
+            for k, v in enumerate((self.step, self.rows, self.numel, called)):
                 slots[k * n + i] = float(v)
         mine = (loss.detach().double() * self.loss_weight).reshape(1)
         self.vec = torch.cat([mine, torch.tensor(slots, dtype=torch.float64, device=loss.device)])
@@ -81,12 +89,18 @@ class Agreement:
         if self.work is not None:
             self.work.wait()
         comm.replica_sum(vec, scalar=True)
-        steps, rows, numel = (vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(3))
+        steps, rows, numel, called = (vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(_SLOTS))
         if len(set(steps)) > 1:
             raise ConfigError(
                 f"{self.what}: the ranks are at different steps ({_by_value(steps, self.ranks, 'step')}): their "
                 "collectives no longer pair up. Did a rank catch an exception and carry on? Every rank must "
                 "call fz.train_step on the same state, step after step.")
+        if len(set(called)) > 1:
+            raise ConfigError(
+                f"{self.what}: the ranks called different blocks, or in another order "
+                f"({_by_value(called, self.ranks, 'call-order checksum')}), so their per-block collectives paired "
+                "up wrongly and this step's result is wrong. Every rank must call the same blocks in the same "
+                "order: route inside a block (an MoE layer as one block), or call every expert on every rank.")
         if self.weight_by_rows:
             total = sum(rows)
             return (vec[0] / total).float(), n / total

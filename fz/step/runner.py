@@ -22,7 +22,10 @@ from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
 from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
-from fz.model.skeleton import Skeleton, running
+from fz.step.binding import Bindings, checkpoint_seen
+from fz.step.unused import UsedParams
+from fz.model.skeleton import Skeleton
+from fz.model.standin import running
 
 
 class Runner:
@@ -31,14 +34,21 @@ class Runner:
     def __init__(self, skel: Skeleton, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor],
                  buffers: Dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
                  grad_sink: Optional[Callable] = None, prefetch: int = 0, compile: Any = False,
-                 sync: Optional[ParamSync] = None, live_buckets: int = 0):
+                 sync: Optional[ParamSync] = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32,
+                 used: Optional[UsedParams] = None):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
+        self.bindings = Bindings()
+        self.used = used  # Spec.skip_unused: which parameters backward reaches
+        # floating buffers of modules with parameters (BatchNorm's statistics) in the compute dtype,
+        # one copy per step, written back after it (fz/model/skeleton.py: _buffer_kinds)
+        self.cast = set(skel.cast_buffers) if compute_dtype != torch.float32 else set()
+        self.compute_dtype, self.cast_copies = compute_dtype, {}
         self.order = list(order)  # units in forward call order, as the last step saw them (for prefetch)
         self.live = LiveCounter()
         self.sync = sync  # replicated buckets still being all-gathered from the last update
         self.grad_sink, self.prefetch = grad_sink, prefetch
         self.compiled = compiled_units(skel, compile) if compile else None
-        self.checkpointed = [i > 0 and _wants_checkpoint(checkpointing, u.name, u.module)
+        self.checkpointed = [i > 0 and (u.checkpointed or _wants_checkpoint(checkpointing, u.name, u.module))
                              for i, u in enumerate(skel.units)]
         self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
         for b in plan.buckets:
@@ -96,18 +106,39 @@ class Runner:
         own: Dict[str, Tensor] = {}
         for b in self.unit_buckets[index]:
             own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
+        if self.used is not None and torch.is_grad_enabled():
+            self.used.watch(own)
         if index == 0:
             self.root_tensors = own
             if self.order:  # the root is gathered: start on the first block it will call
                 self._prefetch_units(self.order[0], 0)
         unit = self.skel.units[index]
         args = {local: own[c] if c in own else self.root_tensors[c] for local, c in unit.params}
-        args.update((local, self.buffers[c]) for local, c in unit.buffers)
+        args.update((local, self._buffer(c)) for local, c in unit.buffers)
         return args
 
+    def _buffer(self, c: str) -> Tensor:
+        if c not in self.cast:
+            return self.buffers[c]
+        if c not in self.cast_copies:
+            copy = self.buffers[c].to(self.compute_dtype)
+            self.cast_copies[c] = (copy, copy._version)
+        return self.cast_copies[c][0]
+
     def _run_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
-        call = self.compiled[index] if self.compiled else _call
-        return call(self.skel.units[index].module, self._unit_args(index), args, kwargs)
+        module, tensors = self.skel.units[index].module, self._unit_args(index)
+        if self.compiled:
+            return self.compiled[index](module, tensors, args, kwargs)
+        # bound until backward is done, so a checkpoint inside the block recomputes with them
+        # (fz/step/binding.py); a stage-3 block's gathered tensors only if one ran inside it
+        slots = self.bindings.bind(module, tensors)
+        if not (self.sharded[index] and torch.is_grad_enabled()):
+            return module(*args, **kwargs)
+        with checkpoint_seen() as seen:
+            out = module(*args, **kwargs)
+        if not seen[0]:
+            self.bindings.unbind(slots)
+        return out
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         self.called.append(index)
@@ -137,6 +168,12 @@ class Runner:
         with running(self):
             return self._run_unit(0, args, kwargs)
 
+    def backward(self, loss: Tensor) -> None:
+        """`loss.backward()` with unit calls still going to this runner (a checkpoint around blocks
+        in the model's own forward calls them again in backward)."""
+        with running(self):
+            loss.backward()
+
     def dispose(self) -> None:
         """Break the runner's reference cycles (hooks -> runner) once the step is done."""
         self.release()
@@ -146,6 +183,12 @@ class Runner:
         """After backward: drop the root's gathered parameters, finish stray prefetches,
         and remember the call order so the next step can prefetch."""
         self.root_tensors = {}
+        self.bindings.release()
+        running = set(self.skel.running_stats) if self.skel.training else set()
+        for c, (copy, version) in self.cast_copies.items():
+            if copy._version != version or c in running:  # the module updated it (BatchNorm's statistics)
+                self.buffers[c].copy_(copy)
+        self.cast_copies = {}
         self.backward_seen = set()
         self.kept = set()
         self.gatherer.close()
@@ -180,7 +223,8 @@ def _wants_checkpoint(policy: Any, name: str, module: Any) -> bool:
 
 
 class BoundModel:
-    """What `loss_fn(model, batch)` receives: call it like the module; attributes read through."""
+    """What `loss_fn(model, batch)` receives: call it like the module; attributes, indexing and
+    iteration read through (to the model, whose blocks are stand-ins: fz/model/standin.py)."""
 
     def __init__(self, runner: Runner):
         self._runner = runner
@@ -190,6 +234,18 @@ class BoundModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner.skel.root, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._runner.skel.root[key]
+
+    def __iter__(self):
+        return iter(self._runner.skel.root)
+
+    def __len__(self) -> int:
+        return len(self._runner.skel.root)
+
+    def __bool__(self) -> bool:
+        return True
 
 
 def default_loss(model: BoundModel, batch: Any) -> Any:

@@ -29,10 +29,12 @@ from fz.sharding.sync import Arriving, start_param_sync
 from fz.state import State
 from fz.step.agree import Agreement
 from fz.step.batches import micro_batches, scalar_loss
+from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
+from fz.step.unused import UsedParams, put_back, snapshot, unused_everywhere
 from fz.step.update import any_overflow, apply_optimizer, optimizer_inputs
 
 
@@ -78,6 +80,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         flats = [_own(f) for f in flats]
         mflats = [None if m is None else _own(m) for m in mflats]
         local_opt = _clone_tree(local_opt)
+    buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}  # modules update them in place
+    before = versions(buffers)
     micro = micro_batches(batch, spec.grad_accum, spec.micro_batch)
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
@@ -86,12 +90,16 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, comm, leaves)
-    runner = Runner(state.skeleton, plan, comm, leaves, state.buffers, state.metrics["order"].tolist(),
+    state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics
+    used = UsedParams() if spec.skip_unused else None
+    runner = Runner(state.skeleton, plan, comm, leaves, buffers, state.metrics["order"].tolist(),
                     spec.activation_checkpointing, grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch,
-                    compile=spec.compile, sync=sync, live_buckets=spec.live_buckets)
+                    compile=spec.compile, sync=sync, live_buckets=spec.live_buckets, compute_dtype=spec.compute_dtype,
+                    used=used)
     model = BoundModel(runner)
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
+    calls: List[int] = []  # the blocks each forward called, in order (checked across ranks)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state.rng)
         try:
@@ -99,7 +107,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 reducer.last = i == len(micro) - 1
                 with _autocast(state):
                     loss = scalar_loss(loss_fn(model, mb)).float()
-                (loss * weight).backward()
+                runner.backward(loss * weight)
+                calls += runner.called
                 runner.release()
                 reducer.end_micro_batch()
                 total += loss.detach()
@@ -109,11 +118,12 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
             reducer.close()
         rng = torch.get_rng_state()
     reducer.reduce_across_replicas()
+    sync_changed(comm, buffers, before, spec.buffer_sync, state.skeleton.running_stats)  # equal on every rank
     order, live = runner.order, runner.live
     runner.dispose()
     del runner, model
 
-    agreement.start(comm, total / spec.grad_accum)  # the loss all-reduce, with every rank's step and batch size
+    agreement.start(comm, total / spec.grad_accum, calls)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
@@ -139,7 +149,11 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats))  # params already cast
             else:
                 update = host_update if offload is not None and offload.optimizer == "host" else apply_optimizer
+                skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
+                kept = snapshot(skip, params, local_opt) if skip else None
                 local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
+                if kept is not None:  # Spec.skip_unused: as torch, no update without a gradient
+                    put_back(*kept, params, local_opt)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
     if not spec.weight_by_rows:  # waited for while the optimizer ran
@@ -152,7 +166,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
 
     scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
-    new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, opt_state=opt_state,
+    new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, opt_state=opt_state, buffers=buffers,
                         param_flats=_param_leaves(state, flats, new_sync, donate),
                         master_flats=_master_leaves(state, mflats, donate),
                         metrics=step_metrics(order, comm, live, norm, _lr(opt_state), scaler))
@@ -191,15 +205,18 @@ def _master_leaves(state: State, mflats, donate: bool):
     return out
 
 
-def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
+def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
     raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
         sync.finish()
     comm = Comm(state.plan, state.spec.grad_reduce_dtype)
-    runner = Runner(state.skeleton, state.plan, comm, list(flats), state.buffers, state.metrics["order"].tolist(),
-                    prefetch=state.spec.prefetch, compile=state.spec.compile)
+    state.skeleton.set_mode(train)
+    # in train mode modules update buffers in place: they get copies, the state keeps its own
+    buffers = {n: t.clone() for n, t in state.buffers.items()} if train else state.buffers
+    runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.metrics["order"].tolist(),
+                    prefetch=state.spec.prefetch, compile=state.spec.compile, compute_dtype=state.spec.compute_dtype)
     with torch.no_grad(), torch.random.fork_rng(devices=[]), _autocast(state):
         torch.set_rng_state(state.rng)
         try:
@@ -209,17 +226,20 @@ def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
 
 
 def eval_step(state: State, batch: Any) -> Tensor:
-    """The loss on this rank's `batch`, averaged over ranks; no state changes."""
+    """The loss on this rank's `batch`, averaged over ranks, with the model in eval mode (dropout
+    off, BatchNorm on its running statistics); no state changes."""
     loss_fn = state.spec.loss_fn or default_loss
 
     def run(runner, comm):
         agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
         loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
-        return agreement.start(comm, loss).finish(comm)[0].to(loss.dtype)
+        return agreement.start(comm, loss, runner.called).finish(comm)[0].to(loss.dtype)
 
     return _forward(state, run)
 
 
-def apply(state: State, *args: Any, **kwargs: Any) -> Any:
-    """The model's own forward output on `args` (stage 3 gathers block by block)."""
-    return _forward(state, lambda r, comm: r(*args, **kwargs))
+def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
+    """The model's own forward output on `args` (stage 3 gathers block by block), in eval mode;
+    `train=True` runs it in train mode (dropout from the state's generator, BatchNorm on batch
+    statistics) without changing the state's buffers."""
+    return _forward(state, lambda r, comm: r(*args, **kwargs), train=train)

@@ -1,0 +1,47 @@
+"""Buffers that training changes (BatchNorm's running statistics) stay identical on every rank.
+
+Each rank's forward updates its buffers from its own rows, so they would drift apart while
+the README calls them replicated (and a checkpoint would keep one rank's). After each step
+the buffers whose in-place version counter moved, and the running statistics of norm layers
+(which the kernel updates without moving it), are made equal again: averaged over every
+rank by default (floating ones; others take the first rank's), or the first rank's for all
+(`Spec(buffer_sync="rank0")`, DDP's broadcast_buffers). One collective per dtype.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+from torch import Tensor
+
+from fz.sharding.comm import Comm
+
+
+
+def versions(buffers: Dict[str, Tensor]) -> Dict[str, int]:
+    return {n: t._version for n, t in buffers.items()}
+
+
+def sync_changed(comm: Comm, buffers: Dict[str, Tensor], before: Dict[str, int], how: str,
+                 running: Sequence[str] = ()) -> List[str]:
+    """Make the buffers changed since `before` (and the `running` ones) equal on every rank; returns
+    their names (sorted, so every rank packs them alike)."""
+    changed = sorted(n for n, t in buffers.items() if t._version != before.get(n) or n in running)
+    if not changed or (comm.world == 1 and comm.replicas == 1):
+        return changed
+    by_kind: Dict[tuple, List[str]] = {}
+    for n in changed:
+        t = buffers[n]
+        mean = how == "mean" and t.is_floating_point()
+        by_kind.setdefault((mean, t.dtype), []).append(n)
+    for (mean, _), names in sorted(by_kind.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        flat = torch.cat([buffers[n].reshape(-1) for n in names])
+        if mean:
+            comm.all_reduce(flat)
+            comm.replica_mean(flat)
+        else:
+            comm.broadcast_first(flat)
+        with torch.no_grad():
+            for n, part in zip(names, flat.split([buffers[n].numel() for n in names])):
+                buffers[n].copy_(part.view_as(buffers[n]))
+    return changed
