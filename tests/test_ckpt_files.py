@@ -83,10 +83,27 @@ def test_checkpoint_of_another_model_lists_differences_or_restores_the_overlap(s
     wider = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=CFG.layers))
     with pytest.raises(ConfigError, match=r"shape mismatch: model/wte.weight is \(64, 32\) in the checkpoint"):
         restore(root / "ck", fz.init(wider, spec(3, 1)))
-    with pytest.warns(PartialRestoreWarning, match="blocks.2"):
+    with pytest.warns(PartialRestoreWarning, match="blocks.2") as caught:
         state = restore(root / "ck", fz.init(other, spec(3, 1)), strict=False)
     got = fz.full_params(state)
     assert int(state.step) == 2 and all(torch.equal(got[k], want[k]) for k in want)
+    skipped = caught[0].message.skipped  # every skipped tensor, not only the ones the message shows
+    assert len(skipped) > 5 and all("blocks.2." in line for line in skipped), skipped
+
+
+def test_an_unrelated_checkpoint_is_never_adopted_and_the_optimizer_is_named(small):
+    """strict=False with nothing of the model in common is an error (it would only adopt the
+    step); a checkpoint of the same model with another optimizer blames the optimizer."""
+    root, _ = small
+    unrelated = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim + 8, heads=CFG.heads, layers=CFG.layers))
+    fresh = fz.init(unrelated, spec(3, 1))
+    with pytest.raises(ConfigError, match="holds none of this model's parameters"):
+        restore(root / "ck", fresh, strict=False)
+    sgd = fz.init(make_model(1), spec(3, 1, optimizer=fz.optim.sgd(0.1, momentum=0.9)))
+    with pytest.raises(ConfigError) as e:
+        restore(root / "ck", sgd)
+    msg = str(e.value)
+    assert "does not match this optimizer (the model matches: the checkpoint was saved with another optimizer" in msg, msg
 
 
 def test_master_weights_are_the_source_of_truth(tmp_path):

@@ -135,3 +135,34 @@ def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_pa
     assert not unclean, unclean
     for job in range(JOBS):  # each job's checkpoints committed
         assert (tmp_path / f"ckpt_{job}" / "latest").read_text() == "step_3"
+
+
+def test_destroying_the_process_group_right_after_an_async_save_lets_it_commit(tmp_path):
+    """dist.destroy_process_group() waits for the pending save: the checkpoint is committed
+    (no step_N.tmp), both ranks exit 0, and it restores; a failing save still exits non-zero."""
+    code = (
+        "import sys, torch, torch.distributed as dist, fz\n"
+        "from helpers import make_model, spec, rank_batches\n"
+        "rank = int(sys.argv[1])\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rdzv', rank=rank, world_size=2)\n"
+        "state = fz.init(make_model(), spec(3, 1))\n"
+        "state, _ = fz.train_step(state, rank_batches(2, 1, 1)[0][rank])\n"
+        "bad = {'sparse': torch.eye(2).to_sparse()} if sys.argv[2] == 'fail' else None\n"
+        f"fz.save(state, {str(tmp_path)!r} + '/' + sys.argv[2], async_=True, client_state=bad)\n"
+        "dist.destroy_process_group()\n"
+        "print('destroyed', flush=True)\n"
+    )
+    for how, want in (("ok", 0), ("fail", 1)):
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), how], env=ENV, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        (tmp_path / "rdzv").unlink(missing_ok=True)
+        for p, (out, err) in zip(procs, outs):
+            assert (p.returncode != 0) == bool(want), (how, p.returncode, err[-2000:])
+        if how == "ok":
+            assert sorted(os.listdir(tmp_path / "ok")) == ["latest", "step_1"]
+            restored = fz.restore(tmp_path / "ok", fz.init(make_model(), spec(0, 1)))
+            assert int(restored.step) == 1
+        else:
+            assert "sparse" in outs[0][1] or "NotImplementedError" in outs[0][1], outs[0][1][-2000:]
+            assert not (tmp_path / "fail" / "step_1").exists()

@@ -16,6 +16,7 @@ flight at once without their background collectives interleaving on one group.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -24,6 +25,8 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+import torch.distributed as dist
 
 from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver
@@ -291,6 +294,31 @@ def _wait_at_exit() -> None:
 
 
 atexit.register(_wait_at_exit)
+
+
+def _destroy_after_saves(destroy):
+    """`dist.destroy_process_group` that first lets pending async saves commit: their last
+    phase talks over a checkpoint group of the default group, which destroying it would
+    remove mid-save (leaving step_<N>.tmp). A save that fails is raised once the group is gone."""
+    @functools.wraps(destroy)
+    def wrapper(group=None, *args, **kwargs):
+        err = None
+        if group is None or group is dist.GroupMember.WORLD:
+            try:
+                wait_for_checkpoints()
+            except BaseException as e:  # noqa: BLE001 - raised after the group is destroyed, as asked
+                err = e
+        out = destroy(group, *args, **kwargs)
+        if err is not None:
+            raise err
+        return out
+    wrapper._fz_waits_for_saves = True
+    return wrapper
+
+
+for _module in (dist, dist.distributed_c10d):
+    if not getattr(_module.destroy_process_group, "_fz_waits_for_saves", False):
+        _module.destroy_process_group = _destroy_after_saves(_module.destroy_process_group)
 
 _FUNCTION_GROUPS = GroupCache()
 

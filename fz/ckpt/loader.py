@@ -36,7 +36,31 @@ _SHOWN = 5
 
 
 class PartialRestoreWarning(UserWarning):
-    """restore(strict=False) skipped tensors that the checkpoint and the template do not share."""
+    """restore(strict=False) skipped tensors that the checkpoint and the template do not share;
+    `.skipped` lists every one (the message shows the first few)."""
+
+    def __init__(self, message: str, skipped: Tuple[str, ...] = ()):
+        super().__init__(message)
+        self.skipped = skipped
+
+
+_KINDS = (("model/", "model"), ("opt/", "optimizer"), ("buffers/", "buffers"), ("scaler/", "loss scaler"))
+
+
+def _kind(line: str) -> str:
+    key = line.split(": ", 1)[1]
+    return next((name for prefix, name in _KINDS if key.startswith(prefix)), "state")
+
+
+def _mismatch_title(lines: List[str]) -> str:
+    """'this model', or 'this optimizer (the model matches)': what the differences are about."""
+    kinds = list(dict.fromkeys(_kind(line) for line in lines))
+    title = " and ".join(f"this {k}" for k in kinds)
+    if "model" not in kinds:
+        title += " (the model matches"
+        title += (": the checkpoint was saved with another optimizer or optimizer settings)"
+                  if "optimizer" in kinds else ")")
+    return title
 
 
 def _verify(path: PathLike, step: Optional[int], rank: int, world: int) -> Path:
@@ -149,14 +173,18 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
     if lines and strict:
         shown = "\n  ".join(lines[:_SHOWN])
         more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
-        err = ConfigError(f"checkpoint {d} does not match this model ({len(lines)} differences):\n  {shown}{more}\n"
-                          "Pass strict=False to restore the tensors both have.")
+        err = ConfigError(f"checkpoint {d} does not match {_mismatch_title(lines)} ({len(lines)} differences):\n  "
+                          f"{shown}{more}\nPass strict=False to restore the tensors both have.")
+    elif lines and not any(k.startswith("model/") for k in planned[0]):
+        err = ConfigError(f"checkpoint {d} holds none of this model's parameters ({len(lines)} differences, e.g. "
+                          f"{lines[0]}): it is another model's, and restoring it (even with strict=False) would only "
+                          "adopt its step count and leave every tensor at its initial value")
     agree(group, err, f"reading checkpoint {path}")
     load, buffers, scaler, lines, rng, (data_json, client_json, extra) = planned
     if lines:
-        warnings.warn(f"{who}(strict=False) from {d}: {len(lines)} tensors not restored: "
-                      + "; ".join(lines[:_SHOWN]) + (" ..." if len(lines) > _SHOWN else ""), PartialRestoreWarning,
-                      stacklevel=stacklevel)
+        warnings.warn(PartialRestoreWarning(
+            f"{who}(strict=False) from {d}: {len(lines)} tensors not restored (warning.skipped lists them): "
+            + "; ".join(lines[:_SHOWN]) + (" ..." if len(lines) > _SHOWN else ""), tuple(lines)), stacklevel=stacklevel)
     err = None
     try:
         dcp.load(load, storage_reader=SafeReader(d), process_group=group)
