@@ -39,6 +39,12 @@ def _inspect(args: argparse.Namespace) -> int:
             ("model tensors", f"{info['model_tensors']} ({_mb(info['model_bytes'])})")]
     if "meta_error" in info:
         rows.append(("metadata", f"UNREADABLE: {info['meta_error']}"))
+    if info["signed"]:
+        signed = "yes (HMAC-SHA256), " + ("checked below with FZ_CKPT_KEY" if info["key"] and not args.no_verify
+                                          else "not checked (set FZ_CKPT_KEY to check it)")
+    else:
+        signed = "no" if info["signed"] is False else "?"
+    rows.append(("signed", signed))
     if args.no_verify:
         rows.append(("manifest", "not checked (--no-verify)"))
     else:

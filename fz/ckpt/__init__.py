@@ -9,9 +9,9 @@
     $ fz inspect ckpt
 
 Modules: checkpointer (Checkpointer and the function API), saver, loader, layout
-(directories, durable renames), manifest (checksums), tree (state <-> keys), group
-(checkpoint process groups, agreement), reader (DCP files without torch.distributed),
-safetensors_io, export (consolidate, inspect), progress.
+(directories, durable renames), manifest (checksums), signing (keyed manifests), tree
+(state <-> keys), group (checkpoint process groups, agreement), reader (DCP files without
+torch.distributed), safetensors_io, export (consolidate, inspect), progress.
 """
 from fz.ckpt.checkpointer import Checkpointer, restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect

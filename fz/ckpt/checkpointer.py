@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 import torch.distributed as dist
 
 from fz.background import on_next_call
-from fz.ckpt import loader, manifest, saver
+from fz.ckpt import loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
 from fz.errors import ConfigError
@@ -91,11 +91,15 @@ class Checkpointer:
     in the background. Call `wait()` (or `close()`, or leave the `with` block) before
     `dist.destroy_process_group()`, which would cut a pending save off. With `verbose`
     (the default) rank 0 prints what each save and restore wrote or read, and how long it took.
+    With a `key` (str or bytes, >= 16 bytes; else the environment's FZ_CKPT_KEY) saves are
+    signed with it and restores refuse a checkpoint it did not sign (fz/ckpt/signing.py).
     """
 
-    def __init__(self, root: PathLike, keep_last: Optional[int] = None, async_: bool = False, verbose: bool = True):
+    def __init__(self, root: PathLike, keep_last: Optional[int] = None, async_: bool = False, verbose: bool = True,
+                 key: signing.Key = None):
         _check_keep_last(keep_last, "Checkpointer")
         self.root, self.keep_last, self.async_, self.verbose = Path(root), keep_last, bool(async_), verbose
+        self._key = signing.resolve(key)  # never printed: __repr__ leaves it out
         self._groups = GroupCache()
         self._pending: Optional[_Pending] = None
         self._closed = False
@@ -103,11 +107,11 @@ class Checkpointer:
 
     @classmethod
     def _for_functions(cls, root: PathLike, keep_last: Optional[int] = None, async_: bool = False,
-                       groups: Optional[GroupCache] = None) -> "Checkpointer":
+                       groups: Optional[GroupCache] = None, key: signing.Key = None) -> "Checkpointer":
         """One call of the function API: its messages say fz.save / fz.restore, and it shares
         one group with every other call (they never overlap: each first waits for all saves)."""
         _check_keep_last(keep_last, "fz.save")
-        self = cls(root, None, async_)
+        self = cls(root, None, async_, key=key)
         self.keep_last, self._who = keep_last, "fz."
         if groups is not None:
             self._groups = groups
@@ -154,7 +158,7 @@ class Checkpointer:
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
         t0, first = time.perf_counter(), self._reports(state)
         job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_,
-                            client_per_rank=client_state_per_rank)
+                            client_per_rank=client_state_per_rank, key=self._key)
         if not self.async_:
             job.run()
             self._report(first, "saved", self.root / step_name(n), t0)
@@ -184,7 +188,8 @@ class Checkpointer:
         self.wait()
         t0, first = time.perf_counter(), self._reports(state)
         out = loader.load(state, self.root, self._group(state), step=step, strict=strict,
-                          with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel)
+                          with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel,
+                          key=self._key)
         self._report(first, "restored", resolve(self.root, step), t0)
         return out
 
@@ -324,7 +329,8 @@ _FUNCTION_GROUPS = GroupCache()
 
 
 def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None, client_state_per_rank: bool = False) -> None:
+         async_: bool = False, keep_last: Optional[int] = None, client_state_per_rank: bool = False,
+         key: signing.Key = None) -> None:
     """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
 
     N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
@@ -334,23 +340,24 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
     `async_=True` returns once the state is copied to host memory and finishes in the
     background on a checkpoint-only process group; the next save or restore and
     interpreter exit wait for it. Call `wait_for_checkpoints()` before
-    `dist.destroy_process_group()`, which would cut it off.
+    `dist.destroy_process_group()`, which would cut it off. `key` (else FZ_CKPT_KEY) signs it.
     """
     state.check_alive("fz.save")
     wait_for_checkpoints()
-    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS)
+    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key)
     ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
 def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,
-            with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
+            with_client_state: bool = False, key: signing.Key = None) -> Union[State, Tuple[State, Dict[str, Any]]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
 
     Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of
     another model raises ConfigError; with strict=False the tensors both share are loaded
-    and the rest is reported as a PartialRestoreWarning.
+    and the rest is reported as a PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a
+    checkpoint that this key did not sign is refused.
     """
     state.check_alive("fz.restore")
     wait_for_checkpoints()
-    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS)
+    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from fz.ckpt import manifest
+from fz.ckpt import manifest, signing
 from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
@@ -35,8 +35,8 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return PRECISIONS[name]
 
 
-def _verify(d: Path, progress: Optional[bool]) -> None:
-    files = manifest.read(d)
+def _verify(d: Path, progress: Optional[bool], key: Optional[bytes]) -> None:
+    files = manifest.read(d, key)
     manifest.check_sizes(d, files)
     bar = Progress(sum(f["size"] for f in files.values()), "verify     ", enabled=progress)
     manifest.check_sums(d, files, sorted(files), bar.update)
@@ -44,17 +44,19 @@ def _verify(d: Path, progress: Optional[bool]) -> None:
 
 
 def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, step: Optional[int] = None,
-                verify: bool = True, progress: Optional[bool] = None) -> Dict[str, Any]:
+                verify: bool = True, progress: Optional[bool] = None, key: signing.Key = None) -> Dict[str, Any]:
     """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
 
     Names are the canonical parameter names, then the buffers of the model's state_dict (its
     persistent ones: BatchNorm's statistics), so the file loads with `strict=True`; `dtype`
     ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
-    master weights when the run had them). Returns a summary.
+    master weights when the run had them). With a `key` (or FZ_CKPT_KEY) the checkpoint must be
+    signed with it, and is verified even with verify=False. Returns a summary.
     """
     d = resolve(ckpt, step)
-    if verify:
-        _verify(d, progress)
+    key = signing.resolve(key)
+    if verify or key is not None:
+        _verify(d, progress, key)
     meta = read_json(d / META)
     reader = CheckpointReader(d)
     cast = _dtype(dtype)
@@ -96,10 +98,16 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
 
 
 def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,
-            progress: Optional[bool] = None) -> Dict[str, Any]:
-    """What a checkpoint holds (from fz.json), and whether its manifest verifies."""
+            progress: Optional[bool] = None, key: signing.Key = None) -> Dict[str, Any]:
+    """What a checkpoint holds (from fz.json), whether its manifest is signed, and whether it
+    verifies (with a `key`, or FZ_CKPT_KEY: its signature too)."""
     d = resolve(ckpt, step)
-    info: Dict[str, Any] = {"path": str(d)}
+    key = signing.resolve(key)
+    info: Dict[str, Any] = {"path": str(d), "key": key is not None}
+    try:
+        info["signed"] = manifest.is_signed(d)
+    except ConfigError:
+        info["signed"] = None
     try:
         meta = read_json(d / META)
     except ConfigError as e:
@@ -110,7 +118,7 @@ def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,
         info[k] = meta.get(k)
     if verify:
         try:
-            _verify(d, progress)
+            _verify(d, progress, key)
             info["verified"], info["verify_error"] = True, None
         except ConfigError as e:
             info["verified"], info["verify_error"] = False, str(e)

@@ -63,10 +63,11 @@ def _mismatch_title(lines: List[str]) -> str:
     return title
 
 
-def _verify(path: PathLike, step: Optional[int], rank: int, world: int) -> Path:
-    """Resolve the directory; sizes on every rank, checksums split across ranks."""
+def _verify(path: PathLike, step: Optional[int], rank: int, world: int, key: Optional[bytes]) -> Path:
+    """Resolve the directory; the signature (given a key) and sizes on every rank, checksums
+    split across ranks."""
     d = resolve(path, step)
-    files = manifest.read(d)
+    files = manifest.read(d, key)
     manifest.check_sizes(d, files)
     manifest.check_sums(d, files, sorted(files)[rank::world])
     return d
@@ -128,8 +129,8 @@ def _template(state: State, saved: Dict[str, Any]) -> Tuple[Dict[str, Tensor], D
 
 
 def load(state: State, path: PathLike, group, *, step: Optional[int] = None, strict: bool = True,
-         with_client_state: bool = False, who: str = "restore",
-         stacklevel: int = 2) -> Union[State, Tuple[State, Dict[str, Any]]]:
+         with_client_state: bool = False, who: str = "restore", stacklevel: int = 2,
+         key: Optional[bytes] = None) -> Union[State, Tuple[State, Dict[str, Any]]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`
     over `group`; every rank calls it (the Checkpointer has checked the state and waited).
 
@@ -143,7 +144,7 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
         from fz.offload.policy import none
         state = none()(state)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    d, err = run_local(_verify, path, step, rank, world)
+    d, err = run_local(_verify, path, step, rank, world, key)
     agree(group, err, f"verifying checkpoint {path}")
 
     def plan():

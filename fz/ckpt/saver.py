@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from fz.ckpt import layout, manifest
+from fz.ckpt import layout, manifest, signing
 from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
@@ -87,9 +87,11 @@ class SaveJob:
     caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
     def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], rank_json: Dict[str, Any],
-                 meta: Dict[str, Any], keep_last: Optional[int], group, rank: int):
+                 meta: Dict[str, Any], keep_last: Optional[int], group, rank: int, key: Optional[bytes] = None):
         self.root, self.step, self.tensors, self.rank_json = root, step, tensors, rank_json
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
+        self.key = key  # signs the manifest; its files' checksums are then sha256
+        self.algorithm = signing.ALGORITHM if key is not None else manifest.ALGORITHM
         self.tmp = root / (step_name(step) + ".tmp")
 
     def _writer(self) -> dcp.FileSystemWriter:
@@ -150,7 +152,7 @@ class SaveJob:
     def _write_rank_files(self) -> Dict[str, dict]:
         write_durable(self.tmp / f"data_{self.rank}.json", json.dumps(self.rank_json).encode())
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == f"data_{self.rank}.json"]
-        return manifest.describe(self.tmp, sorted(mine))
+        return manifest.describe(self.tmp, sorted(mine), self.algorithm)
 
     def _commit(self, all_sums: List[Dict[str, dict]], dcp_md) -> None:
         meta = dict(self.meta, **_tensor_totals(dcp_md), created_unix=time.time())
@@ -162,8 +164,8 @@ class SaveJob:
         rest = sorted(n for n in os.listdir(self.tmp) if n not in files)
         for n in rest:
             fsync_path(self.tmp / n)
-        files.update(manifest.describe(self.tmp, rest))
-        manifest.write(self.tmp, files)  # last file of the checkpoint
+        files.update(manifest.describe(self.tmp, rest, self.algorithm))
+        manifest.write(self.tmp, files, self.key)  # last file of the checkpoint
         fsync_path(self.tmp)
         final = self.root / step_name(self.step)
         old = None
@@ -229,16 +231,17 @@ def _has_master(state: State) -> bool:
 
 
 def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str, Any]], keep_last: Optional[int],
-            group, *, stage: bool, client_per_rank: bool = False) -> SaveJob:
+            group, *, stage: bool, client_per_rank: bool = False, key: Optional[bytes] = None) -> SaveJob:
     """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
     tensors to host memory here, so a rank that cannot (out of memory) fails every rank
     before any background write starts. One `client_state` is saved for all ranks, so the
     ranks' must agree (compared by hash, on the agreement this phase ends with) unless
-    `client_per_rank` saves each rank's own (in data_<rank>.json and client/<rank>/...)."""
+    `client_per_rank` saves each rank's own (in data_<rank>.json and client/<rank>/...). Every
+    rank must hold the same `key` (or none): the same agreement compares their fingerprints."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = block_until_ready(state)  # parameters still arriving from the last step are written whole
 
-    def local() -> Tuple[SaveJob, Dict[str, str]]:
+    def local() -> Tuple[SaveJob, list]:
         client_json, client_t = encode(client_state or {}, f"client/{rank}" if client_per_rank else "client")
         tensors = _my_share(dict(entries(state), **({} if client_per_rank else client_t)), rank, world)
         tensors[f"rng/{rank}"] = state.rng
@@ -255,23 +258,31 @@ def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str
         spec = state.spec
         meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
                 "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
-                "master": _has_master(state), "checksum": manifest.ALGORITHM,
+                "master": _has_master(state), "checksum": signing.ALGORITHM if key else manifest.ALGORITHM,
+                "signed": key is not None,
                 "state_dict_buffers": list(state.skeleton.persistent),
                 "client_state": {} if client_per_rank else client_json, "client_state_per_rank": client_per_rank}
-        job = SaveJob(root, step, tensors, rank_json, meta, keep_last, group, rank)
-        return job, ({} if client_per_rank else digests(client_json, client_t))
+        job = SaveJob(root, step, tensors, rank_json, meta, keep_last, group, rank, key)
+        return job, [{} if client_per_rank else digests(client_json, client_t), signing.key_id(key)]
 
     done, err = run_local(local)
     where = root / step_name(step)
-    hashes = exchange(group, None if done is None else done[1], err, f"preparing checkpoint {where}")
-    differ = _differing_keys(hashes)
-    if differ:
+    shared = exchange(group, None if done is None else done[1], err, f"preparing checkpoint {where}")
+    differ = _differing_keys([hashes for hashes, _ in shared])
+    keys = [key_id for _, key_id in shared]
+    if differ or len(set(keys)) > 1:
         if rank == 0:
             shutil.rmtree(done[0].tmp, ignore_errors=True)
+        if differ:
+            raise ConfigError(
+                f"saving checkpoint {where}: client_state differs between ranks in {'; '.join(differ)}. One "
+                "client_state is saved for all ranks: make it the same on every rank, or pass "
+                "client_state_per_rank=True to save each rank's own.")
+        ranks = [r for r, k in enumerate(keys) if k != keys[0]]
         raise ConfigError(
-            f"saving checkpoint {where}: client_state differs between ranks in {'; '.join(differ)}. One client_state "
-            "is saved for all ranks: make it the same on every rank, or pass client_state_per_rank=True to save "
-            "each rank's own.")
+            f"saving checkpoint {where}: the ranks were given different checkpoint keys (rank "
+            f"{', '.join(map(str, ranks))} vs rank 0; {sum(k is None for k in keys)} of {len(keys)} without one). "
+            f"Give every rank the same key= or {signing.ENV}.")
     return done[0]
 
 
