@@ -143,3 +143,14 @@ def test_a_checkpoint_with_only_dcps_pickled_index_is_refused_naming_why(saved, 
     restored = fz.restore(ck_dir, fz.init(make_model(), spec(1, 1)))  # the intact one loads exactly
     for k, v in fz.full_params(restored).items():
         assert torch.equal(v, full[k]), k
+
+
+def test_a_manifest_of_the_wrong_shape_is_named_not_a_traceback(saved, tmp_path):
+    ck_dir, _ = saved
+    for i, files in enumerate([[], ["index.json"], "x"]):
+        ck = tmp_path / f"step_{i}"
+        shutil.copytree(ck_dir, ck)
+        crc = f"{zlib.crc32(json.dumps(files, sort_keys=True).encode()):08x}"  # self-consistent, wrong shape
+        (ck / "manifest.json").write_text(json.dumps({"files": files, "table_crc": crc}))
+        with pytest.raises(ConfigError, match=f"{ck / 'manifest.json'} is unreadable .*the manifest is damaged"):
+            fz.restore(ck, fz.init(make_model(), spec(1, 1)))
