@@ -4,6 +4,7 @@
     fz inspect CKPT                                      step, world, stage, sizes, verification
     fz --version                                         fz's version, and torch's
     fz estimate ... / fz plan ...                        memory estimates and plans (fz/planning/cli.py)
+    fz run [--hostfile H] script.py args...              launch on one machine or many (fz/launch/cli.py)
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # issue 11: memory estimator and automatic plan
     from fz.planning.cli import add_commands
     add_commands(sub)
+    # issue 11: the launcher (torchrun underneath)
+    from fz.launch.cli import add_command
+    add_command(sub)
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()

@@ -1,0 +1,55 @@
+"""Environment every node gets: `.fz_env` / `.deepspeed_env` files and the variables that matter.
+
+As DeepSpeed does with `.deepspeed_env`, each `KEY=VALUE` line (blank lines and `#` comments
+are skipped) of the files in the home directory, then in the working directory (which wins), is
+exported on every node; `.fz_env` wins over `.deepspeed_env` beside it. The launching shell's
+PYTHONPATH, OMP_NUM_THREADS and NCCL_*/GLOO_*/FZ_*/TORCH_*/CUDA_* variables go along too
+(DeepSpeed exports NCCL_*, PYTHON*, UCX_*, ...), since a remote shell starts without them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
+
+from fz.errors import ConfigError
+
+ENV_FILES = (".deepspeed_env", ".fz_env")  # later wins
+_PASSED = ("PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR")
+_PREFIXES = ("NCCL_", "GLOO_", "FZ_", "TORCH_", "CUDA_", "UCX_", "HF_")
+
+
+def parse_env(text: str, where: str) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].strip()
+        key, eq, value = line.partition("=")
+        key = key.strip()
+        if not eq or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ConfigError(f"{where}, line {n}: {raw.strip()!r} is not KEY=VALUE")
+        out[key] = value.strip()
+    return out
+
+
+def env_files(cwd: Optional[Path] = None, home: Optional[Path] = None) -> List[Path]:
+    """The env files that exist, lowest precedence first."""
+    found = []
+    for d in (home or Path.home(), cwd or Path.cwd()):
+        for name in ENV_FILES:
+            p = d / name
+            if p.is_file() and p not in found:
+                found.append(p)
+    return found
+
+
+def node_env(environ: Mapping[str, str], cwd: Optional[Path] = None, home: Optional[Path] = None) -> Dict[str, str]:
+    """The variables exported on every node (CUDA_VISIBLE_DEVICES is set per node elsewhere)."""
+    out = {k: v for k, v in environ.items() if k in _PASSED or k.startswith(_PREFIXES)}
+    out.pop("CUDA_VISIBLE_DEVICES", None)
+    for path in env_files(cwd, home):
+        out.update(parse_env(path.read_text(), f"env file {path}"))
+    return out
+

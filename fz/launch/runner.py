@@ -1,0 +1,68 @@
+"""Running the node commands: signals are forwarded, the first failure ends the job, and its
+exit code is the launcher's (as DeepSpeed's launcher and torchrun do)."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+GRACE_S = 30.0  # after the first failure (or a signal), how long the other nodes get to stop
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    argv: List[str]
+    env: Optional[Dict[str, str]] = None  # None: inherit this process's environment
+    watch_stdin: bool = False  # ssh/pdsh: closing its stdin stops the remote job
+
+
+def _stop(procs: List[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            if p.stdin is not None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def run_nodes(nodes: List[NodeProcess]) -> int:
+    """Start every node's command; return 0 if all succeed, else the first failure's code
+    (128 + N for a signal N), after stopping the others."""
+    procs = [subprocess.Popen(n.argv, env=n.env, stdin=subprocess.PIPE if n.watch_stdin else None) for n in nodes]
+    received: List[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        _stop(procs, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    code, deadline = 0, None
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if (failed or received) and deadline is None:
+                code = code or _exit_code(-received[0] if received else failed[0])  # a signal wins
+                _stop(procs, signal.SIGTERM)
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                _stop(procs, signal.SIGKILL)
+            time.sleep(0.1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if code == 0:
+        failed = [p.returncode for p in procs if p.returncode != 0]
+        code = _exit_code(failed[0]) if failed else (_exit_code(-received[0]) if received else 0)
+    return code
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode

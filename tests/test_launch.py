@@ -1,0 +1,163 @@
+"""`fz run`: hostfiles, include/exclude, env files, --dry-run, Slurm, and real launches (two
+node agents on this machine; two "hosts" through a real sshd on 127.0.0.1)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fz
+from fz.cli import main
+from fz.errors import ConfigError
+from fz.launch.envfile import node_env
+from fz.launch.hostfile import expand_nodelist, parse_hostfile, select
+
+ROOT = Path(fz.__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+SEED_HOSTS = "worker-1 slots=4\nworker-2 slots=4\n"  # seed 003's hostfile
+THREE = "# the cluster\nworker-1 slots=4\n\nworker-2 slots=4  # spare\nworker-3 slots=4\n"
+
+
+def test_hostfile_and_filters_as_in_seed_003():
+    hosts = parse_hostfile(THREE)
+    assert hosts == {f"worker-{i}": [0, 1, 2, 3] for i in (1, 2, 3)}
+    assert select(parse_hostfile(SEED_HOSTS), include="worker-2:0,1") == {"worker-2": [0, 1]}
+    assert select(hosts, exclude="worker-2:0@worker-3:0,1") == {"worker-1": [0, 1, 2, 3], "worker-2": [1, 2, 3],
+                                                               "worker-3": [2, 3]}
+    assert select(hosts, include="worker-2:0@worker-3") == {"worker-2": [0], "worker-3": [0, 1, 2, 3]}
+    assert select(hosts, exclude="worker-1") == {"worker-2": [0, 1, 2, 3], "worker-3": [0, 1, 2, 3]}
+    assert select(hosts, num_nodes=2, num_gpus=1) == {"worker-1": [0], "worker-2": [0]}
+    assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+
+
+@pytest.mark.parametrize("text, kw, message", [
+    ("worker-1 slots=4\nworker-2 4\n", {}, r"hostfile, line 2: 'worker-2 4' is not 'HOST slots=N'"),
+    ("worker-1 slots=4\nworker-1 slots=2\n", {}, r"line 2: host 'worker-1' is listed twice"),
+    ("# nothing\n\n", {}, r"lists no hosts"),
+    (THREE, {"include": "worker-9"}, r"--include 'worker-9': host 'worker-9' is not in the hostfile"),
+    (THREE, {"exclude": "worker-2:7"}, r"--exclude 'worker-2:7': 'worker-2' has no slot 7"),
+    (THREE, {"include": "worker-1", "exclude": "worker-2"}, r"--include and --exclude cannot be used together"),
+    (THREE, {"exclude": "worker-1@worker-2@worker-3"}, r"no slots are selected"),
+    (THREE, {"include": "worker-1", "num_nodes": 1}, r"cannot be combined with --include/--exclude"),
+])
+def test_errors_name_the_cause(text, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        select(parse_hostfile(text), **kw)
+
+
+def test_env_files_from_home_and_working_directory(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\nNCCL_SOCKET_IFNAME=eth0\n")  # seed 003's example
+    (cwd / ".fz_env").write_text("# ours\nexport NCCL_SOCKET_IFNAME=ib0\nMY_FLAG=a b\n")
+    env = node_env({"PYTHONPATH": "/src", "HOME": "/root", "NCCL_DEBUG": "INFO"}, cwd=cwd, home=home)
+    assert env == {"PYTHONPATH": "/src", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "ib0",
+                   "MY_FLAG": "a b"}
+    (cwd / ".fz_env").write_text("NOT A LINE\n")
+    with pytest.raises(ConfigError, match=r"\.fz_env, line 1: 'NOT A LINE' is not KEY=VALUE"):
+        node_env({}, cwd=cwd, home=home)
+
+
+def _dry(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *argv, "--dry-run", "train.py", "--deepspeed", "--deepspeed_config", "ds.json"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_dry_run_prints_each_nodes_exact_command(tmp_path, capsys, monkeypatch):
+    (tmp_path / "hosts").write_text(THREE)
+    (tmp_path / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\n")
+    out = _dry(["--hostfile", "hosts", "--exclude", "worker-2:0@worker-3:0,1", "--master_port", "29555"],
+               capsys, tmp_path, monkeypatch)
+    assert [line for line in out if line.startswith("#")] == ["# node 0: worker-1", "# node 1: worker-2",
+                                                              "# node 2: worker-3"]
+    cmds = [line for line in out if not line.startswith("#")]
+    for rank, (host, devices) in enumerate([("worker-1", "0,1,2,3"), ("worker-2", "1,2,3"), ("worker-3", "2,3")]):
+        c = cmds[rank]
+        assert c.startswith(f"ssh -o BatchMode=yes {host} ") or c.startswith(f"pdsh -S -w {host} "), c
+        assert f"CUDA_VISIBLE_DEVICES={devices} " in c and "NCCL_IB_DISABLE=1" in c, c
+        assert f"--nnodes=3 --nproc-per-node={len(devices.split(','))} --node-rank={rank} " \
+               f"--master-addr=worker-1 --master-port=29555 train.py --deepspeed --deepspeed_config ds.json" in c, c
+    local = _dry(["--num_gpus", "2"], capsys, tmp_path, monkeypatch)  # one machine: torchrun --standalone
+    assert local[1] == (f"CUDA_VISIBLE_DEVICES=0,1 {sys.executable} -u -m torch.distributed.run --standalone "
+                        "--nproc-per-node=2 train.py --deepspeed --deepspeed_config ds.json")
+    elastic = _dry(["--num_gpus", "1", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "127.0.0.1:29400"], capsys, tmp_path, monkeypatch)
+    assert "--max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 train.py" in elastic[1], elastic
+
+
+def test_inside_slurm_nodes_and_ranks_come_from_slurm(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    out = _dry([], capsys, tmp_path, monkeypatch)
+    assert out[1].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 sh -c "), out
+    assert "--nnodes=2 --nproc-per-node=4 --node-rank=$SLURM_NODEID --master-addr=gpu07" in out[1], out
+    assert "CUDA_VISIBLE_DEVICES" not in out[1]  # Slurm sets it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argv, cwd) -> str:
+    """`fz run ... train_gpt.py --ci` (tiny model, 10 steps at world 2): the run's summary lines."""
+    res = subprocess.run([sys.executable, "-m", "fz", "run", *argv, str(EXAMPLE), "--ci", "--logdir", "",
+                          "--steps", "10"], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if re.match(r"(loss .* over steps|step 10  eval/loss|.*; world)", ln)]
+    assert any("world 2" in ln for ln in lines), res.stdout[-2000:]
+    return "\n".join(re.sub(r" \([\d.]+ s\)$", "", ln) for ln in lines)  # wall time differs
+
+
+def _start_sshd(d: Path, port: int):
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(sshd):
+        pytest.skip("no sshd here (CI installs Debian's openssh-server: see .ci/run)")
+    for name in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    shutil.copy(d / "id.pub", d / "authorized_keys")
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+        f"PidFile {d / 'sshd.pid'}\nStrictModes no\nUsePAM no\nPermitRootLogin yes\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nPubkeyAuthentication yes\nLogLevel ERROR\n")
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    raise AssertionError("sshd did not start")
+
+
+def test_two_node_agents_and_two_ssh_hosts_train_as_one_node_does(tmp_path):
+    """World 2 three ways, the same losses: one node (2 processes), two node agents (node ranks
+    0 and 1, one rendezvous) on this machine, and two "hosts" (localhost, 127.0.0.1) over ssh."""
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    one = _launch(["--nproc-per-node", "2"], tmp_path)
+    two = _launch(["--hostfile", "hosts", "--master-port", str(_free_port())], tmp_path)
+    assert two == one, (one, two)
+    port = _free_port()
+    sshd = _start_sshd(tmp_path, port)
+    try:
+        opts = f"-i {tmp_path / 'id'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+        over_ssh = _launch(["--hostfile", "hosts", "--launcher", "ssh", "--ssh-port", str(port), f"--ssh-opts={opts}",
+                            "--master-port", str(_free_port())], tmp_path)
+    finally:
+        sshd.terminate()
+        sshd.wait(timeout=10)
+    assert over_ssh == one, (one, over_ssh)
