@@ -161,3 +161,26 @@ def test_two_node_agents_and_two_ssh_hosts_train_as_one_node_does(tmp_path):
         sshd.terminate()
         sshd.wait(timeout=10)
     assert over_ssh == one, (one, over_ssh)
+
+
+def test_exit_codes_and_signals_are_forwarded(tmp_path):
+    """A failing job's exit code is fz run's (torchrun's: 1 when a worker fails); SIGTERM to fz run
+    stops every node's processes and exits 128 + 15."""
+    (tmp_path / "fail.py").write_text("import sys; sys.exit(3)\n")
+    (tmp_path / "sleep.py").write_text("import os, time\nopen(f'started{os.environ[\"RANK\"]}', 'w').close()\n"
+                                       "time.sleep(120)\n")
+    (tmp_path / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    res = subprocess.run([sys.executable, "-m", "fz", "run", "--nproc-per-node", "1", "fail.py"], cwd=tmp_path,
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "exitcode  : 3" in res.stderr, res.stderr[-2000:]
+    p = subprocess.Popen([sys.executable, "-m", "fz", "run", "--hostfile", "hosts", "--master-port", str(_free_port()),
+                          "sleep.py"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):
+        assert time.monotonic() < deadline and p.poll() is None, "the two nodes did not start"
+        time.sleep(0.1)
+    p.send_signal(15)
+    assert p.wait(timeout=60) == 128 + 15
+    time.sleep(1)
+    assert not [ln for ln in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+                if "sleep.py" in ln and "pytest" not in ln], "a node's process outlived the launcher"
