@@ -99,7 +99,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
         lr = current_lr(opt_state)
     except ValueError:
         lr = None
-    metrics = initial_metrics(lr, float(scaler["scale"]) if scaler is not None else 1.0)
+    metrics = initial_metrics(lr, float(scaler.get("scale", 1.0)))
     state = State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
                   opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
                   skeleton=skel, spec=spec, plan=plan)

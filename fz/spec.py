@@ -12,6 +12,7 @@ from fz.errors import ConfigError
 from fz.precision import PRECISIONS, LossScale
 from fz.optim import GradientTransformation, adamw
 
+NONFINITE = ("skip", "raise")  # Spec.nonfinite
 CheckpointPolicy = Union[bool, Sequence[str], Callable[[str, nn.Module], bool]]
 
 
@@ -57,6 +58,9 @@ class Spec:
     offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
     init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
     weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
+    # issue 15 (reliability): what a NaN/inf gradient does, and how long a rank waits for the others
+    nonfinite: str = "skip"  # "skip": the step leaves params and optimizer state as they were (counted); "raise"
+    timeout_s: float = 300.0  # a collective or checkpoint barrier waiting longer raises fz.PeerError
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -103,6 +107,11 @@ class Spec:
             raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
         if not isinstance(self.weight_by_rows, bool):
             raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
+        if self.nonfinite not in NONFINITE:
+            raise bad("nonfinite", self.nonfinite, f"must be one of {', '.join(map(repr, NONFINITE))}: a non-finite "
+                      "gradient never reaches the weights")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise bad("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

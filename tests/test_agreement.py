@@ -109,7 +109,10 @@ def test_ranks_at_different_steps_raise_on_every_rank_naming_them(results):
         for stage, (msg, again) in res["steps"].items():
             assert "different steps" in msg, (rank, stage, msg)
             assert "rank 1: step 1" in msg and "rank 0: step 2" in msg, (rank, stage, msg)
-            assert "donated" in again, again  # the state the failed step took is not reused silently
+            if stage == 0:  # the update ran (overlapped with the check) in place: no silent reuse of that state
+                assert "donated" in again, again
+            else:  # stages 1-3 check before the update (fz/step/nonfinite.py): that state is untouched
+                assert "different steps" in again, again
 
 
 def test_unequal_batches_raise_naming_the_ranks_and_sizes(results):

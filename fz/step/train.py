@@ -33,7 +33,8 @@ from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
-from fz.step.update import any_overflow, apply_optimizer, optimizer_inputs
+from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.update import apply_optimizer, optimizer_inputs
 
 
 def _autocast(state: State):
@@ -60,8 +61,9 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     """One optimizer step on this rank's `batch`; returns (new state, mean loss over all ranks).
 
     With `donate=True` (the default) the new state takes over the old one's buffers and
-    the old state can no longer be used; `donate=False` copies them first. In fp16 a step
-    whose gradients overflow on any rank changes only the step count and the scaler.
+    the old state can no longer be used; `donate=False` copies them first. A step whose
+    gradients hold a NaN or inf on any rank changes only the step count, RNG and scaler
+    (Spec.nonfinite="skip", fp16 overflows too) or raises fz.NonFiniteError ("raise").
     """
     state.check_alive("fz.train_step")
     raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
@@ -82,7 +84,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
     loss_fn = spec.loss_fn or default_loss
-    scale = float(state.scaler["scale"]) if state.scaler is not None else 1.0
+    scale = float(state.scaler.get("scale", 1.0))
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, comm, leaves)
@@ -113,16 +115,18 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
-    agreement.start(comm, total / spec.grad_accum)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
-        if spec.weight_by_rows:  # the gradients' weights need every rank's rows before the update
-            loss, factor = agreement.finish(comm)
+        guard = NonFinite(spec, plan, int(state.step), state.scaler)
+        # the loss all-reduce, with every rank's step, batch size and non-finite finding
+        agreement.start(comm, total / spec.grad_accum, guard.check(grads))
+        if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
+            _, factor = agreement.finish(comm)
             if factor != 1.0:
                 torch._foreach_mul_(list(grads.values()), factor)
-        overflow = state.scaler is not None and any_overflow(comm, grads)
+        overflow = guard.skip(agreement, comm)
         new_sync, norm = None, None
         if not overflow:
             if offload is not None and "disk" in (offload.optimizer, offload.params):
@@ -142,15 +146,16 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
-    if not spec.weight_by_rows:  # waited for while the optimizer ran
+    if agreement.result is None:  # waited for while the optimizer ran
         try:
-            loss, _ = agreement.finish(comm)
+            agreement.finish(comm)
         except ConfigError:
             if donate:  # its buffers took this update in place: no silent reuse
                 state.donate()
             raise
+    loss = agreement.result[0]
 
-    scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
+    scaler = update_scaler(spec, state.scaler, overflow)
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
     new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, opt_state=opt_state,
                         param_flats=_param_leaves(state, flats, new_sync, donate),
