@@ -1,6 +1,7 @@
 """`fz.init`: a model and a Spec in, the sharded training State out."""
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional, Tuple
 
 import torch
@@ -9,6 +10,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from fz import peers
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
@@ -42,7 +44,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
     raise_background_failures()
-    mesh = make_mesh(mesh, spec.shard_group_size)
+    peers.doing("fz.init")
+    mesh = make_mesh(mesh, spec.shard_group_size, timedelta(seconds=spec.timeout_s))
+    peers.configure(spec.timeout_s)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
 

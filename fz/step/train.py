@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz import peers
 from fz.offload.disk import DiskTensor
 from fz.offload.stream import disk_update, host_update
 from fz.background import raise_background_failures
@@ -66,6 +67,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     (Spec.nonfinite="skip", fp16 overflows too) or raises fz.NonFiniteError ("raise").
     """
     state.check_alive("fz.train_step")
+    peers.doing("fz.train_step", int(state.step))
     raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
     given, offload = state, _offload_of(state.spec)
     if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
@@ -198,6 +200,7 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 def _forward(state: State, fn, *args: Any, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
+    peers.doing("fz.eval_step/apply", int(state.step))
     raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
