@@ -14,6 +14,7 @@ from fz import peers
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
+from fz.model.signature import signature
 from fz.model.skeleton import build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
@@ -61,6 +62,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     shards = mesh.size(mesh.ndim - 1)
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))
+    check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     comm = Comm(plan)
 
     disk_opt = spec.offload is not None and spec.offload.optimizer == "disk"
@@ -108,6 +110,11 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
                   opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
                   skeleton=skel, spec=spec, plan=plan)
     return spec.offload(state) if spec.offload is not None and spec.offload.active else state
+
+
+_DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank must build the same model "
+             "and pass the same Spec", "Build the model and the Spec the same way on every rank (only Spec.log_dir "
+             "and Spec.csv_dir may differ).")
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,
