@@ -1,9 +1,11 @@
-"""A training script that survives restarts: `torchrun --max-restarts N tests/elastic_job.py OUT STEPS KILL_AT`.
+"""A training script that survives restarts:
+`torchrun --max-restarts N tests/elastic_job.py OUT STEPS KILLS [SAVE_EVERY]`.
 
-It resumes from the latest checkpoint (if any) and saves every 2 steps; on the first attempt
-(TORCHELASTIC_RESTART_COUNT 0) the last rank SIGKILLs itself before step KILL_AT (-1: never).
-Rank 0 writes the final full parameters to OUT. tests/test_elastic.py compares a killed and
-restarted run with an uninterrupted one.
+It resumes from the latest checkpoint (if any) and saves every SAVE_EVERY (2) steps. KILLS is
+a comma-separated step per restart attempt (TORCHELASTIC_RESTART_COUNT): on attempt i, rank
+i % world SIGKILLs itself before step KILLS[i] (-1 or no entry: never). Rank 0 writes the
+final full parameters to OUT. tests/test_elastic.py (and the soak in tests/stress/) compare
+a killed and restarted run with an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -37,13 +39,16 @@ def loss_fn(model, batch):
 
 
 def main() -> None:
-    out, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, steps, kills = sys.argv[1], int(sys.argv[2]), [int(k) for k in sys.argv[3].split(",")]
+    save_every = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.set_num_threads(1)
     spec = fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-2), micro_batch=4, loss_fn=loss_fn, clip_grad_norm=1.0,
                    timeout_s=20.0)
     torch.manual_seed(0)
     state = fz.init(GPT(CFG), spec)
-    victim = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and state.plan.rank == state.plan.world - 1
+    kill_at = kills[attempt] if attempt < len(kills) else -1
+    victim = state.plan.rank == attempt % state.plan.world
     with fz.Checkpointer(os.path.join(os.path.dirname(out), "ckpt"), keep_last=2, verbose=False) as ckpt:
         if ckpt.latest_step() is not None:  # a restart: continue from the latest checkpoint
             state = ckpt.restore(state)
@@ -54,12 +59,12 @@ def main() -> None:
             if victim and int(state.step) == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             state, _ = fz.train_step(state, batch)
-            if int(state.step) % 2 == 0:
+            if int(state.step) % save_every == 0:
                 ckpt.save(loader.attach(state))
     full = fz.full_params(state)
     if state.plan.rank == 0:
         torch.save({"step": int(state.step), "params": full,
-                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, out)
+                    "attempt": attempt}, out)
 
 
 if __name__ == "__main__":

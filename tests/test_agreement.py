@@ -16,18 +16,13 @@ import fz
 import fz.step.train as train_module
 from fz.testing.gpt import lm_loss, synthetic_tokens
 from fz.testing.spawn import run_ranks
-from helpers import CFG, CLIP, make_model, max_rel, params_rel, rank_batches, spec
+from helpers import CFG, CLIP, config_error, make_model, max_rel, params_rel, rank_batches, spec
 
 WEIGHTED_ROWS = (3, 1)  # rank 0 and rank 1 rows per step with weight_by_rows=True
 STEPS = 3
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except fz.ConfigError as e:
-        return str(e)
-    return ""
+_error = config_error
 
 
 def _weighted_batches():

@@ -7,23 +7,15 @@ import pytest
 import fz
 from fz.testing.gpt import GPTConfig
 from fz.testing.spawn import run_ranks
-from helpers import CFG, make_model, spec
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except fz.ConfigError as e:
-        return str(e)
-    return ""
+from helpers import CFG, config_error, make_model, spec
 
 
 def _job(rank, world):
     wider = GPTConfig(vocab=CFG.vocab, seq=CFG.seq, dim=CFG.dim + 8 * rank, heads=CFG.heads, layers=CFG.layers)
     return {
-        "stage": _error(lambda: fz.init(make_model(), spec(3 if rank else 2, 1))),
-        "shapes": _error(lambda: fz.init(make_model(cfg=wider), spec(3, 1))),
-        "log_dir": _error(lambda: fz.init(make_model(), spec(3, 1, log_dir="runs" if rank == 0 else None))),
+        "stage": config_error(lambda: fz.init(make_model(), spec(3 if rank else 2, 1))),
+        "shapes": config_error(lambda: fz.init(make_model(cfg=wider), spec(3, 1))),
+        "log_dir": config_error(lambda: fz.init(make_model(), spec(3, 1, log_dir="runs" if rank == 0 else None))),
     }
 
 

@@ -6,7 +6,8 @@ sizes: a hang, a gloo size error, or silently wrong training. One digest per Spe
 and per model property (parameter names, shapes, dtypes and trainability; buffers)
 goes through the replicated-value check (fz/sharding/replicated.py, one small all-gather
 of a fixed number of int64s), so every rank raises together naming what differs.
-`log_dir` and `csv_dir` may differ (only rank 0 writes); functions compare by name.
+`log_dir` and `csv_dir` may differ (only rank 0 writes), and the offload path (a local
+disk per rank); functions compare by name.
 """
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ PER_RANK = {"log_dir", "csv_dir", "provenance"}  # Spec fields allowed to differ
 
 
 def _stable(value) -> str:
-    """repr without memory addresses (functions and closures compare by name)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+    """repr without memory addresses (functions and closures compare by name) and without an
+    offload policy's path (each rank may use a local disk of its own)."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+    if getattr(value, "is_fz_offload", False):
+        text = text.replace(repr(value.path), "<per-rank path>")
+    return text
 
 
 def _digest(text: str) -> Tensor:
