@@ -50,6 +50,16 @@ def _env_world() -> Optional[int]:
     return world
 
 
+def _attempt_store(world: int, timeout: Optional[timedelta]):
+    """torchrun's store, with keys of this restart attempt only. torchrun (2.13) keeps one store
+    across `--max-restarts` attempts and its env:// rendezvous does not prefix them, so a
+    restarted rank could read a dead process's gloo address and fail to connect (measured:
+    1 run in 3 here); a prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps them apart."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"fz/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> Tuple[int, int]:
     """Start the default process group unless one is running; return (rank, world size).
 
@@ -63,7 +73,11 @@ def init(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> 
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev == "cuda" else "gloo")
         kw = {} if timeout is None else {"timeout": timeout}
-        if _env_world() is not None:
+        world = _env_world()
+        if world is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(world, timeout), rank=int(os.environ["RANK"]),
+                                    world_size=world, **kw)
+        elif world is not None:
             dist.init_process_group(backend, init_method="env://", **kw)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)

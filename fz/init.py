@@ -1,6 +1,7 @@
 """`fz.init`: a model and a Spec in, the sharded training State out."""
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional, Tuple
 
 import torch
@@ -9,9 +10,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from fz import peers
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
+from fz.model.signature import signature
 from fz.model.skeleton import bucket_entries, build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
@@ -42,7 +45,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     if not isinstance(spec, Spec):
         raise ConfigError(f"fz.init needs an fz.Spec, got {type(spec).__name__}")
     raise_background_failures()
-    mesh = make_mesh(mesh, spec.shard_group_size)
+    peers.doing("fz.init")
+    mesh = make_mesh(mesh, spec.shard_group_size, timedelta(seconds=spec.timeout_s))
+    peers.configure(spec.timeout_s)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     skel = build_skeleton(model, spec.wrap)
 
@@ -55,6 +60,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     shards = mesh.size(mesh.ndim - 1)
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))
+    check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     comm = Comm(plan)
 
     disk_opt = spec.offload is not None and spec.offload.optimizer == "disk"
@@ -97,11 +103,16 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
         lr = current_lr(opt_state)
     except ValueError:
         lr = None
-    metrics = initial_metrics(lr, float(scaler["scale"]) if scaler is not None else 1.0)
+    metrics = initial_metrics(lr, float(scaler.get("scale", 1.0)))
     state = State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
                   opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
                   skeleton=skel, spec=spec, plan=plan)
     return spec.offload(state) if spec.offload is not None and spec.offload.active else state
+
+
+_DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank must build the same model "
+             "and pass the same Spec", "Build the model and the Spec the same way on every rank (only Spec.log_dir "
+             "and Spec.csv_dir may differ).")
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,

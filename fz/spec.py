@@ -12,6 +12,7 @@ from fz.errors import ConfigError
 from fz.precision import PRECISIONS, LossScale
 from fz.optim import GradientTransformation, adamw
 
+NONFINITE = ("skip", "raise")  # Spec.nonfinite
 CheckpointPolicy = Union[bool, Sequence[str], Callable[[str, nn.Module], bool]]
 
 
@@ -61,6 +62,9 @@ class Spec:
     # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed) or skipped (torch)
     buffer_sync: str = "mean"
     skip_unused: bool = False
+    # issue 15 (reliability): what a NaN/inf gradient does, and how long a rank waits for the others
+    nonfinite: str = "skip"  # "skip": the step leaves params and optimizer state as they were (counted); "raise"
+    timeout_s: float = 300.0  # a collective or checkpoint barrier waiting longer raises fz.PeerError
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -114,6 +118,11 @@ class Spec:
         if self.skip_unused and self.offload is not None and "disk" in (self.offload.optimizer, self.offload.params):
             raise bad("skip_unused", self.skip_unused, "is not supported with the disk tier (the update streams group "
                       "by group): use fz.offload.cpu() or no offload, or skip_unused=False")
+        if self.nonfinite not in NONFINITE:
+            raise bad("nonfinite", self.nonfinite, f"must be one of {', '.join(map(repr, NONFINITE))}: a non-finite "
+                      "gradient never reaches the weights")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise bad("timeout_s", self.timeout_s, "must be a number of seconds > 0")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise bad("log_every", self.log_every, "must be an integer >= 1")
 

@@ -73,3 +73,13 @@ def params_rel(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> f
     return max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in got)
 
 
+
+
+def config_error(fn) -> str:
+    """The message of the fz.ConfigError `fn()` raises, or '' if it raises none."""
+    import fz
+    try:
+        fn()
+    except fz.ConfigError as e:
+        return str(e)
+    return ""

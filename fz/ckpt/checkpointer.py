@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 
+from fz import peers
+from fz.arrival import arrive
 from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
@@ -133,7 +135,12 @@ class Checkpointer:
             _note(exc, f"also, a pending checkpoint of {self!r} failed: {type(e).__name__}: {e}")
 
     def _group(self, state: State):
-        return self._groups.get(state_ranks(state))
+        return self._groups.get(state_ranks(state), state.spec.timeout_s)
+
+    def _arrive(self, state: State, what: str) -> None:
+        """Every rank must call it: one rank alone fails fast instead of hanging (fz/arrival.py)."""
+        peers.doing(f"{self._who}{what}", int(state.step))
+        arrive(f"{self._who}{what}", state_ranks(state), state.plan.rank)
 
     def _check_open(self, what: str) -> None:
         raise_failed_saves()
@@ -151,16 +158,19 @@ class Checkpointer:
         state.check_alive(f"{self._who}save")
         self._check_open("save")
         self.wait()
+        self._arrive(state, "save")
         n = int(state.step) if step is None else step
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"{self._who}save step={step!r}: must be an integer >= 0")
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
         t0, first = time.perf_counter(), self._reports(state)
-        job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state), stage=self.async_,
-                            client_per_rank=client_state_per_rank, key=self._key)
+        with peers.translated():  # a peer lost in a save's collectives is a PeerError
+            job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state),
+                                stage=self.async_, client_per_rank=client_state_per_rank, key=self._key)
+            if not self.async_:
+                job.run()
         if not self.async_:
-            job.run()
             self._report(first, "saved", self.root / step_name(n), t0)
             return
         staged = time.perf_counter() - t0
@@ -186,10 +196,12 @@ class Checkpointer:
         state.check_alive(f"{self._who}restore")
         self._check_open("restore")
         self.wait()
+        self._arrive(state, "restore")
         t0, first = time.perf_counter(), self._reports(state)
-        out = loader.load(state, self.root, self._group(state), step=step, strict=strict,
-                          with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel,
-                          key=self._key)
+        with peers.translated():
+            out = loader.load(state, self.root, self._group(state), step=step, strict=strict,
+                              with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel,
+                              key=self._key)
         self._report(first, "restored", resolve(self.root, step), t0)
         return out
 

@@ -3,8 +3,8 @@
 A separate gloo group (not the training group) lets an async save run its collectives in a
 background thread while training runs its own: collectives from two threads on one group
 could interleave differently on different ranks. For the same reason every Checkpointer
-has its own group (two may have saves in flight at once). Its timeout (FZ_CKPT_TIMEOUT seconds,
-default 600) bounds how long a rank waits for a peer that died.
+has its own group (two may have saves in flight at once). Its timeout (the state's
+Spec.timeout_s; FZ_CKPT_TIMEOUT seconds overrides it) bounds how long a rank waits for a peer that died.
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ class GroupCache:
     def __init__(self) -> None:
         self._groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
 
-    def get(self, ranks: Tuple[int, ...]):
+    def get(self, ranks: Tuple[int, ...], timeout_s: float = 600.0):
         default = dist.distributed_c10d._get_default_group()
         hit = self._groups.get(ranks)
         if hit is not None and hit[0] is default:
             return hit[1]
-        timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", "600")))
+        timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", timeout_s)))
         g = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
         self._groups[ranks] = (default, g)
         return g

@@ -10,6 +10,8 @@ from typing import Dict
 import torch
 from torch import Tensor
 
+from fz import peers
+from fz.arrival import arrive
 from fz.sharding.comm import Comm, full_views, unpack
 from fz.sharding.pack import checked_flats
 from fz.offload.disk import load
@@ -22,6 +24,8 @@ def full_params(state: State) -> Dict[str, Tensor]:
     table, which a state_dict leaves out too)."""
     state.check_alive("fz.full_params")
     plan = state.plan
+    peers.doing("fz.full_params", int(state.step))
+    arrive("fz.full_params", plan.ranks, plan.rank)  # one rank alone fails fast, not a hang
     flats, sync, _ = checked_flats(state)
     if sync is not None:
         sync.finish()

@@ -9,7 +9,7 @@
 Every `log_every` steps (and at `total_steps`) rank 0 writes, under a run sub-directory
 of `log_dir` (TensorBoard) and of `csv_dir` (`scalars.csv`):
 - train/loss (mean over the steps since the last log), train/lr, train/grad_norm (global,
-  before clipping; when clipping is on), train/loss_scale and train/skipped_steps (fp16);
+  before clipping; when clipping is on), train/loss_scale (fp16) and train/skipped_steps;
 - perf/step_time_s, perf/samples_per_s, perf/tokens_per_s (global: every rank's rows);
 - memory/rank<r>/{params,grads,optimizer,total}_mb (fz.memory_report: model states this
   rank holds), the same bytes by tier, memory/rank<r>/{device,host,disk}_mb (offload), and
@@ -113,9 +113,9 @@ class Monitor:
         for key, tag in (("lr", "train/lr"), ("grad_norm", "train/grad_norm")):
             if not math.isnan(float(m[key])):
                 scalars[tag] = float(m[key])
-        if state.scaler is not None:
+        if state.scaler is not None and "scale" in state.scaler:
             scalars["train/loss_scale"] = float(m["loss_scale"])
-            scalars["train/skipped_steps"] = float(m["skipped"])
+        scalars["train/skipped_steps"] = float(m["skipped"])
         scalars["perf/step_time_s"] = took / self.steps
         if self.rows:
             scalars["perf/samples_per_s"] = self.rows / took

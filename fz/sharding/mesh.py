@@ -7,6 +7,7 @@ crosses groups per step.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -26,13 +27,15 @@ def user_world_size():
     return dist.get_world_size()
 
 
-def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int] = None) -> DeviceMesh:
+def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int] = None,
+              timeout: Optional[timedelta] = None) -> DeviceMesh:
     """`mesh` itself (checked), else a mesh over the default process group: 1-D, or 2-D
-    ("replicate", "shard") with groups of `shard_group_size` consecutive ranks."""
+    ("replicate", "shard") with groups of `shard_group_size` consecutive ranks. `timeout`
+    is the group's when fz starts it."""
     if mesh is not None:
         return _checked(mesh, shard_group_size)
     dev = distributed.device_type()
-    _, world = distributed.init()  # torchrun's environment, else a one-process group
+    _, world = distributed.init(timeout=timeout)  # torchrun's environment, else a one-process group
     if shard_group_size is None or shard_group_size == world:
         return init_device_mesh(dev, (world,), mesh_dim_names=("shard",))
     if world % shard_group_size:

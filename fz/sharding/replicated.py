@@ -8,7 +8,7 @@ the mesh sees every rank's sums and all of them raise together) finds it.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,15 @@ def _gather(local: Tensor, group, n: int) -> Tensor:
     return out.view(n, *local.shape)
 
 
-def check_replicated(plan, named: Dict[str, Tensor]) -> None:
+_DIFFER = ("replicated tensor(s) differ between ranks, so each rank would train a different model",
+           "Initialise them the same way on every rank (seed what draws random numbers, or build the model on "
+           "the meta device and let fz initialise it).")
+
+
+def check_replicated(plan, named: Dict[str, Tensor], what: Tuple[str, str] = _DIFFER) -> None:
     """Raise a ConfigError naming each of `named` ({label: tensor}, replicated over the whole
-    mesh) whose values differ between ranks, and the ranks that differ from the first."""
+    mesh) whose values differ between ranks, and the ranks that differ from the first.
+    `what` is (what differs, how to fix it) for the message."""
     if not named or len(plan.ranks) == 1:
         return
     labels = list(named)
@@ -54,7 +60,4 @@ def check_replicated(plan, named: Dict[str, Tensor]) -> None:
             bad.append(f"{label}: rank(s) {differ} differ from rank {ranks[0]}")
     if bad:
         shown = "\n  ".join(bad[:10]) + (f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else "")
-        raise ConfigError(
-            f"fz.init: {len(bad)} replicated tensor(s) differ between ranks, so each rank would train a "
-            f"different model:\n  {shown}\nInitialise them the same way on every rank (seed what draws "
-            "random numbers, or build the model on the meta device and let fz initialise it).")
+        raise ConfigError(f"fz.init: {len(bad)} {what[0]}:\n  {shown}\n{what[1]}")

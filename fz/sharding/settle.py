@@ -13,7 +13,8 @@ reference to each tensor (a ScriptList), so gloo's threads never make that last 
 returns once the works are done and the use counts are back to what they were at launch
 (gloo has let go), and then drops the ScriptList here, in a thread that holds the GIL. A
 handle dropped while its collective is in flight keeps itself alive until it completes (or
-exit, which waits for it).
+exit, which waits for it). Every wait is bounded by Spec.timeout_s, and a failed one is an
+fz.PeerError (fz/peers.py); after one, exit no longer waits for what is in flight.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from fz import peers
 
 _RELEASE_TIMEOUT = 2.0  # s: past this, someone besides gloo holds the tensor; stop waiting
 _orphans: List["Handle"] = []
@@ -50,7 +53,7 @@ class Handle:
 
     def __del__(self) -> None:
         try:
-            if self.works:  # still in flight: live on (resurrected) until it completes, or exit
+            if self.works and not peers.failed:  # in flight: live on (resurrected) until it completes, or exit
                 for h in [h for h in _orphans if h.done]:
                     _orphans.remove(h)
                     h.wait()
@@ -61,7 +64,7 @@ class Handle:
     def wait(self) -> bool:
         works, self.works = self.works, []
         while works:
-            works.pop(0).wait()  # no reference to a finished work is kept: it holds the tensors
+            peers.wait_work(works.pop(0))  # no reference to a finished work is kept: it holds the tensors
         _released(self.tensors, self.counts)
         self.tensors, self.counts, self.keeper = [], [], None  # the keeper's drops happen here
         if self.then is not None:
@@ -86,7 +89,7 @@ def _settle_at_exit() -> None:
     """Before the interpreter finalizes: finish what is in flight, then let go of the GIL for a
     moment, so a gloo worker releasing a collective fz does not own (DCP's, the user's) can
     take it (measured: one GIL release after a job's last collective ends these aborts)."""
-    while _orphans:
+    while _orphans and not peers.failed:  # after a PeerError, what is in flight never ends
         try:
             _orphans.pop().wait()
         except Exception:  # noqa: BLE001 - a peer gone at exit: the work failed, its tensors are free

@@ -10,11 +10,14 @@ collective of its own; the all-reduce still runs while the optimizer does (the s
 step took is then unusable: it was donated). With `Spec.weight_by_rows` unequal batches are
 allowed and each rank counts by its rows: its loss is scaled by its rows before backward
 and the averaged gradients by ranks / total rows, so that mode waits before the update.
+Two more slots per rank carry the non-finite check (fz/step/nonfinite.py): the index + 1
+of the first parameter whose reduced gradient shard holds a NaN or inf (0: none), and
+whether the rank's own loss is non-finite.
 """
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,7 +44,7 @@ def _by_value(values: List[int], ranks: List[int], unit: str) -> str:
     return "; ".join(parts)
 
 
-_SLOTS = 4  # per rank: step, batch rows, batch elements, blocks called
+_SLOTS = 6  # per rank: step, batch rows, batch elements, blocks called, first bad gradient, bad loss
 
 
 class Agreement:
@@ -58,38 +61,54 @@ class Agreement:
                               "run out?")
         self.vec = None
         self.work = None
+        self.result: Optional[Tuple[Tensor, float]] = None  # finish()'s, once it ran
+        self.bad_grads: List[int] = []  # per rank: index + 1 of its first non-finite gradient (0: none)
+        self.bad_losses: List[int] = []  # per rank: 1 if its loss is non-finite
 
     @property
     def loss_weight(self) -> float:
         """What this rank's loss is multiplied by before backward."""
         return float(self.rows) if self.weight_by_rows and self.n > 1 else 1.0
 
-    def start(self, comm, loss: Tensor, calls: Sequence[int] = ()) -> "Agreement":
-        """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss, `calls`
-        the blocks its forwards called, in order."""
+    def start(self, comm, loss: Tensor, first_bad: Optional[Tensor] = None,
+              calls: Sequence[int] = ()) -> "Agreement":
+        """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss,
+        `first_bad` the index + 1 of its first non-finite gradient (a 0-d tensor, 0: none),
+        `calls` the blocks its forwards called, in order."""
         n = self.n
         slots = [0.0] * (_SLOTS * n)
-        if n > 1:
-            i = self.ranks.index(self.plan.rank)
-            called = zlib.crc32(",".join(map(str, calls)).encode())  # < 2**32: exact in float64
-            for k, v in enumerate((self.step, self.rows, self.numel, called)):
-                slots[k * n + i] = float(v)
+        i = self.ranks.index(self.plan.rank)
+        called = zlib.crc32(",".join(map(str, calls)).encode()) if n > 1 else 0  # < 2**32: exact in float64
+        for k, v in enumerate((self.step, self.rows, self.numel, called)):
+            slots[k * n + i] = float(v)
         mine = (loss.detach().double() * self.loss_weight).reshape(1)
         self.vec = torch.cat([mine, torch.tensor(slots, dtype=torch.float64, device=loss.device)])
+        if first_bad is not None:  # a tensor, written without waiting for its value
+            self.vec[1 + 4 * n + i] = first_bad.double()
+        self.vec[1 + 5 * n + i] = torch.logical_not(torch.isfinite(loss.detach())).double()
         if n > 1 and comm.world > 1:
             self.work = comm.all_reduce_sum(self.vec, async_op=True, scalar=True)
         return self
 
     def finish(self, comm) -> Tuple[Tensor, float]:
         """(the mean loss over every rank, the factor for the averaged gradients); raises a
-        ConfigError on every rank if the ranks' steps or (unless weighted) batch sizes differ."""
+        ConfigError on every rank if the ranks' steps or (unless weighted) batch sizes differ.
+        Calling it again returns the same result."""
+        if self.result is None:
+            self.result = self._finish(comm)
+        return self.result
+
+    def _finish(self, comm) -> Tuple[Tensor, float]:
         vec, n = self.vec, self.n
+        if n > 1:
+            if self.work is not None:
+                work, self.work = self.work, None
+                work.wait()
+            comm.replica_sum(vec, scalar=True)
+        steps, rows, numel, called, self.bad_grads, self.bad_losses = (
+            vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(_SLOTS))
         if n == 1:
             return vec[0].float(), 1.0
-        if self.work is not None:
-            self.work.wait()
-        comm.replica_sum(vec, scalar=True)
-        steps, rows, numel, called = (vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(_SLOTS))
         if len(set(steps)) > 1:
             raise ConfigError(
                 f"{self.what}: the ranks are at different steps ({_by_value(steps, self.ranks, 'step')}): their "

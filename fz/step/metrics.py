@@ -26,7 +26,7 @@ def initial_metrics(lr: Optional[float] = None, loss_scale: float = 1.0) -> Dict
         "grad_norm": torch.tensor(math.nan),  # global norm before clipping (NaN: not clipped)
         "lr": torch.tensor(math.nan if lr is None else lr, dtype=torch.float64),
         "loss_scale": torch.tensor(float(loss_scale)),
-        "skipped": _i64(0),  # steps an fp16 overflow skipped so far
+        "skipped": _i64(0),  # steps a non-finite gradient (fp16: an overflow) skipped so far
         "live_buckets": _i64(0),  # stage 3: most gathered buckets alive at once during the step
         "unprefetched": _i64(0),  # stage 3: gathers that found no prefetch in flight
         "live_at_end": _i64(0),  # stage 3: gathered buckets still alive when the step returned (0)
@@ -35,7 +35,7 @@ def initial_metrics(lr: Optional[float] = None, loss_scale: float = 1.0) -> Dict
 
 def step_metrics(order: Sequence[int], comm, live, norm: Optional[Tensor], lr: Optional[float],
                  scaler: Optional[Dict[str, Tensor]]) -> Dict[str, Any]:
-    out = initial_metrics(lr, float(scaler["scale"]) if scaler is not None else 1.0)
+    out = initial_metrics(lr, float(scaler["scale"]) if scaler is not None and "scale" in scaler else 1.0)
     out["order"] = torch.tensor(list(order), dtype=torch.int64)
     for k in COMM_KINDS:
         out["comm"][k] = _i64(int(comm.bytes.get(k, 0)))

@@ -4,10 +4,12 @@ The scaler is a dict of 0-d tensors inside the State (so it is checkpointed):
 `scale`, `iter` (steps seen), `last_overflow` (iter of the last overflow, -1 if none),
 `hysteresis` (overflows still tolerated before the scale drops) and `skipped` (how many
 steps an overflow skipped). Same arithmetic as DeepSpeed's DynamicLossScaler.update_scale.
+In fp32 and bf16 it holds only `skipped`: the steps a non-finite gradient skipped
+(Spec.nonfinite="skip", fz/step/nonfinite.py), counted and checkpointed in every precision.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 from torch import Tensor
@@ -17,10 +19,10 @@ from fz.spec import Spec
 Scaler = Dict[str, Tensor]
 
 
-def init_scaler(spec: Spec) -> Optional[Scaler]:
-    """The initial scaler state: None unless the compute dtype is fp16."""
+def init_scaler(spec: Spec) -> Scaler:
+    """The initial scaler state: the loss scaler in fp16; in fp32 and bf16 only the skip count."""
     if spec.precision != "fp16":
-        return None
+        return {"skipped": torch.tensor(0, dtype=torch.int64)}
     ls = spec.loss_scaling
     scale = ls.loss_scale if ls.loss_scale > 0 else 2.0 ** ls.initial_scale_power
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
@@ -29,7 +31,9 @@ def init_scaler(spec: Spec) -> Optional[Scaler]:
 
 
 def update_scaler(spec: Spec, scaler: Scaler, overflow: bool) -> Scaler:
-    """The scaler after one step that did (not) overflow."""
+    """The scaler after one step that did (not) overflow (was skipped, without a loss scale)."""
+    if "scale" not in scaler:
+        return {"skipped": torch.tensor(int(scaler["skipped"]) + int(overflow), dtype=torch.int64)}
     ls = spec.loss_scaling
     scale, it = float(scaler["scale"]), int(scaler["iter"])
     last, hyst, skipped = int(scaler["last_overflow"]), int(scaler["hysteresis"]), int(scaler["skipped"])

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz import peers
 from fz.offload.disk import DiskTensor
 from fz.offload.stream import disk_update, host_update
 from fz.background import raise_background_failures
@@ -34,8 +35,9 @@ from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
+from fz.step.nonfinite import NonFinite, verdict_is_local
 from fz.step.unused import UsedParams, put_back, snapshot, unused_everywhere
-from fz.step.update import any_overflow, apply_optimizer, optimizer_inputs
+from fz.step.update import apply_optimizer, optimizer_inputs
 
 
 def _autocast(state: State):
@@ -62,10 +64,12 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     """One optimizer step on this rank's `batch`; returns (new state, mean loss over all ranks).
 
     With `donate=True` (the default) the new state takes over the old one's buffers and
-    the old state can no longer be used; `donate=False` copies them first. In fp16 a step
-    whose gradients overflow on any rank changes only the step count and the scaler.
+    the old state can no longer be used; `donate=False` copies them first. A step whose
+    gradients hold a NaN or inf on any rank changes only the step count, RNG and scaler
+    (Spec.nonfinite="skip", fp16 overflows too) or raises fz.NonFiniteError ("raise").
     """
     state.check_alive("fz.train_step")
+    peers.doing("fz.train_step", int(state.step))
     raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
     given, offload = state, _offload_of(state.spec)
     if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
@@ -86,7 +90,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
     loss_fn = spec.loss_fn or default_loss
-    scale = float(state.scaler["scale"]) if state.scaler is not None else 1.0
+    scale = float(state.scaler.get("scale", 1.0))
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     reducer = GradReducer(plan, comm, leaves)
@@ -123,16 +127,18 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     runner.dispose()
     del runner, model
 
-    agreement.start(comm, total / spec.grad_accum, calls)  # the loss all-reduce, with every rank's step and batch size
     with torch.no_grad():
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
-        if spec.weight_by_rows:  # the gradients' weights need every rank's rows before the update
-            loss, factor = agreement.finish(comm)
+        guard = NonFinite(spec, plan, int(state.step), state.scaler)
+        # the loss all-reduce, with every rank's step, batch size, blocks called and non-finite finding
+        agreement.start(comm, total / spec.grad_accum, guard.check(grads), calls)
+        if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
+            _, factor = agreement.finish(comm)
             if factor != 1.0:
                 torch._foreach_mul_(list(grads.values()), factor)
-        overflow = state.scaler is not None and any_overflow(comm, grads)
+        overflow = guard.skip(agreement, comm)
         new_sync, norm = None, None
         if not overflow:
             if offload is not None and "disk" in (offload.optimizer, offload.params):
@@ -156,15 +162,16 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                     put_back(*kept, params, local_opt)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
-    if not spec.weight_by_rows:  # waited for while the optimizer ran
+    if agreement.result is None:  # waited for while the optimizer ran
         try:
-            loss, _ = agreement.finish(comm)
+            agreement.finish(comm)
         except ConfigError:
             if donate:  # its buffers took this update in place: no silent reuse
                 state.donate()
             raise
+    loss = agreement.result[0]
 
-    scaler = update_scaler(spec, state.scaler, overflow) if state.scaler is not None else None
+    scaler = update_scaler(spec, state.scaler, overflow)
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
     new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, opt_state=opt_state, buffers=buffers,
                         param_flats=_param_leaves(state, flats, new_sync, donate),
@@ -207,6 +214,7 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     state.check_alive("fz.eval_step/apply")
+    peers.doing("fz.eval_step/apply", int(state.step))
     raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
@@ -233,7 +241,7 @@ def eval_step(state: State, batch: Any) -> Tensor:
     def run(runner, comm):
         agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
         loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
-        return agreement.start(comm, loss, runner.called).finish(comm)[0].to(loss.dtype)
+        return agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype)
 
     return _forward(state, run)
 

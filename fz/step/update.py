@@ -1,7 +1,7 @@
 """The optimizer half of a step: gradients in, local shards updated.
 
-Runs after backward: take each bucket's reduced gradients (as fp32, unscaled), check for
-fp16 overflow on every rank, clip by the global norm, run the optimizer on this rank's
+Runs after backward: take each bucket's reduced gradients (as fp32, unscaled; the
+non-finite check is fz/step/nonfinite.py), clip by the global norm, run the optimizer on this rank's
 shards (of the fp32 master weights in mixed precision). The cross-shard reductions the
 optimizer needs are handed to it explicitly (`norm_sq`, `shard_sum`), over the shard group:
 on a 2-D mesh every group holds the same shards once gradients are averaged across groups.
@@ -84,15 +84,6 @@ def shard_sum_fn(comm: Comm, sharded: Set[str]):
         return out
 
     return shard_sum
-
-
-def any_overflow(comm: Comm, grads: Params) -> bool:
-    """True on every rank if any rank's gradients hold an inf or nan."""
-    local = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads.values()]).any()
-    flag = local.float().reshape(1)
-    if comm.world > 1:
-        comm.all_reduce_sum(flag)
-    return bool(flag.item() > 0)
 
 
 def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Params,

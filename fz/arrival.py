@@ -1,0 +1,61 @@
+"""Collective APIs called by one rank only fail fast: "every rank must call fz.save".
+
+Before its collectives, a collective API (`fz.save`, `fz.restore`, `fz.full_params`,
+`fz.load_weights`) checks in at the job's store: each rank adds its key for the n-th call
+of that API, then waits until every rank of the state's mesh has. A rank that arrives
+alone does not hang: it raises a ConfigError as soon as a missing rank is seen waiting in
+a collective of something else (its heartbeat says so, fz/peers.py: the two ranks wait for
+each other), and at the latest after Spec.timeout_s, naming the missing ranks and what
+they are doing. Its key is taken back, so a later call on every rank pairs up again.
+One store round trip per rank and call; nothing on a training step's path.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import timedelta
+from typing import Sequence
+
+from fz import peers
+from fz.errors import ConfigError
+
+STUCK_S = 2.0  # a missing rank waiting this long in another collective will not come
+_calls: Counter = Counter()  # (api, ranks) -> calls made by this rank
+
+
+def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
+    """Return once every rank of `ranks` called `api` as often as this one; else ConfigError."""
+    store = peers.store_for(ranks)
+    if store is None:
+        return
+    ident = (api, tuple(ranks))
+    _calls[ident] += 1
+    base = f"fz/call/{api}/{min(ranks)}-{len(ranks)}/{_calls[ident]}"
+    keys = [f"{base}/{r}" for r in ranks]
+    store.set(f"{base}/{rank}", b"1")
+    with peers.waiting():
+        _wait_for_all(store, api, ident, base, keys, ranks, rank)
+
+
+def _wait_for_all(store, api, ident, base, keys, ranks, rank) -> None:
+    deadline = time.monotonic() + peers.timeout_s()
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=0.5))
+            return
+        except RuntimeError:  # not everyone yet (the store's wait timed out)
+            pass
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        if not missing:
+            return
+        doings = peers.published(missing)
+        stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
+        if stuck or time.monotonic() > deadline:
+            store.delete_key(f"{base}/{rank}")
+            _calls[ident] -= 1
+            shown = "; ".join(f"rank {r}: {doings.get(r, 'no activity published')}" for r in missing)
+            why = ("are waiting for the others elsewhere" if stuck
+                   else f"did not call it within Spec.timeout_s={peers.timeout_s():g} s")
+            raise ConfigError(
+                f"{api}: every rank must call {api} (it is collective), but rank(s) {missing} {why} ({shown}). "
+                f"Call {api} on every rank, not under `if rank == 0:`.")

@@ -1,0 +1,240 @@
+"""Bounded waits and lost ranks: no collective fz waits for outlives `Spec.timeout_s`.
+
+Every wait on a collective (fz/sharding/settle.py) goes through `wait_work`, with the
+timeout of the last `fz.init` (gloo's own timeout applies too when fz starts the group).
+A wait that fails (gloo's "Connection reset by peer", a timeout) becomes an `fz.PeerError`
+naming what this rank was doing (`doing`: "fz.train_step at step 12") and the lost ranks.
+
+Lost ranks are told by a heartbeat: a daemon thread of each process adds 1 to its counter
+in the job's store (torchrun's, or the group's TCPStore) every `BEAT` seconds and
+publishes what the rank is doing. On a failure the survivor reads every counter twice,
+`PROBE` seconds apart: a rank whose counter did not move is lost (killed, stopped by
+SIGSTOP, or its whole process hung), unless it said it left after losing a peer itself.
+A store that does not answer is said too (its host may be the lost one). Nothing here
+runs on a step's path but a string assignment; the thread costs two store messages a beat.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from fz.errors import PeerError
+
+BEAT = 0.5  # s between heartbeats
+PROBE = 2.5  # s a survivor watches the counters for
+_timeout_s = 300.0
+_doing: Tuple[str, Optional[int]] = ("fz", None)  # (what this rank is doing, its step)
+_waiting_since: Optional[float] = None  # monotonic time this rank started waiting on a collective
+_beat: Optional["_Heartbeat"] = None
+_lock = threading.Lock()
+failed = False  # a PeerError was raised in this process: exit does not wait for collectives
+_first: Optional[PeerError] = None  # that error: later failures repeat it without probing again
+
+
+def timeout_s() -> float:
+    return _timeout_s
+
+
+def doing(what: str, step: Optional[int] = None) -> None:
+    """Record what this rank is doing (named by PeerErrors here and on the other ranks)."""
+    global _doing
+    _doing = (what, step)
+
+
+def activity() -> str:
+    what, step = _doing
+    return what if step is None else f"{what} at step {step}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, store, rank: int):
+        super().__init__(name="fz-heartbeat", daemon=True)
+        self.store, self.rank, self.stop = store, rank, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.store.add(f"fz/hb/{self.rank}", 1)
+                since = _waiting_since
+                waiting = "" if since is None else f" (waiting for other ranks for {time.monotonic() - since:.0f} s)"
+                self.store.set(f"fz/doing/{self.rank}", activity() + waiting)
+            except Exception:  # noqa: BLE001 - the store is gone (its host exited): nothing left to tell
+                return
+            self.stop.wait(BEAT)
+
+
+def configure(timeout: float) -> None:
+    """Set the wait bound (Spec.timeout_s) and start this process's heartbeat (world > 1)."""
+    global _timeout_s, _beat
+    _timeout_s = float(timeout)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = _store()
+    with _lock:
+        if store is None or (_beat is not None and _beat.store is store and _beat.is_alive()):
+            return
+        if _beat is not None:
+            _beat.stop.set()
+        _beat = _Heartbeat(store, dist.get_rank())
+        _beat.start()
+
+
+def _bounded(fn, seconds: float):
+    """fn() in a thread, or None if it does not return within `seconds` (a stopped store host)."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(_try(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else None
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - an unreachable store is reported as such
+        return None
+
+
+def probe(world: int) -> Tuple[Optional[List[int]], Dict[int, str]]:
+    """(the ranks whose heartbeat stopped, or None if the store does not answer; each rank's
+    published activity)."""
+    beat = _beat
+    if beat is None:
+        return None, {}
+    store, me = beat.store, beat.rank
+    _try(lambda: store.add(f"fz/left/{me}", 1))
+
+    def read():
+        return ([store.add(f"fz/hb/{r}", 0) for r in range(world)],
+                [store.add(f"fz/left/{r}", 0) for r in range(world)])
+
+    first = _bounded(read, PROBE)
+    if first is None:
+        return None, {}
+    time.sleep(PROBE)
+    second = _bounded(read, PROBE)
+    if second is None:
+        return None, {}
+    lost = [r for r in range(world) if r != me and first[0][r] == second[0][r] and not second[1][r]]
+
+    def doings():
+        keys = [f"fz/doing/{r}" for r in range(world)]
+        return {r: store.get(k).decode() for r, k in enumerate(keys) if r != me and store.check([k])}
+
+    return lost, _bounded(doings, PROBE) or {}
+
+
+def peer_error(err: BaseException) -> PeerError:
+    """`err` (a failed or timed-out collective) as a PeerError naming the lost ranks and the step."""
+    global failed, _first
+    if _first is not None or sys.is_finalizing():  # probed once already (or exiting: no threads now)
+        return PeerError(str(_first or err), _first.ranks if _first else (), _first.step if _first else None)
+    failed = True
+    step = _doing[1]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    lost, doings = probe(world)
+    if lost is None:
+        who = "the job's store does not answer, so the lost rank cannot be told (its host, rank 0 or the launcher, may be gone)"
+    elif lost:
+        who = f"lost rank(s) {lost}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)"
+    else:
+        others = "; ".join(f"rank {r}: {d}" for r, d in sorted(doings.items()))
+        who = ("every rank still answers, so they are not in the same collective: every rank must call the "
+               f"same fz functions in the same order ({others or 'no activity published'})")
+    cause = _cause(err)
+    _first = PeerError(f"{activity()}: a collective failed: {who}. The underlying error: {cause}. "
+                       f"(Spec.timeout_s={_timeout_s:g} bounds every wait.)", lost or (), step)
+    return _first
+
+
+def _cause(err: BaseException) -> str:
+    """The backend's error in fz's words (gloo's is a source path, a socket and "GLHF!")."""
+    text = str(err)
+    if "reset by peer" in text or "Connection closed" in text or "Broken pipe" in text:
+        return "a peer's connection closed (gloo: connection reset or closed by peer)"
+    if "timed out" in text.lower():
+        return f"no answer within {_timeout_s:g} s ({text.splitlines()[0][-120:]})"
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def waiting():
+    """Mark the main thread as waiting for other ranks (published by the heartbeat)."""
+    global _waiting_since
+    if threading.current_thread() is not threading.main_thread() or _waiting_since is not None:
+        yield
+        return
+    _waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        _waiting_since = None
+
+
+_MARKERS = ("reset by peer", "Connection closed", "Broken pipe", "timed out", "Timed out")
+
+
+def _is_comm_failure(err: BaseException) -> bool:
+    if isinstance(err, dist.DistBackendError) or any(m in str(err) for m in _MARKERS):
+        return True
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    if isinstance(failures, dict):
+        return any(_is_comm_failure(f[0] if isinstance(f, tuple) else f) for f in failures.values()
+                   if isinstance(f, BaseException) or isinstance(f, tuple))
+    return False
+
+
+@contextlib.contextmanager
+def translated():
+    """Collectives fz does not wait for itself (DCP's): a lost peer is a PeerError there too."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if not _is_comm_failure(e):
+            raise
+        raise peer_error(e) from e
+
+
+def wait_work(work) -> None:
+    """`work.wait()` within the timeout; a failure is a PeerError (probed once per process)."""
+    with waiting():
+        try:
+            work.wait(timeout=timedelta(seconds=_timeout_s))
+        except RuntimeError as e:  # gloo/NCCL errors (DistBackendError is one), timeouts
+            raise peer_error(e) from e
+
+
+def store_for(ranks) -> Optional[object]:
+    """The store the heartbeat uses, when `ranks` are several processes of a running job."""
+    beat = _beat
+    return beat.store if len(ranks) > 1 and beat is not None and beat.is_alive() else None
+
+
+def published(ranks) -> Dict[int, str]:
+    """What each of `ranks` last said it was doing (ranks that said nothing are left out)."""
+    beat = _beat
+    if beat is None:
+        return {}
+    return {r: beat.store.get(f"fz/doing/{r}").decode() for r in ranks if beat.store.check([f"fz/doing/{r}"])}
+
+
+def stuck_for(doing_text: str) -> float:
+    """Seconds a published activity says its rank has been waiting for the others (0: not waiting)."""
+    m = re.search(r"\(waiting for other ranks for (\d+) s\)$", doing_text)
+    return float(m.group(1)) if m else 0.0

@@ -1,0 +1,100 @@
+"""A NaN or inf never reaches the weights, in any precision: `Spec(nonfinite="skip" | "raise")`.
+
+Where finiteness is known: after the gradient reduction each rank holds its reduced
+shard (stages 1-3) or the whole reduced gradient (stage 0, identical on every rank). A
+NaN or inf anywhere in any rank's gradients reaches the reduced values (a sum keeps it),
+so each rank checks what it holds, and the verdict needs one reduction: two slots per
+rank on the loss all-reduce the step runs anyway (fz/step/agree.py: index + 1 of the
+first non-finite gradient, and whether the rank's own loss is), no collective of its own.
+At stage 0 (and on one rank) every rank already holds the same reduced gradients, so its
+own check is the verdict and that all-reduce still runs while the optimizer does; at
+stages 1-3 the update waits for it (one small all-reduce's latency).
+
+`skip`: the optimizer does not run, so parameters and optimizer state stay as they were;
+the step count and the RNG advance, and `state.scaler["skipped"]` counts it (checkpointed).
+`raise`: fz.NonFiniteError on every rank naming the step, the first offending parameter
+and the ranks whose loss was non-finite; the state given to the step is left unchanged.
+fp16: an overflow is the loss scaler's business under both policies (skip the step and
+lower the scale, as DeepSpeed); `raise` raises when lowering cannot help: a non-finite loss,
+a static `loss_scale`, or a scale already at `min_loss_scale`.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Shard
+
+from fz.errors import NonFiniteError
+
+Params = Dict[str, Tensor]
+
+
+def first_nonfinite(grads: Params) -> Tensor:
+    """index + 1 of the first gradient holding a NaN or inf, else 0 (a 0-d tensor: no host sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.int64)
+    bad = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads.values()])
+    return torch.where(bad.any(), bad.to(torch.int64).argmax() + 1, 0)
+
+
+def verdict_is_local(plan) -> bool:
+    """Whether this rank's own reduced gradients decide: every rank holds the same, whole ones
+    (the optimizer runs replicated: stage 0, or one rank per shard group)."""
+    return plan.shards == 1 or all(not isinstance(b.place.opt, Shard) for b in plan.buckets if b.trainable)
+
+
+def _describe(names: List[str], ranks: List[int], bad_grads: List[int], bad_losses: List[int]) -> str:
+    parts = []
+    owners = [(r, k) for r, k in zip(ranks, bad_grads) if k]
+    if owners:
+        r, k = min(owners, key=lambda rk: (rk[1], rk[0]))
+        parts.append(f"the first non-finite gradient is {names[k - 1]!r} (seen on rank {r}"
+                     + (f"; {len(owners)} ranks hold non-finite gradient shards" if len(owners) > 1 else "") + ")")
+    lossy = [r for r, b in zip(ranks, bad_losses) if b]
+    if lossy:
+        parts.append(f"the loss is non-finite on rank(s) {lossy} (a NaN or inf in their batch or forward?)")
+    return "; ".join(parts) or "a non-finite value"
+
+
+class NonFinite:
+    """One step's check: the local finding, then the verdict (skip or go on), or the error."""
+
+    def __init__(self, spec, plan, step: int, scaler: Optional[Dict[str, Tensor]]):
+        self.spec, self.plan, self.step, self.scaler = spec, plan, step, scaler
+        self.names: List[str] = []
+        self.first: Optional[Tensor] = None
+
+    def check(self, grads: Params) -> Tensor:
+        """This rank's finding on the gradients it holds, for the agreement's slot."""
+        self.names = list(grads)
+        self.first = first_nonfinite(grads)
+        return self.first
+
+    def skip(self, agreement, comm) -> bool:
+        """True (on every rank alike) when the update must not run; NonFiniteError under "raise".
+        Unless the verdict is local, `agreement` must be finished first."""
+        if agreement.result is None:  # a local verdict: every rank holds the same reduced gradients
+            if int(self.first) == 0:
+                return False
+            agreement.finish(comm)  # the rare bad step waits, for every rank's losses in the message
+        if not any(agreement.bad_grads):
+            return False
+        spec = self.spec
+        if spec.nonfinite == "skip":
+            return True
+        scaler_can_help = (spec.precision == "fp16" and not any(agreement.bad_losses)
+                           and spec.loss_scaling.loss_scale == 0
+                           and float(self.scaler["scale"]) > spec.loss_scaling.min_loss_scale)
+        if scaler_can_help:
+            return True  # an overflow the loss scaler answers by lowering the scale, as DeepSpeed
+        what = _describe(self.names, list(agreement.ranks), agreement.bad_grads, agreement.bad_losses)
+        hint = ""
+        if spec.precision == "fp16" and not any(agreement.bad_losses):
+            hint = (" In fp16 the loss scale cannot go lower (a static loss_scale, or min_loss_scale reached), so "
+                    "this overflow is not the loss scaler's to absorb.")
+        raise NonFiniteError(
+            f"fz.train_step at step {self.step}: {what}. Spec(nonfinite='raise') stops here on every rank; the "
+            f"state given to this step is unchanged.{hint} Check that batch and the model's numerics, or use "
+            "Spec(nonfinite='skip') to skip such steps (counted in state.scaler['skipped']).")
