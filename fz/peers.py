@@ -15,6 +15,7 @@ runs on a step's path but a string assignment; the thread costs two store messag
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import re
 import sys
@@ -75,6 +76,21 @@ class _Heartbeat(threading.Thread):
             except Exception:  # noqa: BLE001 - the store is gone (its host exited): nothing left to tell
                 return
             self.stop.wait(BEAT)
+
+
+def stop_heartbeat(timeout: float = 2.0) -> None:
+    """Stop and join the heartbeat thread: at exit and before the group (its store) is destroyed,
+    so no thread is inside a store call while the interpreter or the store goes away (that
+    aborts the process: "terminate called without an active exception")."""
+    global _beat
+    with _lock:
+        beat, _beat = _beat, None
+    if beat is not None and beat.is_alive():
+        beat.stop.set()
+        beat.join(timeout)
+
+
+atexit.register(stop_heartbeat)
 
 
 def configure(timeout: float) -> None:

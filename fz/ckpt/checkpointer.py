@@ -325,6 +325,8 @@ def _destroy_after_saves(destroy):
                 wait_for_checkpoints()
             except BaseException as e:  # noqa: BLE001 - raised after the group is destroyed, as asked
                 err = e
+        if group is None or group is dist.GroupMember.WORLD:
+            peers.stop_heartbeat()  # it talks to the default group's store
         out = destroy(group, *args, **kwargs)
         if err is not None:
             raise err

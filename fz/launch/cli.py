@@ -104,7 +104,8 @@ def plan_nodes(args) -> List[NodeProcess]:
     for rank, host in enumerate(names):
         if launcher == "local":
             argv = commands.torchrun_argv(job, rank, hosts[host])
-            if len(names) == 1 and not job.torchrun_args and args.master_addr is None:
+            if len(names) == 1 and not any(a.startswith("--rdzv") for a in job.torchrun_args) \
+                    and args.master_addr is None:
                 argv = [a for a in argv if not a.startswith(("--node-rank", "--master-", "--nnodes"))]
                 argv.insert(4, "--standalone")
             out.append(NodeProcess(host, argv, dict(os.environ, **commands.node_env(job, hosts[host]))))
