@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz import peers
+from fz.rng import seeded
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
@@ -95,9 +96,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
                 opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
         opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(module_seed(spec.seed, f"rank{plan.rank}"))
-        rng = torch.get_rng_state()
+    rng = seeded(module_seed(spec.seed, f"rank{plan.rank}"), plan.device)
     scaler = init_scaler(spec)
     try:
         lr = current_lr(opt_state)

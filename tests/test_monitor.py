@@ -16,7 +16,7 @@ from helpers import CFG, MICRO, make_model, rank_batches, spec
 STEPS, EVERY = 4, 2
 TRAIN = ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps")
 PERF = ("perf/step_time_s", "perf/samples_per_s", "perf/tokens_per_s")
-MEMORY = ("params_mb", "grads_mb", "optimizer_mb", "total_mb", "device_mb", "host_mb", "disk_mb", "peak_rss_mb")
+MEMORY = ("params_mb", "grads_mb", "optimizer_mb", "total_mb", "device_mb", "host_mb", "disk_mb", "peak_rss_mb", "device_peak_mb", "pinned_mb")
 
 
 def _train(rank, world, root):

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fz.rng import seeded
 from fz.ckpt import manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import META, PathLike, read_json, resolve
@@ -99,9 +100,7 @@ def _empty_for(m) -> Tensor:
 
 
 def _derived_rng(state: State, step: int, rank: int) -> Tensor:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(module_seed(state.spec.seed, f"restore/step{step}/rank{rank}"))
-        return torch.get_rng_state()
+    return seeded(module_seed(state.spec.seed, f"restore/step{step}/rank{rank}"), state.plan.device)
 
 
 def _params_from_master(state: State) -> None:

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from fz.offload.transfer import pinned_bytes
 from fz.state import State
 
 
@@ -35,6 +36,8 @@ class MemoryReport:
     padding: int  # bytes of rows added so every rank's shard has the same size
     opt_other: int  # optimizer scalars (step counts): not part of ZeRO's accounting
     tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # {device|host|disk: {kind: bytes}}
+    device_peak: int = 0  # torch.cuda.max_memory_allocated on the state's device since the last reset (0 off CUDA)
+    pinned: int = 0  # host memory fz holds pinned for transfers in this process (fz/offload/transfer.py)
 
     @property
     def total(self) -> int:
@@ -56,6 +59,9 @@ class MemoryReport:
                  f"{'':10} {'measured':>10} {'formula':>10}"]
         lines += [f"{name:10} {mb(m)} {mb(f)}" for name, m, f in rows]
         lines.append(f"(bucket padding: {self.padding:,} bytes)")
+        if self.device_peak or self.pinned:
+            lines.append(f"device peak (max_memory_allocated) {self.device_peak / 2**20:.2f} MiB, "
+                         f"pinned host buffers {self.pinned / 2**20:.2f} MiB")
         if set(self.tiers) - {"device"}:
             for tier, kinds in self.tiers.items():
                 parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in kinds.items() if v)
@@ -112,14 +118,26 @@ def memory_report(state: State) -> MemoryReport:
         elif isinstance(leaf, Tensor):
             other += _bytes(leaf)
     return MemoryReport(plan.rank, n, state.spec.stage, num, trainable, params, grads, opt,
-                        f_params, f_grads, f_opt, padding, other, _tiers(state, grads))
+                        f_params, f_grads, f_opt, padding, other, _tiers(state, grads), device_peak(plan.device),
+                        pinned_bytes())
+
+
+def device_peak(device) -> int:
+    """Peak bytes the caching allocator handed out on `device` (torch.cuda.max_memory_allocated;
+    0 off CUDA, where host and device are one memory: the process's peak RSS says it)."""
+    import torch
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.max_memory_allocated(device)
 
 
 def _tiers(state: State, grads: int) -> Dict[str, Dict[str, int]]:
     """Bytes per tier and kind: where each leaf lives (a DiskTensor: on disk; the policy's host
-    tier: host memory; else the device). Gradients and buffers always stay on the device."""
+    tier: host memory; else the device). Buffers stay on the device; gradients too, unless the
+    optimizer state is offloaded: then the step keeps them as fp32 host buffers (fz/offload/host_grads.py)."""
     from fz.offload.disk import DiskTensor
-    policy = state.spec.offload
+    from fz.offload.host_grads import host_grad_bytes
+    policy = state.spec.offload if state.spec.offload is not None and state.spec.offload.active else None
     out: Dict[str, Dict[str, int]] = {t: {k: 0 for k in ("params", "master", "moments", "grads", "buffers")}
                                       for t in ("device", "host", "disk")}
 
@@ -134,7 +152,10 @@ def _tiers(state: State, grads: int) -> Dict[str, Dict[str, int]]:
     for leaf in pytree.tree_leaves(state.opt_state):
         if isinstance(leaf, DTensor):
             add("moments", leaf._local_tensor, policy.optimizer if policy else "device")
-    out["device"]["grads"] = grads
+    if policy is not None and policy.optimizer != "device":
+        out["host"]["grads"] = host_grad_bytes(state.plan.buckets, state.plan.shards)
+    else:
+        out["device"]["grads"] = grads
     out["device"]["buffers"] = sum(_bytes(b) for b in state.buffers.values())
     if policy is not None and "disk" in (policy.optimizer, policy.params):
         out["host"]["io_buffers"] = policy.buffers * int(policy.buffer_mb * 2**20)

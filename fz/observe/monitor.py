@@ -13,7 +13,8 @@ of `log_dir` (TensorBoard) and of `csv_dir` (`scalars.csv`):
 - perf/step_time_s, perf/samples_per_s, perf/tokens_per_s (global: every rank's rows);
 - memory/rank<r>/{params,grads,optimizer,total}_mb (fz.memory_report: model states this
   rank holds), the same bytes by tier, memory/rank<r>/{device,host,disk}_mb (offload), and
-  memory/rank<r>/peak_rss_mb (the process's peak resident memory).
+  memory/rank<r>/peak_rss_mb (the process's peak resident memory), device_peak_mb
+  (torch.cuda.max_memory_allocated; 0 off CUDA) and pinned_mb (pinned host buffers).
 The memory scalars gather one small tensor from every rank at those steps (a collective:
 every rank calls the monitor). On a terminal rank 0 shows a progress bar (steps, loss,
 tokens/s, ETA); elsewhere it prints a line per log instead.
@@ -37,7 +38,7 @@ from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
 from fz.state import State
 
 _MB = 2**20
-MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss")
+MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss", "device_peak", "pinned")
 TIERS = ("device", "host", "disk")
 
 
@@ -133,7 +134,8 @@ class Monitor:
     def _memory(self, state: State) -> Dict[str, float]:
         r = memory_report(state)
         tiers = [sum(r.tiers.get(t, {}).values()) for t in TIERS]
-        mine = torch.tensor([r.params, r.grads, r.opt, r.total, *tiers, peak_rss()], dtype=torch.float64,
+        mine = torch.tensor([r.params, r.grads, r.opt, r.total, *tiers, peak_rss(), r.device_peak, r.pinned],
+                            dtype=torch.float64,
                             device=state.plan.device)
         every = mine
         if self.world > 1:

@@ -34,6 +34,10 @@ class Offload:
     prefetch: int = 2  # groups read ahead while one is updated
     io_threads: int = 2
     direct_io: bool = True  # O_DIRECT where the filesystem allows it (else buffered, with a warning)
+    # bound on the pinned host memory of the transfer pool (gradients leaving the device: one fp32
+    # buffer per bucket, reused step after step); past it, plain host memory (copies then block).
+    # None: as much as the step's gradients need. memory_report's `pinned` shows what is held.
+    max_pinned_mb: float | None = None
 
     is_fz_offload = True  # Spec checks this (fz.spec does not import fz.offload)
 
@@ -54,6 +58,8 @@ class Offload:
         if not isinstance(self.prefetch, int) or not 0 <= self.prefetch <= self.buffers - 1:
             raise ConfigError(f"fz.offload: prefetch={self.prefetch!r} must be an integer in 0..buffers-1 "
                               f"({self.buffers - 1})")
+        if self.max_pinned_mb is not None and not self.max_pinned_mb >= 0:
+            raise ConfigError(f"fz.offload: max_pinned_mb={self.max_pinned_mb!r} must be >= 0 (or None: no bound)")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ConfigError(f"fz.offload: io_threads={self.io_threads!r} must be an integer >= 1")
 
@@ -78,18 +84,21 @@ class Offload:
         return dataclasses.replace(self, **changes)
 
 
-def cpu(optimizer: bool = True, params: bool = False, pin_memory: bool = True) -> Offload:
+def cpu(optimizer: bool = True, params: bool = False, pin_memory: bool = True,
+        max_pinned_mb: float | None = None) -> Offload:
     """ZeRO-Offload: optimizer state (and at stage 3 the parameter shards) in host memory;
-    the optimizer runs on the host."""
-    return Offload("host" if optimizer else "device", "host" if params else "device", pin_memory=pin_memory)
+    the optimizer runs on the host, and gradients go there as they are reduced."""
+    return Offload("host" if optimizer else "device", "host" if params else "device", pin_memory=pin_memory,
+                   max_pinned_mb=max_pinned_mb)
 
 
 def nvme(path: str, optimizer: bool = True, params: bool = False, *, buffer_mb: float = 16.0, buffers: int = 4,
-         prefetch: int = 2, io_threads: int = 2, pin_memory: bool = True, direct_io: bool = True) -> Offload:
+         prefetch: int = 2, io_threads: int = 2, pin_memory: bool = True, direct_io: bool = True,
+         max_pinned_mb: float | None = None) -> Offload:
     """ZeRO-Infinity: optimizer state (and at stage 3 the parameter shards) in files under `path`,
-    streamed through `buffers` x `buffer_mb` of memory."""
+    streamed through `buffers` x `buffer_mb` of memory; gradients go to the host as they are reduced."""
     return Offload("disk" if optimizer else "device", "disk" if params else "device", path, pin_memory, buffer_mb,
-                   buffers, prefetch, io_threads, direct_io)
+                   buffers, prefetch, io_threads, direct_io, max_pinned_mb)
 
 
 def none() -> Offload:

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
+from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
 from fz.offload.move import PART_ALIGN
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
@@ -73,6 +74,19 @@ class Estimate:
         # its worst point); the update holds the gradients and, stages 1-2, the all-gathers' buffers
         during_backward = self.reduce + max(self.grads_update, self.backward or 0)
         return resident + self.gather + max(during_backward, self.grads_update + self.sync)
+
+    @property
+    def one_memory(self) -> int:
+        """Peak bytes of one rank where host and device are one memory (a CPU-only run). The
+        host gradients of an offloaded optimizer fill up while backward frees activations, as
+        the device's own gradients would: they overlap backward's worst point, not add to it."""
+        host_grads = self.tiers["host"].get("grads", 0)
+        if not host_grads:
+            return self.per_device + self.per_rank_host
+        resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
+            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy
+        during_backward = self.reduce + max(host_grads, self.backward or 0)
+        return resident + self.gather + max(during_backward, host_grads + self.sync)
 
     @property
     def per_rank_host(self) -> int:
@@ -180,14 +194,18 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers[tier]["master"] += m
         tiers[tier]["moments"] += o
         master, opt = master + m, opt + o
-    tiers["device"]["grads"] = grads
+    host_grads = policy is not None and policy.optimizer != "device"  # fz/offload/host_grads.py
+    if host_grads:
+        tiers["host"]["grads"] = host_grad_bytes(buckets, shards)
+    else:
+        tiers["device"]["grads"] = grads
     tiers["device"]["buffers"] = counts.buffer_bytes
     io = policy.buffers * int(policy.buffer_mb * 2**20) if policy and "disk" in (policy.optimizer, policy.params) else 0
     if io:
         tiers["host"]["io_buffers"] = io
     return Estimate(world_size, nodes, spec.stage, spec.precision, counts.num_params, params, grads, master, opt,
-                    counts.buffer_bytes, _gather(spec, buckets, el), _reduce(spec, buckets, shards),
-                    _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
+                    counts.buffer_bytes, _gather(spec, buckets, el), _reduce(spec, buckets, shards, el, host_grads),
+                    0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
                     tiers, world_size // nodes, largest_part)
@@ -202,17 +220,24 @@ def _gather(spec: Spec, buckets, el: int) -> int:
     return (root + sum(blocks[:spec.live_buckets - 1])) * el
 
 
-def _reduce(spec: Spec, buckets, shards: int) -> int:
+def _reduce(spec: Spec, buckets, shards: int, el: int, host_grads: bool) -> int:
     """Gradient buffers of the buckets being reduced (at most MAX_INFLIGHT at once), in the reduce
     dtype: a packed full bucket and its shard when sharded, the bucket's full gradient otherwise
-    (autograd sums its parameters' gradients into one bucket-sized buffer)."""
-    rb = PRECISIONS[spec.reduce_dtype or "fp32"].itemsize
+    (autograd sums its parameters' gradients into one bucket-sized buffer). With gradients going
+    to the host, the results waiting for their copy (MAX_COPIES) too; on one rank nothing is
+    reduced: the buffers are the gradients themselves, in the parameters' dtype."""
+    rb = PRECISIONS[spec.reduce_dtype or "fp32"].itemsize if shards > 1 else el
     trainable = [b for b in buckets if b.trainable]
     if shards > 1 and spec.stage > 0:
         sizes = [b.padded_numel + b.shard_numel for b in trainable]
+        copies = [b.shard_numel for b in trainable]
     else:
-        sizes = [b.full_numel for b in trainable]
-    return sum(sorted(sizes, reverse=True)[:MAX_INFLIGHT]) * rb
+        sizes = copies = [b.full_numel for b in trainable]
+    # one rank, gradients to the host: nothing to reduce, each bucket's gradient is copied at once
+    inflight = 0 if host_grads and shards == 1 else sum(sorted(sizes, reverse=True)[:MAX_INFLIGHT])
+    if host_grads:
+        inflight += sum(sorted(copies, reverse=True)[:MAX_COPIES])
+    return inflight * rb
 
 
 def _grads_update(buckets, el: int, mixed: bool, shards: int, spec: Spec) -> int:

@@ -32,6 +32,14 @@ def micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
             for i in range(n)]
 
 
+def on_device(batch: Any, device) -> Any:
+    """The batch's tensors on the compute device (as Hugging Face's Trainer and JAX's device_put
+    do): a batch from a CPU data loader runs on the GPU; tensors already there are not copied."""
+    if device.type == "cpu":
+        return batch
+    return pytree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, batch)
+
+
 def scalar_loss(loss: Any) -> Tensor:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__

@@ -9,11 +9,16 @@ group; on a 2-D mesh the step's accumulated result is then averaged across the g
 (stage 3) send their gradients from the gather's backward (`reduce_gathered`): an
 asynchronous reduce-scatter after every micro-batch. At most MAX_INFLIGHT reductions are in
 flight, so full-size gradient buffers never pile up.
+
+With the optimizer state offloaded (`host`: fz/offload/host_grads.py) every bucket is
+reduced after every micro-batch, each result is copied to the host as soon as its
+reduction is done and its device buffer released: the device holds no gradient storage
+between buckets, and the step's gradients are fp32 host buffers.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Dict, List, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -22,14 +27,15 @@ from torch.distributed.tensor import Shard
 from fz.sharding.comm import Comm, full_views, pack, shard_views
 from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
+from fz.offload.host_grads import HostGrads
 
 
 MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gradient memory)
 
 
 class GradReducer:
-    def __init__(self, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor]):
-        self.plan, self.comm, self.leaves = plan, comm, leaves
+    def __init__(self, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor], host: Optional[HostGrads] = None):
+        self.plan, self.comm, self.leaves, self.host = plan, comm, leaves, host
         self.buckets = [b for b in plan.buckets if b.trainable and not b.sharded_param]
         self.sharded = [b for b in plan.buckets if b.trainable and b.sharded_param]
         self.last = False
@@ -41,7 +47,7 @@ class GradReducer:
                         for b in self.buckets]
 
     def _due(self, b: Bucket) -> bool:
-        return isinstance(b.place.grad, Shard) or self.last
+        return self.host is not None or isinstance(b.place.grad, Shard) or self.last
 
     def _hook(self, b: Bucket, leaf: Tensor) -> None:
         if self._due(b):
@@ -67,6 +73,9 @@ class GradReducer:
         while sum(self._extra(item) for item in self.pending) > MAX_INFLIGHT:
             oldest = next(i for i, item in enumerate(self.pending) if self._extra(item))
             self._finish(*self.pending.pop(oldest))
+        if self.host is not None:  # leave the device now: what needs no wait goes at once
+            while self.pending and (self.pending[0][2] is None or len(self.pending) > MAX_INFLIGHT):
+                self._finish(*self.pending.pop(0))
 
     def _extra(self, item) -> bool:
         b, out, work, dtype, layout = item
@@ -75,6 +84,12 @@ class GradReducer:
     def _finish(self, b: Bucket, out: Tensor, work, dtype, layout: str) -> None:
         if work is not None:
             work.wait()
+        if self.host is not None:
+            self.layout[b.index] = layout
+            if self.comm.replicas > 1:  # 2-D mesh: averaged across groups on the device, per micro-batch
+                self.comm.replica_mean(out)
+            self.host.add(b.index, out)
+            return
         # between micro-batches a gradient is kept in the parameters' dtype (ZeRO's 2 bytes in
         # mixed precision); the last micro-batch's sum stays in the reduce dtype when that is
         # wider, so the optimizer reads it without a round trip through bf16/fp16
@@ -115,17 +130,20 @@ class GradReducer:
                 self._launch(b, g)
         for b in self.sharded:
             if b.index not in self.launched:
-                zeros = [torch.zeros(s.shape, dtype=self.leaves[b.index].dtype) for s in b.slots]
+                leaf = self.leaves[b.index]
+                zeros = [torch.zeros(s.shape, dtype=leaf.dtype, device=leaf.device) for s in b.slots]
                 self.reduce_gathered(b, zeros)
         for item in self.pending:
             self._finish(*item)
         self.pending.clear()
         self.launched.clear()
+        if self.host is not None:
+            self.host.drain()
 
     def reduce_across_replicas(self) -> None:
         """2-D mesh: average each bucket's reduced gradient across the replica groups (once per
         step, on the sum over micro-batches: the average is linear)."""
-        if self.comm.replicas == 1:
+        if self.comm.replicas == 1 or self.host is not None:  # host gradients were averaged as they left
             return
         works = [self.comm.replica_mean(self.acc[b.index], async_op=True) for b in (*self.buckets, *self.sharded)]
         for w in works:
@@ -146,7 +164,7 @@ class GradReducer:
 
     def optimizer_grads(self, b: Bucket) -> List[Tensor]:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""
-        g = self.acc[b.index]
+        g = self.host.acc[b.index] if self.host is not None else self.acc[b.index]
         if self.layout[b.index] == "shard":
             return shard_views(g, b, self.plan.shard_rank)
         return full_views(g, b)

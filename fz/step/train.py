@@ -19,7 +19,10 @@ from torch import Tensor
 
 from fz import peers
 from fz.offload.disk import DiskTensor
+from fz.offload.host_grads import HostGrads
 from fz.offload.stream import disk_update, host_update
+from fz.offload.transfer import pool_for
+from fz.rng import forked as rng_forked
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.optim.transforms import current_lr
@@ -29,7 +32,7 @@ from fz.sharding.pack import checked_flats
 from fz.sharding.sync import Arriving, start_param_sync
 from fz.state import State
 from fz.step.agree import Agreement
-from fz.step.batches import micro_batches, scalar_loss
+from fz.step.batches import micro_batches, on_device, scalar_loss
 from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
@@ -86,14 +89,16 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         local_opt = _clone_tree(local_opt)
     buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}  # modules update them in place
     before = versions(buffers)
-    micro = micro_batches(batch, spec.grad_accum, spec.micro_batch)
+    micro = micro_batches(on_device(batch, plan.device), spec.grad_accum, spec.micro_batch)
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
     loss_fn = spec.loss_fn or default_loss
     scale = float(state.scaler.get("scale", 1.0))
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
-    reducer = GradReducer(plan, comm, leaves)
+    # optimizer state off the device: gradients follow it to the host as each bucket is reduced
+    host = HostGrads(pool_for(offload), plan.device) if offload is not None and offload.optimizer != "device" else None
+    reducer = GradReducer(plan, comm, leaves, host)
     state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics
     used = UsedParams() if spec.skip_unused else None
     runner = Runner(state.skeleton, plan, comm, leaves, buffers, state.metrics["order"].tolist(),
@@ -104,8 +109,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
     calls: List[int] = []  # the blocks each forward called, in order (checked across ranks)
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state.rng)
+    with rng_forked(state.rng, plan.device) as rng_now:
         try:
             for i, mb in enumerate(micro):
                 reducer.last = i == len(micro) - 1
@@ -120,7 +124,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                     sync.finish()
         finally:
             reducer.close()
-        rng = torch.get_rng_state()
+        rng = rng_now()
     reducer.reduce_across_replicas()
     sync_changed(comm, buffers, before, spec.buffer_sync, state.skeleton.running_stats)  # equal on every rank
     order, live = runner.order, runner.live
@@ -162,6 +166,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                     put_back(*kept, params, local_opt)
                 new_sync = start_param_sync(comm, plan, flats, mflats)
     del grads, params
+    if host is not None:
+        host.release()
     if agreement.result is None:  # waited for while the optimizer ran
         try:
             agreement.finish(comm)
@@ -225,8 +231,7 @@ def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -
     buffers = {n: t.clone() for n, t in state.buffers.items()} if train else state.buffers
     runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.metrics["order"].tolist(),
                     prefetch=state.spec.prefetch, compile=state.spec.compile, compute_dtype=state.spec.compute_dtype)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), _autocast(state):
-        torch.set_rng_state(state.rng)
+    with torch.no_grad(), rng_forked(state.rng, state.plan.device), _autocast(state):
         try:
             return fn(runner, comm, *args, **kwargs)
         finally:
@@ -237,6 +242,8 @@ def eval_step(state: State, batch: Any) -> Tensor:
     """The loss on this rank's `batch`, averaged over ranks, with the model in eval mode (dropout
     off, BatchNorm on its running statistics); no state changes."""
     loss_fn = state.spec.loss_fn or default_loss
+
+    batch = on_device(batch, state.plan.device)
 
     def run(runner, comm):
         agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
@@ -250,4 +257,5 @@ def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     """The model's own forward output on `args` (stage 3 gathers block by block), in eval mode;
     `train=True` runs it in train mode (dropout from the state's generator, BatchNorm on batch
     statistics) without changing the state's buffers."""
+    args, kwargs = on_device((args, kwargs), state.plan.device)
     return _forward(state, lambda r, comm: r(*args, **kwargs), train=train)

@@ -58,8 +58,8 @@ def norm_sq_fn(comm: Comm, sharded: Set[str]):
             norms = torch._foreach_norm(ts, 2) if ts else [torch.zeros(())]
             parts.append(torch.stack(norms).double().square().sum())
         if comm.world > 1 and sharded:
-            comm.all_reduce_sum(parts[1])
-        return (parts[0] + parts[1]).float()
+            parts[1] = _all_reduce_sum_on(comm, parts[1])
+        return (parts[0] + parts[1].to(parts[0].device)).float()
 
     return norm_sq
 
@@ -71,16 +71,26 @@ def _row_blocks(t: Tensor, shards: int) -> List[Tensor]:
     return list(t.split(max(1, -(-t.shape[0] // shards))))
 
 
+def _all_reduce_sum_on(comm: Comm, t: Tensor) -> Tensor:
+    """`t` summed over the shard group; host tensors (offloaded optimizer) travel through the
+    collective's device (NCCL reduces only device memory) and come back to where they were."""
+    if t.device == comm.device:
+        comm.all_reduce_sum(t)
+        return t
+    on = t.to(comm.device)
+    comm.all_reduce_sum(on)
+    return on.to(t.device)
+
+
 def shard_sum_fn(comm: Comm, sharded: Set[str]):
     def shard_sum(tree: Params) -> Params:
         names = [k for k in tree if k in sharded]
         if not names or comm.world == 1:
             return tree
-        flat = torch.cat([tree[k].reshape(-1).float() for k in names])
-        comm.all_reduce_sum(flat)
+        flat = _all_reduce_sum_on(comm, torch.cat([tree[k].reshape(-1).float() for k in names]))
         out = dict(tree)
         for k, piece in zip(names, flat.split([tree[k].numel() for k in names])):
-            out[k] = piece.view_as(tree[k]).to(tree[k].dtype)
+            out[k] = piece.view_as(tree[k]).to(tree[k].device, tree[k].dtype)
         return out
 
     return shard_sum

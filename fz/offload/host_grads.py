@@ -1,0 +1,96 @@
+"""Reduced gradients leaving the device as they are reduced, when the optimizer state is offloaded.
+
+The optimizer runs where its state lives (host or disk), so a gradient has no use on the
+device once its bucket is reduced. Each bucket's reduced result (this rank's shard, or the
+whole bucket where the optimizer state is replicated) is copied on the copy stream into a
+host buffer (pinned on CUDA) and the device buffer goes back to the allocator once that
+copy is done: the device never holds more than the reductions in flight and the copies
+behind them (`MAX_COPIES`).
+
+Gradient accumulation adds into the host, micro-batch by micro-batch, in fp32: the first
+micro-batch's copy lands in a staging buffer of the reduced dtype and is widened into the
+bucket's fp32 buffer; later ones are added to it (DeepSpeed's CPU offload accumulates on
+the host the same way). With one micro-batch, or in fp32, the values are exactly those the
+in-memory step reads; with several in bf16/fp16 they are closer to the exact sum (the
+in-memory step keeps the running sum in the parameters' dtype, ZeRO's 2 bytes).
+
+What the update then reads are these fp32 host buffers: the non-finite check, the
+global norm and the clip all run on the host, beside the optimizer.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from fz.offload.transfer import PinnedPool, Transfer
+
+MAX_COPIES = 2  # device-to-host copies in flight; each holds its device buffer until done
+
+
+class HostGrads:
+    """One step's gradients on the host: {bucket index: fp32 buffer} filled as buckets are reduced."""
+
+    def __init__(self, pool: PinnedPool, device: torch.device):
+        self.pool, self.device = pool, device
+        self.acc: dict[int, Tensor] = {}
+        self.copies: deque = deque()  # (index, Transfer, staging buffer or None)
+        self.lent: list[Tensor] = []  # pool buffers held by `acc`, given back by `release`
+
+    def add(self, index: int, out: Tensor) -> None:
+        """Queue `out` (a reduced gradient on the device, this micro-batch's) to be added into
+        bucket `index`'s host buffer; `out` may be dropped by the caller at once."""
+        if self.device.type != "cuda":  # one memory: add straight into the host buffer
+            self._accumulate(index, out)
+            return
+        staging = self.pool.take(out.numel(), out.dtype)
+        self.copies.append((index, Transfer(staging, out.reshape(-1)), staging))
+        while len(self.copies) > MAX_COPIES:
+            self._land(*self.copies.popleft())
+
+    def _land(self, index: int, copy: Transfer, staging: Tensor) -> None:
+        self._accumulate(index, copy.wait())
+        if staging is not self.acc.get(index):
+            self.pool.give(staging)
+
+    def _accumulate(self, index: int, g: Tensor) -> None:
+        g = g.reshape(-1)
+        acc = self.acc.get(index)
+        if acc is not None:
+            acc.add_(g)
+        elif g.dtype == torch.float32 and g.device.type == "cpu" and g.is_pinned() and self.device.type == "cuda":
+            self.acc[index] = g  # the staging buffer already is the fp32 host buffer: keep it
+            self.lent.append(g)
+        else:
+            acc = self.pool.take(g.numel(), torch.float32) if self.device.type == "cuda" else \
+                torch.empty(g.numel(), dtype=torch.float32)
+            acc.copy_(g)
+            self.acc[index] = acc
+            self.lent.append(acc)
+
+    def drain(self) -> None:
+        """Wait for every copy and add it in: the host buffers are whole when this returns."""
+        while self.copies:
+            self._land(*self.copies.popleft())
+
+    def release(self) -> None:
+        """The step is done with its gradients: buffers go back to the pool for the next step."""
+        self.drain()
+        self.acc.clear()
+        for t in self.lent:
+            self.pool.give(t)
+        self.lent.clear()
+
+
+def host_grad_bytes(buckets, shards: int) -> int:
+    """Bytes of the step's fp32 host gradient buffers (what `HostGrads.acc` holds at the update):
+    this rank's shard of each trainable bucket whose gradient or optimizer state is sharded over
+    several ranks, the whole bucket otherwise. memory_report and fz.estimate both count this."""
+    from torch.distributed.tensor import Shard
+    n = 0
+    for b in buckets:
+        if b.trainable:
+            sharded = b.sharded_param or isinstance(b.place.grad, Shard) or isinstance(b.place.opt, Shard)
+            n += b.shard_numel if sharded and shards > 1 else b.full_numel
+    return 4 * n

@@ -1,0 +1,120 @@
+"""Host <-> device transfers: one copy stream per device, an event per copy, a bounded pinned pool.
+
+On CUDA a copy between device memory and *pinned* host memory can run on a side stream
+while the compute stream goes on; the host may read (or the device reuse) the buffer only
+after the copy's event, which `Transfer.wait` waits for. The source buffer is recorded on
+the copy stream, so the caching allocator does not hand its memory out again before the
+copy is done: dropping the last reference right after `start` is safe.
+
+Pinning host memory is slow (a driver call per allocation) and pinned pages cannot be
+swapped, so `PinnedPool` keeps the buffers it hands out and gives them out again, step
+after step, up to `max_bytes` pinned in all (`Offload.max_pinned_mb`); past the bound it
+hands out plain host memory (such a copy blocks the host until it is done, still correct).
+
+On a CPU-only machine host and device are one memory: there is no stream and no pinning,
+and a transfer is a plain copy into a separate buffer, so the device buffer is released
+exactly as it would be on a GPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_POOLS: dict[tuple, "PinnedPool"] = {}
+
+# Called with the copy stream before each copy is queued on it (tests queue a slow kernel
+# there to prove no buffer is read before its copy's event). None in normal use.
+before_copy: Callable[["torch.cuda.Stream"], None] | None = None
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The side stream host<->device copies of `device` run on (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = torch.device("cuda", index)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=key)
+    return _STREAMS[key]
+
+
+class Transfer:
+    """`dst.copy_(src)` queued on the copy stream after everything the compute stream has queued
+    (e.g. the collective that produced `src`); `wait()` blocks until `dst` holds the values."""
+
+    def __init__(self, dst: Tensor, src: Tensor):
+        self.dst, self.event = dst, None
+        cuda = src.device if src.is_cuda else dst.device if dst.is_cuda else None
+        if cuda is None:
+            dst.copy_(src)
+            return
+        stream = copy_stream(cuda)
+        stream.wait_stream(torch.cuda.current_stream(cuda))
+        if before_copy is not None:
+            before_copy(stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(stream)
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.dst
+
+    def then_on_device(self, device: torch.device) -> None:
+        """Make `device`'s compute stream wait for this copy (a host-to-device copy about to be used there)."""
+        if self.event is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
+class PinnedPool:
+    """Host buffers for transfers, reused across steps; at most `max_bytes` of them pinned."""
+
+    def __init__(self, pin: bool, max_bytes: int | None):
+        self.pin = pin and torch.cuda.is_available()
+        self.max_bytes = max_bytes
+        self.free: dict[tuple, list[Tensor]] = {}
+        self.pinned_bytes = 0  # held by the pool or lent out, pinned
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A 1-D host buffer of `numel` elements (uninitialised)."""
+        spare = self.free.get((numel, dtype))
+        if spare:
+            return spare.pop()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        pin = self.pin and (self.max_bytes is None or self.pinned_bytes + nbytes <= self.max_bytes)
+        t = torch.empty(numel, dtype=dtype, pin_memory=pin)
+        if pin:
+            self.pinned_bytes += nbytes
+        return t
+
+    def give(self, t: Tensor) -> None:
+        """Return a buffer from `take` (only pinned ones are kept: plain memory goes back to the allocator)."""
+        if t.is_pinned():
+            self.free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.pinned_bytes = 0
+
+
+def pool_for(policy) -> PinnedPool:
+    """The process's pool for an offload policy's pinning settings (shared by its states)."""
+    mb = getattr(policy, "max_pinned_mb", None)
+    key = (bool(policy.pin_memory), None if mb is None else int(mb * 2**20))
+    if key not in _POOLS:
+        _POOLS[key] = PinnedPool(*key)
+    return _POOLS[key]
+
+
+def pinned_bytes() -> int:
+    """Bytes of host memory fz's pools hold pinned in this process (memory_report shows them)."""
+    return sum(p.pinned_bytes for p in _POOLS.values())

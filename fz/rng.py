@@ -1,0 +1,60 @@
+"""A rank's random state as one tensor: the CPU generator's, then the compute device's (CUDA).
+
+Dropout on a GPU draws from the CUDA generator, not the CPU one, so a state that kept only
+the CPU generator would resume a GPU run with other dropout masks. `State.rng` therefore
+holds the CPU state followed by the CUDA generator's (on CUDA), and every step forks both,
+sets them from the state and returns both. A state made on the CPU (or a checkpoint
+saved there) carries no CUDA part: on CUDA it is derived from the CPU part, so the same
+state always gives the same masks.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+
+def _cpu_bytes() -> int:
+    return torch.get_rng_state().numel()
+
+
+def capture(device: torch.device) -> Tensor:
+    """The current generators' state for a computation on `device`."""
+    cpu = torch.get_rng_state()
+    if device.type != "cuda":
+        return cpu
+    return torch.cat([cpu, torch.cuda.get_rng_state(device)])
+
+
+def restore(rng: Tensor, device: torch.device) -> None:
+    """Set the generators from `rng` (as `capture` made it, or a CPU-only state)."""
+    n = _cpu_bytes()
+    torch.set_rng_state(rng[:n].contiguous())
+    if device.type != "cuda":
+        return
+    if rng.numel() > n:
+        torch.cuda.set_rng_state(rng[n:].contiguous(), device)
+    else:  # no CUDA part (made on a CPU): one derived from the CPU part, the same every time
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(zlib.crc32(rng[:n].numpy().tobytes()))
+
+
+@contextlib.contextmanager
+def forked(rng: Tensor, device: torch.device) -> Iterator[Callable[[], Tensor]]:
+    """Run with the generators set from `rng`, the caller's own restored afterwards; yields a
+    function returning the generators' state at that point (the step's new `rng`)."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        restore(rng, device)
+        yield lambda: capture(device)
+
+
+def seeded(seed: int, device: torch.device) -> Tensor:
+    """A fresh state from `seed`, for both generators."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return capture(device)
