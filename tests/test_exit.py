@@ -73,8 +73,8 @@ def _where_collective_tensors_die(rank: int, world: int, root: str) -> list:
     import torch.distributed as dist
 
     import fz.ckpt.group
+    import fz.compat
     import fz.sharding.comm
-    import fz.sharding.replicated
 
     foreign: list = []
 
@@ -97,7 +97,7 @@ def _where_collective_tensors_die(rank: int, world: int, root: str) -> list:
                 return real(*args, **kwargs)
             return call
 
-    for module in (fz.sharding.comm, fz.ckpt.group, fz.sharding.replicated):
+    for module in (fz.sharding.comm, fz.ckpt.group, fz.compat):  # fz.compat: the all-gathers and reduce-scatters
         module.dist = Watched()
     for stage in (1, 3):
         state = fz.init(make_model(), spec(stage, 1))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fz.compat import all_gather_single
 from fz.errors import ConfigError
 from fz.sharding.settle import Handle
 from fz.state import State
@@ -79,12 +80,12 @@ def _all_gather_json(group, world: int, value: Any) -> List[Any]:
     mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     size = torch.tensor([mine.numel()], dtype=torch.int64)
     sizes = torch.empty(world, dtype=torch.int64)
-    Handle([sizes, size]).add(dist.all_gather_single(sizes, size, group=group, async_op=True)).wait()
+    Handle([sizes, size]).add(all_gather_single(sizes, size, group=group, async_op=True)).wait()
     n = int(sizes.max())
     padded = torch.zeros(n, dtype=torch.uint8)
     padded[:mine.numel()] = mine
     out = torch.empty(world * n, dtype=torch.uint8)
-    Handle([out, padded]).add(dist.all_gather_single(out, padded, group=group, async_op=True)).wait()
+    Handle([out, padded]).add(all_gather_single(out, padded, group=group, async_op=True)).wait()
     rows = out.view(world, n)
     return [json.loads(bytes(rows[r, :int(sizes[r])].numpy()).decode()) for r in range(world)]
 

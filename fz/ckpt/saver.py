@@ -36,6 +36,7 @@ from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
+from fz.compat import FileSystemWriter
 from fz.errors import ConfigError
 from fz.offload.disk import DiskTensor, load
 from fz.state import State, block_until_ready
@@ -94,8 +95,8 @@ class SaveJob:
         self.algorithm = signing.ALGORITHM if key is not None else manifest.ALGORITHM
         self.tmp = root / (step_name(step) + ".tmp")
 
-    def _writer(self) -> dcp.FileSystemWriter:
-        return dcp.FileSystemWriter(self.tmp, sync_files=True)
+    def _writer(self) -> FileSystemWriter:
+        return FileSystemWriter(self.tmp, sync_files=True)
 
     def run(self) -> None:
         self._cleaning(self._write_and_commit)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fz.compat import all_gather_single
 from fz.observe.memory import memory_report
 from fz.observe.progress import Bar
 from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
@@ -140,7 +141,7 @@ class Monitor:
         every = mine
         if self.world > 1:
             every = mine.new_zeros(self.world * len(MEMORY))
-            dist.all_gather_single(every, mine)
+            all_gather_single(every, mine)
         rows = every.view(self.world, len(MEMORY)).tolist()
         return {f"memory/rank{rank}/{name}_mb": v / _MB for rank, row in enumerate(rows) for name, v in zip(MEMORY, row)}
 

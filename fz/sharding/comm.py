@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fz.compat import all_gather_single, reduce_scatter_single
 from fz.sharding.buckets import Bucket
 from fz.sharding.settle import Handle
 
@@ -96,7 +97,7 @@ class Comm:
         if self.fast:
             return _done(self._exchange_sum(out, inp), async_op)
         h = Handle([out, inp])
-        return _done(h.add(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)),
+        return _done(h.add(reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)),
                      async_op)
 
     def _exchange_sum(self, out: Tensor, inp: Tensor) -> Handle:
@@ -138,7 +139,7 @@ class Comm:
                 h.add(dist.broadcast(piece, src=g, group=self.group, async_op=True))
             return _done(h, async_op)
         h = Handle([out, inp])
-        return _done(h.add(dist.all_gather_single(out, inp, group=self.group, async_op=True)), async_op)
+        return _done(h.add(all_gather_single(out, inp, group=self.group, async_op=True)), async_op)
 
 
 def _regions(buf: Tensor, bucket: Bucket):

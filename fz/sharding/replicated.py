@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from fz.compat import all_gather_single
 from fz.errors import ConfigError
 from fz.sharding.settle import Handle
 
@@ -31,7 +31,7 @@ def checksum(t: Tensor) -> Tensor:
 def _gather(local: Tensor, group, n: int) -> Tensor:
     out = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
     flat = local.reshape(-1)
-    Handle([out, flat]).add(dist.all_gather_single(out, flat, group=group, async_op=True)).wait()
+    Handle([out, flat]).add(all_gather_single(out, flat, group=group, async_op=True)).wait()
     return out.view(n, *local.shape)
 
 
