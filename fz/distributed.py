@@ -84,5 +84,10 @@ def init(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> 
             _own = dist.group.WORLD
     if dev == "cuda":
         local = os.environ.get("LOCAL_RANK")
-        torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+        index, count = int(local) if local is not None else dist.get_rank(), torch.cuda.device_count()
+        if index >= count and dist.get_backend() == "nccl":
+            raise ConfigError(f"LOCAL_RANK={index} but this machine has {count} GPU(s): NCCL cannot put two ranks on "
+                              "one GPU. Start at most one process per GPU (torchrun --nproc-per-node), or use "
+                              "backend='gloo' to share one")
+        torch.cuda.set_device(index % count)  # gloo: several ranks may share a GPU
     return dist.get_rank(), dist.get_world_size()

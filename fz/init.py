@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz import peers
+from fz.offload.move import host_tree
 from fz.rng import seeded
 from fz.background import raise_background_failures
 from fz.errors import ConfigError
@@ -68,9 +69,18 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     if spec.offload is not None:
         check_room_at_init(spec.offload, plan, spec.optimizer, spec.precision != "fp32")
     values = InitialValues(model, spec.seed, device, spec.init_fn)
+    # what the policy puts on the host is made there bucket by bucket: the device never holds
+    # the whole optimizer state (or, params offloaded, every shard) it is about to give away
+    host_opt = spec.offload is not None and spec.offload.optimizer == "host"
+    host_params = spec.offload is not None and spec.offload.params == "host"
+    pin = spec.offload is not None and spec.offload.pin_memory
     storages, on_disk = [], []
     for b in buckets:
         flat, mflat = _bucket_storage(model, plan, comm, b, spec, values)
+        if host_params and b.sharded_param:
+            flat = host_tree(flat, pin)
+        if host_opt and mflat is not None:
+            mflat = host_tree(mflat, pin)
         if disk_opt and b.trainable:  # straight to disk, one bucket at a time
             local = spec.optimizer.init(dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b))))
             mflat, opt_b = bucket_init_on_disk(spec.offload, plan, b, mflat, local)
@@ -93,8 +103,11 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
         opt_params = {}
         for b, (flat, mflat) in zip(buckets, storages):
             if b.trainable:
-                opt_params.update(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b)))
-        opt_state = wrap_opt_state(spec.optimizer.init(opt_params), plan)
+                locals_ = plan.opt_locals(flat, mflat, b)
+                opt_params.update(zip((s.name for s in b.slots), (t.cpu() if host_opt else t for t in locals_)))
+        # host_tree takes the optimizer's fresh state over: pinned tensor by tensor, never two copies
+        opt_state = wrap_opt_state(host_tree(spec.optimizer.init(opt_params), pin) if host_opt
+                                   else spec.optimizer.init(opt_params), plan)
 
     rng = seeded(module_seed(spec.seed, f"rank{plan.rank}"), plan.device)
     scaler = init_scaler(spec)

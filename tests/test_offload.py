@@ -266,8 +266,8 @@ def test_stage3_shards_on_disk_are_read_ahead(tmp_path, monkeypatch):
     from fz.testing.gpt import GPTConfig
     cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=4)
     used = []
-    real = gather.Gatherer._local
-    monkeypatch.setattr(gather.Gatherer, "_local",
+    real = gather.Gatherer._source
+    monkeypatch.setattr(gather.Gatherer, "_source",
                         lambda self, b, shard: (used.append(b.index in self.reads), real(self, b, shard))[1])
     batches = [b[0] for b in rank_batches(1, 1, 2)]
     sp = spec(3, 1, precision="bf16")

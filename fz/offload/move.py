@@ -239,3 +239,16 @@ def _move_params(policy: Policy, plan, b: Bucket, f: DTensor, spec) -> DTensor:
                                                                requires_grad=False)
     new = _to_tier(local, policy.params, plan.device, policy.pin_memory)
     return f if new is local else DTensor(new, f._spec, requires_grad=False)
+
+
+def host_tree(tree, pin: bool):
+    """`tree`'s tensors in host memory, pinned when `pin` (and CUDA is there), converted one at a time.
+
+    The caller hands the tree over (its last reference): each tensor is replaced as it is
+    converted, so at most one extra tensor exists at once, never a second copy of the whole state."""
+    leaves, spec = pytree.tree_flatten(tree)
+    del tree
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and not isinstance(leaf, DiskTensor):
+            leaves[i] = _to_tier(leaf, "host", leaf.device, pin)
+    return pytree.tree_unflatten(leaves, spec)

@@ -182,13 +182,13 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             master = mflats[b.index] is not None
             if master:  # the master part holds padding rows after the parameter's own
                 opt_params = {n: vrow[0][:pv.numel()].view(pv.shape) for n, vrow, pv in zip(g.names, views, pviews)}
-            else:
-                opt_params = dict(zip(g.names, pviews))
+            else:  # fp32 parameters are their own master: updated on the host beside their state, copied back
+                opt_params = {n: pv.to(buf.device) for n, pv in zip(g.names, pviews)}
             sub = _subtree(_scalars_copied(local_opt, every), set(g.names), every, replace)
             new_sub = spec.optimizer.step({n: grads.pop(n) for n in g.names}, sub, opt_params, **extra)
             _copy_back(sub, new_sub, replace)
-            if master:
-                for n, pv in zip(g.names, pviews):
+            for n, pv in zip(g.names, pviews):
+                if opt_params[n] is not pv:
                     pv.copy_(opt_params[n])
             results.append(new_sub)
             writes.append((buf, io.write(new_blob[b.index], g.start, g.length, buf)))

@@ -69,10 +69,6 @@ class Transfer:
             self.event = None
         return self.dst
 
-    def then_on_device(self, device: torch.device) -> None:
-        """Make `device`'s compute stream wait for this copy (a host-to-device copy about to be used there)."""
-        if self.event is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).wait_event(self.event)
 
 
 class PinnedPool:

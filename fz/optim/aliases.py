@@ -43,7 +43,7 @@ class _FusedAdamW(GradientTransformation):
         mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
         count = adam.count + 1
         value = lr_at(self.lr, int(lr_state.count))
-        step = torch.tensor(float(count))
+        step = torch.tensor(float(count), device=tensors[0].device)  # fused CUDA kernels take it on the device
         torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, [], [step] * len(keys),
                             lr=value, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
                             eps=self.eps, amsgrad=False, maximize=False)

@@ -19,15 +19,10 @@ import torch
 from torch import Tensor
 
 from fz.offload.disk import DiskTensor, load
-
-_READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
-
-
-def _on_device(shard: Tensor, device: torch.device) -> Tensor:
-    """A shard kept on disk or in host memory (offload), brought to the compute device."""
-    return load(shard).to(device, non_blocking=True)
 from fz.sharding.comm import Comm, unpack
 from fz.sharding.buckets import Bucket
+
+_READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
 
 
 class LiveCounter:
@@ -84,9 +79,13 @@ class Gatherer:
         if isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight:
             self.reads[bucket.index] = _READS.submit(shard.load)
 
-    def _local(self, bucket: Bucket, shard: Tensor) -> Tensor:
+    def _source(self, bucket: Bucket, shard: Tensor) -> Tensor:
+        """The shard's values where they are: read ahead from disk, loaded now, or the shard itself."""
         read = self.reads.pop(bucket.index, None)
-        return read.result().to(self.comm.device, non_blocking=True) if read else _on_device(shard, self.comm.device)
+        return read.result() if read else load(shard)
+
+    def _local(self, bucket: Bucket, shard: Tensor) -> Tensor:
+        return self._source(bucket, shard).to(self.comm.device, non_blocking=True)
 
     def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
         if self.comm.world == 1 or bucket.index in self.inflight:
@@ -98,9 +97,9 @@ class Gatherer:
 
     def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
         """The bucket's full parameters (a shard on the disk tier is read first)."""
-        if self.comm.world == 1:
-            shard = self._local(bucket, shard)
-            outs = tuple(t.clone() for t in unpack(shard, bucket))
+        if self.comm.world == 1:  # each parameter copied once, from wherever the shard lives, to the device
+            src = self._source(bucket, shard)
+            outs = tuple(t.to(self.comm.device, non_blocking=True, copy=True) for t in unpack(src, bucket))
         else:
             if bucket.index in self.inflight:
                 full, work = self.inflight.pop(bucket.index)

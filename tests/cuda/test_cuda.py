@@ -91,11 +91,14 @@ def test_device_peak_within_10_percent_of_the_estimate(stage, offload):
 
 
 def test_no_gradient_stays_on_the_device_with_offload():
-    """Optimizer and parameters on the host: the device peak is far below one bf16 copy of the gradients."""
+    """Optimizer and parameters on the host: the device holds less than one bf16 copy of the gradients
+    (2 bytes a parameter), where keeping them there would take that and more."""
     spec = fz.Spec(stage=3, precision="bf16", loss_fn=lm_loss, offload=fz.offload.cpu(params=True))
     peak, _ = _peak(spec, BIG, micro=1)
-    n = sum(p.numel() for p in GPT(GPTConfig(**{**BIG.__dict__, "layers": 1})).parameters())
-    assert peak < 2 * n, peak  # less than one bf16 gradient of a 1-block model, let alone 8 blocks'
+    plain, _ = _peak(spec.replace(offload=None), BIG, micro=1)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(BIG).parameters())
+    assert peak < 2 * n < plain - 2 * n, (peak, plain, n)
 
 
 def _run(spec, steps=3, seed=0):
@@ -170,8 +173,10 @@ def test_world_2_on_one_gpu_through_gloo():
     try:
         out = run_ranks(2, cuda_jobs.gloo_world2, 2, timeout=300)
     except RuntimeError as e:
-        if "gloo" in str(e).lower() and "cuda" in str(e).lower() or "not supported" in str(e).lower():
-            pytest.skip(f"gloo's collectives do not take CUDA tensors here: {str(e).splitlines()[-1][:300]}")
+        last = [line for line in str(e).splitlines() if line.strip()][-3:]
+        if any("gloo" in line.lower() for line in last):  # gloo's own refusal of a CUDA collective
+            pytest.skip("gloo's collectives do not take these CUDA tensors (NCCL refuses two ranks on one GPU): "
+                        + " | ".join(last)[:400])
         raise
     (dev0, l0), (dev1, l1) = out
     assert dev0.startswith("cuda") and l0 == l1 and l0[-1] < l0[0]

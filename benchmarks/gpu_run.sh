@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On a GPU machine with torch preinstalled and no network (the project's lent H100):
+# install what it lacks from .whl/ (torchdata; DeepSpeed and its needs for the comparison),
+# then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
+# `deepspeed` (benchmarks/gpu_offload_deepspeed.py). Logs go to $OUT (default /tmp/fz-gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fz-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, fz; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'fz', fz.__version__)"
+for what in "$@"; do
+  case "$what" in
+    tests) timeout 420 python3 -m pytest -q -m cuda tests/cuda -p no:cacheprovider -rs 2>&1 | tee "$OUT/cuda-tests.log" ;;
+    headline) timeout 480 python3 benchmarks/gpu_offload.py 2>&1 | tee "$OUT/headline.log" ;;
+    smoke) python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 2>&1 | tee "$OUT/smoke.log" ;;
+    deepspeed) timeout 480 python3 benchmarks/gpu_offload_deepspeed.py 2>&1 | tee "$OUT/deepspeed.log" ;;
+    *) echo "unknown: $what" ;;
+  esac
+done
