@@ -125,8 +125,11 @@ def _train(rank, world, tied, offload, precision):
         losses.append(float(loss))
         peaks.append(seen["counter"].max_elements)
     est = fz.estimate(LM(tied), spec=_spec(offload, precision), world_size=world)
-    return dict(losses=losses, full=fz.full_params(state), forward=seen["forward"], backward=seen["backward"],
-                peak=max(peaks), units=[u.name for u in state.skeleton.units], gather=est.gather)
+    forward, backward = list(seen["forward"]), list(seen["backward"])  # the training steps'
+    rows = {"ids": batches(world)[0]["ids"].chunk(world)[rank]}
+    evals = (float(fz.eval_step(state, rows)), fz.apply(state, rows["ids"][:, :-1]))
+    return dict(losses=losses, full=fz.full_params(state), forward=forward, backward=backward,
+                peak=max(peaks), units=[u.name for u in state.skeleton.units], gather=est.gather, evals=evals)
 
 
 def _runs(rank, world, path):
@@ -213,6 +216,7 @@ def test_fetching_the_root_per_use_is_bit_identical_and_follows_the_reference(ru
                     assert got["losses"] == base["losses"], (tied, precision, kind)
                     assert list(got["full"]) == list(base["full"]), (tied, precision, kind)  # names and order kept
                     assert all(torch.equal(got["full"][k], v) for k, v in base["full"].items()), (tied, precision, kind)
+                    assert got["evals"][0] == base["evals"][0] and torch.equal(got["evals"][1], base["evals"][1])
             assert max_rel(res[tied, "fp32", "cpu"]["losses"], want) < 1e-5, tied
             assert params_rel(res[tied, "fp32", "cpu"]["full"], ref) < 1e-5, tied
 
@@ -258,3 +262,20 @@ def test_a_block_called_twice_sends_one_gradient_as_stage_2_reduces_it(runs):
     for res in results:
         two, three = res["twice", 2], res["twice", 3]
         assert all(torch.equal(three[k], v) for k, v in two.items())
+
+
+def test_a_checkpoint_moves_between_the_root_held_and_fetched(tmp_path):
+    """Names are the same either way: a state saved without parameter offload restores into one
+    with it (leaves as units) and back, and the next step is the same bit for bit."""
+    bs = batches(1)
+    spec = _spec(None, "bf16")
+    state, _ = fz.train_step(fz.init(plain(True), spec), bs[0])
+    fz.save(state, tmp_path / "held")
+    want, want_loss = fz.train_step(state, bs[1], donate=False)
+    fetched = fz.restore(tmp_path / "held", fz.init(plain(True), spec.replace(offload=fz.offload.cpu(params=True))))
+    assert [u.name for u in fetched.skeleton.units if u.leaf] == ["wte", "ln_f"]
+    fz.save(fetched, tmp_path / "fetched")
+    for s in (fetched, fz.restore(tmp_path / "fetched", fz.init(plain(True), spec))):
+        got, loss = fz.train_step(s, bs[1])
+        assert float(loss) == float(want_loss)
+        assert all(torch.equal(v, fz.full_params(want)[k]) for k, v in fz.full_params(got).items())
