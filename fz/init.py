@@ -17,6 +17,7 @@ from fz.background import raise_background_failures
 from fz.errors import ConfigError
 from fz.model.materialize import InitialValues, module_seed
 from fz.model.signature import signature
+from fz.model.leaves import fetches_root
 from fz.model.skeleton import bucket_entries, build_skeleton
 from fz.optim.transforms import current_lr
 from fz.sharding.buckets import make_buckets
@@ -51,7 +52,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     mesh = make_mesh(mesh, spec.shard_group_size, timedelta(seconds=spec.timeout_s))
     peers.configure(spec.timeout_s)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    skel = build_skeleton(model, spec.wrap)
+    skel = build_skeleton(model, spec.wrap, fetches_root(spec))
 
     for n, p in model.named_parameters():
         if p.dtype != torch.float32:

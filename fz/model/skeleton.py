@@ -5,12 +5,13 @@ buffer replaced by a meta tensor, then puts a stand-in (fz/model/standin.py) in 
 each unit (by default each block with parameters in a ModuleList/Sequential, containers
 of blocks looked into: the transformer blocks). A unit's call asks the running step for
 that unit's parameters (gathered, for stage 3) and runs the original block with
-`torch.func.functional_call`. What is not in a unit is the root.
+`torch.func.functional_call`. What is not in a unit is the root; at stage 3 with offloaded
+parameters the root's leaves (embeddings, final norm, head) are units too (fz/model/leaves.py).
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from fz.errors import ConfigError
+from fz.model.leaves import occurrences, root_leaves
 from fz.model.standin import _UnitCall
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -47,6 +49,7 @@ class Unit:
     params: Tuple[Tuple[str, str], ...]  # (name inside the unit, canonical parameter name)
     buffers: Tuple[Tuple[str, str], ...]  # (name inside the unit, canonical buffer name)
     checkpointed: bool = False  # Hugging Face's gradient checkpointing was on inside it (fz does it instead)
+    leaf: bool = False  # a leaf of the root fetched per use (fz/model/leaves.py), not a block
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -68,6 +71,8 @@ class Skeleton:
     persistent: Tuple[str, ...] = ()  # canonical buffers in the model's state_dict (exported with the weights)
     cast_buffers: Tuple[str, ...] = ()  # floating buffers of modules with parameters (given in the compute dtype)
     running_stats: Tuple[str, ...] = ()  # buffers that kernels update in train mode without a version bump (BatchNorm)
+    fetches_root: bool = False  # the root's leaves were asked for as units (fz/model/leaves.py)
+    shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it (several)
 
     @property
     def training(self) -> bool:
@@ -96,51 +101,83 @@ def _parents(root: nn.Module, name: str) -> List[nn.Module]:
     return out
 
 
-def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None) -> Skeleton:
+def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None, fetch_root: bool = False) -> Skeleton:
+    """The meta skeleton of `model` cut into units; `fetch_root`: the root's leaves are units
+    too (stage 3 with offloaded parameters: fz/model/leaves.py)."""
     root = meta_copy(model)
     canon: Dict[int, str] = {}
     aliases: Dict[str, str] = {}
     for name, t in list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False)):
         aliases[name] = canon.setdefault(id(t), name)
 
-    chosen: List[str] = []
+    blocks: List[str] = []
     for name, module in root.named_modules():
-        if not name or any(name.startswith(c + ".") for c in chosen):
+        if not name or any(name.startswith(c + ".") for c in blocks):
             continue
         if wrap(name, module) if wrap else default_wrap(name, module, _parents(root, name)):
-            chosen.append(name)
-
-    # A parameter used by more than one unit (or by a unit and the root) belongs to the root.
-    users: Dict[str, set] = {}
-    for full, _ in root.named_parameters(remove_duplicate=False):
-        owner = next((i for i, u in enumerate(chosen, start=1) if full.startswith(u + ".")), 0)
-        users.setdefault(aliases[full], set()).add(owner)
-    param_unit = {c: (min(u) if len(u) == 1 else 0) for c, u in users.items()}
+            blocks.append(name)
+    leaves = root_leaves(root, blocks) if fetch_root else []
+    order = {name: i for i, (name, _) in enumerate(root.named_modules())}
+    chosen = sorted(blocks + leaves, key=order.__getitem__)  # the model's order: call order, mostly
+    users = _users(root, chosen, aliases)
+    # a leaf all of whose parameters stay with the root (tied to the root's own) gathers nothing
+    chosen = [c for c in chosen if c in blocks or any(
+        _owner(users[aliases[f"{c}.{local}"]], fetch_root) for local, _ in root.get_submodule(c).named_parameters())]
+    users = _users(root, chosen, aliases)
+    param_unit = {c: _owner(u, fetch_root) for c, u in users.items()}
+    shared = {c: tuple(sorted(u)) for c, u in users.items() if len(u) > 1 and param_unit[c]}
 
     persistent, cast, running = _buffer_kinds(root, aliases)
     units: List[Unit] = []
-    for i, uname in enumerate(chosen, start=1):
+    for uname in chosen:
         inner = root.get_submodule(uname)
         params = tuple((local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_parameters(remove_duplicate=False))
         buffers = tuple((local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_buffers(remove_duplicate=False))
-        units.append(Unit(uname, inner, params, buffers, _take_hf_checkpointing(inner)))
+        units.append(Unit(uname, inner, params, buffers, _take_hf_checkpointing(inner), uname in leaves))
+    places = occurrences(root, chosen)
     for i, unit in enumerate(units, start=1):
-        parent_name, _, leaf = unit.name.rpartition(".")
-        parent = root.get_submodule(parent_name) if parent_name else root
-        setattr(parent, leaf, _UnitCall(i, unit.module, unit.name))
+        stand_in = _UnitCall(i, unit.module, unit.name, readable=unit.leaf)
+        for place in places[unit.name]:
+            parent_name, _, leaf = place.rpartition(".")
+            setattr(root.get_submodule(parent_name) if parent_name else root, leaf, stand_in)
     root_params = tuple((n, aliases[n]) for n, _ in root.named_parameters(remove_duplicate=False))
     root_buffers = tuple((n, aliases[n]) for n, _ in root.named_buffers(remove_duplicate=False))
     if not param_unit:
         raise ConfigError("the model has no parameters: there is nothing to train")
-    return Skeleton(root, (Unit("", root, root_params, root_buffers), *units), param_unit, aliases, persistent, cast, running)
+    return Skeleton(root, (Unit("", root, root_params, root_buffers), *units), param_unit, aliases, persistent, cast,
+                    running, fetch_root, shared)
+
+
+def _users(root: nn.Module, units: Sequence[str], aliases: Dict[str, str]) -> Dict[str, set]:
+    """Canonical parameter -> the units whose module holds it (0: the root holds it outside them)."""
+    inside: Dict[str, int] = {}
+    for i, (unit, places) in enumerate(occurrences(root, units).items(), start=1):
+        for local, _ in root.get_submodule(unit).named_parameters(remove_duplicate=False):
+            inside.update((f"{place}.{local}", i) for place in places)
+    users: Dict[str, set] = {}
+    for full, _ in root.named_parameters(remove_duplicate=False):
+        users.setdefault(aliases[full], set()).add(inside.get(full, 0))
+    return users
+
+
+def _owner(users: set, fetch_root: bool) -> int:
+    """The unit whose buckets hold a parameter. One used by several units belongs to the root
+    (gathered once a step), or, when the root's leaves are fetched per use (a tied embedding
+    and head), to the first of them; each user then gathers that bucket (fz/step/runner.py)."""
+    if len(users) == 1:
+        return next(iter(users))
+    return 0 if 0 in users or not fetch_root else min(users)
 
 
 def bucket_entries(model: nn.Module, skel: Skeleton) -> List[Tuple[str, torch.Size, int, bool]]:
     """(name, shape, unit, trainable) of every parameter in bucket order (by unit, then the
-    model's order): what `make_buckets` groups. fz.init and fz.estimate share it."""
+    model's order): what `make_buckets` groups. fz.init and fz.estimate share it. The root's
+    leaves keep the root's place (first, in the model's order), so states list their parameters
+    (`state.params`, `fz.full_params`) in the same order whether the leaves are units or not."""
     named = list(model.named_parameters(remove_duplicate=True))
-    order = sorted(range(len(named)), key=lambda i: skel.param_unit[named[i][0]])
-    return [(named[i][0], named[i][1].shape, skel.param_unit[named[i][0]], named[i][1].requires_grad) for i in order]
+    units = [skel.param_unit[n] for n, _ in named]
+    order = sorted(range(len(named)), key=lambda i: 0 if skel.units[units[i]].leaf else units[i])
+    return [(named[i][0], named[i][1].shape, units[i], named[i][1].requires_grad) for i in order]
 
 
 def _buffer_kinds(root: nn.Module, aliases: Dict[str, str]) -> Tuple[Tuple[str, ...], ...]:

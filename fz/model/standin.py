@@ -4,7 +4,9 @@ A `_UnitCall` stands where a block was. Calling it asks the running step (`runni
 the block's parameters and runs the block; everything else a parent does with a block
 (read `layer.layer_idx`, iterate, index, `len`) reads the block itself. Only what fz holds
 apart, the block's own tensors and calls of its parts, is refused, with a ConfigError that
-names the block and says what to do.
+names the block and says what to do. A leaf of the root taken out as a unit (fz/model/leaves.py)
+is the exception: its tensors were the root's, which the model may use directly
+(`F.linear(h, self.wte.weight)`), so a read gets them from the running step.
 """
 from __future__ import annotations
 
@@ -103,13 +105,16 @@ class _Peek(_Reads):
 
 class _UnitCall(_Reads, nn.Module):
     """Stands where a unit was: calls go to the running step, which owns the parameters; plain
-    attributes, iteration, indexing and `len` read the block itself."""
+    attributes, iteration, indexing and `len` read the block itself. `readable`: a root leaf,
+    whose own parameters and buffers the running step hands to a read (outside a step: the
+    meta tensors, as the root's were)."""
 
-    def __init__(self, index: int, inner: nn.Module, name: str):
+    def __init__(self, index: int, inner: nn.Module, name: str, readable: bool = False):
         nn.Module.__init__(self)
         self._index = index
         object.__setattr__(self, "_inner", inner)  # not registered: its params are not the root's
         object.__setattr__(self, "_unit_name", name)
+        object.__setattr__(self, "_readable", readable)
 
     def _target(self) -> nn.Module:
         return self._inner
@@ -126,8 +131,12 @@ class _UnitCall(_Reads, nn.Module):
         except AttributeError:
             if "_inner" not in self.__dict__:
                 raise
-        unit = self.__dict__["_unit_name"]
-        return _read(self.__dict__["_inner"], name, unit, unit)
+        unit, inner = self.__dict__["_unit_name"], self.__dict__["_inner"]
+        if self.__dict__["_readable"] and (inner._parameters.get(name) is not None
+                                           or inner._buffers.get(name) is not None):
+            runner = _RUNNER.get()
+            return getattr(inner, name) if runner is None else runner.read(self._index, name)
+        return _read(inner, name, unit, unit)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runner = _RUNNER.get()

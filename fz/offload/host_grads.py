@@ -26,7 +26,7 @@ from torch import Tensor
 
 from fz.offload.transfer import PinnedPool, Transfer
 
-MAX_COPIES = 2  # device-to-host copies in flight; each holds its device buffer until done
+MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds its device buffer until done
 
 
 class HostGrads:

@@ -9,6 +9,7 @@ starts on a 4 KiB boundary, so the step reads and writes it with one aligned cal
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -124,6 +125,11 @@ def apply_policy(policy: Policy, state):
     policy.check_stage(state.spec.stage)
     state.check_alive("an offload policy")
     plan, spec = state.plan, state.spec
+    if policy.params != "device" and not state.skeleton.fetches_root and any(
+            b.unit == 0 and b.sharded_param for b in plan.buckets):
+        warnings.warn("fz.offload: this state's parameters leave the device, but its root (embeddings, final norm, "
+                      "head) stays gathered for the whole step: the state was made without parameter offload. "
+                      "fz.init with the offload in the Spec fetches those per use (fz/model/leaves.py).", stacklevel=3)
     by_param = opt_leaves_by_param(state.opt_state)
     _check_room(policy, state, by_param)
     replaced: Dict[int, Tensor] = {}  # id(old local) -> new local

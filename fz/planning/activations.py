@@ -90,7 +90,7 @@ def trace(model: nn.Module, unit_names: Tuple[str, ...], batch: Any, precision: 
         current[0] = ""
 
     handles = []
-    for name in unit_names[1:]:
+    for name in dict.fromkeys(n for n in unit_names[1:] if n):  # "": the root, or a leaf of it
         m = model.get_submodule(name)
         handles += [m.register_forward_pre_hook(enter(name), with_kwargs=True), m.register_forward_hook(leave)]
     mode = FakeTensorMode(allow_non_fake_inputs=True)

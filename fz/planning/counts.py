@@ -2,13 +2,15 @@
 
 From a model (built on the meta device or not: only shapes are read) through the same
 skeleton and bucket order `fz.init` uses, or from raw counts (total parameters, largest
-layer), as DeepSpeed's estimator takes them: then every layer is one unit of one tensor.
+layer), as DeepSpeed's estimator takes them: then every layer is one unit of one tensor,
+and the root holds none, as at stage 3 with offloaded parameters, where the root's leaves
+(embeddings, head) are fetched per use like blocks (fz/model/leaves.py).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -36,9 +38,11 @@ class Counts:
 @dataclass(frozen=True)
 class ModelCounts:
     entries: Tuple[Entry, ...]
-    unit_names: Tuple[str, ...]  # unit index -> module name ("" is the root)
+    unit_names: Tuple[str, ...]  # unit index -> the block activations are traced by ("": the root and its leaves)
     buffer_bytes: int
     model: Optional[nn.Module]  # None for raw counts (no activations can be traced)
+    fetches_root: bool = True  # the root's leaves are units (raw counts: every layer is one)
+    shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it, when several do
 
     @property
     def num_params(self) -> int:
@@ -54,13 +58,15 @@ class ModelCounts:
 
 
 def model_counts(model_or_counts: Union[nn.Module, Counts, Tuple[float, float]],
-                 wrap: Optional[Callable[[str, nn.Module], bool]] = None) -> ModelCounts:
-    """The parameters of a model (or of raw counts) in the order fz.init buckets them."""
+                 wrap: Optional[Callable[[str, nn.Module], bool]] = None, fetch_root: bool = False) -> ModelCounts:
+    """The parameters of a model (or of raw counts) in the order fz.init buckets them
+    (`fetch_root`: the root's leaves as units, fz/model/leaves.py)."""
     if isinstance(model_or_counts, nn.Module):
-        skel = build_skeleton(model_or_counts, wrap)
+        skel = build_skeleton(model_or_counts, wrap, fetch_root)
         buffers = sum(b.numel() * b.element_size() for b in model_or_counts.buffers())
-        return ModelCounts(tuple(bucket_entries(model_or_counts, skel)), tuple(u.name for u in skel.units),
-                           buffers, model_or_counts)
+        return ModelCounts(tuple(bucket_entries(model_or_counts, skel)),
+                           tuple("" if u.leaf else u.name for u in skel.units), buffers, model_or_counts,
+                           skel.fetches_root, skel.shared)
     if isinstance(model_or_counts, tuple) and len(model_or_counts) == 2:
         model_or_counts = Counts(int(model_or_counts[0]), int(model_or_counts[1]))
     if not isinstance(model_or_counts, Counts):

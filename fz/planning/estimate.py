@@ -21,6 +21,7 @@ from torch.distributed.tensor import Shard
 from fz.errors import ConfigError
 from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
 from fz.offload.move import PART_ALIGN
+from fz.model.leaves import fetches_root
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
@@ -29,7 +30,7 @@ from fz.sharding.opt_state import _param_key, is_placed_leaf
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.step.grads import MAX_INFLIGHT
-from fz.step.runner import _wants_checkpoint
+from fz.step.runner import _wants_checkpoint, keep_budget
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -50,7 +51,7 @@ class Estimate:
     master: int  # fp32 master weights (mixed precision)
     optimizer: int  # the optimizer's own state (Adam: two moments); memory_report's opt = master + optimizer
     buffers: int  # the model's buffers
-    gather: int  # stage 3: gathered buckets alive at once (the root's and live_buckets - 1 blocks')
+    gather: int  # stage 3: gathered buckets alive at once (the root's own and the units in flight: _gather)
     reduce: int  # gradient reductions in flight (their own buffers)
     grads_update: int  # gradients as the update reads them (fp32 copies in mixed precision)
     sync: int  # stages 1-2: the buffers the updated parameters are all-gathered into (fz/sharding/sync.py)
@@ -171,7 +172,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     shards = spec.shard_group_size or world_size
     if world_size % shards:
         raise ConfigError(f"fz.estimate: shard_group_size={shards} does not divide world_size={world_size}")
-    counts = model_counts(model_or_counts, spec.wrap)
+    counts = model_counts(model_or_counts, spec.wrap, fetches_root(spec))
     buckets = make_buckets(counts.entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = _rank_plan(buckets, world_size, shards)
     dtype, mixed = spec.compute_dtype, spec.precision != "fp32"
@@ -204,20 +205,38 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     if io:
         tiers["host"]["io_buffers"] = io
     return Estimate(world_size, nodes, spec.stage, spec.precision, counts.num_params, params, grads, master, opt,
-                    counts.buffer_bytes, _gather(spec, buckets, el), _reduce(spec, buckets, shards, el, host_grads),
+                    counts.buffer_bytes, _gather(spec, buckets, el, counts, shards),
+                    _reduce(spec, buckets, shards, el, host_grads),
                     0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
                     tiers, world_size // nodes, largest_part)
 
 
-def _gather(spec: Spec, buckets, el: int) -> int:
-    """Stage 3: the root's gathered buckets (held for the whole step) and the largest
-    `live_buckets - 1` blocks' ones (the running block and the prefetched or kept ones)."""
+def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> int:
+    """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
+    the units in flight: the running one and, over several ranks, the `prefetch` ones after it
+    in call order (taken as the model's order; all of a unit's buckets at once); the units
+    `live_buckets` keeps from forward to backward (at most as many as the buckets it leaves
+    room for; the largest, to be safe); the gradient of a bucket several units gather (a tied
+    embedding and head), held from its first use's backward to its last (fz/sharding/uses.py).
+    At one rank each parameter is copied once to the device, whatever tier its shard is in."""
     sharded = [b for b in buckets if b.sharded_param]
-    root = sum(b.full_numel for b in sharded if b.unit == 0)
-    blocks = sorted((b.full_numel for b in sharded if b.unit != 0), reverse=True)
-    return (root + sum(blocks[:spec.live_buckets - 1])) * el
+    root = [b for b in sharded if b.unit == 0]
+    units: Dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
+    summed = 0
+    for b in sharded:
+        users = {b.unit, *(u for s in b.slots for u in counts.shared.get(s.name, ()))} - {0}
+        for u in users:
+            units.setdefault(u, []).append(b)
+        summed += b.full_numel if b.trainable and len(users) > 1 else 0
+    sizes = [sum(b.full_numel for b in units[u]) for u in sorted(units)]
+    running = 1 + (spec.prefetch if shards > 1 else 0)  # one rank has nothing to prefetch
+    window = max((sum(sizes[i:i + running]) for i in range(len(sizes))), default=0)
+    widest = max((len(bs) for bs in units.values()), default=0)
+    kept = max(0, keep_budget(spec.live_buckets, spec.prefetch, len(root), widest, counts.fetches_root))
+    held = sum(b.full_numel for b in root) + sum(sorted(sizes, reverse=True)[:kept])
+    return (held + window + summed) * el
 
 
 def _reduce(spec: Spec, buckets, shards: int, el: int, host_grads: bool) -> int:

@@ -71,7 +71,7 @@ class Gatherer:
 
     def __init__(self, comm: Comm, live: LiveCounter):
         self.comm, self.live = comm, live
-        self.inflight: Dict[int, Tuple[Tensor, object]] = {}
+        self.inflight: Dict[int, Tuple[Tensor, object, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: Dict[int, Future] = {}  # shards on the disk tier being read ahead
 
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
@@ -92,7 +92,7 @@ class Gatherer:
             return
         full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
         self.inflight[bucket.index] = (full, self.comm.all_gather(full, self._local(bucket, shard.detach()),
-                                                                  async_op=True))
+                                                                  async_op=True), bucket.full_numel)
         self.live.acquire(bucket.full_numel)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
@@ -102,7 +102,7 @@ class Gatherer:
             outs = tuple(t.to(self.comm.device, non_blocking=True, copy=True) for t in unpack(src, bucket))
         else:
             if bucket.index in self.inflight:
-                full, work = self.inflight.pop(bucket.index)
+                full, work, _ = self.inflight.pop(bucket.index)
                 work.wait()
                 self.live.release(bucket.full_numel)
             else:
@@ -114,8 +114,9 @@ class Gatherer:
         return outs
 
     def close(self) -> None:
-        for index, (_, work) in list(self.inflight.items()):
+        for index, (_, work, numel) in list(self.inflight.items()):
             work.wait()
+            self.live.release(numel)  # prefetched, never used: no longer alive
         self.inflight.clear()
         for read in self.reads.values():
             read.exception()  # a read nobody used: let it finish (its error, if any, is not this step's)
@@ -125,33 +126,36 @@ class Gatherer:
 class ParamSaver:
     """saved_tensors_hooks that save gathered parameters as markers and re-gather on use."""
 
-    def __init__(self, gatherer: Gatherer, on_regather: Callable[[Bucket], None]):
+    def __init__(self, gatherer: Gatherer, on_regather: Callable[[Bucket, int], None]):
         self.gatherer, self.on_regather = gatherer, on_regather
-        self.owner: Dict[int, Tuple[Bucket, Tensor, int]] = {}  # storage ptr -> (bucket, shard, slot)
+        self.owner: Dict[int, Tuple[Bucket, Tensor, int, int]] = {}  # storage ptr -> (bucket, shard, slot, unit)
         self.regathered: Dict[int, Tuple[Tensor, ...]] = {}
+        self.marked: set = set()  # units this forward saved a marker for: their backward gathers again
 
-    def register(self, bucket: Bucket, shard: Tensor, tensors: Tuple[Tensor, ...]) -> None:
+    def register(self, bucket: Bucket, shard: Tensor, tensors: Tuple[Tensor, ...], unit: int) -> None:
+        """`unit`: the unit the bucket was gathered for (a bucket several units share has one owner)."""
         for i, t in enumerate(tensors):
             ptr = t.untyped_storage().data_ptr()
-            self.owner[ptr] = (bucket, shard, i)
+            self.owner[ptr] = (bucket, shard, i, unit)
             weakref.finalize(t, self.owner.pop, ptr, None)
 
     def pack(self, t: Tensor):
         hit = self.owner.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         if hit is None:
             return t
-        bucket, shard, i = hit
-        return (_Marker, bucket, shard, i, t.size(), t.stride(), t.storage_offset())
+        bucket, shard, i, unit = hit
+        self.marked.add(unit)
+        return (_Marker, bucket, shard, i, unit, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved):
         if not (isinstance(saved, tuple) and saved and saved[0] is _Marker):
             return saved
-        _, bucket, shard, i, size, stride, offset = saved
+        _, bucket, shard, i, unit, size, stride, offset = saved
         tensors = self.regathered.get(bucket.index)
         if tensors is None:
             with torch.no_grad():
                 tensors = self.regathered[bucket.index] = self.gatherer.gather(bucket, shard)
-            self.on_regather(bucket)
+            self.on_regather(bucket, unit)
         return tensors[i].as_strided(size, stride, offset)
 
     def release(self, bucket: Bucket) -> None:
@@ -164,11 +168,11 @@ class _Marker:
 
 class _GatherBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver, grad_sink):
+    def forward(ctx, shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver, grad_sink, unit: int):
         ctx.bucket, ctx.saver, ctx.grad_sink = bucket, saver, grad_sink
         outs = gatherer.gather(bucket, shard)
         if saver is not None:
-            saver.register(bucket, shard, outs)
+            saver.register(bucket, shard, outs, unit)
         return outs
 
     @staticmethod
@@ -176,14 +180,16 @@ class _GatherBucket(torch.autograd.Function):
         if ctx.saver is not None:
             ctx.saver.release(ctx.bucket)  # every use of this bucket has had its backward
         ctx.grad_sink(ctx.bucket, grads)  # the step reduce-scatters asynchronously and keeps the shard
-        return None, None, None, None, None
+        return None, None, None, None, None, None
 
 
 def gather_bucket(shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver: Optional[ParamSaver] = None,
-                  grad_sink: Optional[Callable] = None) -> List[Tensor]:
-    """The bucket's full parameters, gathered from every rank's shard.
+                  grad_sink: Optional[Callable] = None, unit: Optional[int] = None) -> List[Tensor]:
+    """The bucket's full parameters, gathered from every rank's shard (for `unit`: by default
+    the bucket's own).
 
     Backward sends the parameters' gradients to `grad_sink(bucket, grads)` (the step's
     asynchronous reduce-scatter); without a sink (no grad needed) nothing flows back.
     """
-    return list(_GatherBucket.apply(shard, bucket, gatherer, saver, grad_sink))
+    return list(_GatherBucket.apply(shard, bucket, gatherer, saver, grad_sink,
+                                    bucket.unit if unit is None else unit))

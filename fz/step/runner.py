@@ -3,7 +3,10 @@
 `Runner` hands each unit its parameters when the unit is called: views of the bucket
 storage for replicated buckets, a just-in-time all-gather for sharded ones (whose
 saved-for-backward copies are markers, so the gathered tensors die with the unit's
-forward and are gathered again for its backward: see fz/sharding/gather.py).
+forward and are gathered again for its backward: see fz/sharding/gather.py). The root's
+own buckets are gathered when the model's forward starts and held until backward ends;
+a bucket several units use (a tied embedding and head) is gathered by each, and its
+gradient is passed on once, the sum over its uses (fz/sharding/uses.py).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
 from fz.sharding.plan import ShardPlan
 from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
+from fz.sharding.uses import GradUses
 from fz.step.binding import Bindings, checkpoint_seen
 from fz.step.unused import UsedParams
 from fz.model.skeleton import Skeleton
@@ -48,40 +52,45 @@ class Runner:
         self.sync = sync  # replicated buckets still being all-gathered from the last update
         self.grad_sink, self.prefetch = grad_sink, prefetch
         self.compiled = compiled_units(skel, compile) if compile else None
-        self.checkpointed = [i > 0 and (u.checkpointed or _wants_checkpoint(checkpointing, u.name, u.module))
+        # blocks only: a root leaf's recompute would gather it once more to save nothing
+        self.checkpointed = [i > 0 and not u.leaf
+                             and (u.checkpointed or _wants_checkpoint(checkpointing, u.name, u.module))
                              for i, u in enumerate(skel.units)]
-        self.unit_buckets: List[List[Bucket]] = [[] for _ in skel.units]
-        for b in plan.buckets:
-            self.unit_buckets[b.unit].append(b)
+        self.unit_buckets = unit_buckets(skel, plan.buckets)
         self.sharded = [sum(b.sharded_param for b in ub) for ub in self.unit_buckets]
         # stage 3 with room to spare: the first units' gathered buckets stay alive from forward
         # to backward (no second all-gather) while the root, the running unit and the
         # prefetched ones still fit under `live_buckets` (DeepSpeed's stage3_max_live_parameters)
         widest = max(self.sharded[1:], default=0)
-        self.keep_budget = live_buckets - self.sharded[0] - (1 + prefetch) * widest
+        self.keep_budget = keep_budget(live_buckets, prefetch, self.sharded[0], widest, skel.fetches_root)
         self.kept: set = set()  # units whose gathered buckets this forward keeps for backward
         self.root_tensors: Dict[str, Tensor] = {}
+        self.read_tensors: Dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
         self.gatherer = Gatherer(comm, self.live)
         self.saver = ParamSaver(self.gatherer, self._on_regather)
+        self.uses = GradUses(grad_sink) if grad_sink is not None else None
         self.backward_seen: set = set()
-        self.in_unit = False
+        self.in_unit = self.in_backward = False
         self.called: List[int] = []  # units in the order this forward called them
 
-    def _bucket_tensors(self, b: Bucket) -> List[Tensor]:
+    def _bucket_tensors(self, b: Bucket, unit: int) -> List[Tensor]:
         leaf = self.leaves[b.index]
         if b.sharded_param:
             grad = torch.is_grad_enabled()
             saver = self.saver if self.in_unit and grad else None
-            return gather_bucket(leaf, b, self.gatherer, saver, self.grad_sink if grad else None)
+            sink = self.uses if grad else None
+            if sink is not None and leaf.requires_grad and not self.in_backward:  # a recompute's gather has no backward
+                sink.gathered(b)
+            return gather_bucket(leaf, b, self.gatherer, saver, sink, unit)
         if self.sync is not None:
             self.sync.wait(b.index)
         return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
 
-    def _on_regather(self, b: Bucket) -> None:
-        """Backward reached unit b.unit: start gathering the unit before it."""
-        if b.unit not in self.backward_seen:
-            self.backward_seen.add(b.unit)
-            self._prefetch_units(b.unit, -1)
+    def _on_regather(self, b: Bucket, unit: int) -> None:
+        """Backward reached `unit`: start gathering the unit before it."""
+        if unit not in self.backward_seen:
+            self.backward_seen.add(unit)
+            self._prefetch_units(unit, -1)
 
     def _prefetch_units(self, unit: int, direction: int) -> None:
         """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call
@@ -94,18 +103,42 @@ class Runner:
         for k in range(1, self.prefetch + 2) if direction else (0,):
             j = pos + direction * k
             if 0 <= j < len(order):
-                if direction < 0 and order[j] in self.kept:
-                    continue  # still gathered since its forward
+                if direction < 0 and (order[j] in self.kept or not (order[j] in self.saver.marked
+                                                                     or self.checkpointed[order[j]])):
+                    continue  # still gathered since its forward, or its backward needs no parameter (an embedding)
                 for b in self.unit_buckets[order[j]]:
                     if b.sharded_param and k <= self.prefetch:
                         self.gatherer.prefetch(b, self.leaves[b.index])
                     elif b.sharded_param:  # one unit further: a shard on disk starts its read
                         self.gatherer.read_ahead(b, self.leaves[b.index])
 
-    def _unit_args(self, index: int) -> Dict[str, Tensor]:
+    def _gathered(self, index: int) -> Dict[str, Tensor]:
+        """{canonical name: tensor} of the buckets `index` gathers (or views, when replicated)."""
         own: Dict[str, Tensor] = {}
         for b in self.unit_buckets[index]:
-            own.update(zip((s.name for s in b.slots), self._bucket_tensors(b)))
+            own.update(zip((s.name for s in b.slots), self._bucket_tensors(b, index)))
+        return own
+
+    def read(self, index: int, local: str) -> Tensor:
+        """A root leaf's parameter or buffer that the model reads outside the leaf's call
+        (`F.linear(h, self.wte.weight)`): gathered once per forward (the forward's end drops
+        it; autograd keeps it while it needs it), its gradient joined with the leaf's other
+        uses (fz/sharding/uses.py)."""
+        unit = self.skel.units[index]
+        c = dict(unit.params).get(local)
+        if c is None:
+            return self._buffer(dict(unit.buffers)[local])
+        if c in self.root_tensors:
+            return self.root_tensors[c]
+        if c not in self.read_tensors:
+            got = self._gathered(index)
+            if self.used is not None and torch.is_grad_enabled():
+                self.used.watch(got)
+            self.read_tensors.update(got)
+        return self.read_tensors[c]
+
+    def _unit_args(self, index: int) -> Dict[str, Tensor]:
+        own = self._gathered(index)
         if self.used is not None and torch.is_grad_enabled():
             self.used.watch(own)
         if index == 0:
@@ -160,29 +193,39 @@ class Runner:
                 out = self._run_unit(index, args, kwargs)
         finally:
             self.in_unit = False
-        if self.order and index == self.order[-1]:
+        if self.order and index == self.order[-1] and index in self.saver.marked:
             self._prefetch_units(index, 0)  # its backward comes first: gather it while the head and loss run
         return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with running(self):
-            return self._run_unit(0, args, kwargs)
+        try:
+            with running(self):
+                return self._run_unit(0, args, kwargs)
+        finally:
+            self.read_tensors = {}
 
     def backward(self, loss: Tensor) -> None:
         """`loss.backward()` with unit calls still going to this runner (a checkpoint around blocks
         in the model's own forward calls them again in backward)."""
-        with running(self):
-            loss.backward()
+        self.in_backward = True
+        try:
+            with running(self):
+                loss.backward()
+        finally:
+            self.in_backward = False
 
     def dispose(self) -> None:
         """Break the runner's reference cycles (hooks -> runner) once the step is done."""
         self.release()
-        self.leaves, self.saver, self.grad_sink, self.sync = (), None, None, None
+        self.leaves, self.saver, self.grad_sink, self.sync, self.uses = (), None, None, None, None
 
     def release(self) -> None:
-        """After backward: drop the root's gathered parameters, finish stray prefetches,
-        and remember the call order so the next step can prefetch."""
-        self.root_tensors = {}
+        """After backward: pass on gradients of uses that had no backward, drop the root's
+        gathered parameters, finish stray prefetches, and remember the call order so the
+        next step can prefetch."""
+        if self.uses is not None:
+            self.uses.flush()
+        self.root_tensors, self.read_tensors = {}, {}
         self.bindings.release()
         running = set(self.skel.running_stats) if self.skel.training else set()
         for c, (copy, version) in self.cast_copies.items():
@@ -191,9 +234,31 @@ class Runner:
         self.cast_copies = {}
         self.backward_seen = set()
         self.kept = set()
+        if self.saver is not None:
+            self.saver.marked = set()
         self.gatherer.close()
         if self.called:
             self.order, self.called = self.called, []
+
+
+def unit_buckets(skel: Skeleton, buckets: Sequence[Bucket]) -> List[List[Bucket]]:
+    """The buckets each unit gathers: the root, its own (held for the step); another unit, the
+    ones holding its parameters that the root does not (a bucket shared by a tied embedding
+    and head is gathered by both)."""
+    where = {s.name: b for b in buckets for s in b.slots}
+    out: List[List[Bucket]] = [[b for b in buckets if b.unit == 0]]
+    for unit in skel.units[1:]:
+        mine = {where[c].index: where[c] for _, c in unit.params if where[c].unit != 0}
+        out.append(sorted(mine.values(), key=lambda b: b.index))
+    return out
+
+
+def keep_budget(live_buckets: int, prefetch: int, root: int, widest: int, fetches_root: bool) -> int:
+    """Gathered buckets that may stay alive from a unit's forward to its backward: what
+    `live_buckets` leaves beside the root's `root` buckets and the running and prefetched units
+    (`widest` buckets each). When the root's leaves are fetched per use, the root still counts
+    as one: they are in flight like blocks, and `live_buckets` keeps its meaning (and default)."""
+    return live_buckets - (max(root, 1) if fetches_root else root) - (1 + prefetch) * widest
 
 
 def _call(module, params, args, kwargs):
