@@ -30,14 +30,16 @@ class Trace:
     inputs: Dict[str, int]  # unit name -> bytes of its tensor inputs (what a checkpointed block keeps)
     largest: int  # the largest single saved tensor (e.g. a language model's logits)
 
-    def peaks(self, checkpointed: Callable[[str], bool], grads: Dict[str, int]) -> Tuple[int, int]:
+    def peaks(self, checkpointed: Callable[[str], bool], grads: Dict[str, int],
+              grads_stay: bool = True) -> Tuple[int, int]:
         """(activation bytes at the forward's end, activations + gradients at backward's worst point).
 
         `checkpointed(unit)` says which blocks recompute; `grads[unit]` is the gradient bytes a
         unit's backward makes. Backward starts with every activation alive plus one op's incoming
         and outgoing gradient (each at most the largest activation); then, block by block from the
         last, a block's saved tensors (recomputed if checkpointed) live beside the earlier blocks'
-        and the gradients made so far.
+        and the gradients made so far (`grads_stay`), or only its own (they leave the device as
+        they are reduced: an offloaded optimizer, fz/offload/host_grads.py).
         """
         blocks = [u for u in self.saved if u]
         kept = {u: self.inputs[u] if checkpointed(u) else self.saved[u] for u in blocks}
@@ -46,7 +48,7 @@ class Trace:
         worst, made = forward + 2 * self.largest, grads.get("", 0)
         for i in range(len(blocks) - 1, -1, -1):
             u = blocks[i]
-            made += grads.get(u, 0)
+            made = made + grads.get(u, 0) if grads_stay else grads.get(u, 0)
             worst = max(worst, sum(kept[v] for v in blocks[:i]) + self.saved[u] + made)
         return forward, worst
 

@@ -298,7 +298,9 @@ def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int,
         if b.trainable:
             n = b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel
             grads[counts.unit_names[b.unit]] = grads.get(counts.unit_names[b.unit], 0) + n * el
-    return t.peaks(lambda name: bool(policy) and _wants_checkpoint(policy, name, modules[name]), grads)
+    offloaded = spec.offload is not None and spec.offload.optimizer != "device"  # gradients leave as they go
+    return t.peaks(lambda name: bool(policy) and _wants_checkpoint(policy, name, modules[name]), grads,
+                   grads_stay=not offloaded)
 
 
 def _model_copy(counts: ModelCounts, zero_init: Optional[bool]) -> int:
