@@ -21,6 +21,7 @@ def _worker(rank: int, world: int, numel: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from fz.compat import all_gather_single, reduce_scatter_single
     from fz.sharding.comm import Comm
 
     torch.set_num_threads(1)
@@ -32,9 +33,9 @@ def _worker(rank: int, world: int, numel: int) -> dict:
     full = torch.empty_like(x)
     kinds = {
         "all_reduce (gloo)": lambda: dist.all_reduce(x),
-        "reduce_scatter (gloo)": lambda: dist.reduce_scatter_single(out, x),
+        "reduce_scatter (gloo)": lambda: reduce_scatter_single(out, x),
         "reduce_scatter (fz: pairwise exchange)": lambda: comm.reduce_scatter(out, x),
-        "all_gather (gloo)": lambda: dist.all_gather_single(full, shard),
+        "all_gather (gloo)": lambda: all_gather_single(full, shard),
         "all_gather (fz: broadcasts)": lambda: comm.all_gather(full, shard),
     }
     times = {}

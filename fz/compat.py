@@ -42,3 +42,16 @@ class FileSystemWriter(dcp.FileSystemWriter):
         super().finish(metadata, results)
         if metadata.storage_data is None:
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+
+
+def checkpoint_generator_name() -> str:
+    """The torch.utils.checkpoint global that every `checkpoint(use_reentrant=False)` call runs
+    (looked up at each call; fz/step/binding.py wraps it to notice a checkpoint inside a block).
+
+    torch 2.15 moved its body to `_checkpoint_without_reentrant_generator_impl`, leaving the
+    old name a shim that `checkpoint()` no longer calls: wrapping the old name there missed
+    every checkpoint, and a block's recompute met fz's meta tensors.
+    """
+    import torch.utils.checkpoint as cp
+    new = "_checkpoint_without_reentrant_generator_impl"
+    return new if hasattr(cp, new) else "_checkpoint_without_reentrant_generator"

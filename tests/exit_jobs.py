@@ -82,7 +82,7 @@ def main(root: Path, jobs: int, parallel: int) -> dict:
         pid, status = os.wait()
         job, rank = running.pop(pid)
         text = (root / f"err_{job}_{rank}").read_text(errors="replace")
-        out[f"{job}/{rank}"] = (_status(status), text[-2000:])
+        out[f"{job}/{rank}"] = (_status(status), text[-8000:])  # whole, for a leak report to be told apart
     return out
 
 

@@ -123,6 +123,35 @@ def test_no_tensor_of_an_fz_collective_is_freed_by_a_gloo_thread(tmp_path):
 
 JOBS, PARALLEL = 50, 2
 
+# nanobind's report of objects still alive at exit, for triton's objects only. exit_jobs.py
+# gc.freeze()s its parent's heap before forking (so each child's exit need not walk it), and
+# frozen objects are never collected: triton 3.9 (torch 2.15's CUDA wheels; torch._dynamo,
+# which DTensor imports, imports it) holds a few nanobind objects in reference cycles, which
+# then outlive the interpreter and are reported. `python -c "import torch._dynamo, gc;
+# gc.freeze()"` prints the same; without gc.freeze nothing is printed. Nothing else is dropped.
+_FROZEN_TRITON_LEAKS = re.compile(
+    r'nanobind: leaked \d+ (instances|types|functions)!\n'
+    r'|( - leaked instance 0x[0-9a-f]+ of type "triton\._C\.[\w.]+"'
+    r'| - leaked (type|function) "[^"\n]*"| - \.\.\. skipped remainder)\n'
+    r'|nanobind: this is likely caused by a reference counting issue in the binding code\.\n'
+    r'See https://nanobind\.readthedocs\.io/en/latest/refleaks\.html\n?')
+
+
+def _stderr_of_a_clean_exit(text: str) -> str:
+    return _FROZEN_TRITON_LEAKS.sub("", text)
+
+
+def test_only_frozen_triton_leak_reports_are_ignored():
+    report = ('nanobind: leaked 1 instances!\n - leaked instance 0x7f0a of type "triton._C.libtriton.ir.attribute"\n'
+              'nanobind: leaked 1 types!\n - leaked type "triton._C.libtriton.ir.location"\n - ... skipped remainder\n'
+              'nanobind: this is likely caused by a reference counting issue in the binding code.\n'
+              'See https://nanobind.readthedocs.io/en/latest/refleaks.html\n')
+    assert _stderr_of_a_clean_exit(report) == ""
+    abort = "terminate called without an active exception\n"
+    assert _stderr_of_a_clean_exit(report + abort) == abort
+    other = 'nanobind: leaked 1 instances!\n - leaked instance 0x7f0a of type "fz.Thing"\n'
+    assert _stderr_of_a_clean_exit(other) == ' - leaked instance 0x7f0a of type "fz.Thing"\n'
+
 
 def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_path):
     res = subprocess.run([sys.executable, str(HERE / "exit_jobs.py"), str(tmp_path), str(JOBS), str(PARALLEL)],
@@ -131,7 +160,7 @@ def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_pa
     out = json.loads(res.stdout.strip().splitlines()[-1])
     ranks = out["ranks"]
     assert len(ranks) == 2 * JOBS
-    unclean = {k: v for k, v in ranks.items() if v[0] != "exit 0" or v[1].strip()}
+    unclean = {k: v for k, v in ranks.items() if v[0] != "exit 0" or _stderr_of_a_clean_exit(v[1]).strip()}
     assert not unclean, unclean
     for job in range(JOBS):  # each job's checkpoints committed
         assert (tmp_path / f"ckpt_{job}" / "latest").read_text() == "step_3"

@@ -10,7 +10,8 @@ unbound right after its forward, so that they die with it, unless a checkpoint r
 it (`checkpoint_seen`): then they stay bound for the recompute, as the checkpoint needs.
 
 `checkpoint_seen` wraps torch.utils.checkpoint's two entry points once (module globals that
-`checkpoint()` looks up at each call) so that a checkpoint started inside a block marks it.
+`checkpoint()` looks up at each call; which global is torch's choice: fz/compat.py) so that a
+checkpoint started inside a block marks it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from torch import Tensor
+
+from fz.compat import checkpoint_generator_name
 
 _SEEN: contextvars.ContextVar[Optional[List[bool]]] = contextvars.ContextVar("fz_checkpoint_seen", default=None)
 _Slot = Tuple[Dict[str, Any], str, Any]  # (module._parameters or _buffers, key, the meta tensor it held)
@@ -34,7 +37,8 @@ def _install() -> None:
     import torch.utils.checkpoint as cp
     if getattr(cp, "_fz_marks_blocks", False):
         return
-    plain_gen, plain_fn = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
+    gen_name = checkpoint_generator_name()
+    plain_gen, plain_fn = getattr(cp, gen_name), cp.CheckpointFunction
 
     def generator(*args: Any, **kwargs: Any):
         _mark()
@@ -46,7 +50,8 @@ def _install() -> None:
             _mark()
             return plain_fn.forward(ctx, run_function, preserve_rng_state, *args)
 
-    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, CheckpointFunction
+    setattr(cp, gen_name, generator)
+    cp.CheckpointFunction = CheckpointFunction
     cp._fz_marks_blocks = True
 
 
