@@ -82,7 +82,7 @@ def measure_plan(rank: int, world: int, cfg: dict) -> dict:
     path = os.path.join(cfg["path"], f"rank{rank}")
     os.makedirs(path, exist_ok=True)
     spec = fz.plan(model, spec=fz.Spec(loss_fn=lm_loss, clip_grad_norm=1.0), world_size=world,
-                   host_budget=cfg["budget"], device_budget=cfg["budget"], disk_budget=cfg.get("disk", 2**40),
+                   host_budget=cfg["budget"], disk_budget=cfg.get("disk", 2**40),  # no device budget: device = host
                    micro_batch=cfg["micro"], seq_len=gpt.seq + 1, nvme_path=path)
     micro = cfg["micro"]
     data = synthetic_tokens(micro * 2, gpt.seq, gpt.vocab, seed=rank)

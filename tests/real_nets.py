@@ -1,6 +1,7 @@
 """Models as people write them, for tests/test_real_models*.py: parents that read, iterate and
 unpack their blocks, checkpoints inside blocks, BatchNorm and dropout, and tiny Hugging Face
-models from configs (never downloaded weights). Plus the single-process reference loop."""
+models from configs (never downloaded weights), one of 3.4B parameters on the meta device for
+plans. Plus the single-process reference loop."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
@@ -189,6 +190,15 @@ def hf_model(name: str, seed: int = 0) -> nn.Module:
     else:
         raise ValueError(name)
     return m
+
+
+def llama_3b() -> nn.Module:
+    """OpenLLaMA-3B's shape (3,426.5M parameters) on the meta device, for plans of a GPU job
+    (`fz plan --model tests/real_nets.py:llama_3b`); nothing is allocated or downloaded."""
+    import transformers as tr
+    with torch.device("meta"):
+        return tr.LlamaForCausalLM(tr.LlamaConfig(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26,
+                                                  num_attention_heads=32, vocab_size=32000))
 
 
 def hf_loss(model, batch):

@@ -147,15 +147,15 @@ def test_t0_3b_with_parameters_offloaded_holds_no_root():
 def test_plan_ladder_and_deepspeed_json(tmp_path, capsys):
     model = _meta(GPTConfig(**MID))
     base = fz.Spec(loss_fn=lm_loss)
-    roomy = fz.plan(model, spec=base, world_size=2, device_budget=2**40, host_budget=2**40, disk_budget=2**40,
+    roomy = fz.plan(model, spec=base, world_size=2, host_budget=2**40, disk_budget=2**40,
                     micro_batch=2, seq_len=129, nvme_path=str(tmp_path))
     assert roomy.stage == 0 and not roomy.activation_checkpointing and roomy.offload is None
     found, _ = candidates(model, base=base, world_size=2, micro_batch=2, seq_len=129, nvme_path=str(tmp_path),
                           stop_at_first=False, disk_budget=2**40)
     needs = [c.estimate.ranks_per_node * (c.estimate.per_device + c.estimate.per_rank_host) for c in found]
     chosen, budgets = [], sorted(set(needs), reverse=True)
-    for need in budgets:  # a budget that just fits each distinct need, largest first
-        spec = fz.plan(model, spec=base, world_size=2, host_budget=need / 0.8, device_budget=need / 0.8,
+    for need in budgets:  # a memory (device = host: no device budget) that just fits each distinct need
+        spec = fz.plan(model, spec=base, world_size=2, host_budget=need / 0.8,
                        disk_budget=2**40, micro_batch=2, seq_len=129, nvme_path=str(tmp_path), report=print)
         chosen.append([c.spec for c in found].index(spec))
     assert chosen == sorted(chosen) and len(set(chosen)) >= 4  # ever more frugal as the budget shrinks
@@ -163,7 +163,7 @@ def test_plan_ladder_and_deepspeed_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rejected: needs" in out and "spec = fz.Spec(stage=" in out and '"zero_optimization"' in out
     with pytest.raises(fz.ConfigError, match="no configuration fits"):
-        fz.plan(model, spec=base, world_size=2, host_budget=1e6, device_budget=1e6, disk_budget=1e6,
+        fz.plan(model, spec=base, world_size=2, host_budget=1e6, disk_budget=1e6,
                 nvme_path=str(tmp_path))
     for c in found:  # the DeepSpeed JSON reads back into the same Spec
         back = fz.Spec.from_deepspeed(to_deepspeed(c.spec, 2), world_size=2)
@@ -196,7 +196,7 @@ def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):
     out = capsys.readouterr().out
     assert "chosen:\n  ZeRO-0" in out and "spec = fz.Spec(loss_fn=loss_fn)" in out
     assert main(["plan", "--model", "benchmarks/offload.py:headline_model", "--world-size", "2", "--precision", "bf16",
-                 "--host-gb", "23.5", "--device-gb", "23.5", "--disk-gb", "76"]) == 0
+                 "--host-gb", "23.5", "--disk-gb", "76"]) == 0
     out = capsys.readouterr().out
     assert "chosen:\n  ZeRO-3 + optimizer and parameter offload (NVMe)" in out
     assert "offload=fz.offload.nvme('nvme', params=True)" in out and '"device": "nvme"' in out

@@ -19,6 +19,19 @@ def blocks():
     return [(m.group(1), m.group(2)) for m in BLOCK.finditer(README)]
 
 
+def shown_outputs():
+    """(argv, text) for each bash block of one `.venv/bin/fz` line followed directly by a text block:
+    the output the README shows for it."""
+    found = list(BLOCK.finditer(README))
+    out = []
+    for m, nxt in zip(found, found[1:]):
+        lines = m.group(2).splitlines()
+        if m.group(1) == "bash" and len(lines) == 1 and lines[0].startswith(".venv/bin/fz ") \
+                and nxt.group(1) == "text" and not README[m.end():nxt.start()].strip():
+            out.append((shlex.split(lines[0], comments=True)[1:], nxt.group(2)))
+    return out
+
+
 def _session() -> str:
     """The README's python blocks, with each `.venv/bin/fz ...` line as a subprocess call."""
     parts = ["import subprocess as _sp, sys as _sys\n"]
@@ -46,6 +59,18 @@ def test_readme_python_blocks_and_fz_lines_run_in_order(tmp_path):
     assert "step 200  loss" in out.stdout and "fz: saved checkpoints/run/step_30" in out.stdout
     assert "epoch=1, index=2304" in out.stdout  # the resumed loader's position, as the README says
     assert (tmp_path / "model.safetensors").exists()
+
+
+def test_readme_shows_what_its_fz_commands_print():
+    """The estimate table beside DeepSpeed's is this command's output: when the estimate changes,
+    the README's block is refreshed from the message below."""
+    shown = shown_outputs()
+    assert [argv[:1] for argv, _ in shown] == [["estimate"]]
+    for argv, text in shown:
+        out = subprocess.run([sys.executable, "-m", "fz", *argv], cwd=REPO, capture_output=True, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout == text, f"README.md shows another output for fz {' '.join(argv)}; it prints:\n{out.stdout}"
 
 
 def test_readme_commands_use_the_venv_and_existing_examples():

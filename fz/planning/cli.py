@@ -4,6 +4,10 @@
     fz estimate --model pkg.mod:factory [--loss-fn pkg.mod:fn] [--micro-batch 4 --seq-len 1024]
     fz plan --model path/to/file.py:factory [--world-size 2] [--device-gb 80 --host-gb 512 --disk-gb 2000]
 
+Budgets given are the target machine's, planned for on any machine (a login node, a laptop);
+those not given are this machine's. `--device-gb` makes device and host separate budgets even
+without a GPU here; with neither it nor a GPU, the device is the host.
+
 A factory is called with no arguments under `torch.device("meta")` (nothing is allocated);
 it returns an nn.Module. Importing it runs that module's code, as `python file.py` would.
 """
@@ -90,7 +94,8 @@ def add_commands(sub) -> None:
     p = sub.add_parser("plan", help="the fastest configuration that fits this machine (or the given budgets)")
     p.add_argument("--world-size", type=int, default=None, help="ranks in all (default: this node's GPUs, else 1)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="where the ladder starts")
-    p.add_argument("--device-gb", type=float, help="per-device budget (default: this machine's)")
+    p.add_argument("--device-gb", type=float, help="per-device budget: plan for that device, GPU here or not "
+                   "(default: this machine's GPU; with none, device and host are one memory, --host-gb)")
     p.add_argument("--host-gb", type=float, help="per-host budget (default: this machine's RAM)")
     p.add_argument("--disk-gb", type=float, help="free disk for the NVMe tier (default: free space under --nvme-path)")
     p.add_argument("--margin", type=float, default=0.2, help="fraction of each budget kept free (default 0.2)")

@@ -10,17 +10,19 @@ and the disk tier needs twice its bytes free, as `fz.init` requires.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Tuple
 
 from fz.errors import ConfigError
 from fz.offload.policy import cpu, nvme
 from fz.planning.estimate import Estimate, estimate
-from fz.planning.machine import Budgets, local_devices, this_machine
+from fz.planning.machine import Budgets, local_devices, plan_budgets
 from fz.planning.render import plan_report
 from fz.spec import Spec
 
 GB = 2**30
+log = logging.getLogger(__name__)
 
 
 def rungs(base: Spec, nvme_path: str, activations: bool = True) -> List[Tuple[str, Spec]]:
@@ -60,21 +62,21 @@ class Candidate:
 
 
 def check(est: Estimate, budgets: Budgets, margin: float) -> Tuple[str, ...]:
-    """Why `est` does not fit `budgets` (an empty tuple if it does)."""
+    """Why `est` does not fit `budgets` (an empty tuple if it does), naming the budget each need exceeds."""
     usable = lambda b: b * (1 - margin)  # noqa: E731
+    of = lambda b: f"{usable(b) / GB:.2f} GB ({b / GB:.2f} GB less the {margin:.0%} margin)"  # noqa: E731
     out = []
     local = est.ranks_per_node
     if budgets.device_is_host:
         need = local * (est.per_device + est.per_rank_host)
         if need > usable(budgets.host):
             out.append(f"needs {need / GB:.2f} GB of memory ({local} rank(s) x (device {est.per_device / GB:.2f} + "
-                       f"host {est.per_rank_host / GB:.2f})) > {usable(budgets.host) / GB:.2f} GB "
-                       f"({budgets.host / GB:.2f} GB less the {margin:.0%} margin)")
+                       f"host {est.per_rank_host / GB:.2f})) > {of(budgets.host)}")
     else:
         if est.per_device > usable(budgets.device):
-            out.append(f"needs {est.per_device / GB:.2f} GB per device > {usable(budgets.device) / GB:.2f} GB")
+            out.append(f"needs {est.per_device / GB:.2f} GB of device > {of(budgets.device)}")
         if est.per_host > usable(budgets.host):
-            out.append(f"needs {est.per_host / GB:.2f} GB per host > {usable(budgets.host) / GB:.2f} GB")
+            out.append(f"needs {est.per_host / GB:.2f} GB of host ({local} rank(s)) > {of(budgets.host)}")
     if est.per_disk and 2 * est.per_disk > budgets.disk:
         out.append(f"the disk tier holds {est.per_disk / GB:.2f} GB per node and needs twice that free, "
                    f"{budgets.disk / GB:.2f} GB are")
@@ -87,10 +89,7 @@ def candidates(model: Any, *, base: Optional[Spec] = None, world_size: Optional[
                micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
                stop_at_first: bool = True) -> Tuple[List[Candidate], Budgets]:
     """The ladder's rungs, estimated and checked, up to the first that fits (or all of them)."""
-    machine = this_machine(nvme_path)
-    budgets = Budgets(int(device_budget) if device_budget is not None else machine.device,
-                      int(host_budget) if host_budget is not None else machine.host,
-                      int(disk_budget) if disk_budget is not None else machine.disk, machine.device_is_host)
+    budgets = plan_budgets(nvme_path, device_budget, host_budget, disk_budget)
     world = world_size or local_devices() * nodes
     out: List[Candidate] = []
     for name, spec in rungs(base or Spec(), nvme_path, batch is not None or micro_batch is not None):
@@ -113,9 +112,11 @@ def plan(model: Any, *, spec: Optional[Spec] = None, world_size: Optional[int] =
          disk_budget: Optional[float] = None, nvme_path: str = "nvme", margin: float = 0.2,
          micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
          report: Optional[Callable[[str], None]] = None) -> Spec:
-    """The fastest configuration of `spec` (optimizer, loss, batch...) that fits the budgets
-    (defaults: this machine's RAM, GPU memory and the free disk under `nvme_path`). `report`
-    (e.g. print) receives why each faster rung was rejected, the Spec as Python and its DeepSpeed JSON."""
+    """The fastest configuration of `spec` (optimizer, loss, batch...) that fits the budgets, in
+    bytes (defaults: this machine's GPU memory, RAM and the free disk under `nvme_path`). A device
+    budget plans for that device, GPU here or not; with none and no GPU the device is the host.
+    `report` (e.g. print) receives the budgets, why each faster rung was rejected, the Spec as
+    Python and its DeepSpeed JSON; without it, notes on the budgets go to the log."""
     if not 0 <= margin < 1:
         raise ConfigError(f"fz.plan: margin={margin!r} must be in [0, 1) (the fraction of each budget kept free)")
     found, budgets = candidates(model, base=spec, world_size=world_size, nodes=nodes, device_budget=device_budget,
@@ -123,6 +124,9 @@ def plan(model: Any, *, spec: Optional[Spec] = None, world_size: Optional[int] =
                                 margin=margin, micro_batch=micro_batch, seq_len=seq_len, batch=batch)
     if report is not None:
         report(plan_report(found, budgets))
+    else:
+        for note in budgets.notes:
+            log.warning("fz.plan: %s", note)
     if not found[-1].fits:
         last = found[-1]
         raise ConfigError(f"fz.plan: no configuration fits; the most frugal ({last.name}) "

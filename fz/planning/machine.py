@@ -1,7 +1,9 @@
-"""This machine's budgets, the defaults of `fz plan`: device memory, host memory, free disk.
+"""The budgets a plan must fit: device memory, host memory, free disk.
 
-On a machine without CUDA the device is the host: one memory holds both tiers of every
-local rank, so a plan checks their sum against it.
+Each budget given is the one planned for, whatever machine runs the planner: plans are made on
+login nodes and laptops for the GPUs a job will get (as with DeepSpeed's estimator). A budget
+not given is this machine's. Only with no device budget and no GPU is the device the host: one
+memory then holds both tiers of every local rank, so a plan checks their sum against it.
 """
 from __future__ import annotations
 
@@ -11,13 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
+GB = 2**30
+
 
 @dataclass(frozen=True)
 class Budgets:
-    device: int  # bytes per device (on a CPU-only machine: the host's, shared by every local rank)
-    host: int  # bytes per host
+    """Bytes a plan may use (before the safety margin)."""
+
+    device: int | None  # per device; None: no device budget given and no GPU here (device = host)
+    host: int  # per host (node), shared by its ranks
     disk: int  # free bytes where the disk tier would live
-    device_is_host: bool  # CPU-only: device and host are one memory
+    notes: tuple[str, ...] = ()  # a given budget beyond this machine's: which one is planned for, and why
+
+    @property
+    def device_is_host(self) -> bool:
+        return self.device is None
 
 
 def host_memory() -> int:
@@ -40,11 +50,27 @@ def free_disk(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def this_machine(nvme_path: str) -> Budgets:
-    host = host_memory()
-    if torch.cuda.is_available():
-        return Budgets(torch.cuda.get_device_properties(0).total_memory, host, free_disk(nvme_path), False)
-    return Budgets(host, host, free_disk(nvme_path), True)
+def gpu_memory() -> int | None:
+    """Bytes of this machine's first GPU, None without CUDA."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def plan_budgets(nvme_path: str, device: float | None = None, host: float | None = None,
+                 disk: float | None = None) -> Budgets:
+    """The given budgets (bytes), this machine's for those not given. A given budget always wins,
+    larger or smaller than what is here: the plan is for the machine the job runs on; where it
+    exceeds this machine's, a note says so (the plan may not fit here)."""
+    here = {"device": gpu_memory(), "host": host_memory(), "disk": free_disk(nvme_path)}
+    given = {"device": device, "host": host, "disk": disk}
+    notes = []
+    for kind, want in given.items():
+        have = here[kind]
+        if want is not None and have is not None and want > have:
+            what = {"device": "GPU", "host": "RAM", "disk": f"free disk under {nvme_path}"}[kind]
+            notes.append(f"{kind} budget {want / GB:.2f} GB given, this machine has {have / GB:.2f} GB ({what}): "
+                         "the given one wins (a plan is for the machine the job runs on), so it may not fit here")
+    pick = lambda kind: int(given[kind]) if given[kind] is not None else here[kind]  # noqa: E731
+    return Budgets(pick("device"), pick("host"), pick("disk"), tuple(notes))
 
 
 def local_devices() -> int:

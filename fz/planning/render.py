@@ -5,6 +5,7 @@ from typing import List
 
 from fz.config.export import deepspeed_json
 from fz.offload.policy import Offload
+from fz.planning.machine import Budgets
 from fz.spec import Spec
 
 GB = 2**30
@@ -32,12 +33,16 @@ def spec_python(spec: Spec) -> str:
     return "fz.Spec(" + ", ".join(parts) + ")"
 
 
-def plan_report(found: List, budgets) -> str:
-    kind = "memory (device = host)" if budgets.device_is_host else f"{budgets.device / GB:.2f} GB per device, " \
-        f"{budgets.host / GB:.2f} GB per host"
+def plan_report(found: List, budgets: Budgets) -> str:
+    """The budgets (and any note on them), each rung's needs and verdict, the chosen Spec."""
+    if budgets.device_is_host:
+        kind = f"{budgets.host / GB:.2f} GB memory (device = host: no device budget given and no GPU here)"
+    else:
+        kind = f"{budgets.device / GB:.2f} GB per device, {budgets.host / GB:.2f} GB per host"
     est0 = found[0].estimate
     lines = [f"fz plan: {est0.num_params / 1e6:,.1f}M parameters, {est0.world_size} rank(s) on {est0.nodes} node(s); "
-             f"budget {budgets.host / GB:.2f} GB {kind}, {budgets.disk / GB:.2f} GB free disk"]
+             f"budget {kind}, {budgets.disk / GB:.2f} GB free disk"]
+    lines += [f"  note: {n}" for n in budgets.notes]
     for c in found:
         e = c.estimate
         need = f"device {e.per_device / GB:.2f} GB, host {e.per_host / GB:.2f} GB, disk {e.per_disk / GB:.2f} GB"
@@ -45,8 +50,19 @@ def plan_report(found: List, budgets) -> str:
         lines.append(f"  {c.name:<50} {need}: {verdict}")
     chosen = found[-1]
     if chosen.fits:
-        lines += ["chosen:", f"  {chosen.name}", "", "spec = " + spec_python(chosen.spec), "",
+        lines += ["chosen:", f"  {chosen.name}", f"  {_uses(chosen.estimate, budgets)}", "",
+                  "spec = " + spec_python(chosen.spec), "",
                   "DeepSpeed config:", deepspeed_json(chosen.spec, chosen.estimate.world_size)]
     else:
         lines.append("nothing fits")
     return "\n".join(lines)
+
+
+def _uses(e, budgets: Budgets) -> str:
+    """The chosen rung's needs against the whole budgets."""
+    disk = f", disk {e.per_disk / GB:.2f} GB per node" if e.per_disk else ""
+    if budgets.device_is_host:
+        return f"uses {e.ranks_per_node * (e.per_device + e.per_rank_host) / GB:.2f} GB of " \
+               f"{budgets.host / GB:.2f} GB memory{disk}"
+    return f"uses device {e.per_device / GB:.2f} GB of {budgets.device / GB:.2f} GB, host " \
+           f"{e.per_host / GB:.2f} GB of {budgets.host / GB:.2f} GB{disk}"
