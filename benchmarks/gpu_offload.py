@@ -13,48 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import statistics
 import time
 
 import torch
+from gpu_common import add_model_args, hwm, reset_hwm, rss
 
 log = logging.getLogger("fz.bench")
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dim", type=int, default=2560)
-    p.add_argument("--layers", type=int, default=34)
-    p.add_argument("--heads", type=int, default=20)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="steps, the first one a warm-up")
-    p.add_argument("--device-gb", type=float, default=24.0, help="cap on the device's memory (0: none)")
+    p = add_model_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--offload", default="params", choices=["params", "optimizer", "none"])
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--same-batch", action="store_true", help="every step on the first batch (the loss then "
-                   "measures fitting alone, not the batches' own differences)")
     return p.parse_args()
-
-
-def _hwm() -> int:
-    """Peak resident bytes since the last reset (VmHWM; ru_maxrss where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: resets VmHWM to the current RSS
-    except OSError:
-        log.warning("could not reset the peak RSS: host_peak_gb includes fz.init's")
 
 
 def main() -> None:
@@ -80,8 +53,10 @@ def main() -> None:
     state = fz.init(model, spec)
     init_s = time.perf_counter() - t0
     log.info("fz.init %.1f s; %s", init_s, fz.memory_report(state))
-    init_host_peak = _hwm()
-    _reset_hwm()  # the host peak below is the training steps' own
+    init_host_peak = hwm()
+    if not reset_hwm():
+        log.warning("could not reset the peak RSS: host_peak_gb includes fz.init's")
+    # the host peak below is the training steps' own
     data = synthetic_tokens(a.micro * a.steps, a.seq, a.vocab, seed=0)
     losses, times = [], []
     for i in range(a.steps):
@@ -98,9 +73,15 @@ def main() -> None:
                params=n, model_states_gb=est.model_states / 2**30, losses=losses, step_times_s=times,
                median_step_s=median, tokens_per_s=a.micro * a.seq / median, init_s=init_s,
                device_peak_gb=(torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
-               host_peak_gb=_hwm() / 2**30, init_host_peak_gb=init_host_peak / 2**30, same_batch=a.same_batch,
+               host_peak_gb=hwm() / 2**30, init_host_peak_gb=init_host_peak / 2**30, same_batch=a.same_batch,
                estimate_device_gb=est.per_device / 2**30, estimate_host_gb=est.per_rank_host / 2**30,
                device_cap_gb=a.device_gb, stage=a.stage, offload=a.offload, micro=a.micro, seq=a.seq)
+    if cuda and hasattr(torch.cuda, "host_memory_stats"):  # pinned memory torch's host allocator holds
+        stats = torch.cuda.host_memory_stats()
+        out["pinned_allocator"] = {k: v / 2**30 for k, v in stats.items()
+                                   if k in ("allocated_bytes.current", "reserved_bytes.current", "allocated_bytes.peak",
+                                            "reserved_bytes.peak")}
+    out["host_rss_end_gb"] = rss() / 2**30
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -99,7 +99,6 @@ def test_budget_notes_reach_the_log_without_a_report(llama, tmp_path, monkeypatc
     assert "device budget 24.00 GB given, this machine has 16.00 GB (GPU): the given one wins" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="gradients still on the device: issue 22 item 1")
 def test_offload_rung_keeps_the_device_under_2_gb(llama, tmp_path):
     """With parameters and optimizer on the host, the device holds gathers and reductions (no batch
     traced here, so no activations): well under 2 GB for 3.4B parameters, not 4 bytes each of gradients."""

@@ -62,6 +62,7 @@ class Estimate:
     tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
     ranks_per_node: int = 1
     largest_opt_part: int = 0  # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
+    update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
 
     @property
     def model_states(self) -> int:
@@ -80,14 +81,16 @@ class Estimate:
     def one_memory(self) -> int:
         """Peak bytes of one rank where host and device are one memory (a CPU-only run). The
         host gradients of an offloaded optimizer fill up while backward frees activations, as
-        the device's own gradients would: they overlap backward's worst point, not add to it."""
+        the device's own gradients would: they overlap backward's worst point, not add to it.
+        Parameters on disk add one bucket read into memory: read ahead for the next gather in
+        backward, being updated in the streamed update."""
         host_grads = self.tiers["host"].get("grads", 0)
         if not host_grads:
             return self.per_device + self.per_rank_host
         resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
             sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy
-        during_backward = self.reduce + max(host_grads, self.backward or 0)
-        return resident + self.gather + max(during_backward, host_grads + self.sync)
+        during_backward = self.reduce + self.update_loaded + max(host_grads, self.backward or 0)
+        return resident + self.gather + max(during_backward, host_grads + self.sync + self.update_loaded)
 
     @property
     def per_rank_host(self) -> int:
@@ -210,7 +213,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
                     0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
-                    tiers, world_size // nodes, largest_part)
+                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el))
 
 
 def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> int:
@@ -301,6 +304,13 @@ def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int,
     offloaded = spec.offload is not None and spec.offload.optimizer != "device"  # gradients leave as they go
     return t.peaks(lambda name: bool(policy) and _wants_checkpoint(policy, name, modules[name]), grads,
                    grads_stay=not offloaded)
+
+
+def _update_loaded(policy, buckets, el: int) -> int:
+    """The disk tier's update loads one bucket's parameters at a time beside the I/O buffers."""
+    if policy is None or policy.params != "disk":
+        return 0
+    return max((b.shard_numel if b.sharded_param else b.full_numel for b in buckets if b.trainable), default=0) * el
 
 
 def _model_copy(counts: ModelCounts, zero_init: Optional[bool]) -> int:
