@@ -31,26 +31,29 @@ class Trace:
     largest: int  # the largest single saved tensor (e.g. a language model's logits)
 
     def peaks(self, checkpointed: Callable[[str], bool], grads: Dict[str, int],
-              grads_stay: bool = True) -> Tuple[int, int]:
-        """(activation bytes at the forward's end, activations + gradients at backward's worst point).
+              grads_stay: bool = True) -> Tuple[int, int, int]:
+        """(activation bytes at the forward's end, activations + gradients at backward's first op,
+        activations + gradients at the worst point of the units' backward).
 
         `checkpointed(unit)` says which blocks recompute; `grads[unit]` is the gradient bytes a
         unit's backward makes. Backward starts with every activation alive plus one op's incoming
-        and outgoing gradient (each at most the largest activation); then, block by block from the
-        last, a block's saved tensors (recomputed if checkpointed) live beside the earlier blocks'
-        and the gradients made so far (`grads_stay`), or only its own (they leave the device as
-        they are reduced: an offloaded optimizer, fz/offload/host_grads.py).
+        and outgoing gradient (each at most the largest activation), before any unit's gradient
+        exists; then, block by block from the last, a block's saved tensors (recomputed if
+        checkpointed) live beside the earlier blocks' and the gradients made so far
+        (`grads_stay`), or only its own (they leave the device as they are reduced: an offloaded
+        optimizer, fz/offload/host_grads.py). The two are apart because what else the device
+        holds differs: no reduction is in flight at the first op.
         """
         blocks = [u for u in self.saved if u]
         kept = {u: self.inputs[u] if checkpointed(u) else self.saved[u] for u in blocks}
         recompute = max((self.saved[u] for u in blocks if checkpointed(u)), default=0)
         forward = self.saved.get("", 0) + sum(kept.values()) + recompute
-        worst, made = forward + 2 * self.largest, grads.get("", 0)
+        start, made, units = forward + 2 * self.largest, grads.get("", 0), 0
         for i in range(len(blocks) - 1, -1, -1):
             u = blocks[i]
             made = made + grads.get(u, 0) if grads_stay else grads.get(u, 0)
-            worst = max(worst, sum(kept[v] for v in blocks[:i]) + self.saved[u] + made)
-        return forward, worst
+            units = max(units, sum(kept[v] for v in blocks[:i]) + self.saved[u] + made)
+        return forward, start, units
 
 
 def _base(t: Tensor) -> Tensor:

@@ -57,12 +57,21 @@ class Estimate:
     sync: int  # stages 1-2: the buffers the updated parameters are all-gathered into (fz/sharding/sync.py)
     io_buffers: int  # the disk tier's host buffers
     activations: Optional[int]  # at the forward's end, traced from one micro-batch (None: no batch given)
-    backward: Optional[int]  # activations + gradients at backward's worst point (fz/planning/activations.py)
+    backward_start: Optional[int]  # activations + one op's gradients at backward's first op (fz/planning/activations.py)
+    backward_units: Optional[int]  # activations + gradients at the worst point of the units' backward
     model_copy: int  # a model built normally (not on the meta device): its fp32 values on the host
     tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
     ranks_per_node: int = 1
     largest_opt_part: int = 0  # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
     update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
+    gather_summed: int = 0  # the part of `gather` that is gradients summed over a bucket's several users
+
+    @property
+    def backward(self) -> int | None:
+        """Activations + gradients at backward's worst point."""
+        if self.backward_start is None:
+            return None
+        return max(self.backward_start, self.backward_units or 0)
 
     @property
     def model_states(self) -> int:
@@ -72,10 +81,13 @@ class Estimate:
     def per_device(self) -> int:
         """Peak device bytes of one rank during a step."""
         resident = sum(v for k, v in self.tiers["device"].items() if k != "grads")
-        # backward frees a block's activations as it makes the block's gradients (`backward` is
-        # its worst point); the update holds the gradients and, stages 1-2, the all-gathers' buffers
-        during_backward = self.reduce + max(self.grads_update, self.backward or 0)
-        return resident + self.gather + max(during_backward, self.grads_update + self.sync)
+        # backward's first op: every activation, the gathered units, no gradient made or reduced yet;
+        # then backward frees a block's activations as it makes the block's gradients
+        # (`backward_units` is its worst point); the update holds the gradients and, stages 1-2,
+        # the all-gathers' buffers
+        first_op = (self.backward_start or 0) + self.gather - self.gather_summed
+        during_backward = self.reduce + max(self.grads_update, self.backward_units or 0)
+        return resident + max(first_op, self.gather + max(during_backward, self.grads_update + self.sync))
 
     @property
     def one_memory(self) -> int:
@@ -207,23 +219,25 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     io = policy.buffers * int(policy.buffer_mb * 2**20) if policy and "disk" in (policy.optimizer, policy.params) else 0
     if io:
         tiers["host"]["io_buffers"] = io
+    gather, summed = _gather(spec, buckets, el, counts, shards)
     return Estimate(world_size, nodes, spec.stage, spec.precision, counts.num_params, params, grads, master, opt,
-                    counts.buffer_bytes, _gather(spec, buckets, el, counts, shards),
+                    counts.buffer_bytes, gather,
                     _reduce(spec, buckets, shards, el, host_grads),
                     0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
-                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el))
+                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el), summed)
 
 
-def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> int:
+def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> Tuple[int, int]:
     """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
     the units in flight: the running one and, over several ranks, the `prefetch` ones after it
     in call order (taken as the model's order; all of a unit's buckets at once); the units
     `live_buckets` keeps from forward to backward (at most as many as the buckets it leaves
     room for; the largest, to be safe); the gradient of a bucket several units gather (a tied
     embedding and head), held from its first use's backward to its last (fz/sharding/uses.py).
-    At one rank each parameter is copied once to the device, whatever tier its shard is in."""
+    At one rank each parameter is copied once to the device, whatever tier its shard is in.
+    Returns (all of it, the summed gradients' part)."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]
     units: Dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
@@ -239,7 +253,7 @@ def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> i
     widest = max((len(bs) for bs in units.values()), default=0)
     kept = max(0, keep_budget(spec.live_buckets, spec.prefetch, len(root), widest, counts.fetches_root))
     held = sum(b.full_numel for b in root) + sum(sorted(sizes, reverse=True)[:kept])
-    return (held + window + summed) * el
+    return (held + window + summed) * el, summed * el
 
 
 def _reduce(spec: Spec, buckets, shards: int, el: int, host_grads: bool) -> int:
@@ -282,10 +296,10 @@ def _sync(buckets, el: int, shards: int) -> int:
 
 
 def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int, batch, micro_batch,
-                 seq_len) -> Tuple[Optional[int], Optional[int]]:
-    """(activations at the forward's end, activations + gradients at backward's worst point)."""
+                 seq_len) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(activations at the forward's end, at backward's first op, at the units' backward's worst point)."""
     if batch is None and micro_batch is None:
-        return None, None
+        return None, None, None
     if counts.model is None:
         raise ConfigError("fz.estimate: activations need a model to trace (raw counts have none); "
                           "leave micro_batch/seq_len unset, or pass the model")
