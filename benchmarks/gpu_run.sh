@@ -2,7 +2,7 @@
 # On a GPU machine with torch preinstalled and no network (the project's lent H100):
 # install what it lacks from .whl/ (torchdata; DeepSpeed and its needs for the comparison),
 # then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
-# `deepspeed` (benchmarks/gpu_offload_deepspeed.py). Logs go to $OUT (default /tmp/fz-gpu).
+# `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py). Logs go to $OUT (default /tmp/fz-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fz-gpu}
@@ -19,6 +19,7 @@ for what in "$@"; do
     tests) timeout 420 python3 -m pytest -q -m cuda tests/cuda -p no:cacheprovider -rs 2>&1 | tee "$OUT/cuda-tests.log" ;;
     headline) timeout 480 python3 benchmarks/gpu_offload.py 2>&1 | tee "$OUT/headline.log" ;;
     smoke) python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 2>&1 | tee "$OUT/smoke.log" ;;
+    snapshot) timeout 300 python3 benchmarks/gpu_peak_snapshot.py 2>&1 | tee "$OUT/snapshot.log" ;;
     deepspeed) timeout 480 python3 benchmarks/gpu_offload_deepspeed.py 2>&1 | tee "$OUT/deepspeed.log" ;;
     *) echo "unknown: $what" ;;
   esac

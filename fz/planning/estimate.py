@@ -54,7 +54,7 @@ class Estimate:
     gather: int  # stage 3: gathered buckets alive at once (the root's own and the units in flight: _gather)
     reduce: int  # gradient reductions in flight (their own buffers)
     grads_update: int  # gradients as the update reads them (fp32 copies in mixed precision)
-    sync: int  # stages 1-2: the buffers the updated parameters are all-gathered into (fz/sharding/sync.py)
+    sync: int  # stages 1-2: the all-gathers' inputs (and padded buckets' buffers) until they land (fz/sharding/sync.py)
     io_buffers: int  # the disk tier's host buffers
     activations: Optional[int]  # at the forward's end, traced from one micro-batch (None: no batch given)
     backward_start: Optional[int]  # activations + one op's gradients at backward's first op (fz/planning/activations.py)
@@ -65,6 +65,7 @@ class Estimate:
     largest_opt_part: int = 0  # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
     update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
     gather_summed: int = 0  # the part of `gather` that is gradients summed over a bucket's several users
+    accumulated: int = 0  # grad_accum > 1, replicated gradients (stages 0-1): summed in full across micro-batches
 
     @property
     def backward(self) -> int | None:
@@ -85,8 +86,8 @@ class Estimate:
         # then backward frees a block's activations as it makes the block's gradients
         # (`backward_units` is its worst point); the update holds the gradients and, stages 1-2,
         # the all-gathers' buffers
-        first_op = (self.backward_start or 0) + self.gather - self.gather_summed
-        during_backward = self.reduce + max(self.grads_update, self.backward_units or 0)
+        first_op = (self.backward_start or 0) + self.gather - self.gather_summed + self.accumulated
+        during_backward = self.reduce + self.accumulated + max(self.grads_update, self.backward_units or 0)
         return resident + max(first_op, self.gather + max(during_backward, self.grads_update + self.sync))
 
     @property
@@ -226,7 +227,8 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
                     0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
                     *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
                     _model_copy(counts, zero_init),
-                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el), summed)
+                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el), summed,
+                    0 if host_grads else _accumulated(buckets, el, shards, spec))
 
 
 def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> Tuple[int, int]:
@@ -287,12 +289,25 @@ def _grads_update(buckets, el: int, mixed: bool, shards: int, spec: Spec) -> int
     return n * (kept + (4 if mixed and kept < 4 else 0))
 
 
+def _accumulated(buckets, el: int, shards: int, spec: Spec) -> int:
+    """Replicated gradients (stages 0-1) are summed in full, in the parameters' dtype, from one
+    micro-batch to the next and reduced in the last (fz/step/grads.py): with grad_accum > 1 they
+    are alive through the later micro-batches' backward. Stage 2 reduce-scatters every
+    micro-batch into this rank's rows (in `grads_update`)."""
+    if spec.grad_accum <= 1:
+        return 0
+    return sum(b.full_numel for b in buckets if b.trainable and not b.sharded_param
+               and not (isinstance(b.place.grad, Shard) and shards > 1)) * el
+
+
 def _sync(buckets, el: int, shards: int) -> int:
-    """Stages 1-2 over several ranks: one gathered buffer per replicated, sharded-optimizer bucket."""
+    """Stages 1-2 over several ranks (fz/sharding/sync.py): each replicated, sharded-optimizer
+    bucket's local rows (the all-gather's input) until its gather lands in the parameters' own
+    storage; a bucket that padding makes larger than that storage, a whole gathered buffer."""
     if shards == 1:
         return 0
-    return sum(b.padded_numel for b in buckets if b.trainable and not b.sharded_param
-               and isinstance(b.place.opt, Shard)) * el
+    gathered = [b for b in buckets if b.trainable and not b.sharded_param and isinstance(b.place.opt, Shard)]
+    return sum(b.shard_numel + (b.padded_numel if b.padded_numel != b.full_numel else 0) for b in gathered) * el
 
 
 def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int, batch, micro_batch,

@@ -6,8 +6,16 @@ during compute and the cores idle during the transfer; instead the all-gathers r
 while the next step's forward computes (DeepSpeed and FSDP do the same with their
 prefetch). Every one of them is started at the end of the step, on every rank: so a
 read of the state on one rank only waits for work already under way and never starts a
-collective of its own (a bounded pipeline would have to, and could hang). The price is
-one gathered buffer per bucket until the next forward has used it.
+collective of its own (a bounded pipeline would have to, and could hang).
+
+The gathers land in the parameters' own storage (as DeepSpeed's flat buffer), not in a
+second full-size one: the bucket's flat buffer is given up to the step (its old values are
+not read again: this rank's updated rows are copied out first) and viewed rank-major as the
+gather's output. When it arrives, a bucket whose rank-major and parameter-major layouts
+differ (several parameters, or rows split unevenly) is reordered through one bucket-sized
+scratch buffer at a time. Only where padding makes the gathered bucket larger than the
+parameters' storage does a bucket get a buffer of its own. What stays alive until the next
+forward is each bucket's local rows (the gather's input): 1/N of the parameters.
 
 The returned State holds such a bucket as an `Arriving` tensor: like a JAX array under
 async dispatch, it is a future of its values. Views of it (the parameters by name, a
@@ -56,13 +64,20 @@ class ParamSync:
             shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
             for dst, src in zip(shard_views(shard, b, self.rank), local_rows_of_full(flat, b, self.rank)):
                 dst.copy_(src)
-        full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
-        self.inflight.append((b, flat, full, self.comm.all_gather(full, shard, async_op=True, counted=True)))
+        # the parameters' own storage, when the gathered bucket fits it (no padding)
+        full = flat if b.padded_numel == flat.numel() and flat.is_contiguous() else \
+            torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
+        work = self.comm.all_gather(full, shard, async_op=True, counted=True)
+        self.inflight.append((b, flat, full, (work, shard)))
 
     def _complete_oldest(self) -> None:
-        b, flat, full, work = self.inflight.pop(0)
+        b, flat, full, (work, shard) = self.inflight.pop(0)
         work.wait()
-        unpack_into(full, b, flat)
+        del shard
+        if full is not flat:
+            unpack_into(full, b, flat)
+        elif not rank_major_is_param_major(b):
+            unpack_into(full.clone(), b, flat)  # one bucket's scratch, freed at once
         self.waiting.discard(b.index)
 
     def wait(self, index: int) -> None:
@@ -78,6 +93,12 @@ class ParamSync:
     @property
     def pending(self) -> bool:
         return bool(self.waiting)
+
+
+def rank_major_is_param_major(b: Bucket) -> bool:
+    """True when the gathered (rank-major) bucket already is the parameters' layout: one
+    parameter whose rows split evenly over the ranks."""
+    return len(b.slots) == 1 and b.slots[0].chunk * b.shards == b.slots[0].rows
 
 
 class Arriving(torch.Tensor):
