@@ -5,7 +5,7 @@
 """
 from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
-from fz.errors import ConfigError, NonFiniteError, PeerError
+from fz.errors import CheckpointError, ConfigError, NonFiniteError, PeerError
 from fz.init import init
 from fz.observe.comm_report import CommReport, comm_report
 from fz.observe.full_params import full_params
@@ -18,7 +18,7 @@ from fz.step.train import apply, eval_step, train_step
 from fz.version import __version__
 
 __all__ = [
-    "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "NonFiniteError", "PeerError",
+    "CheckpointError", "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "NonFiniteError", "PeerError",
     "Spec", "State",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
     "full_params", "init", "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step",

@@ -1,4 +1,4 @@
-"""The one error type users catch: every bad input fz detects raises it."""
+"""The error types users catch: every bad input fz detects raises ConfigError (CheckpointError for a checkpoint)."""
 from __future__ import annotations
 
 import difflib
@@ -7,6 +7,13 @@ from typing import Iterable
 
 class ConfigError(ValueError):
     """A spec, batch, model or checkpoint that fz cannot use; the message names the cause."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used or written: missing, damaged, unreadable, unsigned or
+    signed with another key, or a save that failed (a full disk, a rank's I/O error). Caught
+    apart from a wrong setting (`except fz.CheckpointError`: e.g. start fresh when there is no
+    checkpoint yet); still a ConfigError, so code that catches that keeps working."""
 
 
 def suggest(name: str, valid: Iterable[str]) -> str:

@@ -323,7 +323,7 @@ def test_two_checkpointers_with_async_saves_in_flight_both_commit(results):
 def test_wait_raises_a_failed_async_save_and_the_checkpointer_goes_on(results):
     for rank in range(WORLD):
         dcp_err, fz_err, latest, names, again = results["wrote"][rank]["objects"]["fail"]
-        assert dcp_err.startswith("ConfigError: writing checkpoint") and "step_2.tmp" in dcp_err, dcp_err
+        assert dcp_err.startswith("CheckpointError: writing checkpoint") and "step_2.tmp" in dcp_err, dcp_err
         assert "NotImplementedError" in dcp_err, dcp_err
         if rank == 1:
             assert fz_err == "OSError: disk full", fz_err

@@ -61,14 +61,14 @@ def test_damaged_checkpoint_is_a_clear_error_and_the_original_still_restores(sma
         d = tmp_path / name.replace(" ", "_")
         shutil.copytree(src, d)
         damage(d)
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(fz.CheckpointError) as e:
             restore(d, fz.init(make_model(1), spec(3, 1)))
         assert fname in str(e.value) and word in str(e.value), (name, str(e.value))
     (tmp_path / "dangling").mkdir()
     (tmp_path / "dangling" / "latest").write_text("step_9")
-    with pytest.raises(ConfigError, match="step_9, which does not exist"):
+    with pytest.raises(fz.CheckpointError, match="step_9, which does not exist"):
         restore(tmp_path / "dangling", fz.init(make_model(1), spec(3, 1)))
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(fz.CheckpointError, match="does not exist"):
         restore(tmp_path / "nowhere", fz.init(make_model(1), spec(3, 1)))
     assert _equal_params(fz.full_params(restore(root / "ck", fz.init(make_model(1), spec(0, 1)))), want)
 
@@ -79,6 +79,7 @@ def test_checkpoint_of_another_model_lists_differences_or_restores_the_overlap(s
     with pytest.raises(ConfigError) as e:
         restore(root / "ck", fz.init(other, spec(3, 1)))
     msg = str(e.value)
+    assert not isinstance(e.value, fz.CheckpointError)  # the checkpoint is fine: the model differs
     assert "missing in checkpoint: model/blocks.2." in msg and "strict=False" in msg and "more" in msg, msg
     wider = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=CFG.layers))
     with pytest.raises(ConfigError, match=r"shape mismatch: model/wte.weight is \(64, 32\) in the checkpoint"):
@@ -139,8 +140,9 @@ def test_keep_last_latest_and_resaving(tmp_path):
 
 def test_checkpointer_steps_validation_and_close(tmp_path):
     state, _ = train_fz(0, 1, 1, 1, steps=1)
-    with pytest.raises(ConfigError, match="keep_last=0"):
+    with pytest.raises(ConfigError, match="keep_last=0") as e:
         fz.Checkpointer(tmp_path, keep_last=0)
+    assert not isinstance(e.value, fz.CheckpointError)  # a setting, not a checkpoint
     ck = fz.Checkpointer(tmp_path / "ck", keep_last=2)
     assert ck.latest_step() is None and ck.all_steps() == []
     with pytest.raises(ConfigError, match="Checkpointer.save step=-1"):

@@ -69,13 +69,13 @@ def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full(tmp_path, monke
         raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
 
     monkeypatch.setattr(dcp_filesystem, "_write_item", torn)
-    with pytest.raises(ConfigError) as roomy:
+    with pytest.raises(fz.CheckpointError) as roomy:
         fz.save(state, tmp_path / "roomy")
     assert "unexpected pos 704 vs 598" in str(roomy.value) and "disk is full" not in str(roomy.value)
 
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    with pytest.raises(ConfigError) as full:
+    with pytest.raises(fz.CheckpointError) as full:
         fz.save(state, tmp_path / "full")
     msg = str(full.value)
     assert msg.startswith("the disk is full (1.0 MiB free of "), msg

@@ -67,18 +67,18 @@ def test_a_signed_checkpoint_restores_with_its_key_and_refuses_forgeries(signed,
     poisoned = fz.full_params(_restore(forged))["wte.weight"]  # checksums alone cannot tell: it is self-consistent
     assert float(poisoned[0, 0]) == 1234.0
     for d, why in ((forged, "does not carry this key's signature"), (plain, "is not signed")):
-        with pytest.raises(ConfigError, match=why):
+        with pytest.raises(fz.CheckpointError, match=why):
             _restore(d, key=KEY)
-        with pytest.raises(ConfigError, match=why):
+        with pytest.raises(fz.CheckpointError, match=why):
             fz.ckpt.consolidate(d, tmp_path / "out.safetensors", key=KEY, verify=False)  # a key always verifies
         assert not (tmp_path / "out.safetensors").exists()
-    with pytest.raises(ConfigError, match="does not carry this key's signature"):
+    with pytest.raises(fz.CheckpointError, match="does not carry this key's signature"):
         _restore(ck, key=OTHER)
     with pytest.raises(ConfigError, match="needs at least 16"):
         _restore(ck, key="short")
 
     monkeypatch.setenv("FZ_CKPT_KEY", KEY)  # the environment's key: used by fz.restore and the fz command
-    with pytest.raises(ConfigError, match="does not carry this key's signature"):
+    with pytest.raises(fz.CheckpointError, match="does not carry this key's signature"):
         _restore(forged)
     assert main(["inspect", str(forged)]) == 1
     out = capsys.readouterr().out

@@ -34,7 +34,7 @@ from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.state import State
 
 _lock = threading.Lock()
@@ -279,7 +279,7 @@ def raise_failed_saves() -> None:
         try:
             failed[0].wait()
         except BaseException as e:  # noqa: BLE001 - re-raised naming the checkpoint
-            raise ConfigError(f"the async save of checkpoint {where} failed in the background: "
+            raise CheckpointError(f"the async save of checkpoint {where} failed in the background: "
                               f"{type(e).__name__}: {e}") from e
 
 

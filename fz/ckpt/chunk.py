@@ -17,7 +17,7 @@ from typing import Any, List, Tuple
 import torch
 from torch import Tensor
 
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 
 _PUSH_ARG = {"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BININT", "BININT1", "BININT2", "LONG1", "SHORT_BINSTRING",
              "BINSTRING"}
@@ -111,7 +111,7 @@ def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: Tupl
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile, struct.error) as e:
-        raise ConfigError(f"checkpoint file {path} is unreadable: damaged, or not what fz wrote "
+        raise CheckpointError(f"checkpoint file {path} is unreadable: damaged, or not what fz wrote "
                           f"({type(e).__name__}: {e})") from e
 
 

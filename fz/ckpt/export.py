@@ -16,7 +16,7 @@ from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
 from fz.ckpt.safetensors_io import StreamWriter
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.spec import PRECISIONS
 
 _PREFIX, _BUFFERS = "model/", "buffers/"
@@ -62,7 +62,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
     cast = _dtype(dtype)
     names = [k for k in reader.keys() if k.startswith(_PREFIX)]
     if not names:
-        raise ConfigError(f"checkpoint {d} holds no model weights")
+        raise CheckpointError(f"checkpoint {d} holds no model weights")
     names += [f"{_BUFFERS}{n}" for n in meta.get("state_dict_buffers", []) if f"{_BUFFERS}{n}" in reader.meta]
 
     def out_dtype(k: str) -> torch.dtype:

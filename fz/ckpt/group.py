@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.compat import all_gather_single
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.sharding.settle import Handle
 from fz.state import State
 
@@ -70,7 +70,7 @@ def exchange(group, value: Any, err: Optional[BaseException], what: str) -> List
         raise err
     for rank, (_, e) in enumerate(out):
         if e is not None:
-            raise ConfigError(f"{what} failed on rank {rank}: {e[1]}")
+            raise CheckpointError(f"{what} failed on rank {rank}: {e[1]}")
     return [v for v, _ in out]
 
 
@@ -102,11 +102,11 @@ def run_local(fn, *args: Any) -> Tuple[Any, Optional[BaseException]]:
         return None, e
 
 
-def dcp_error(err: CheckpointException, what: str, where) -> ConfigError:
-    """DCP's CheckpointException (a BaseException) as a ConfigError with each rank's cause."""
+def dcp_error(err: CheckpointException, what: str, where) -> CheckpointError:
+    """DCP's CheckpointException (a BaseException) as a CheckpointError with each rank's cause."""
     causes = []
     for rank, failure in sorted(getattr(err, "failures", {}).items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
         causes.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     detail = "; ".join(causes) or str(err)
-    return ConfigError(f"{what} {where} failed: {detail}")
+    return CheckpointError(f"{what} {where} failed: {detail}")

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fz.ckpt.chunk import read_chunk
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 
 INDEX = "index.json"
 INDEX_FORMAT = 1
@@ -35,7 +35,7 @@ def index_of(md: Metadata) -> Dict[str, Any]:
     chunks: Dict[str, List[dict]] = {}
     for idx, info in (md.storage_data or {}).items():
         if info.transform_descriptors:
-            raise ConfigError(f"fz.save: DCP stored {idx.fqn!r} with transforms {info.transform_descriptors}; "
+            raise CheckpointError(f"fz.save: DCP stored {idx.fqn!r} with transforms {info.transform_descriptors}; "
                               "fz's index does not describe them")
         chunks.setdefault(idx.fqn, []).append({"offsets": list(idx.offset), "file": info.relative_path,
                                                "at": info.offset, "length": info.length})
@@ -48,7 +48,7 @@ def index_of(md: Metadata) -> Dict[str, Any]:
         for c in m.chunks:
             w = where.get(tuple(c.offsets))
             if w is None:
-                raise ConfigError(f"fz.save: DCP wrote no bytes for {key!r} at {list(c.offsets)}")
+                raise CheckpointError(f"fz.save: DCP wrote no bytes for {key!r} at {list(c.offsets)}")
             rows.append(dict(w, sizes=list(c.sizes)))
         tensors[key] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "size": list(m.size), "chunks": rows}
     return {"format": INDEX_FORMAT, "tensors": tensors}
@@ -59,16 +59,16 @@ def read_index(directory: Path) -> Dict[str, Any]:
     path = Path(directory) / INDEX
     if not path.exists():
         if (Path(directory) / ".metadata").exists():
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint {directory} has no {INDEX}: only DCP's .metadata, a pickle, which fz never reads "
                 "(unpickling can run code from the file). It was written by an older fz or by DCP itself; if you "
                 "trust where it came from, load it with torch.distributed.checkpoint and save it again with fz.save")
-        raise ConfigError(f"checkpoint file {path} is missing")
+        raise CheckpointError(f"checkpoint file {path} is missing")
     try:
         index = json.loads(path.read_bytes())
         _check(index)
     except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"checkpoint file {path} is unreadable or damaged ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"checkpoint file {path} is unreadable or damaged ({type(e).__name__}: {e})") from e
     return index
 
 
@@ -120,7 +120,7 @@ class SafeReader(dcp.FileSystemReader):
         for req in sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
                                                      self.storage_data[r.storage_index].offset)):
             if req.type == LoadItemType.BYTE_IO:
-                raise ConfigError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
+                raise CheckpointError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
             info = self.storage_data[req.storage_index]
             m = sd[req.storage_index.fqn]
             chunk = next(c for c in m.chunks if c.offsets == req.storage_index.offset)
@@ -130,7 +130,7 @@ class SafeReader(dcp.FileSystemReader):
                 tensor = tensor.narrow(dim, start, n)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise ConfigError(f"checkpoint {self.path}: {req.storage_index.fqn!r} chunk of size "
+                raise CheckpointError(f"checkpoint {self.path}: {req.storage_index.fqn!r} chunk of size "
                                   f"{tuple(tensor.size())}, expected {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)

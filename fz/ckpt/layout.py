@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 
 PathLike = Union[str, os.PathLike]
 LATEST = "latest"
@@ -63,9 +63,9 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise ConfigError(f"checkpoint file {path} is missing") from None
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
 
 
 def _no_space(err: BaseException) -> bool:
@@ -99,7 +99,7 @@ def disk_full(path: PathLike, err: BaseException) -> Optional[ConfigError]:
     if usage.free >= LOW_FREE and not _no_space(err):
         return None
     cause = str(err) if isinstance(err, ConfigError) else f"writing {path} failed: {type(err).__name__}: {err}"
-    return ConfigError(f"the disk is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB on "
+    return CheckpointError(f"the disk is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB on "
                        f"the filesystem holding {probe}): {cause}")
 
 
@@ -109,7 +109,7 @@ def read_latest(root: Path) -> Optional[str]:
     except FileNotFoundError:
         return None
     if not _STEP_RE.match(name):
-        raise ConfigError(f"{root / LATEST} is corrupted: it holds {name[:40]!r}, not 'step_<N>'")
+        raise CheckpointError(f"{root / LATEST} is corrupted: it holds {name[:40]!r}, not 'step_<N>'")
     return name
 
 
@@ -137,20 +137,20 @@ def resolve(path: PathLike, step: Optional[int] = None) -> Path:
         d = root / step_name(int(step))
         if not d.is_dir():
             have = committed_steps(root)
-            raise ConfigError(f"no checkpoint for step {step} in {root} (committed steps: {have or 'none'})")
+            raise CheckpointError(f"no checkpoint for step {step} in {root} (committed steps: {have or 'none'})")
         return d
     name = read_latest(root)
     if name is not None:
         d = root / name
         if not d.is_dir():
-            raise ConfigError(f"{root / LATEST} names {name}, which does not exist")
+            raise CheckpointError(f"{root / LATEST} names {name}, which does not exist")
         return d
     steps = committed_steps(root)
     if not steps:
         what = "does not exist" if not root.exists() else "holds no committed checkpoint"
         partial = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
         extra = f" (incomplete: {', '.join(partial[:5])})" if partial else ""
-        raise ConfigError(f"checkpoint path {root} {what}{extra}")
+        raise CheckpointError(f"checkpoint path {root} {what}{extra}")
     return root / step_name(steps[-1])
 
 

@@ -29,7 +29,7 @@ from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.index import SafeReader
 from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import decode, entries, tensor_refs
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
 from fz.state import State, block_until_ready
 
@@ -161,7 +161,7 @@ def load(state: State, path: PathLike, group, *, step: Optional[int] = None, str
         data_file = data_file if data_file.exists() else d / "data_0.json"  # a new rank gets rank 0's
         rank_json = read_json(data_file)
         if not isinstance(rank_json, dict) or "data" not in rank_json:
-            raise ConfigError(f"checkpoint file {data_file} is damaged: it holds no 'data' entry")
+            raise CheckpointError(f"checkpoint file {data_file} is damaged: it holds no 'data' entry")
         data_json = rank_json["data"]
         client_json = rank_json.get("client", {}) if meta.get("client_state_per_rank") else meta.get("client_state", {})
         extra = {k: _empty_for(saved[k]) for k in tensor_refs(data_json) + tensor_refs(client_json)}

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from fz.ckpt import signing
 from fz.ckpt.layout import MANIFEST, write_durable
-from fz.errors import ConfigError
+from fz.errors import CheckpointError
 
 ALGORITHM = "crc32"
 _BLOCK = 4 << 20
@@ -68,16 +68,16 @@ def _body(directory: Path) -> Tuple[dict, Dict[str, dict]]:
         ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ("crc32", "sha256")
                                                              for v in files.values())
     except FileNotFoundError:
-        raise ConfigError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None
+        raise CheckpointError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
+        raise CheckpointError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
     if not ok:
-        raise ConfigError(f"{p} is damaged: its own checksum does not match its contents")
+        raise CheckpointError(f"{p} is damaged: its own checksum does not match its contents")
     return body, files
 
 
 def read(directory: Path, key: Optional[bytes] = None) -> Dict[str, dict]:
-    """The file table; a missing or damaged manifest is a ConfigError, and so is, given a
+    """The file table; a missing or damaged manifest is a CheckpointError, and so is, given a
     `key`, one that this key did not sign."""
     body, files = _body(directory)
     if key is not None:
@@ -97,10 +97,10 @@ def check_sizes(directory: Path, files: Dict[str, dict]) -> None:
         try:
             size = os.path.getsize(p)
         except FileNotFoundError:
-            raise ConfigError(f"checkpoint file {p} is missing (listed in {MANIFEST})") from None
+            raise CheckpointError(f"checkpoint file {p} is missing (listed in {MANIFEST})") from None
         if size != info["size"]:
             what = "truncated" if size < info["size"] else "longer than written"
-            raise ConfigError(f"checkpoint file {p} is {what}: {size} bytes, the manifest says {info['size']}")
+            raise CheckpointError(f"checkpoint file {p} is {what}: {size} bytes, the manifest says {info['size']}")
 
 
 def check_sums(directory: Path, files: Dict[str, dict], names: List[str],
@@ -110,7 +110,7 @@ def check_sums(directory: Path, files: Dict[str, dict], names: List[str],
         info = files[name]
         got = file_checksum(directory / name, info["algorithm"], progress)
         if got != info["checksum"]:
-            raise ConfigError(f"checkpoint file {directory / name} is corrupted: {info['algorithm']} {got}, "
+            raise CheckpointError(f"checkpoint file {directory / name} is corrupted: {info['algorithm']} {got}, "
                               f"the manifest says {info['checksum']}")
 
 

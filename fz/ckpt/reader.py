@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from fz.ckpt.index import SafeReader
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 
 Put = Callable[[Tuple[int, ...], Tensor], None]
 
@@ -108,4 +108,4 @@ class CheckpointReader:
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged file, named in the error
-            raise ConfigError(f"cannot read {key} from {self.dir}: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"cannot read {key} from {self.dir}: {type(e).__name__}: {e}") from e

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fz.ckpt.layout import PathLike, fsync_path
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.state import State, block_until_ready
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -64,7 +64,7 @@ class StreamWriter:
         box = tuple(chunk.shape)
         if (dtype is None or chunk.dtype != dtype or len(offsets) != len(shape) or len(box) != len(shape)
                 or any(o < 0 or o + n > s for o, n, s in zip(offsets, box, shape))):
-            raise ConfigError(f"StreamWriter: got {name} {chunk.dtype} {box} at {tuple(offsets)}, "
+            raise CheckpointError(f"StreamWriter: got {name} {chunk.dtype} {box} at {tuple(offsets)}, "
                               f"expected a part of {name} {dtype} {shape}")
         data = memoryview(chunk.contiguous().reshape(-1).view(torch.uint8).numpy())
         for at, run in _runs(shape, offsets, box, dtype.itemsize):
@@ -81,7 +81,7 @@ class StreamWriter:
         """Finish atomically: fsync, then rename over the destination."""
         short = [n for n, (_, _, _, nbytes) in self.expected.items() if self.written[n] != nbytes]
         if short:
-            raise ConfigError(f"StreamWriter: {len(short)} tensors were not written completely ({short[0]}, ...)")
+            raise CheckpointError(f"StreamWriter: {len(short)} tensors were not written completely ({short[0]}, ...)")
         os.fsync(self.f.fileno())
         self.f.close()
         os.replace(self.tmp, self.path)
@@ -113,10 +113,10 @@ def _files(path: PathLike) -> List[Path]:
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if not files:
-            raise ConfigError(f"{p} holds no *.safetensors file")
+            raise CheckpointError(f"{p} holds no *.safetensors file")
         return files
     if not p.is_file():
-        raise ConfigError(f"weights file {p} does not exist")
+        raise CheckpointError(f"weights file {p} does not exist")
     return [p]
 
 
@@ -124,7 +124,7 @@ def _open(safe_open, f: Path):
     try:
         return safe_open(str(f), framework="pt")
     except Exception as e:  # noqa: BLE001 - a damaged file, named
-        raise ConfigError(f"weights file {f} is unreadable ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"weights file {f} is unreadable ({type(e).__name__}: {e})") from e
 
 
 def _local_rows(t: DTensor) -> Tuple[int, int]:
@@ -173,7 +173,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
     if problems:
         msg = f"weights {path} do not match this model ({len(problems)} differences): " + "; ".join(problems[:5])
         if strict:
-            raise ConfigError(msg + ("; ..." if len(problems) > 5 else ""))
+            raise CheckpointError(msg + ("; ..." if len(problems) > 5 else ""))
         warnings.warn(msg, stacklevel=2)
     bad = {p.split(": ", 1)[1].split(" ")[0] for p in problems}
     with torch.no_grad():
@@ -185,7 +185,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
                 if state.master is not None:
                     _fill(state.master[n], where[n], n)
             except Exception as e:  # noqa: BLE001 - a damaged file, named
-                raise ConfigError(f"cannot read {n} from weights file {files[handles.index(where[n])]} "
+                raise CheckpointError(f"cannot read {n} from weights file {files[handles.index(where[n])]} "
                                   f"({type(e).__name__}: {e})") from e
         for n, b in buffers.items():
             if n in where and n not in bad:

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Dict, Optional, Union
 
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 
 ENV = "FZ_CKPT_KEY"
 ALGORITHM = "sha256"  # each file's checksum in a signed manifest
@@ -55,11 +55,11 @@ def check(path: str, body: dict, files: Dict[str, dict], key: bytes) -> None:
     """The manifest `body` (at `path`) is signed with `key`; every file's checksum is a sha256."""
     tag = body.get("hmac")
     if not isinstance(tag, str):
-        raise ConfigError(f"{path} is not signed: the checkpoint was saved without a key, so nothing proves who "
+        raise CheckpointError(f"{path} is not signed: the checkpoint was saved without a key, so nothing proves who "
                           f"wrote it. Restore it without key= (and without {ENV}) only if you trust its source")
     if not hmac.compare_digest(tag, sign(key, files)):
-        raise ConfigError(f"{path} does not carry this key's signature: the checkpoint was saved with another "
+        raise CheckpointError(f"{path} does not carry this key's signature: the checkpoint was saved with another "
                           "key, or modified since it was saved")
     weak = sorted(n for n, v in files.items() if v.get("algorithm") != ALGORITHM)
     if weak:
-        raise ConfigError(f"{path} is signed but lists non-{ALGORITHM} checksums ({', '.join(weak[:3])}): refused")
+        raise CheckpointError(f"{path} is signed but lists non-{ALGORITHM} checksums ({', '.join(weak[:3])}): refused")
