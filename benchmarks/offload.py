@@ -91,7 +91,7 @@ def worker(args) -> None:
     t_init = time.perf_counter()
     if engine.startswith("fz"):
         import fz
-        import fz.offload.disk as disk
+        import fz.storage.disk as disk
         import fz.step.train as train
         path = os.path.join(args.dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
@@ -160,7 +160,7 @@ def dd_bandwidth(directory: str, mb: int) -> dict:
 def tier_bandwidth(directory: str, mb: int, buffer_mb: float) -> dict:
     """The NVMe tier's own write/read MB/s: its IOPool moving `mb` MiB through its buffers."""
     from fz.offload.policy import nvme
-    from fz.offload.store import store_for
+    from fz.storage.store import store_for
     policy = nvme(directory, buffer_mb=buffer_mb, buffers=4)
     store = store_for(directory, True)
     io = store.io_pool(policy)

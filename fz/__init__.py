@@ -6,7 +6,7 @@
 from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
 from fz.errors import CheckpointError, ConfigError, NonFiniteError, PeerError
-from fz.init import init
+from fz.init_state import init
 from fz.observe.comm_report import CommReport, comm_report
 from fz.observe.full_params import full_params
 from fz.observe.memory import MemoryReport, memory_report

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from fz.errors import ConfigError
 from fz.precision import PRECISIONS, LossScale
+from fz.offload.policy import Offload
 from fz.optim import GradientTransformation, adamw
 
 NONFINITE = ("skip", "raise")  # Spec.nonfinite
@@ -55,7 +56,7 @@ class Spec:
     csv_dir: Optional[str] = None  # CSV scalars (DeepSpeed's csv_monitor.output_path)
     compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
     shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
-    offload: Optional[Any] = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
+    offload: Offload | None = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
     init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
     weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
     # real models (issue 12): buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
@@ -104,7 +105,7 @@ class Spec:
             raise bad("shard_group_size", self.shard_group_size,
                       "must be None (shard over every rank) or an integer >= 1 that divides the world size")
         if self.offload is not None:
-            if not getattr(self.offload, "is_fz_offload", False):
+            if not isinstance(self.offload, Offload):
                 raise bad("offload", self.offload, "must be None or a policy: fz.offload.cpu(), fz.offload.nvme(path)")
             self.offload.check_stage(self.stage)
         if self.init_fn is not None and not callable(self.init_fn):

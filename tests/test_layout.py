@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between fz's modules (lazy imports inside functions count)."""
+"""The package's shape: no import cycle between fz's modules (lazy imports inside functions count;
+imports under `if TYPE_CHECKING:` do not: they never run)."""
 from __future__ import annotations
 
 import ast
@@ -18,7 +19,13 @@ def _graph():
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
     edges = {m: set() for m in modules}
     for m, p in modules.items():
-        for node in ast.walk(ast.parse(p.read_text())):
+        tree = ast.parse(p.read_text())
+        type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                     and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                     for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]

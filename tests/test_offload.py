@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fz
-from fz.offload.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor, load
 from fz.testing.spawn import run_ranks
 from helpers import make_model, rank_batches, spec
 
@@ -189,7 +189,7 @@ def test_global_norm_inside_the_chain_is_refused_on_disk(tmp_path):
 
 
 def test_io_error_mid_step_names_the_file_and_the_input_stays_whole(tmp_path, monkeypatch):
-    from fz.offload import io as offload_io
+    from fz.storage import io as offload_io
     batch = rank_batches(1, 1, 1)[0][0]
     _, want = fz.train_step(_small_state(tmp_path, buffer_mb=0.05, buffers=2, prefetch=1), batch)
     state = _small_state(tmp_path, buffer_mb=0.05, buffers=2, prefetch=1)
@@ -222,7 +222,7 @@ def test_stale_directory_is_detected_and_never_reused(tmp_path):
     import socket
     (stale / "owner").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345}))
     (stale / "opt-rank0-b0-0.bin").write_bytes(b"\0" * 4096)
-    from fz.offload import store
+    from fz.storage import store
     store._STORES.pop((str(tmp_path), os.getpid()), None)
     with pytest.warns(UserWarning, match="left by a run that is gone"):
         state = _small_state(tmp_path)

@@ -4,7 +4,7 @@ Each trial starts a training job of `world` processes (tests/peer_jobs.py) with 
 hosted here, as torchrun's agent hosts it, so any rank can be the victim; once every rank
 has stepped, the victim gets SIGKILL or SIGSTOP at a random moment. Every survivor must exit
 with status 3 (fz.PeerError) naming the victim, within Spec.timeout_s plus the heartbeat
-probe (fz/peers.py) and a margin for process exit on a loaded machine.
+probe (fz/distributed/peers.py) and a margin for process exit on a loaded machine.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from fz import peers
+from fz.distributed import peers
 from fz.testing.spawn import free_port
 
 JOB = Path(__file__).with_name("peer_jobs.py")

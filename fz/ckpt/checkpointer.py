@@ -16,7 +16,6 @@ flight at once without their background collectives interleaving on one group.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import sys
@@ -26,10 +25,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
-import torch.distributed as dist
 
-from fz import peers
-from fz.arrival import arrive
+from fz.distributed import guards, peers
+from fz.distributed.arrival import arrive
 from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
@@ -138,7 +136,7 @@ class Checkpointer:
         return self._groups.get(state_ranks(state), state.spec.timeout_s)
 
     def _arrive(self, state: State, what: str) -> None:
-        """Every rank must call it: one rank alone fails fast instead of hanging (fz/arrival.py)."""
+        """Every rank must call it: one rank alone fails fast instead of hanging (fz/distributed/arrival.py)."""
         peers.doing(f"{self._who}{what}", int(state.step))
         arrive(f"{self._who}{what}", state_ranks(state), state.plan.rank)
 
@@ -178,6 +176,7 @@ class Checkpointer:
         # them until the group's timeout; it fails only on bad arguments, the same on every rank.
         pending = _Pending(job, lambda: self._report(first, "saved", self.root / step_name(n), t0,
                                                      f", training blocked {staged:.2f} s"))
+        _install_exit_guards()
         with _lock:
             self._pending = pending
             _unwaited.add(self)
@@ -310,34 +309,20 @@ def _wait_at_exit() -> None:
         os._exit(1)
 
 
-atexit.register(_wait_at_exit)
+_guards_installed = False
 
 
-def _destroy_after_saves(destroy):
-    """`dist.destroy_process_group` that first lets pending async saves commit: their last
-    phase talks over a checkpoint group of the default group, which destroying it would
-    remove mid-save (leaving step_<N>.tmp). A save that fails is raised once the group is gone."""
-    @functools.wraps(destroy)
-    def wrapper(group=None, *args, **kwargs):
-        err = None
-        if group is None or group is dist.GroupMember.WORLD:
-            try:
-                wait_for_checkpoints()
-            except BaseException as e:  # noqa: BLE001 - raised after the group is destroyed, as asked
-                err = e
-        if group is None or group is dist.GroupMember.WORLD:
-            peers.stop_heartbeat()  # it talks to the default group's store
-        out = destroy(group, *args, **kwargs)
-        if err is not None:
-            raise err
-        return out
-    wrapper._fz_waits_for_saves = True
-    return wrapper
+def _install_exit_guards() -> None:
+    """At the first async save, not at import: interpreter exit waits for pending saves, and
+    destroying the default group lets them commit first (fz/distributed/guards.py)."""
+    global _guards_installed
+    with _lock:
+        if _guards_installed:
+            return
+        _guards_installed = True
+    atexit.register(_wait_at_exit)
+    guards.before_destroy(wait_for_checkpoints, order=0)
 
-
-for _module in (dist, dist.distributed_c10d):
-    if not getattr(_module.destroy_process_group, "_fz_waits_for_saves", False):
-        _module.destroy_process_group = _destroy_after_saves(_module.destroy_process_group)
 
 _FUNCTION_GROUPS = GroupCache()
 

@@ -38,7 +38,7 @@ from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, ste
 from fz.ckpt.tree import digests, encode, entries
 from fz.compat import FileSystemWriter
 from fz.errors import ConfigError
-from fz.offload.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor, load
 from fz.state import State, block_until_ready
 from fz.version import __version__
 

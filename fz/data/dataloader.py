@@ -111,7 +111,7 @@ def _ranks(of: Union[State, Spec]):
     if isinstance(of, State):
         plan = of.plan
         return plan.ranks.index(plan.rank), len(plan.ranks)
-    from fz import distributed
+    from fz.distributed import group as distributed
     return distributed.init() if not dist.is_initialized() else (dist.get_rank(), dist.get_world_size())
 
 

@@ -24,11 +24,12 @@ PER_RANK = {"log_dir", "csv_dir", "provenance"}  # Spec fields allowed to differ
 
 
 def _stable(value) -> str:
-    """repr without memory addresses (functions and closures compare by name) and without an
-    offload policy's path (each rank may use a local disk of its own)."""
+    """repr without memory addresses (functions and closures compare by name) and without the
+    fields a value declares per rank (`per_rank_fields`: an offload policy's path, as each rank
+    may use a local disk of its own)."""
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
-    if getattr(value, "is_fz_offload", False):
-        text = text.replace(repr(value.path), "<per-rank path>")
+    for name in getattr(type(value), "per_rank_fields", ()):
+        text = text.replace(repr(getattr(value, name)), "<per-rank path>")
     return text
 
 

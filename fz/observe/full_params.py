@@ -10,11 +10,11 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from fz import peers
-from fz.arrival import arrive
+from fz.distributed import peers
+from fz.distributed.arrival import arrive
 from fz.sharding.comm import Comm, full_views, unpack
 from fz.sharding.pack import checked_flats
-from fz.offload.disk import load
+from fz.storage.disk import load
 from fz.state import State
 
 

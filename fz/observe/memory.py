@@ -135,7 +135,7 @@ def _tiers(state: State, grads: int) -> Dict[str, Dict[str, int]]:
     """Bytes per tier and kind: where each leaf lives (a DiskTensor: on disk; the policy's host
     tier: host memory; else the device). Buffers stay on the device; gradients too, unless the
     optimizer state is offloaded: then the step keeps them as fp32 host buffers (fz/offload/host_grads.py)."""
-    from fz.offload.disk import DiskTensor
+    from fz.storage.disk import DiskTensor
     from fz.offload.host_grads import host_grad_bytes
     policy = state.spec.offload if state.spec.offload is not None and state.spec.offload.active else None
     out: Dict[str, Dict[str, int]] = {t: {k: 0 for k in ("params", "master", "moments", "grads", "buffers")}

@@ -3,7 +3,7 @@
 A policy is a value (set on the Spec, applied by `fz.init`) and a function from state to
 state: `fz.offload.nvme(path)(state)` writes the optimizer state to files and returns a
 state whose leaves are DiskTensors; `fz.offload.none()(state)` brings every leaf back.
-The step uses each leaf where it lives (fz/offload/stream.py); nothing is moved behind
+The step uses each leaf where it lives (fz/step/stream.py); nothing is moved behind
 the user's back, and `fz.memory_report` shows the bytes per tier.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Offload:
     # None: as much as the step's gradients need. memory_report's `pinned` shows what is held.
     max_pinned_mb: float | None = None
 
-    is_fz_offload = True  # Spec checks this (fz.spec does not import fz.offload)
+    per_rank_fields = ("path",)  # each rank may name a local disk of its own: not compared across ranks
 
     def __post_init__(self) -> None:
         for field in ("optimizer", "params"):

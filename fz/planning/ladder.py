@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from fz.errors import ConfigError
 from fz.offload.policy import cpu, nvme
-from fz.planning.estimate import Estimate, estimate
+from fz.planning.estimator import Estimate, estimate
 from fz.planning.machine import Budgets, local_devices, plan_budgets
 from fz.planning.render import plan_report
 from fz.spec import Spec

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 from fz.offload.policy import Offload, cpu, nvme
 from fz.planning.counts import model_counts
-from fz.planning.estimate import estimate
+from fz.planning.estimator import estimate
 from fz.spec import Spec
 
 GB = 2**30

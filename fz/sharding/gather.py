@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fz.offload.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor, load
 from fz.sharding.comm import Comm, unpack
 from fz.sharding.buckets import Bucket
 

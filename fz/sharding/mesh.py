@@ -13,7 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fz import distributed
+from fz.distributed import group as distributed
 from fz.errors import ConfigError
 
 MESH_DIMS = ("replicate", "shard")

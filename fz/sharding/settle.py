@@ -14,7 +14,7 @@ returns once the works are done and the use counts are back to what they were at
 (gloo has let go), and then drops the ScriptList here, in a thread that holds the GIL. A
 handle dropped while its collective is in flight keeps itself alive until it completes (or
 exit, which waits for it). Every wait is bounded by Spec.timeout_s, and a failed one is an
-fz.PeerError (fz/peers.py); after one, exit no longer waits for what is in flight.
+fz.PeerError (fz/distributed/peers.py); after one, exit no longer waits for what is in flight.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from fz import peers
+from fz.distributed import peers
 
 _RELEASE_TIMEOUT = 2.0  # s: past this, someone besides gloo holds the tensor; stop waiting
 _orphans: List["Handle"] = []
@@ -58,6 +58,7 @@ class Handle:
                     _orphans.remove(h)
                     h.wait()
                 _orphans.append(self)
+                _register_settle()
         except Exception:  # noqa: BLE001 - interpreter teardown: nothing left to keep it in
             pass
 
@@ -84,7 +85,6 @@ def _released(tensors: Sequence[Tensor], counts: Sequence[int]) -> None:
             os.sched_yield()
 
 
-@atexit.register
 def _settle_at_exit() -> None:
     """Before the interpreter finalizes: finish what is in flight, then let go of the GIL for a
     moment, so a gloo worker releasing a collective fz does not own (DCP's, the user's) can
@@ -95,3 +95,14 @@ def _settle_at_exit() -> None:
         except Exception:  # noqa: BLE001 - a peer gone at exit: the work failed, its tensors are free
             pass
     time.sleep(0.01)
+
+
+_settle_registered = False
+
+
+def _register_settle() -> None:
+    """At the first collective left in flight, not at import: settle it before exit."""
+    global _settle_registered
+    if not _settle_registered:
+        _settle_registered = True
+        atexit.register(_settle_at_exit)

@@ -17,10 +17,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fz import peers
-from fz.offload.disk import DiskTensor
+from fz.distributed import peers
+from fz.storage.disk import DiskTensor
 from fz.offload.host_grads import HostGrads
-from fz.offload.stream import disk_update, host_update
+from fz.step.stream import disk_update, host_update
 from fz.offload.transfer import pool_for
 from fz.rng import forked as rng_forked
 from fz.background import raise_background_failures

@@ -6,7 +6,7 @@ a value: views of it (a parameter inside a bucket's storage) are DiskTensors of 
 sub-ranges; anything that reads values loads them (that one tensor, then frees it);
 `copy_` into it writes the file; `clone` copies the bytes into a new file, so a copied
 state keeps its tier. The step's optimizer never goes through this per-op path: it
-streams whole groups of rows with its own buffers (fz/offload/stream.py).
+streams whole groups of rows with its own buffers (fz/step/stream.py).
 """
 from __future__ import annotations
 

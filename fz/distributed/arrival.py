@@ -4,7 +4,7 @@ Before its collectives, a collective API (`fz.save`, `fz.restore`, `fz.full_para
 `fz.load_weights`) checks in at the job's store: each rank adds its key for the n-th call
 of that API, then waits until every rank of the state's mesh has. A rank that arrives
 alone does not hang: it raises a ConfigError as soon as a missing rank is seen waiting in
-a collective of something else (its heartbeat says so, fz/peers.py: the two ranks wait for
+a collective of something else (its heartbeat says so, fz/distributed/peers.py: the two ranks wait for
 each other), and at the latest after Spec.timeout_s, naming the missing ranks and what
 they are doing. Its key is taken back, so a later call on every rank pairs up again.
 One store round trip per rank and call; nothing on a training step's path.
@@ -16,7 +16,7 @@ from collections import Counter
 from datetime import timedelta
 from typing import Sequence
 
-from fz import peers
+from fz.distributed import peers
 from fz.errors import ConfigError
 
 STUCK_S = 2.0  # a missing rank waiting this long in another collective will not come

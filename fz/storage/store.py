@@ -17,8 +17,8 @@ import warnings
 from typing import Dict, Tuple
 
 from fz.errors import ConfigError
-from fz.offload.disk import Blob
-from fz.offload.io import IOPool
+from fz.storage.disk import Blob
+from fz.storage.io import IOPool
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 _STORES: Dict[Tuple[str, int], "DiskStore"] = {}

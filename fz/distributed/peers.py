@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from fz.distributed import guards
 from fz.errors import PeerError
 
 BEAT = 0.5  # s between heartbeats
@@ -90,8 +91,6 @@ def stop_heartbeat(timeout: float = 2.0) -> None:
         beat.join(timeout)
 
 
-atexit.register(stop_heartbeat)
-
 
 def configure(timeout: float) -> None:
     """Set the wait bound (Spec.timeout_s) and start this process's heartbeat (world > 1)."""
@@ -107,6 +106,20 @@ def configure(timeout: float) -> None:
             _beat.stop.set()
         _beat = _Heartbeat(store, dist.get_rank())
         _beat.start()
+    _install_stop()
+
+
+_stop_installed = False
+
+
+def _install_stop() -> None:
+    """When the first heartbeat starts, not at import: it stops at exit and before the default
+    group (whose store it talks to) is destroyed."""
+    global _stop_installed
+    if not _stop_installed:
+        _stop_installed = True
+        atexit.register(stop_heartbeat)
+        guards.before_destroy(stop_heartbeat, order=1)
 
 
 def _bounded(fn, seconds: float):

@@ -22,9 +22,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.offload.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor, load
 from fz.offload.move import PART_ALIGN, group_slots, master_slot_views, _round
-from fz.offload.store import ALIGN, store_for
+from fz.storage.store import ALIGN, store_for
 from fz.optim.base import global_norm
 from fz.sharding.opt_state import merge_opt_states
 from fz.optim.transforms import scale_to_max_norm

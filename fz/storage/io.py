@@ -11,7 +11,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from fz.offload.disk import Blob, _pread_full, _pwrite_full
+from fz.storage.disk import Blob, _pread_full, _pwrite_full
 
 
 def _buffer(nbytes: int, pin: bool) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from fz import peers
+from fz.distributed import peers
 from fz.offload.move import host_tree
 from fz.rng import seeded
 from fz.background import raise_background_failures

@@ -1,0 +1,46 @@
+"""`import fz` patches nothing: no torch function replaced, no exit handler registered. The
+safety nets are installed when they are first needed (fz/distributed/guards.py): an async
+save, the heartbeat of a multi-rank group, a collective left in flight."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+CHECK = """
+import atexit
+import torch.distributed as dist
+destroy, before = dist.destroy_process_group, atexit._ncallbacks()
+import fz, fz.ckpt, fz.distributed, fz.sharding.settle, fz.storage.store, fz.step.train
+print(dist.destroy_process_group is destroy, dist.distributed_c10d.destroy_process_group is destroy,
+      atexit._ncallbacks() - before)
+"""
+
+ASYNC = """
+import atexit, tempfile
+import torch.distributed as dist
+import fz
+from helpers import make_model, spec
+destroy = dist.destroy_process_group
+state = fz.init(make_model(), spec(0, 1))
+before = atexit._ncallbacks()
+fz.save(state, tempfile.mkdtemp(), async_=True)
+fz.wait_for_checkpoints()
+print(dist.destroy_process_group is destroy, atexit._ncallbacks() > before)
+dist.destroy_process_group()
+"""
+
+
+def _run(code: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1].split()  # after fz.save's own lines
+
+
+def test_import_fz_patches_nothing():
+    assert _run(CHECK) == ["True", "True", "0"]
+
+
+def test_an_async_save_installs_the_exit_guards():
+    assert _run(ASYNC) == ["False", "True"]  # destroy_process_group now waits for pending saves
