@@ -90,7 +90,7 @@ def tcp_sent_by_peer(pid: int) -> dict[int, int]:
             conns.append((*head, sent))
             head = None
     by_peer: dict[int, int] = {}
-    for local, peer, p, sent in conns:
+    for _local, peer, p, sent in conns:
         if p == pid and peer in owner:
             by_peer[owner[peer]] = by_peer.get(owner[peer], 0) + sent
     return by_peer

@@ -49,6 +49,7 @@ def _timed(fn, group=None) -> float:
 
 def _model(cfg):
     import torch
+
     from fz.testing.gpt import GPT
     torch.manual_seed(0)
     return GPT(cfg)
@@ -56,6 +57,7 @@ def _model(cfg):
 
 def _fz(rank: int, world: int, cfg, directory: str, repeats: int, stage: int) -> dict:
     import torch.distributed.checkpoint as dcp
+
     import fz
     from fz.ckpt import manifest, restore, save, wait_for_checkpoints
     from fz.ckpt.tree import entries
@@ -91,6 +93,7 @@ def _fsdp2(rank: int, world: int, cfg, directory: str, repeats: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
+
     from fz.testing.gpt import lm_loss, synthetic_tokens
     model = _model(cfg)
     for block in model.blocks:

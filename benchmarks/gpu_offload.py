@@ -38,7 +38,9 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     if cuda and a.device_gb:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.device_gb * 2**30 / torch.cuda.get_device_properties(0).total_memory))
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, a.device_gb * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+        )
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, dim=a.dim, heads=a.heads, layers=a.layers)
     with torch.device("meta"):
         model = GPT(cfg)

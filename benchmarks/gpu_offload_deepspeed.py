@@ -86,6 +86,7 @@ def run(a) -> dict:
     os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")  # only the CPU Adam op is built, and it needs no nvcc
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
     from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
     t_start = time.perf_counter()

@@ -47,7 +47,9 @@ def main() -> None:
     from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
     if a.device_gb:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.device_gb * 2**30 / torch.cuda.get_device_properties(0).total_memory))
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, a.device_gb * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+        )
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, dim=a.dim, heads=a.heads, layers=a.layers)
     with torch.device("meta"):
         model = GPT(cfg)

@@ -91,14 +91,17 @@ def worker(args) -> None:
     t_init = time.perf_counter()
     if engine.startswith("fz"):
         import fz
-        import fz.storage.disk as disk
         import fz.step.train as train
+        import fz.storage.disk as disk
         path = os.path.join(args.dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
         kind = engine.split("-", 1)[1] if "-" in engine else ""
-        policy = {"": None, "cpu": fz.offload.cpu(),
-                  "nvme": fz.offload.nvme(path, buffer_mb=args.buffer_mb, buffers=4, prefetch=2),
-                  "nvme-params": fz.offload.nvme(path, params=True, buffer_mb=args.buffer_mb, buffers=4, prefetch=2)}[kind]
+        policy = {
+            "": None,
+            "cpu": fz.offload.cpu(),
+            "nvme": fz.offload.nvme(path, buffer_mb=args.buffer_mb, buffers=4, prefetch=2),
+            "nvme-params": fz.offload.nvme(path, params=True, buffer_mb=args.buffer_mb, buffers=4, prefetch=2),
+        }[kind]
         spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0, precision=args.precision,
                        loss_fn=lm_loss, offload=policy)
         box = {"s": fz.init(model, spec)}
@@ -224,9 +227,12 @@ def main() -> None:
     if not args.headline:
         size = max(256, int(max(moved.values(), default=0) / 2 / 2**20))
         dd, tier = dd_bandwidth(args.dir, size), tier_bandwidth(args.dir, size, args.buffer_mb)
-        print(f"\nDisk bandwidth, {size} MiB: dd O_DIRECT write {dd['write']:.0f} MB/s, read {dd['read']:.0f} MB/s; "
-              f"fz's NVMe tier (O_DIRECT {'on' if tier['direct'] else 'off'}) write {tier['write']:.0f} MiB/s "
-              f"({tier['write'] / dd['write']:.2f}x dd), read {tier['read']:.0f} MiB/s ({tier['read'] / dd['read']:.2f}x dd)")
+        print(
+            f"\nDisk bandwidth, {size} MiB: dd O_DIRECT write {dd['write']:.0f} MB/s, read {dd['read']:.0f} MB/s; "
+            f"fz's NVMe tier (O_DIRECT {'on' if tier['direct'] else 'off'}) write {tier['write']:.0f} MiB/s "
+            f"({tier['write'] / dd['write']:.2f}x dd), read {tier['read']:.0f} MiB/s "
+            f"({tier['read'] / dd['read']:.2f}x dd)"
+        )
         for s in (2, 3):
             base, nv = results.get(f"fz{s}"), results.get(f"fz{s}-nvme")
             if base and nv and "error" not in base and "error" not in nv:

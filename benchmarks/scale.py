@@ -5,9 +5,9 @@
 
 Same GPT, optimizer and per-rank micro-batch as benchmarks/step.py (whose worker runs each
 rank: a fresh group of processes per world size), with the model built on the meta device so
-fz.init materialises only each rank's rows (the full model never exists on a rank). Model-state bytes are fz.memory_report's
-measured total (parameters + gradients + optimizer state, incl. bucket padding) and the ZeRO
-formula 16Ψ/N; both should fall as 1/N. Peak RSS (VmHWM, max over ranks) also holds torch
+fz.init materialises only each rank's rows (the full model never exists on a rank). Model-state
+bytes are fz.memory_report's measured total (parameters + gradients + optimizer state, incl.
+bucket padding) and the ZeRO formula 16Ψ/N; both should fall as 1/N. Peak RSS (VmHWM, max over ranks) also holds torch
 itself (the "base", taken after init_process_group) and activations, which do not shrink with N.
 With only 2 cores, world 4 runs two ranks per core, so its step time is not a scaling result.
 """

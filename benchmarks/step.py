@@ -33,7 +33,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (
     ROOT,
-    tcp_sent_by_peer,
     base_table,
     bytes_written,
     finish,
@@ -49,6 +48,7 @@ from _harness import (
     summarize,
     table,
     targets,
+    tcp_sent_by_peer,
 )
 
 PEERS = ["floor", "ddp", "fsdp2", "fsdp2-noreshard", "fsdp2-hsdp"]
@@ -263,15 +263,15 @@ def worker(args) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         s = torch.tensor(sent, dtype=torch.float64)
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
-        l = torch.tensor(losses, dtype=torch.float64)
-        dist.all_reduce(l, op=dist.ReduceOp.SUM)
+        loss_sum = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
         if cross is not None:
             c = torch.tensor([cross], dtype=torch.float64)
             dist.all_reduce(c, op=dist.ReduceOp.MAX)
             result["cross_group"] = c.item()
         m = torch.tensor([result["rss_mb"], base_mb], dtype=torch.float64)
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        times, sent, losses = t.tolist(), s.tolist(), (l / dist.get_world_size()).tolist()
+        times, sent, losses = t.tolist(), s.tolist(), (loss_sum / dist.get_world_size()).tolist()
         result["rss_mb"], result["base_mb"] = m.tolist()
     if rank == 0:
         report({**result, "times": times, "sent": sent, "loss": losses})

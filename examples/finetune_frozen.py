@@ -29,7 +29,9 @@ class Trunk(nn.Module):
     def __init__(self, features: int = 16, dim: int = 128, depth: int = 6):
         super().__init__()
         self.inp = nn.Linear(features, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(depth)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)

@@ -127,8 +127,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     ap.add_argument("--ckpt-dir", default="checkpoints/train_gpt")
     ap.add_argument("--resume", nargs="?", const="latest", default=None, help="from the latest step, or this one")
-    ap.add_argument("--deepspeed", metavar="JSON",
-                    help="the spec from a DeepSpeed config; --precision/--micro-batch/--grad-accum/--lr fill its \"auto\"")
+    ap.add_argument(
+        "--deepspeed",
+        metavar="JSON",
+        help='the spec from a DeepSpeed config; --precision/--micro-batch/--grad-accum/--lr fill its "auto"',
+    )
     ap.add_argument("--logdir", default="runs/train_gpt", help="TensorBoard root ('' for none)")
     ap.add_argument("--csv", default="", help="also write scalars.csv under this root")
     ap.add_argument("--log-every", type=int, default=10)

@@ -23,7 +23,9 @@ class MyModel(nn.Module):  # YOURS: any nn.Module (the elements of a ModuleList 
     def __init__(self, features: int = 8, dim: int = 64, depth: int = 4):
         super().__init__()
         self.inp = nn.Linear(features, dim)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(depth)
+        )
         self.out = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ from fz.step.train import apply, eval_step, train_step
 from fz.version import __version__
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor", "NonFiniteError", "PeerError",
-    "Spec", "State",
+    "CheckpointError", "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor",
+    "NonFiniteError", "PeerError", "Spec", "State", "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
     "full_params", "init", "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step",
     "wait_for_checkpoints",

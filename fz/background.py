@@ -8,9 +8,9 @@ one still unreported at interpreter exit ends the process with a non-zero status
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
-_checks: List[Callable[[], None]] = []
+_checks: list[Callable[[], None]] = []
 
 
 def on_next_call(check: Callable[[], None]) -> None:

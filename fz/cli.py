@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
 
 from fz.errors import ConfigError
 from fz.version import __version__
 
 
-def _mb(n: Optional[int]) -> str:
+def _mb(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:.1f} MB"
 
 
@@ -33,11 +32,19 @@ def _inspect(args: argparse.Namespace) -> int:
     from fz.ckpt.export import inspect
 
     info = inspect(args.ckpt, step=args.step, verify=not args.no_verify, progress=True if args.progress else None)
-    rows = [("checkpoint", info["path"]), ("step", info["step"]), ("train step", info["train_step"]),
-            ("world size", info["world"]), ("ZeRO stage", info["stage"]), ("precision", info["precision"]),
-            ("fp32 master", info["master"]), ("fz version", info["fz_version"]), ("torch version", info["torch_version"]),
-            ("tensors", f"{info['tensors']} ({_mb(info['bytes'])})"),
-            ("model tensors", f"{info['model_tensors']} ({_mb(info['model_bytes'])})")]
+    rows = [
+        ("checkpoint", info["path"]),
+        ("step", info["step"]),
+        ("train step", info["train_step"]),
+        ("world size", info["world"]),
+        ("ZeRO stage", info["stage"]),
+        ("precision", info["precision"]),
+        ("fp32 master", info["master"]),
+        ("fz version", info["fz_version"]),
+        ("torch version", info["torch_version"]),
+        ("tensors", f"{info['tensors']} ({_mb(info['bytes'])})"),
+        ("model tensors", f"{info['model_tensors']} ({_mb(info['model_bytes'])})"),
+    ]
     if "meta_error" in info:
         rows.append(("metadata", f"UNREADABLE: {info['meta_error']}"))
     if info["signed"]:
@@ -64,7 +71,7 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fz", description="fz checkpoint tools")
     parser.add_argument("--version", action="version", version=f"fz {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="cmd")

@@ -5,7 +5,7 @@ compare version strings. Keep every difference here, with the releases it concer
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,7 +38,7 @@ class FileSystemWriter(dcp.FileSystemWriter):
     none and fz's index (fz/ckpt/index.py) could not say where any chunk is. Fill it here.
     """
 
-    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         if metadata.storage_data is None:
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}

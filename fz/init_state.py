@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -10,20 +9,19 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from fz.distributed import peers
-from fz.offload.move import host_tree
-from fz.rng import seeded
 from fz.background import raise_background_failures
+from fz.distributed import peers
 from fz.errors import ConfigError
+from fz.model.leaves import fetches_root
 from fz.model.materialize import InitialValues, module_seed
 from fz.model.signature import signature
-from fz.model.leaves import fetches_root
 from fz.model.skeleton import bucket_entries, build_skeleton
+from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, param_to_disk
 from fz.optim.transforms import current_lr
+from fz.rng import seeded
 from fz.sharding.buckets import make_buckets
 from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.mesh import make_mesh
-from fz.offload.move import bucket_init_on_disk, check_room_at_init, param_to_disk
 from fz.sharding.opt_state import merge_opt_states, wrap_opt_state
 from fz.sharding.plan import ShardPlan
 from fz.sharding.replicated import check_replicated
@@ -33,7 +31,7 @@ from fz.step.metrics import initial_metrics
 from fz.step.scaler import init_scaler
 
 
-def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> State:
+def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> State:
     """Shard `model`'s parameters as `spec` says and create the optimizer state.
 
     `model` is not modified. Built on the meta device, it is initialised module by module
@@ -51,7 +49,11 @@ def init(model: nn.Module, spec: Spec, *, mesh: Optional[DeviceMesh] = None) -> 
     peers.doing("fz.init")
     mesh = make_mesh(mesh, spec.shard_group_size, timedelta(seconds=spec.timeout_s))
     peers.configure(spec.timeout_s)
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
     skel = build_skeleton(model, spec.wrap, fetches_root(spec))
 
     for n, p in model.named_parameters():
@@ -129,7 +131,7 @@ _DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank 
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,
-                    initial: InitialValues) -> Tuple[Tensor, Optional[Tensor]]:
+                    initial: InitialValues) -> tuple[Tensor, Tensor | None]:
     """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
 
     Params are in the compute dtype, laid out by their placement (full or this rank's

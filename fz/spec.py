@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fz.errors import ConfigError
-from fz.precision import PRECISIONS, LossScale
 from fz.offload.policy import Offload
 from fz.optim import GradientTransformation, adamw
+from fz.precision import PRECISIONS, LossScale
 
 NONFINITE = ("skip", "raise")  # Spec.nonfinite
-CheckpointPolicy = Union[bool, Sequence[str], Callable[[str, nn.Module], bool]]
+CheckpointPolicy = bool | Sequence[str] | Callable[[str, nn.Module], bool]
 
 
 @dataclass(frozen=True)
@@ -38,29 +39,31 @@ class Spec:
     stage: int = 0
     optimizer: GradientTransformation = dataclasses.field(default_factory=lambda: adamw(lr=1e-3))
     grad_accum: int = 1
-    micro_batch: Optional[int] = None  # rows per micro-batch; when set, train_step checks batches
-    clip_grad_norm: Optional[float] = None
+    micro_batch: int | None = None  # rows per micro-batch; when set, train_step checks batches
+    clip_grad_norm: float | None = None
     precision: str = "fp32"
-    reduce_dtype: Optional[str] = None
+    reduce_dtype: str | None = None
     loss_scaling: LossScale = LossScale()
     activation_checkpointing: CheckpointPolicy = False
-    loss_fn: Optional[Callable[[nn.Module, Any], Any]] = None
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None
     seed: int = 0
     bucket_mb: float = 25.0
     persist_threshold: int = 0
     live_buckets: int = 3
     prefetch: int = 1  # stage 3: blocks gathered ahead of use (forward and backward)
-    wrap: Optional[Callable[[str, nn.Module], bool]] = None
-    log_dir: Optional[str] = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
+    wrap: Callable[[str, nn.Module], bool] | None = None
+    log_dir: str | None = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
     log_every: int = 10  # DeepSpeed's steps_per_print
-    csv_dir: Optional[str] = None  # CSV scalars (DeepSpeed's csv_monitor.output_path)
-    compile: Union[bool, str] = False  # torch.compile each block's forward; a str names the backend
-    shard_group_size: Optional[int] = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
+    csv_dir: str | None = None  # CSV scalars (DeepSpeed's csv_monitor.output_path)
+    compile: bool | str = False  # torch.compile each block's forward; a str names the backend
+    shard_group_size: int | None = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
     offload: Offload | None = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
-    init_fn: Optional[Callable[[str, nn.Module], None]] = None  # meta init: fn(module_name, module) after reset_parameters()
+    # meta init: fn(module_name, module) after reset_parameters()
+    init_fn: Callable[[str, nn.Module], None] | None = None
     weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
     # real models (issue 12): buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
-    # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed) or skipped (torch)
+    # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed)
+    # or skipped (torch)
     buffer_sync: str = "mean"
     skip_unused: bool = False
     # issue 15 (reliability): what a NaN/inf gradient does, and how long a rank waits for the others
@@ -94,8 +97,11 @@ class Spec:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise bad("prefetch", self.prefetch, "must be an integer >= 0")
         if not isinstance(self.live_buckets, int) or self.live_buckets < 2 + self.prefetch:
-            raise bad("live_buckets", self.live_buckets,
-                      f"must be >= 2 + prefetch = {2 + self.prefetch} (the root, the running block and the prefetched ones)")
+            raise bad(
+                "live_buckets",
+                self.live_buckets,
+                f"must be >= 2 + prefetch = {2 + self.prefetch} (the root, the running block and the prefetched ones)",
+            )
         if not isinstance(self.seed, int):
             raise bad("seed", self.seed, "must be an integer")
         if not isinstance(self.compile, (bool, str)):
@@ -113,7 +119,9 @@ class Spec:
         if not isinstance(self.weight_by_rows, bool):
             raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
         if self.buffer_sync not in ("mean", "rank0"):
-            raise bad("buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)")
+            raise bad(
+                "buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)"
+            )
         if not isinstance(self.skip_unused, bool):
             raise bad("skip_unused", self.skip_unused, "must be True or False")
         if self.skip_unused and self.offload is not None and "disk" in (self.offload.optimizer, self.offload.params):
@@ -135,14 +143,14 @@ class Spec:
     def grad_reduce_dtype(self) -> torch.dtype:
         return PRECISIONS[self.reduce_dtype or "fp32"]
 
-    def replace(self, **changes: Any) -> "Spec":
+    def replace(self, **changes: Any) -> Spec:
         return dataclasses.replace(self, **changes)
 
     # DeepSpeed configs (fz.config): where each value came from, kept out of ==.
-    provenance: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
+    provenance: Any | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_deepspeed(cls, config: Any, *, strict: bool = False, **auto: Any) -> "Spec":
+    def from_deepspeed(cls, config: Any, *, strict: bool = False, **auto: Any) -> Spec:
         """A Spec from a DeepSpeed JSON config (dict or path); "auto" (and absent) values from
         `auto`, the keywords a Hugging Face Trainer would fill in. Unsupported features warn;
         `strict=True` makes them, and unknown keys, errors."""

@@ -23,7 +23,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch.utils._pytree as pytree
 from torch import Tensor
@@ -38,26 +38,26 @@ from fz.spec import Spec
 @dataclass(frozen=True, eq=False)
 class State:
     step: Tensor
-    param_flats: Tuple[DTensor, ...]
-    master_flats: Dict[int, DTensor]
+    param_flats: tuple[DTensor, ...]
+    master_flats: dict[int, DTensor]
     opt_state: Any
-    scaler: Optional[Dict[str, Tensor]]
+    scaler: dict[str, Tensor] | None
     rng: Tensor
-    buffers: Dict[str, Tensor]
+    buffers: dict[str, Tensor]
     data: Any
-    metrics: Dict[str, Any]
+    metrics: dict[str, Any]
     skeleton: Skeleton = field(repr=False)
     spec: Spec = field(repr=False)
     plan: ShardPlan = field(repr=False)
 
     @cached_property
-    def params(self) -> Dict[str, DTensor]:
+    def params(self) -> dict[str, DTensor]:
         """{name: DTensor} views of `param_flats` (no copy, no wait)."""
         plan = self.plan
         return plan.named([f._local_tensor for f in self.param_flats], plan.param_locals, lambda b: b.place.param)
 
     @cached_property
-    def master(self) -> Optional[Dict[str, DTensor]]:
+    def master(self) -> dict[str, DTensor] | None:
         """{name: fp32 master weights} views of `master_flats`; None in fp32 (the params are the master)."""
         if self.spec.precision == "fp32":
             return None
@@ -69,7 +69,7 @@ class State:
     def mesh(self):
         return self.plan.mesh
 
-    def replace(self, **changes: Any) -> "State":
+    def replace(self, **changes: Any) -> State:
         """A new State with `changes`; leaves not named are shared, not copied.
 
         `params=` / `master=` take {name: tensor} (e.g. a tree_map of `state.params`): they
@@ -104,7 +104,7 @@ class State:
         return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "
                 f"{n:,} elements, stage={self.spec.stage}, mesh={mesh})")
 
-    def __deepcopy__(self, memo) -> "State":
+    def __deepcopy__(self, memo) -> State:
         """Every tensor copied (parameters still arriving are waited for: their copy is whole)."""
         self.check_alive("copy.deepcopy")
         return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else _copy_leaf(x, memo), self)

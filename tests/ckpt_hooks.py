@@ -10,8 +10,8 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 _STEP_TMP = re.compile(r"^step_\d+\.tmp$")
 
@@ -34,7 +34,7 @@ def _is_prune(src, dst) -> bool:
 
 # point: (functions to wrap as (module, attribute), "before"/"after", which calls)
 _DCP_SAVE = [("torch.distributed.checkpoint", "save"), ("torch.distributed.checkpoint.state_dict_saver", "save")]
-POINTS: Dict[str, Tuple[List[Tuple[str, str]], str, Callable[..., bool]]] = {
+POINTS: dict[str, tuple[list[tuple[str, str]], str, Callable[..., bool]]] = {
     "start": ([("fz.ckpt.layout", "clean_stale")], "before", None),  # phase 1, nothing written yet
     "write_begin": (_DCP_SAVE, "before", None),  # sync: dcp.save; async: what dcp.async_save's thread calls
     "written": (_DCP_SAVE, "after", None),

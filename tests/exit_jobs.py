@@ -90,6 +90,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     import torch._dynamo  # noqa: F401 - imported once here, not in every child
     import torch.distributed.checkpoint  # noqa: F401
+
     import fz  # noqa: F401
 
     t = time.perf_counter()

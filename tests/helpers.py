@@ -1,8 +1,6 @@
 """Shared test pieces: the tiny GPT, its data, and the plain single-process reference."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 import torch
 
 from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
@@ -18,7 +16,7 @@ def make_model(seed: int = 0, cfg: GPTConfig = CFG) -> GPT:
     return GPT(cfg)
 
 
-def rank_batches(world: int, grad_accum: int, steps: int = STEPS, cfg: GPTConfig = CFG) -> List[List[torch.Tensor]]:
+def rank_batches(world: int, grad_accum: int, steps: int = STEPS, cfg: GPTConfig = CFG) -> list[list[torch.Tensor]]:
     """batches[step][rank]: each rank's [grad_accum * MICRO, seq + 1] tokens."""
     rows = world * grad_accum * MICRO
     out = []
@@ -28,7 +26,9 @@ def rank_batches(world: int, grad_accum: int, steps: int = STEPS, cfg: GPTConfig
     return out
 
 
-def reference(world: int, grad_accum: int, steps: int = STEPS, clip=CLIP) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference(
+    world: int, grad_accum: int, steps: int = STEPS, clip=CLIP
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch: AdamW + clip_grad_norm_ on the concatenated global batch."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -67,7 +67,7 @@ def max_rel(a, b) -> float:
     return float(((a - b).abs() / b.abs().clamp_min(1e-6)).max())
 
 
-def params_rel(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+def params_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Largest relative error of a parameter tensor (norm of difference / norm of reference)."""
     assert set(got) <= set(want) and len(got) > 0, (sorted(got), sorted(want))
     return max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)) for k in got)

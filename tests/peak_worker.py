@@ -23,7 +23,7 @@ def _warm_up(spec, offload) -> None:
     """One step of a tiny model with the same spec first: what the first step loads once per
     process (lazily imported modules, thread pools: ~30 MB) is not the configuration's memory."""
     import gc
-    import torch
+
     import fz
     from fz.testing.gpt import GPT, GPTConfig, synthetic_tokens
 
@@ -40,6 +40,7 @@ def _warm_up(spec, offload) -> None:
 
 def measure(rank: int, world: int, cfg: dict) -> dict:
     import torch
+
     import fz
     from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
@@ -72,6 +73,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
 def measure_plan(rank: int, world: int, cfg: dict) -> dict:
     """fz.plan under a budget (memory per node, shared by its ranks), then its Spec trained: the peak."""
     import torch
+
     import fz
     from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 

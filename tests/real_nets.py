@@ -4,7 +4,7 @@ models from configs (never downloaded weights), one of 3.4B parameters on the me
 plans. Plus the single-process reference loop."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,9 @@ class Readers(nn.Module):
         self.inp = nn.Linear(8, DIM)
         self.blocks = nn.ModuleList(Block(i) for i in range(depth))
         self.pairs = nn.ModuleList(nn.ModuleList([nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)]) for _ in range(depth))
-        self.dicts = nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(DIM, DIM), "ff": nn.Linear(DIM, DIM)}) for _ in range(depth))
+        self.dicts = nn.ModuleList(
+            nn.ModuleDict({"attn": nn.Linear(DIM, DIM), "ff": nn.Linear(DIM, DIM)}) for _ in range(depth)
+        )
         self.out = nn.Linear(DIM, 1)
 
     def forward(self, x):
@@ -205,8 +207,8 @@ def hf_loss(model, batch):
     return model(**batch).loss
 
 
-def reference(make: Callable[[], nn.Module], loss_fn, batches: List[dict], world: int, lr: float = 1e-2,
-              train: bool = True) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference(make: Callable[[], nn.Module], loss_fn, batches: list[dict], world: int, lr: float = 1e-2,
+              train: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain torch, one process: each step's loss is the mean over the ranks' chunks, each chunk run
     on its own (as fz's ranks do: BatchNorm sees one rank's rows), and the buffers the chunks change
     are averaged (fz's default buffer_sync). Returns (losses, state_dict)."""

@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 import torch.nn as nn
+from helpers import CFG, CLIP, config_error, make_model, max_rel, params_rel, rank_batches, spec
 
 import fz
 import fz.step.train as train_module
 from fz.testing.gpt import lm_loss, synthetic_tokens
 from fz.testing.spawn import run_ranks
-from helpers import CFG, CLIP, config_error, make_model, max_rel, params_rel, rank_batches, spec
 
 WEIGHTED_ROWS = (3, 1)  # rank 0 and rank 1 rows per step with weight_by_rows=True
 STEPS = 3
@@ -111,7 +111,7 @@ def test_ranks_at_different_steps_raise_on_every_rank_naming_them(results):
 
 
 def test_unequal_batches_raise_naming_the_ranks_and_sizes(results):
-    for rank, res in enumerate(results):
+    for res in results:
         assert "rank 0: batch of 2 rows/34 elements" in res["fewer_rows"], res["fewer_rows"]
         assert "rank 1: batch of 1 rows/17 elements" in res["fewer_rows"], res["fewer_rows"]
         assert "rank 1: batch of 2 rows/26 elements" in res["shorter_rows"], res["shorter_rows"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_hooks import arm
+from helpers import make_model, max_rel, rank_batches, reference, spec
 from torch.distributed.tensor import DTensor
 
 import fz
@@ -23,8 +25,6 @@ from fz.ckpt.safetensors_io import load_weights
 from fz.ckpt.tree import opt_leaves
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks
-from ckpt_hooks import arm
-from helpers import make_model, max_rel, rank_batches, reference, spec
 
 WORLD, SAVE_AT, MORE = 2, 6, 6
 STAGES = (0, 1, 2, 3)
@@ -38,7 +38,9 @@ def _batches(world: int):
 
 
 def _moments(state) -> dict:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in opt_leaves(state.opt_state).items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in opt_leaves(state.opt_state).items()
+    }
 
 
 def _snapshot(state) -> dict:

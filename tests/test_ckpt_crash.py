@@ -40,10 +40,11 @@ def _spec():
 
 
 def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool = False) -> None:
-    import fz
-    from fz.ckpt import save, wait_for_checkpoints
     from ckpt_hooks import arm
     from helpers import rank_batches
+
+    import fz
+    from fz.ckpt import save, wait_for_checkpoints
 
     data = rank_batches(1, 1, 4)
     state = fz.init(_model(), _spec())
@@ -71,9 +72,10 @@ def _async_then_exit(root: Path) -> None:
     """An async save still writing (held back 0.3 s) when the program ends: exit waits for it."""
     import atexit
 
+    from ckpt_hooks import arm
+
     import fz
     from fz.ckpt import save
-    from ckpt_hooks import arm
 
     arm("write_begin", "sleep=0.3")
     save(fz.init(_model(), _spec()), root, async_=True)
@@ -123,8 +125,7 @@ def worker(base: Path) -> dict:
 
 def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     import fz
-    from fz.ckpt import restore, save
-    from fz.ckpt import manifest
+    from fz.ckpt import manifest, restore, save
     from fz.ckpt.layout import read_latest
 
     here = Path(__file__).parent  # the child imports the fz this process imported, not an installed one
@@ -169,5 +170,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     import torch._dynamo  # noqa: F401 - imported once here, not in every child (DTensor imports it lazily)
     import torch.distributed.checkpoint  # noqa: F401
+
     import fz.ckpt  # noqa: F401
     print(json.dumps(worker(Path(sys.argv[1]))))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from helpers import CFG, make_model, spec, train_fz
 
 import fz
 from fz.ckpt import PartialRestoreWarning, restore, save
@@ -18,7 +19,6 @@ from fz.ckpt.safetensors_io import load_weights
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.testing.gpt import GPT, GPTConfig
-from helpers import CFG, make_model, spec, train_fz
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -104,7 +104,9 @@ def test_an_unrelated_checkpoint_is_never_adopted_and_the_optimizer_is_named(sma
     with pytest.raises(ConfigError) as e:
         restore(root / "ck", sgd)
     msg = str(e.value)
-    assert "does not match this optimizer (the model matches: the checkpoint was saved with another optimizer" in msg, msg
+    assert "does not match this optimizer (the model matches: the checkpoint was saved with another optimizer" in msg, (
+        msg
+    )
 
 
 def test_master_weights_are_the_source_of_truth(tmp_path):
@@ -160,6 +162,7 @@ def test_checkpointer_steps_validation_and_close(tmp_path):
 
 def test_stream_writer_takes_boxes_in_any_order(tmp_path):
     from safetensors.torch import load_file
+
     from fz.ckpt.safetensors_io import StreamWriter
 
     a, b, c = torch.arange(60.).reshape(3, 4, 5), torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.tensor(7.)

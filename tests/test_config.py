@@ -5,9 +5,8 @@ and Hugging Face Trainer templates (the "auto" style).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,6 +364,7 @@ def test_activation_checkpointing_and_tensorboard():
 
 def _dist_config(rank, world):
     from helpers import make_model, rank_batches
+
     from fz.testing.gpt import lm_loss
     out = {}
     spec = fz.Spec.from_deepspeed(EXAMPLE)  # the world size comes from torch.distributed

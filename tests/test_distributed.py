@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fz.testing.spawn import run_ranks
 from helpers import train_fz
+
+from fz.testing.spawn import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_NUM_THREADS="1")
@@ -25,7 +26,8 @@ rank = int(os.environ["RANK"])
 state, losses = train_fz(rank, 2, 3, 1, steps=4)  # fz.init starts the group: no init_process_group here
 spec = fz.Spec.from_deepspeed({"train_micro_batch_size_per_gpu": 2})
 if rank == 0:
-    print(json.dumps({"world": dist.get_world_size(), "losses": losses, "train_batch": spec.provenance["train_batch_size"][0]}))
+    out = {"world": dist.get_world_size(), "losses": losses, "train_batch": spec.provenance["train_batch_size"][0]}
+    print(json.dumps(out))
 """
 
 
@@ -61,7 +63,9 @@ def test_a_world_size_without_the_rest_is_an_error_and_no_world_size_a_group_of_
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     error, alone = out.stdout.splitlines()
-    assert error == ("error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: start the processes with "
-                     "torchrun (it sets all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set them yourself, or unset "
-                     "WORLD_SIZE to run one process")
+    assert error == (
+        "error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: start the processes with "
+        "torchrun (it sets all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set them yourself, or unset "
+        "WORLD_SIZE to run one process"
+    )
     assert alone == "alone: (0, 1) True"

@@ -1,5 +1,5 @@
-"""Elastic restart under torchrun --max-restarts (the killed run through `fz run`): a run killed at a random step restarts from the
-latest checkpoint and ends with exactly the parameters of an uninterrupted run.
+"""Elastic restart under torchrun --max-restarts (the killed run through `fz run`): a run killed at a
+random step restarts from the latest checkpoint and ends with exactly the parameters of an uninterrupted run.
 
 tests/elastic_job.py resumes from the latest checkpoint; on its first attempt its
 rank 0 SIGKILLs itself before a step drawn at random; torchrun tears the job down and starts it

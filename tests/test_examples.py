@@ -49,8 +49,20 @@ def test_train_gpt_trains_saves_and_resumes_bit_identically(tmp_path):
 
 
 def test_train_gpt_from_a_deepspeed_config(tmp_path):
-    out = torchrun(tmp_path, "train_gpt.py", "--ci", "--steps", "12", "--deepspeed", str(REPO / "examples/ds_config.json"),
-                   "--eval-every", "0", "--offload", "cpu", procs=1)
+    out = torchrun(
+        tmp_path,
+        "train_gpt.py",
+        "--ci",
+        "--steps",
+        "12",
+        "--deepspeed",
+        str(REPO / "examples/ds_config.json"),
+        "--eval-every",
+        "0",
+        "--offload",
+        "cpu",
+        procs=1,
+    )
     assert re.search(r"^stage +config +zero_optimization\.stage +3$", out, re.M)
     assert re.search(r"^grad_accum +config +train_batch_size / \(train_micro_batch_size_per_gpu \* world_size\) +4$",
                      out, re.M)  # 32 / (8 * 1 process)

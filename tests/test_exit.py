@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_model, rank_batches, spec
 
 import fz
-from fz.errors import ConfigError
-from helpers import make_model, rank_batches, spec
 
 HERE = Path(__file__).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
@@ -186,7 +185,7 @@ def test_destroying_the_process_group_right_after_an_async_save_lets_it_commit(t
                                   stderr=subprocess.PIPE, text=True) for r in range(2)]
         outs = [p.communicate(timeout=300) for p in procs]
         (tmp_path / "rdzv").unlink(missing_ok=True)
-        for p, (out, err) in zip(procs, outs):
+        for p, (_out, err) in zip(procs, outs):
             assert (p.returncode != 0) == bool(want), (how, p.returncode, err[-2000:])
         if how == "ok":
             assert sorted(os.listdir(tmp_path / "ok")) == ["latest", "step_1"]

@@ -12,10 +12,10 @@ import weakref
 
 import pytest
 import torch
+from helpers import make_model, params_rel, rank_batches, spec
 
 import fz
 from fz.testing.spawn import run_ranks
-from helpers import make_model, params_rel, rank_batches, spec
 
 CASES = [(1, "cpu", "bf16", 1), (2, "cpu", "fp32", 2), (2, "nvme", "bf16", 1), (3, "cpu", "bf16", 2),
          (3, "cpu-params", "fp32", 1), (3, "nvme-params", "bf16", 2)]
@@ -42,7 +42,9 @@ def _watch(rank, world, root):
         refs.append(weakref.ref(out))
         add(self, index, out)
         acc = self.acc.get(index)  # where no copy is in flight, the host buffer: never the device's storage
-        seen["host_ptrs_shared"] += acc is not None and acc.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        seen["host_ptrs_shared"] += (
+            acc is not None and acc.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        )
 
     def watched_end(self):
         end(self)

@@ -182,5 +182,8 @@ def test_exit_codes_and_signals_are_forwarded(tmp_path):
     p.send_signal(15)
     assert p.wait(timeout=60) == 128 + 15
     time.sleep(1)
-    assert not [ln for ln in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-                if "sleep.py" in ln and "pytest" not in ln], "a node's process outlived the launcher"
+    assert not [
+        ln
+        for ln in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        if "sleep.py" in ln and "pytest" not in ln
+    ], "a node's process outlived the launcher"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 from torch.distributed.device_mesh import init_device_mesh
 
 import fz
 from fz.ckpt.tree import opt_leaves
 from fz.testing.spawn import run_ranks
-from helpers import CFG, make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 
 STEPS, GA, GROUP = 4, 2, 2
 TOL = 1e-5
@@ -121,7 +121,8 @@ def test_2x2_comm_report_separates_intra_and_inter_group_bytes(runs):
             assert {k: v for k, v in payload.items() if k != "scalar"} == intra[stage], stage
             # across groups: one all-reduce of the gradient shards (stage 0: the whole gradient)
             assert inter["all_reduce"] == (4 * psi if stage == 0 else 4 * psi // GROUP), (stage, inter)
-            assert inter.get("scalar", 0) == 8 * (1 + 6 * 4)  # the loss, with each rank's step, rows, elements, call-order checksum, non-finite slots
+            # the loss, with each rank's step, rows, elements, call-order checksum, non-finite slots
+            assert inter.get("scalar", 0) == 8 * (1 + 6 * 4)
         # what crosses groups is 1/group of what 1-D stage 3 reduce-scatters over all four ranks
         assert res["comm", 3][1]["all_reduce"] * GROUP == res["flat3_comm"]["reduce_scatter"]
 

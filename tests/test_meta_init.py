@@ -143,8 +143,9 @@ def _hf_meta_params(rank, world):
 
 def test_a_hugging_face_model_on_meta_gets_its_own_init_the_same_at_every_world_size():
     pytest.importorskip("transformers")
-    from fz.testing.spawn import run_ranks
     from real_nets import hf_model
+
+    from fz.testing.spawn import run_ranks
     one = _hf_meta_params(0, 1)
     two = run_ranks(2, _hf_meta_params, timeout=180)
     for name in ("gpt2", "llama"):
@@ -156,11 +157,17 @@ def test_a_hugging_face_model_on_meta_gets_its_own_init_the_same_at_every_world_
         for k, v in cpu.named_parameters():
             got, want = params[k], v.detach()
             if want.std() > 0:
-                assert abs(float(got.std()) / float(want.std()) - 1) < 0.15, (name, k, float(got.std()), float(want.std()))
+                assert abs(float(got.std()) / float(want.std()) - 1) < 0.15, (
+                    name,
+                    k,
+                    float(got.std()),
+                    float(want.std()),
+                )
             else:
                 assert torch.equal(got, want), (name, k)  # norms' ones, biases' zeros
         for k, v in cpu.named_buffers():
             assert torch.equal(buffers[k], v), (name, k)  # Llama's RoPE table, from HF's init
     gpt2 = one["gpt2"][0]
-    assert abs(float(gpt2["transformer.h.0.attn.c_proj.weight"].std()) - 0.02 / 2) < 2e-3  # GPT-2's scaled residual init
+    # GPT-2's scaled residual init
+    assert abs(float(gpt2["transformer.h.0.attn.c_proj.weight"].std()) - 0.02 / 2) < 2e-3
     assert abs(float(gpt2["transformer.wte.weight"].std()) - 0.02) < 2e-3

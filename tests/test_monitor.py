@@ -7,16 +7,26 @@ import io
 import re
 
 import pytest
-import torch
+from helpers import CFG, MICRO, make_model, rank_batches, spec
 
 import fz
 from fz.testing.spawn import run_ranks
-from helpers import CFG, MICRO, make_model, rank_batches, spec
 
 STEPS, EVERY = 4, 2
 TRAIN = ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps")
 PERF = ("perf/step_time_s", "perf/samples_per_s", "perf/tokens_per_s")
-MEMORY = ("params_mb", "grads_mb", "optimizer_mb", "total_mb", "device_mb", "host_mb", "disk_mb", "peak_rss_mb", "device_peak_mb", "pinned_mb")
+MEMORY = (
+    "params_mb",
+    "grads_mb",
+    "optimizer_mb",
+    "total_mb",
+    "device_mb",
+    "host_mb",
+    "disk_mb",
+    "peak_rss_mb",
+    "device_peak_mb",
+    "pinned_mb",
+)
 
 
 def _train(rank, world, root):
@@ -55,11 +65,16 @@ def test_tensorboard_and_csv_hold_every_scalar(world2):
     assert {r["tag"] for r in rows} == want and {r["step"] for r in rows} == {"2", "4"}
     by = {(r["tag"], r["step"]): float(r["value"]) for r in rows}
     rows_per_step, tokens_per_step = 2 * MICRO, 2 * MICRO * (CFG.seq + 1)
-    assert by["perf/tokens_per_s", "4"] == pytest.approx(by["perf/samples_per_s", "4"] * tokens_per_step / rows_per_step)
+    assert by["perf/tokens_per_s", "4"] == pytest.approx(
+        by["perf/samples_per_s", "4"] * tokens_per_step / rows_per_step
+    )
     assert by["train/loss_scale", "4"] == 2.0**4 and by["train/skipped_steps", "4"] == 0
     assert by["train/grad_norm", "4"] > 0 and by["memory/rank1/optimizer_mb", "4"] > 0
     assert by["memory/rank0/peak_rss_mb", "4"] > by["memory/rank0/total_mb", "4"]
-    assert by["memory/rank0/device_mb", "4"] > 0 and by["memory/rank0/host_mb", "4"] == by["memory/rank0/disk_mb", "4"] == 0
+    assert (
+        by["memory/rank0/device_mb", "4"] > 0
+        and by["memory/rank0/host_mb", "4"] == by["memory/rank0/disk_mb", "4"] == 0
+    )
 
 
 def test_not_a_terminal_gets_plain_lines_and_a_terminal_a_progress_bar(world2, tmp_path):

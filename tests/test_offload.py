@@ -6,7 +6,6 @@ the bad-input cases run in-process at world 1.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -16,12 +15,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
+from helpers import make_model, rank_batches, spec
 
 import fz
-from fz.storage.disk import DiskTensor, load
+from fz.storage.disk import load
 from fz.testing.spawn import run_ranks
-from helpers import make_model, rank_batches, spec
 
 STEPS = 3
 CASES = [(stage, kind, precision) for stage in (1, 2, 3) for kind in ("cpu", "nvme") for precision in ("fp32", "bf16")]
@@ -87,7 +85,9 @@ def _parity(rank, world, root):
             files_while = len(_bin_files(path))
             a, la = fz.train_step(s, b[rank], donate=False)
             bb, lb = fz.train_step(s, b[rank], donate=False)
-            twice = float(la) == float(lb) and all(torch.equal(x, y) for x, y in zip(_full(a).values(), _full(bb).values()))
+            twice = float(la) == float(lb) and all(
+                torch.equal(x, y) for x, y in zip(_full(a).values(), _full(bb).values())
+            )
             del a, bb
         if i == 4:
             s = fz.offload.none()(s)

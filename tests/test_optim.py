@@ -3,23 +3,32 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_model, max_rel, params_rel, rank_batches
 
 import fz
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
-from helpers import make_model, max_rel, params_rel, rank_batches
 
 STEPS = 6
 
 CASES = {
     "sgd": (lambda: fz.optim.sgd(lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
-    "sgd_momentum_wd": (lambda: fz.optim.sgd(lr=0.05, momentum=0.9, weight_decay=0.01),
-                        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01)),
-    "sgd_nesterov": (lambda: fz.optim.sgd(lr=0.05, momentum=0.9, nesterov=True),
-                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
-    "adam_l2": (lambda: fz.optim.adam(lr=1e-2, weight_decay=0.1), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
-    "clip_chain": (lambda: fz.optim.chain(fz.optim.clip_by_global_norm(0.5), fz.optim.adamw(lr=1e-2)),
-                   lambda p: torch.optim.AdamW(p, lr=1e-2)),
+    "sgd_momentum_wd": (
+        lambda: fz.optim.sgd(lr=0.05, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    ),
+    "sgd_nesterov": (
+        lambda: fz.optim.sgd(lr=0.05, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    ),
+    "adam_l2": (
+        lambda: fz.optim.adam(lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+    ),
+    "clip_chain": (
+        lambda: fz.optim.chain(fz.optim.clip_by_global_norm(0.5), fz.optim.adamw(lr=1e-2)),
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+    ),
 }
 
 

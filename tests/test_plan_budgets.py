@@ -6,13 +6,12 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
+from real_nets import llama_3b
 
 import fz
 from fz.planning import machine
 from fz.planning.ladder import candidates
 from fz.planning.render import plan_report, spec_python
-from real_nets import llama_3b
 
 pytest.importorskip("transformers")
 

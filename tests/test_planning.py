@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
+from peak_worker import measure, measure_plan
 
 import fz
 from fz.config.export import to_deepspeed
 from fz.planning.ladder import candidates
 from fz.testing.gpt import GPT, GPTConfig, lm_loss
 from fz.testing.spawn import run_ranks
-from peak_worker import measure, measure_plan
 
 SMALL = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=3)
 MID = {"vocab": 4096, "seq": 128, "dim": 512, "heads": 8, "layers": 8}  # 27M params: states dominate noise
@@ -30,8 +30,12 @@ def _configs(path):
             out.append((stage, prec, None, None))
         if stage:
             out.append((stage, "bf16", fz.offload.cpu(), None))
-    out += [(3, "fp32", fz.offload.nvme(path, params=True, buffer_mb=1), None), (3, "bf16", fz.offload.cpu(params=True), None),
-            (3, "bf16", None, 2), (2, "fp32", None, 2)]
+    out += [
+        (3, "fp32", fz.offload.nvme(path, params=True, buffer_mb=1), None),
+        (3, "bf16", fz.offload.cpu(params=True), None),
+        (3, "bf16", None, 2),
+        (2, "fp32", None, 2),
+    ]
     return out
 
 
@@ -42,7 +46,9 @@ def _compare(rank, world, path):
     for stage, prec, off, group in _configs(os.path.join(path, f"r{rank}")):
         if group is not None and world % group:
             continue
-        spec = fz.Spec(stage=stage, precision=prec, offload=off, shard_group_size=group, loss_fn=lm_loss, bucket_mb=0.01)
+        spec = fz.Spec(
+            stage=stage, precision=prec, offload=off, shard_group_size=group, loss_fn=lm_loss, bucket_mb=0.01
+        )
         r = fz.memory_report(fz.init(_meta(), spec))
         e = fz.estimate(_meta(), spec=spec, world_size=world)
         out.append(((stage, prec, off and (off.optimizer, off.params), group),
@@ -64,10 +70,12 @@ def test_peak_within_10_percent(tmp_path, monkeypatch):
     would count freed memory too: a fixed threshold makes RSS follow the live bytes."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     nvme_gpt = dict(MID, vocab=1024)
-    runs = [(1, dict(stage=3, precision="bf16", micro=8, gpt=MID)),
-            (1, dict(stage=0, precision="fp32", micro=16, ac=True, gpt=MID)),
-            (1, dict(stage=3, precision="bf16", micro=2, offload="nvme", buffer_mb=12, path=str(tmp_path), gpt=nvme_gpt)),
-            (2, dict(stage=2, precision="bf16", micro=2, gpt=MID))]
+    runs = [
+        (1, dict(stage=3, precision="bf16", micro=8, gpt=MID)),
+        (1, dict(stage=0, precision="fp32", micro=16, ac=True, gpt=MID)),
+        (1, dict(stage=3, precision="bf16", micro=2, offload="nvme", buffer_mb=12, path=str(tmp_path), gpt=nvme_gpt)),
+        (2, dict(stage=2, precision="bf16", micro=2, gpt=MID)),
+    ]
     for world, cfg in runs:
         for r in run_ranks(world, measure, dict(cfg, steps=2), timeout=240):
             assert abs(r["peak"] - r["predicted"]) <= 0.10 * r["peak"], (cfg, r)
@@ -98,7 +106,7 @@ def test_seed_table_raw_counts():
                          "  per CPU  |  per GPU |   Options"]
     assert len(lines) == 4 + 2 * (5 + 3 + 3 + 1)  # zero_init 1/0 x the offload options of stages 3, 2, 1, 0
     psi, layer, gb = 2783e6, 65e6, 2**30
-    row = {l.split("| ")[2]: l for l in lines[4:]}
+    row = {line.split("| ")[2]: line for line in lines[4:]}
     def cols(key):
         cpu, gpu = row[key].split("|")[:2]
         return float(cpu.strip()[:-2]) * gb, float(gpu.strip()[:-2]) * gb
@@ -112,7 +120,8 @@ def test_seed_table_raw_counts():
     # offloaded optimizer: gradients go to the host as they are reduced (fp32: 4Ψ there); on one GPU the
     # device holds the gathered layer (L x 2 B) and the gradient copy in flight (L x 2 B)
     cpu, gpu = cols("stage=3, offload_param=cpu , offload_optimizer=cpu , zero_init=1")
-    assert cpu == pytest.approx(18 * psi, rel=1e-3) and gpu == pytest.approx(4 * layer, abs=0.005 * gb)  # the table's 0.01 GB
+    # the table's 0.01 GB
+    assert cpu == pytest.approx(18 * psi, rel=1e-3) and gpu == pytest.approx(4 * layer, abs=0.005 * gb)
     assert gpu <= 0.5 * gb and cpu <= 70e9  # issue 22: DeepSpeed's class (0.25 GB / 70 GB)
     cpu, gpu = cols("stage=3, offload_param=none, offload_optimizer=cpu , zero_init=1")
     assert cpu == pytest.approx(16 * psi, rel=1e-3) and gpu == pytest.approx(2 * psi + 4 * layer, abs=0.005 * gb)
@@ -135,7 +144,8 @@ def test_t0_3b_with_parameters_offloaded_holds_no_root():
                       feed_forward_proj="gated-gelu")
     with torch.device("meta"):
         t0 = tr.T5ForConditionalGeneration(cfg)
-        t0.lm_head.weight = torch.nn.Parameter(torch.empty(32128, 2048))  # transformers 5 ties T5's head; T0_3B's is not
+        # transformers 5 ties T5's head; T0_3B's is not
+        t0.lm_head.weight = torch.nn.Parameter(torch.empty(32128, 2048))
     emb, bucket = 32128 * 2048, int(25 * 2**20 / 4)
     spec = fz.Spec(stage=3, precision="bf16", offload=fz.offload.cpu(params=True))
     fetched, held = fz.estimate(t0, spec=spec), fz.estimate(t0, spec=spec.replace(offload=fz.offload.cpu()))
@@ -176,7 +186,10 @@ def test_the_chosen_plan_runs_within_its_budget(tmp_path, monkeypatch):
     plan chosen in each fresh process trains, and its ranks' measured peaks stay within the budget."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS follows the live bytes (see the peak test)
     model = _meta(GPTConfig(**MID))
-    for world, rung, want in ((2, "ZeRO-2", (2, None)), (1, "ZeRO-3 + optimizer and parameter offload (NVMe)", (3, "disk"))):
+    for world, rung, want in (
+        (2, "ZeRO-2", (2, None)),
+        (1, "ZeRO-3 + optimizer and parameter offload (NVMe)", (3, "disk")),
+    ):
         found, _ = candidates(model, base=fz.Spec(loss_fn=lm_loss, clip_grad_norm=1.0), world_size=world,
                               micro_batch=2, seq_len=MID["seq"] + 1, nvme_path=str(tmp_path), stop_at_first=False,
                               disk_budget=2**40)
@@ -205,7 +218,10 @@ def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):
 
 def test_cli_estimate_raw_counts(capsys):
     from fz.cli import main
-    assert main(["estimate", "--params", "2.8e9", "--largest-layer", "65e6", "--gpus-per-node", "8", "--nodes", "1"]) == 0
+
+    assert (
+        main(["estimate", "--params", "2.8e9", "--largest-layer", "65e6", "--gpus-per-node", "8", "--nodes", "1"]) == 0
+    )
     out = capsys.readouterr().out
     assert "HW: Setup with 1 node, 8 GPUs per node." in out and "SW: Model with 2800M total params" in out
     assert main(["estimate", "--params", "2.8e9"]) == 2

@@ -77,7 +77,9 @@ def test_readme_commands_use_the_venv_and_existing_examples():
     lines = [ln for lang, code in blocks() if lang == "bash" for ln in code.splitlines() if ln.strip()]
     setup, test = lines[0], lines[1]
     for cmd in (setup, test):
-        assert cmd.startswith("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install")
+        assert cmd.startswith(
+            "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install"
+        )
     assert setup.endswith(".venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py")
     ci = (REPO / ".ci" / "run").read_text()
     assert test in ci  # CI runs exactly the README's test command

@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import max_rel
+from real_nets import (
+    CheckpointsInside,
+    MoE,
+    Readers,
+    ReadsWeight,
+    TinyResNet,
+    images,
+    moe_loss,
+    mse,
+    points,
+    reference,
+    routed,
+    xent,
+)
 
 import fz
 from fz.ckpt.export import consolidate
-from helpers import max_rel
-from real_nets import (CheckpointsInside, MoE, Readers, ReadsWeight, TinyResNet, images, moe_loss, mse, points,
-                       reference, routed, xent)
 
 
 def _spec(stage: int, loss_fn, **kw) -> fz.Spec:
@@ -44,7 +56,9 @@ def test_parents_read_iterate_unpack_and_index_their_blocks():
 
 def test_what_fz_holds_apart_is_a_config_error_naming_the_block_and_the_fix():
     state = fz.init(_seeded(ReadsWeight)(), _spec(3, mse))
-    with pytest.raises(fz.ConfigError, match=r"reads parameter 'blocks.0.attn.weight' of block 'blocks.0'.*Spec\(wrap="):
+    with pytest.raises(
+        fz.ConfigError, match=r"reads parameter 'blocks.0.attn.weight' of block 'blocks.0'.*Spec\(wrap="
+    ):
         fz.train_step(state, points(0, 8))
     seq = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), torch.nn.Linear(8, 1))
     state = fz.init(seq, fz.Spec(loss_fn=lambda m, b: sum(part(b).sum() for part in m[0])))
@@ -77,14 +91,16 @@ def test_train_step_trains_and_eval_step_and_apply_evaluate_whatever_the_mode_at
     before = {n: b.clone() for n, b in state.buffers.items()}
     dropped.eval()
     batch = images(5, 8)
-    assert abs(float(fz.eval_step(state, batch)) - float(xent(dropped, batch).detach())) < 1e-6  # dropout off, running stats
+    # dropout off, running stats
+    assert abs(float(fz.eval_step(state, batch)) - float(xent(dropped, batch).detach())) < 1e-6
     assert torch.allclose(fz.apply(state, batch["x"]), dropped(batch["x"]), atol=1e-6)
     dropped.train()
     with torch.random.fork_rng():
         torch.set_rng_state(state.rng)
         train_out = dropped(batch["x"])
     assert torch.allclose(fz.apply(state, batch["x"], train=True), train_out, atol=1e-6)  # the state's generator
-    assert [n for n, b in state.buffers.items() if not torch.equal(before[n], b)] == []  # no buffer changed by any of them
+    # no buffer changed by any of them
+    assert [n for n, b in state.buffers.items() if not torch.equal(before[n], b)] == []
 
 
 def test_donate_false_leaves_the_old_states_buffers_alone():

@@ -8,12 +8,26 @@ import warnings
 
 import pytest
 import torch
+from helpers import max_rel
+from real_nets import (
+    CheckpointsInside,
+    MoE,
+    Readers,
+    TinyResNet,
+    hf_loss,
+    hf_model,
+    images,
+    moe_loss,
+    mse,
+    points,
+    reference,
+    routed,
+    tokens,
+    xent,
+)
 
 import fz
-from helpers import max_rel
 from fz.testing.spawn import run_ranks
-from real_nets import (CheckpointsInside, MoE, Readers, TinyResNet, hf_loss, hf_model, images, moe_loss, mse, points,
-                       reference, routed, tokens, xent)
 
 pytest.importorskip("transformers")
 STAGES, HF, ROWS = (0, 1, 2, 3), ("gpt2", "llama", "bert", "t5"), 8

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import max_rel, params_rel
+from real_nets import hf_loss, hf_model, mse, points, reference, tokens
 
 import fz
 from fz.model import standin
 from fz.testing.spawn import run_ranks
-from helpers import max_rel, params_rel
-from real_nets import hf_loss, hf_model, mse, points, reference, tokens
 
 VOCAB, DIM, SEQ, DEPTH, ROWS, STEPS = 512, 16, 8, 4, 4, 3
 HF = ("gpt2", "llama_tied", "t5", "bert")
@@ -209,7 +209,7 @@ def test_in_the_middle_of_the_model_the_embedding_and_head_are_not_gathered(runs
 def test_fetching_the_root_per_use_is_bit_identical_and_follows_the_reference(runs):
     world, results = runs
     for tied in (False, True):
-        want, ref = reference(lambda: plain(tied), lm_loss, batches(world), world)
+        want, ref = reference(lambda: plain(tied), lm_loss, batches(world), world)  # noqa: B023 - called at once
         for res in results:
             for precision in ("fp32", "bf16"):
                 base = res[tied, precision, "memory"]

@@ -13,8 +13,17 @@ import pytest
 import torch
 
 import fz
-from fz.optim import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, constant, cosine, linear,
-                      warmup_linear)
+from fz.optim import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    constant,
+    cosine,
+    linear,
+    warmup_linear,
+)
 
 L = math.log
 CASES = {

@@ -9,13 +9,12 @@ losses match a single-process run's.
 """
 from __future__ import annotations
 
-import pytest
 import torch
+from helpers import rank_batches, spec
 
 import fz
 from fz.testing.gpt import GPT, GPTConfig
 from fz.testing.spawn import run_ranks
-from helpers import rank_batches, spec
 
 ODD = GPTConfig(vocab=63, seq=16, dim=32, heads=2, layers=2)  # 63 embedding rows over 2 ranks: padded
 
@@ -35,7 +34,7 @@ def _gathers(rank, world):
             for per_rank in rank_batches(world, 1, 3, cfg=ODD):
                 state, loss = fz.train_step(state, per_rank[rank])
                 sync = next(t._local_tensor._sync for t in state.param_flats if isinstance(t._local_tensor, Arriving))
-                for b, flat, full, (work, shard) in sync.inflight:
+                for b, flat, full, (_work, shard) in sync.inflight:
                     leaf = state.param_flats[b.index]._local_tensor
                     checked.append(dict(
                         padded=b.padded_numel != b.full_numel, slots=len(b.slots),

@@ -23,15 +23,14 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any
 
-
-from fz.distributed import guards, peers
-from fz.distributed.arrival import arrive
 from fz.background import on_next_call
 from fz.ckpt import loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
+from fz.distributed import guards, peers
+from fz.distributed.arrival import arrive
 from fz.errors import CheckpointError, ConfigError
 from fz.state import State
 
@@ -39,7 +38,7 @@ _lock = threading.Lock()
 # Checkpointers with an async save nobody has waited for yet. Strong references: a
 # Checkpointer dropped right after save(async) still commits, and its error still surfaces
 # in wait_for_checkpoints() (and at exit).
-_unwaited: Set["Checkpointer"] = set()
+_unwaited: set[Checkpointer] = set()
 
 
 class _Pending:
@@ -78,7 +77,7 @@ def _note(err: BaseException, text: str) -> None:
         err.add_note(text)
 
 
-def _check_keep_last(keep_last: Optional[int], who: str) -> None:
+def _check_keep_last(keep_last: int | None, who: str) -> None:
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ConfigError(f"{who} keep_last={keep_last!r}: must be None or an integer >= 1")
 
@@ -95,19 +94,19 @@ class Checkpointer:
     signed with it and restores refuse a checkpoint it did not sign (fz/ckpt/signing.py).
     """
 
-    def __init__(self, root: PathLike, keep_last: Optional[int] = None, async_: bool = False, verbose: bool = True,
+    def __init__(self, root: PathLike, keep_last: int | None = None, async_: bool = False, verbose: bool = True,
                  key: signing.Key = None):
         _check_keep_last(keep_last, "Checkpointer")
         self.root, self.keep_last, self.async_, self.verbose = Path(root), keep_last, bool(async_), verbose
         self._key = signing.resolve(key)  # never printed: __repr__ leaves it out
         self._groups = GroupCache()
-        self._pending: Optional[_Pending] = None
+        self._pending: _Pending | None = None
         self._closed = False
         self._who = "Checkpointer."
 
     @classmethod
-    def _for_functions(cls, root: PathLike, keep_last: Optional[int] = None, async_: bool = False,
-                       groups: Optional[GroupCache] = None, key: signing.Key = None) -> "Checkpointer":
+    def _for_functions(cls, root: PathLike, keep_last: int | None = None, async_: bool = False,
+                       groups: GroupCache | None = None, key: signing.Key = None) -> Checkpointer:
         """One call of the function API: its messages say fz.save / fz.restore, and it shares
         one group with every other call (they never overlap: each first waits for all saves)."""
         _check_keep_last(keep_last, "fz.save")
@@ -120,7 +119,7 @@ class Checkpointer:
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, keep_last={self.keep_last}, async_={self.async_})"
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -145,7 +144,7 @@ class Checkpointer:
         if self._closed:
             raise ConfigError(f"{self!r} is closed: {what} needs a new Checkpointer")
 
-    def save(self, state: State, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
+    def save(self, state: State, *, step: int | None = None, client_state: dict[str, Any] | None = None,
              client_state_per_rank: bool = False) -> None:
         """Write `state` (and `client_state`) as `root/step_<N>`, N = `step` or the state's step.
 
@@ -181,8 +180,8 @@ class Checkpointer:
             self._pending = pending
             _unwaited.add(self)
 
-    def restore(self, state: State, *, step: Optional[int] = None, strict: bool = True,
-                with_client_state: bool = False) -> Union[State, Tuple[State, Dict[str, Any]]]:
+    def restore(self, state: State, *, step: int | None = None, strict: bool = True,
+                with_client_state: bool = False) -> State | tuple[State, dict[str, Any]]:
         """Load the latest committed step (or `step`) into the template `state`, which is donated.
 
         Any world size, ZeRO stage or precision: the template says which. A damaged checkpoint
@@ -191,7 +190,7 @@ class Checkpointer:
         """
         return self._restore(state, step, strict, with_client_state, stacklevel=4)
 
-    def _restore(self, state: State, step: Optional[int], strict: bool, with_client_state: bool, stacklevel: int):
+    def _restore(self, state: State, step: int | None, strict: bool, with_client_state: bool, stacklevel: int):
         state.check_alive(f"{self._who}restore")
         self._check_open("restore")
         self.wait()
@@ -231,7 +230,7 @@ class Checkpointer:
                 if self._pending is None:
                     _unwaited.discard(self)
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         """The step `latest` names, else the newest committed one, else None. Reads the
         directory only (no collective); a pending async save counts once committed."""
         name = read_latest(self.root)
@@ -240,7 +239,7 @@ class Checkpointer:
         steps = committed_steps(self.root)
         return steps[-1] if steps else None
 
-    def all_steps(self) -> List[int]:
+    def all_steps(self) -> list[int]:
         """Committed steps under the root, ascending (no collective)."""
         return committed_steps(self.root)
 
@@ -255,7 +254,7 @@ def wait_for_checkpoints() -> None:
     raise the first error, after waiting for all of them."""
     with _lock:
         waiting = list(_unwaited)
-    first: Optional[BaseException] = None
+    first: BaseException | None = None
     for ckpt in waiting:
         try:
             ckpt.wait()
@@ -327,8 +326,8 @@ def _install_exit_guards() -> None:
 _FUNCTION_GROUPS = GroupCache()
 
 
-def save(state: State, path: PathLike, *, step: Optional[int] = None, client_state: Optional[Dict[str, Any]] = None,
-         async_: bool = False, keep_last: Optional[int] = None, client_state_per_rank: bool = False,
+def save(state: State, path: PathLike, *, step: int | None = None, client_state: dict[str, Any] | None = None,
+         async_: bool = False, keep_last: int | None = None, client_state_per_rank: bool = False,
          key: signing.Key = None) -> None:
     """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
 
@@ -347,8 +346,8 @@ def save(state: State, path: PathLike, *, step: Optional[int] = None, client_sta
     ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
-def restore(path: PathLike, state: State, *, step: Optional[int] = None, strict: bool = True,
-            with_client_state: bool = False, key: signing.Key = None) -> Union[State, Tuple[State, Dict[str, Any]]]:
+def restore(path: PathLike, state: State, *, step: int | None = None, strict: bool = True,
+            with_client_state: bool = False, key: signing.Key = None) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
 
     Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of

@@ -12,7 +12,7 @@ import pickletools
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,8 +52,8 @@ class _Slice:
 def _parse(data: bytes) -> Any:
     """The value a torch.save pickle builds, as inert tuples: ('global', module, name),
     ('pid', tuple), ('call', func, args). Opcodes beyond plain data and one call are refused."""
-    stack: List[Any] = []
-    marks: List[int] = []
+    stack: list[Any] = []
+    marks: list[int] = []
     memo = {}
     for op, arg, _ in pickletools.genops(data):
         name = op.name
@@ -92,7 +92,7 @@ def _parse(data: bytes) -> Any:
     raise ValueError("no STOP opcode")
 
 
-def _contiguous(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
+def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
     out, n = [], 1
     for s in reversed(sizes):
         out.append(n)
@@ -100,7 +100,7 @@ def _contiguous(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: Tuple[int, ...]) -> Tensor:
+def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Tensor:
     """The chunk of `sizes` and `dtype` stored at [at, at + length) of `path`."""
     try:
         with open(path, "rb") as f:
@@ -115,7 +115,7 @@ def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: Tupl
                           f"({type(e).__name__}: {e})") from e
 
 
-def _read(f, at: int, length: int, dtype: torch.dtype, sizes: Tuple[int, ...]) -> Tensor:
+def _read(f, at: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Tensor:
     z = zipfile.ZipFile(_Slice(f, at, length))
     names = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
     pkl = names.get("data.pkl")
@@ -159,7 +159,7 @@ def _read(f, at: int, length: int, dtype: torch.dtype, sizes: Tuple[int, ...]) -
     return storage.as_strided(size, stride, offset)
 
 
-def _numel(size: Tuple[int, ...]) -> int:
+def _numel(size: tuple[int, ...]) -> int:
     n = 1
     for s in size:
         n *= s

@@ -7,7 +7,7 @@ drops it: peak host memory stays near the largest chunk (plus its cast copy), no
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ def _name(key: str) -> str:
     return key.split("/", 1)[1]
 
 
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def _dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
     if name not in PRECISIONS:
@@ -35,7 +35,7 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return PRECISIONS[name]
 
 
-def _verify(d: Path, progress: Optional[bool], key: Optional[bytes]) -> None:
+def _verify(d: Path, progress: bool | None, key: bytes | None) -> None:
     files = manifest.read(d, key)
     manifest.check_sizes(d, files)
     bar = Progress(sum(f["size"] for f in files.values()), "verify     ", enabled=progress)
@@ -43,8 +43,8 @@ def _verify(d: Path, progress: Optional[bool], key: Optional[bytes]) -> None:
     bar.close()
 
 
-def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, step: Optional[int] = None,
-                verify: bool = True, progress: Optional[bool] = None, key: signing.Key = None) -> Dict[str, Any]:
+def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step: int | None = None,
+                verify: bool = True, progress: bool | None = None, key: signing.Key = None) -> dict[str, Any]:
     """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
 
     Names are the canonical parameter names, then the buffers of the model's state_dict (its
@@ -84,10 +84,11 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
 
     try:
         for k in names:
-            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))
+            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))  # noqa: B008 - binds this k
         writer.close()
     except BaseException as e:
-        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)  # before abort
+        # before abort
+        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)
         writer.abort()
         if full is not None:
             raise full from e
@@ -97,13 +98,13 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: Optional[str] = None, s
     return {"checkpoint": str(d), "out": str(out), "tensors": len(names), "bytes": total, "chunks": reader.chunks}
 
 
-def inspect(ckpt: PathLike, *, step: Optional[int] = None, verify: bool = True,
-            progress: Optional[bool] = None, key: signing.Key = None) -> Dict[str, Any]:
+def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
+            progress: bool | None = None, key: signing.Key = None) -> dict[str, Any]:
     """What a checkpoint holds (from fz.json), whether its manifest is signed, and whether it
     verifies (with a `key`, or FZ_CKPT_KEY: its signature too)."""
     d = resolve(ckpt, step)
     key = signing.resolve(key)
-    info: Dict[str, Any] = {"path": str(d), "key": key is not None}
+    info: dict[str, Any] = {"path": str(d), "key": key is not None}
     try:
         info["signed"] = manifest.is_signed(d)
     except ConfigError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from fz.sharding.settle import Handle
 from fz.state import State
 
 
-def state_ranks(state: State) -> Tuple[int, ...]:
+def state_ranks(state: State) -> tuple[int, ...]:
     """The global ranks holding `state`: the only thing checkpoints need from its plan."""
     return tuple(state.plan.ranks)
 
@@ -36,9 +36,9 @@ class GroupCache:
     """
 
     def __init__(self) -> None:
-        self._groups: Dict[Tuple[int, ...], Tuple[Any, Any]] = {}
+        self._groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
-    def get(self, ranks: Tuple[int, ...], timeout_s: float = 600.0):
+    def get(self, ranks: tuple[int, ...], timeout_s: float = 600.0):
         default = dist.distributed_c10d._get_default_group()
         hit = self._groups.get(ranks)
         if hit is not None and hit[0] is default:
@@ -53,7 +53,7 @@ def _message(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if not isinstance(err, ConfigError) else str(err)
 
 
-def exchange(group, value: Any, err: Optional[BaseException], what: str) -> List[Any]:
+def exchange(group, value: Any, err: BaseException | None, what: str) -> list[Any]:
     """All-gather `value` from every rank; if any rank reports an error, every rank raises.
 
     The rank that failed re-raises its own exception; the others raise a ConfigError
@@ -74,7 +74,7 @@ def exchange(group, value: Any, err: Optional[BaseException], what: str) -> List
     return [v for v, _ in out]
 
 
-def _all_gather_json(group, world: int, value: Any) -> List[Any]:
+def _all_gather_json(group, world: int, value: Any) -> list[Any]:
     """Every rank's JSON-able `value` (all_gather_object without pickle, and settled: see
     fz/sharding/settle.py; a save's last collective is often a job's last)."""
     mine = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
@@ -90,11 +90,11 @@ def _all_gather_json(group, world: int, value: Any) -> List[Any]:
     return [json.loads(bytes(rows[r, :int(sizes[r])].numpy()).decode()) for r in range(world)]
 
 
-def agree(group, err: Optional[BaseException], what: str) -> None:
+def agree(group, err: BaseException | None, what: str) -> None:
     exchange(group, None, err, what)
 
 
-def run_local(fn, *args: Any) -> Tuple[Any, Optional[BaseException]]:
+def run_local(fn, *args: Any) -> tuple[Any, BaseException | None]:
     """(fn(*args), None), or (None, the exception) for `exchange` to share."""
     try:
         return fn(*args), None

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -30,9 +36,9 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-def index_of(md: Metadata) -> Dict[str, Any]:
+def index_of(md: Metadata) -> dict[str, Any]:
     """The JSON-able index of DCP's global metadata (as `dcp.save` returns it on rank 0)."""
-    chunks: Dict[str, List[dict]] = {}
+    chunks: dict[str, list[dict]] = {}
     for idx, info in (md.storage_data or {}).items():
         if info.transform_descriptors:
             raise CheckpointError(f"fz.save: DCP stored {idx.fqn!r} with transforms {info.transform_descriptors}; "
@@ -54,7 +60,7 @@ def index_of(md: Metadata) -> Dict[str, Any]:
     return {"format": INDEX_FORMAT, "tensors": tensors}
 
 
-def read_index(directory: Path) -> Dict[str, Any]:
+def read_index(directory: Path) -> dict[str, Any]:
     """index.json of a checkpoint, checked for shape (never DCP's pickled .metadata)."""
     path = Path(directory) / INDEX
     if not path.exists():
@@ -86,12 +92,19 @@ def _check(index: Any) -> None:
             if any(len(f) != ndim or any(not isinstance(n, int) or n < 0 for n in f) for f in fields) \
                     or any(o + s > n for o, s, n in zip(c["offsets"], c["sizes"], t["size"])):
                 raise ValueError(f"{key!r}: chunk {c!r} does not fit size {t['size']!r}")
-            if not isinstance(c["file"], str) or "/" in c["file"] or c["file"].startswith(".") \
-                    or not isinstance(c["at"], int) or not isinstance(c["length"], int) or c["at"] < 0 or c["length"] < 0:
+            if (
+                not isinstance(c["file"], str)
+                or "/" in c["file"]
+                or c["file"].startswith(".")
+                or not isinstance(c["at"], int)
+                or not isinstance(c["length"], int)
+                or c["at"] < 0
+                or c["length"] < 0
+            ):
                 raise ValueError(f"{key!r}: bad location {c!r}")
 
 
-def metadata_of(index: Dict[str, Any]) -> Metadata:
+def metadata_of(index: dict[str, Any]) -> Metadata:
     """DCP's Metadata, rebuilt from the index (for DCP's planners)."""
     sd, storage = {}, {}
     for key, t in index["tensors"].items():

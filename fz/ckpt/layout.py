@@ -17,11 +17,11 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any
 
 from fz.errors import CheckpointError, ConfigError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "fz.json"
@@ -85,7 +85,7 @@ def _no_space(err: BaseException) -> bool:
     return False
 
 
-def disk_full(path: PathLike, err: BaseException) -> Optional[ConfigError]:
+def disk_full(path: PathLike, err: BaseException) -> ConfigError | None:
     """The error to raise instead of `err`, a failed write to `path`, when the disk is full: a
     full disk surfaces as many errors (torch.save's "unexpected pos 704 vs 598", ENOSPC, ...),
     so the free space is checked when a write fails. None when there is room."""
@@ -103,7 +103,7 @@ def disk_full(path: PathLike, err: BaseException) -> Optional[ConfigError]:
                        f"the filesystem holding {probe}): {cause}")
 
 
-def read_latest(root: Path) -> Optional[str]:
+def read_latest(root: Path) -> str | None:
     try:
         name = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
     except FileNotFoundError:
@@ -113,7 +113,7 @@ def read_latest(root: Path) -> Optional[str]:
     return name
 
 
-def committed_steps(root: Path) -> List[int]:
+def committed_steps(root: Path) -> list[int]:
     """Steps with a committed directory (a name without .tmp/.del and a manifest), ascending."""
     if not root.is_dir():
         return []
@@ -125,7 +125,7 @@ def committed_steps(root: Path) -> List[int]:
     return sorted(out)
 
 
-def resolve(path: PathLike, step: Optional[int] = None) -> Path:
+def resolve(path: PathLike, step: int | None = None) -> Path:
     """The checkpoint directory to read: `step_<step>`, else what `latest` names, else the newest.
 
     `path` may also be a step directory itself.

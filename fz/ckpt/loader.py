@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,15 +22,15 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fz.rng import seeded
 from fz.ckpt import manifest
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
-from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.index import SafeReader
+from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
+from fz.rng import seeded
 from fz.state import State, block_until_ready
 
 _SHOWN = 5
@@ -40,7 +40,7 @@ class PartialRestoreWarning(UserWarning):
     """restore(strict=False) skipped tensors that the checkpoint and the template do not share;
     `.skipped` lists every one (the message shows the first few)."""
 
-    def __init__(self, message: str, skipped: Tuple[str, ...] = ()):
+    def __init__(self, message: str, skipped: tuple[str, ...] = ()):
         super().__init__(message)
         self.skipped = skipped
 
@@ -53,7 +53,7 @@ def _kind(line: str) -> str:
     return next((name for prefix, name in _KINDS if key.startswith(prefix)), "state")
 
 
-def _mismatch_title(lines: List[str]) -> str:
+def _mismatch_title(lines: list[str]) -> str:
     """'this model', or 'this optimizer (the model matches)': what the differences are about."""
     kinds = list(dict.fromkeys(_kind(line) for line in lines))
     title = " and ".join(f"this {k}" for k in kinds)
@@ -64,7 +64,7 @@ def _mismatch_title(lines: List[str]) -> str:
     return title
 
 
-def _verify(path: PathLike, step: Optional[int], rank: int, world: int, key: Optional[bytes]) -> Path:
+def _verify(path: PathLike, step: int | None, rank: int, world: int, key: bytes | None) -> Path:
     """Resolve the directory; the signature (given a key) and sizes on every rank, checksums
     split across ranks."""
     d = resolve(path, step)
@@ -74,7 +74,7 @@ def _verify(path: PathLike, step: Optional[int], rank: int, world: int, key: Opt
     return d
 
 
-def _differences(target: Dict[str, Tensor], saved: Dict[str, Any]) -> Tuple[List[str], set]:
+def _differences(target: dict[str, Tensor], saved: dict[str, Any]) -> tuple[list[str], set]:
     """Human-readable mismatches and the template keys they concern."""
     lines, bad = [], set()
     for k, t in target.items():
@@ -111,7 +111,7 @@ def _params_from_master(state: State) -> None:
         p._local_tensor.copy_(src.to_local())
 
 
-def _template(state: State, saved: Dict[str, Any]) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], Any]:
+def _template(state: State, saved: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor], Any]:
     """The tensors to load into: the state's (in place), fresh buffers, a copy of the scaler."""
     # what restore fills besides entries(state)
     target = dict(entries(state))
@@ -127,9 +127,9 @@ def _template(state: State, saved: Dict[str, Any]) -> Tuple[Dict[str, Tensor], D
     return target, buffers, scaler
 
 
-def load(state: State, path: PathLike, group, *, step: Optional[int] = None, strict: bool = True,
+def load(state: State, path: PathLike, group, *, step: int | None = None, strict: bool = True,
          with_client_state: bool = False, who: str = "restore", stacklevel: int = 2,
-         key: Optional[bytes] = None) -> Union[State, Tuple[State, Dict[str, Any]]]:
+         key: bytes | None = None) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`
     over `group`; every rank calls it (the Checkpointer has checked the state and waited).
 

@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from fz.ckpt import signing
 from fz.ckpt.layout import MANIFEST, write_durable
@@ -22,7 +22,7 @@ ALGORITHM = "crc32"
 _BLOCK = 4 << 20
 
 
-def file_checksum(path: Path, algorithm: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> str:
+def file_checksum(path: Path, algorithm: str | None = None, progress: Callable[[int], None] | None = None) -> str:
     """Hex checksum of a file, read in 4 MiB blocks (bounded memory)."""
     crc, h = 0, (hashlib.sha256() if (algorithm or ALGORITHM) == "sha256" else None)
     buf = bytearray(_BLOCK)
@@ -41,18 +41,18 @@ def file_checksum(path: Path, algorithm: Optional[str] = None, progress: Optiona
     return h.hexdigest() if h is not None else f"{crc:08x}"
 
 
-def describe(directory: Path, names: Iterable[str], algorithm: Optional[str] = None) -> Dict[str, dict]:
+def describe(directory: Path, names: Iterable[str], algorithm: str | None = None) -> dict[str, dict]:
     """{name: {"size", "checksum", "algorithm"}} for files of `directory` (crc32 unless `algorithm`)."""
     alg = algorithm or ALGORITHM
     return {n: {"size": os.path.getsize(directory / n), "checksum": file_checksum(directory / n, alg), "algorithm": alg}
             for n in names}
 
 
-def _table_crc(files: Dict[str, dict]) -> str:
+def _table_crc(files: dict[str, dict]) -> str:
     return f"{zlib.crc32(json.dumps(files, sort_keys=True).encode()):08x}"
 
 
-def write(directory: Path, files: Dict[str, dict], key: Optional[bytes] = None) -> None:
+def write(directory: Path, files: dict[str, dict], key: bytes | None = None) -> None:
     """The manifest, signed when a `key` is given (its files' checksums must then be sha256)."""
     body = {"files": files, "table_crc": _table_crc(files)}
     if key is not None:
@@ -60,7 +60,7 @@ def write(directory: Path, files: Dict[str, dict], key: Optional[bytes] = None) 
     write_durable(directory / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
 
 
-def _body(directory: Path) -> Tuple[dict, Dict[str, dict]]:
+def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
     p = directory / MANIFEST
     try:
         body = json.loads(p.read_bytes())
@@ -76,7 +76,7 @@ def _body(directory: Path) -> Tuple[dict, Dict[str, dict]]:
     return body, files
 
 
-def read(directory: Path, key: Optional[bytes] = None) -> Dict[str, dict]:
+def read(directory: Path, key: bytes | None = None) -> dict[str, dict]:
     """The file table; a missing or damaged manifest is a CheckpointError, and so is, given a
     `key`, one that this key did not sign."""
     body, files = _body(directory)
@@ -90,7 +90,7 @@ def is_signed(directory: Path) -> bool:
     return isinstance(_body(directory)[0].get("hmac"), str)
 
 
-def check_sizes(directory: Path, files: Dict[str, dict]) -> None:
+def check_sizes(directory: Path, files: dict[str, dict]) -> None:
     """Every listed file exists with its recorded size (cheap: one stat each)."""
     for name, info in sorted(files.items()):
         p = directory / name
@@ -103,8 +103,8 @@ def check_sizes(directory: Path, files: Dict[str, dict]) -> None:
             raise CheckpointError(f"checkpoint file {p} is {what}: {size} bytes, the manifest says {info['size']}")
 
 
-def check_sums(directory: Path, files: Dict[str, dict], names: List[str],
-               progress: Optional[Callable[[int], None]] = None) -> None:
+def check_sums(directory: Path, files: dict[str, dict], names: list[str],
+               progress: Callable[[int], None] | None = None) -> None:
     """The checksums of `names` (a subset of the manifest) match."""
     for name in names:
         info = files[name]
@@ -114,8 +114,8 @@ def check_sums(directory: Path, files: Dict[str, dict], names: List[str],
                               f"the manifest says {info['checksum']}")
 
 
-def verify(directory: Path, progress: Optional[Callable[[int], None]] = None,
-           key: Optional[bytes] = None) -> Dict[str, dict]:
+def verify(directory: Path, progress: Callable[[int], None] | None = None,
+           key: bytes | None = None) -> dict[str, dict]:
     """Full single-process verification (inspect, consolidate): the signature given a `key`,
     sizes, then every checksum."""
     files = read(directory, key)

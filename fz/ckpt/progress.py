@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 class Progress:
     """`Progress(total, "consolidate")`, then `update(n)` per unit done and `close()`."""
 
-    def __init__(self, total: int, label: str, *, enabled: Optional[bool] = None, stream: TextIO = sys.stderr):
+    def __init__(self, total: int, label: str, *, enabled: bool | None = None, stream: TextIO = sys.stderr):
         self.total, self.label, self.done, self.stream = max(1, total), label, 0, stream
         self.enabled = stream.isatty() if enabled is None else enabled
         self.start = self.last = time.perf_counter()

@@ -9,8 +9,8 @@ instead: its targets are storage-less tensors whose copy_ hands each chunk to th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from fz.ckpt.index import SafeReader
 from fz.errors import CheckpointError, ConfigError
 
-Put = Callable[[Tuple[int, ...], Tensor], None]
+Put = Callable[[tuple[int, ...], Tensor], None]
 
 
 class _Sink(Tensor):
@@ -74,7 +74,7 @@ class CheckpointReader:
         self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if hasattr(m, "size")}
         self.chunks = 0
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return list(self.meta)
 
     def read(self, key: str) -> Tensor:
@@ -90,13 +90,13 @@ class CheckpointReader:
         m = self.meta[key]
         sizes_only = torch.empty((), dtype=m.properties.dtype).expand(tuple(m.size))  # planning needs no storage
 
-        def counted(offsets: Tuple[int, ...], chunk: Tensor) -> None:
+        def counted(offsets: tuple[int, ...], chunk: Tensor) -> None:
             self.chunks += 1
             put(offsets, chunk)
 
         self._load(key, {key: sizes_only}, _Streaming(counted))
 
-    def _load(self, key: str, state_dict: Dict[str, Tensor], planner: LoadPlanner) -> None:
+    def _load(self, key: str, state_dict: dict[str, Tensor], planner: LoadPlanner) -> None:
         """The steps of dcp.load(no_dist=True), without reading the metadata again per call."""
         reader = self._reader
         try:

@@ -12,8 +12,8 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -32,11 +32,11 @@ class StreamWriter:
     """Write a safetensors file tensor by tensor, or chunk by chunk in any order; `close`
     checks that every byte of every tensor was written."""
 
-    def __init__(self, path: PathLike, entries: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
-                 metadata: Optional[Dict[str, str]] = None):
-        header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    def __init__(self, path: PathLike, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
-        self.expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]] = {}
+        self.expected: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, dtype, shape in entries:
             if dtype not in DTYPES:
                 raise ConfigError(f"safetensors cannot store {name!r} of dtype {dtype}")
@@ -92,7 +92,7 @@ class StreamWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _runs(shape: Tuple[int, ...], offsets: Sequence[int], box: Tuple[int, ...], itemsize: int):
+def _runs(shape: tuple[int, ...], offsets: Sequence[int], box: tuple[int, ...], itemsize: int):
     """(byte offset, byte length) of each contiguous run of a box of a row-major tensor, in
     order: one run for a box of whole rows (a Shard(0) chunk), more for other boxes."""
     k = len(shape)  # dims from k on are whole: the box is contiguous over them
@@ -108,7 +108,7 @@ def _runs(shape: Tuple[int, ...], offsets: Sequence[int], box: Tuple[int, ...], 
         yield first * itemsize, run
 
 
-def _files(path: PathLike) -> List[Path]:
+def _files(path: PathLike) -> list[Path]:
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
@@ -127,7 +127,7 @@ def _open(safe_open, f: Path):
         raise CheckpointError(f"weights file {f} is unreadable ({type(e).__name__}: {e})") from e
 
 
-def _local_rows(t: DTensor) -> Tuple[int, int]:
+def _local_rows(t: DTensor) -> tuple[int, int]:
     """[start, stop) rows of dim 0 this rank holds (torch.chunk semantics, as Shard(0))."""
     rows, world = t.shape[0], t.device_mesh.size()
     rank = t.device_mesh.get_local_rank()

@@ -18,9 +18,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,14 +33,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import layout, manifest, signing
-from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
+from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
 from fz.compat import FileSystemWriter
 from fz.errors import ConfigError
-from fz.storage.disk import DiskTensor, load
 from fz.state import State, block_until_ready
+from fz.storage.disk import DiskTensor, load
 from fz.version import __version__
 
 FORMAT = 1
@@ -87,8 +88,8 @@ class SaveJob:
     """One save after phase 1: the tensors to write and where. `run` does phases 2-4 in the
     caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
-    def __init__(self, root: Path, step: int, tensors: Dict[str, Tensor], rank_json: Dict[str, Any],
-                 meta: Dict[str, Any], keep_last: Optional[int], group, rank: int, key: Optional[bytes] = None):
+    def __init__(self, root: Path, step: int, tensors: dict[str, Tensor], rank_json: dict[str, Any],
+                 meta: dict[str, Any], keep_last: int | None, group, rank: int, key: bytes | None = None):
         self.root, self.step, self.tensors, self.rank_json = root, step, tensors, rank_json
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
         self.key = key  # signs the manifest; its files' checksums are then sha256
@@ -150,16 +151,16 @@ class SaveJob:
             _, err = run_local(self._commit, all_sums, dcp_md)
         agree(self.group, err, f"committing checkpoint {self.tmp}")
 
-    def _write_rank_files(self) -> Dict[str, dict]:
+    def _write_rank_files(self) -> dict[str, dict]:
         write_durable(self.tmp / f"data_{self.rank}.json", json.dumps(self.rank_json).encode())
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == f"data_{self.rank}.json"]
         return manifest.describe(self.tmp, sorted(mine), self.algorithm)
 
-    def _commit(self, all_sums: List[Dict[str, dict]], dcp_md) -> None:
+    def _commit(self, all_sums: list[dict[str, dict]], dcp_md) -> None:
         meta = dict(self.meta, **_tensor_totals(dcp_md), created_unix=time.time())
         write_durable(self.tmp / INDEX, json.dumps(index_of(dcp_md)).encode())  # what fz reads, not DCP's pickle
         write_durable(self.tmp / META, json.dumps(meta, indent=1).encode())
-        files: Dict[str, dict] = {}
+        files: dict[str, dict] = {}
         for s in all_sums:
             files.update(s)
         rest = sorted(n for n in os.listdir(self.tmp) if n not in files)
@@ -182,7 +183,7 @@ class SaveJob:
             layout.prune(self.root, self.keep_last)
 
 
-def _my_share(tensors: Dict[str, Tensor], rank: int, world: int) -> Dict[str, Tensor]:
+def _my_share(tensors: dict[str, Tensor], rank: int, world: int) -> dict[str, Tensor]:
     """This rank's part: its shards, plus the replicated tensors it writes (DCP would write each
     once anyway). Dropping the rest here spares an async save from staging them. Replicated
     tensors go to the least-loaded rank, largest first: the same choice on every rank."""
@@ -201,7 +202,7 @@ def _my_share(tensors: Dict[str, Tensor], rank: int, world: int) -> Dict[str, Te
     return out
 
 
-def _tensor_totals(md) -> Dict[str, int]:
+def _tensor_totals(md) -> dict[str, int]:
     out = {"tensors": 0, "bytes": 0, "model_tensors": 0, "model_bytes": 0}
     for k, m in md.state_dict_metadata.items():
         if not hasattr(m, "size"):
@@ -219,8 +220,10 @@ def _prepare_dir(root: Path, step: int) -> None:
     """Phase 1 on rank 0: the root exists, leftovers are gone, step_<N>.tmp is empty."""
     root.mkdir(parents=True, exist_ok=True)
     if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
-        raise ConfigError(f"step {step} is already the latest checkpoint in {root}; saving it again would first "
-                          f"delete the only committed copy. Save under another step= or delete {root / step_name(step)}")
+        raise ConfigError(
+            f"step {step} is already the latest checkpoint in {root}; saving it again would first "
+            f"delete the only committed copy. Save under another step= or delete {root / step_name(step)}"
+        )
     layout.clean_stale(root)
     (root / (step_name(step) + ".tmp")).mkdir()
     fsync_path(root)
@@ -231,8 +234,8 @@ def _has_master(state: State) -> bool:
     return state.master is not None
 
 
-def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str, Any]], keep_last: Optional[int],
-            group, *, stage: bool, client_per_rank: bool = False, key: Optional[bytes] = None) -> SaveJob:
+def prepare(state: State, root: Path, step: int, client_state: dict[str, Any] | None, keep_last: int | None,
+            group, *, stage: bool, client_per_rank: bool = False, key: bytes | None = None) -> SaveJob:
     """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
     tensors to host memory here, so a rank that cannot (out of memory) fails every rank
     before any background write starts. One `client_state` is saved for all ranks, so the
@@ -242,7 +245,7 @@ def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = block_until_ready(state)  # parameters still arriving from the last step are written whole
 
-    def local() -> Tuple[SaveJob, list]:
+    def local() -> tuple[SaveJob, list]:
         client_json, client_t = encode(client_state or {}, f"client/{rank}" if client_per_rank else "client")
         tensors = _my_share(dict(entries(state), **({} if client_per_rank else client_t)), rank, world)
         tensors[f"rng/{rank}"] = state.rng
@@ -287,7 +290,7 @@ def prepare(state: State, root: Path, step: int, client_state: Optional[Dict[str
     return done[0]
 
 
-def _differing_keys(hashes: List[Dict[str, str]]) -> List[str]:
+def _differing_keys(hashes: list[dict[str, str]]) -> list[str]:
     """'key' (ranks that differ from rank 0) for each top-level client_state key the ranks disagree on."""
     keys = sorted({k for h in hashes for k in h})
     out = []

@@ -14,16 +14,15 @@ import hashlib
 import hmac
 import json
 import os
-from typing import Dict, Optional, Union
 
 from fz.errors import CheckpointError, ConfigError
 
 ENV = "FZ_CKPT_KEY"
 ALGORITHM = "sha256"  # each file's checksum in a signed manifest
-Key = Union[str, bytes, None]
+Key = str | bytes | None
 
 
-def resolve(key: Key) -> Optional[bytes]:
+def resolve(key: Key) -> bytes | None:
     """The key as bytes: `key`, else FZ_CKPT_KEY from the environment, else None (unsigned)."""
     if key is None:
         key = os.environ.get(ENV) or None
@@ -42,16 +41,16 @@ def resolve(key: Key) -> Optional[bytes]:
     return key
 
 
-def key_id(key: Optional[bytes]) -> Optional[str]:
+def key_id(key: bytes | None) -> str | None:
     """A fingerprint that tells keys apart without revealing them (None: no key)."""
     return None if key is None else hmac.new(key, b"fz checkpoint key id", hashlib.sha256).hexdigest()[:16]
 
 
-def sign(key: bytes, files: Dict[str, dict]) -> str:
+def sign(key: bytes, files: dict[str, dict]) -> str:
     return hmac.new(key, json.dumps(files, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
-def check(path: str, body: dict, files: Dict[str, dict], key: bytes) -> None:
+def check(path: str, body: dict, files: dict[str, dict], key: bytes) -> None:
     """The manifest `body` (at `path`) is signed with `key`; every file's checksum is a sha256."""
     tag = body.get("hmac")
     if not isinstance(tag, str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -37,20 +37,20 @@ def path_key(path) -> str:
     return "/".join(parts)
 
 
-def opt_leaves(opt_state: Any) -> Dict[str, Tensor]:
+def opt_leaves(opt_state: Any) -> dict[str, Tensor]:
     """{opt/<path>: tensor} for every tensor leaf of the optimizer state."""
     leaves, _ = pytree.tree_flatten_with_path(opt_state)
     return {"opt/" + path_key(p): x for p, x in leaves if isinstance(x, Tensor)}
 
 
-def weights(state: State) -> Dict[str, Tensor]:
+def weights(state: State) -> dict[str, Tensor]:
     """The weights' source of truth: fp32 master weights when present, else the parameters."""
     return state.master if state.master is not None else state.params
 
 
-def entries(state: State) -> Dict[str, Tensor]:
+def entries(state: State) -> dict[str, Tensor]:
     """Every tensor of the state except the per-rank ones (rng, data), by checkpoint key."""
-    out: Dict[str, Tensor] = {"step": state.step}
+    out: dict[str, Tensor] = {"step": state.step}
     out.update((f"model/{n}", t) for n, t in weights(state).items())
     out.update(opt_leaves(state.opt_state))
     out.update((f"scaler/{k}", t) for k, t in (state.scaler or {}).items())
@@ -58,9 +58,9 @@ def entries(state: State) -> Dict[str, Tensor]:
     return out
 
 
-def encode(obj: Any, prefix: str) -> Tuple[Any, Dict[str, Tensor]]:
+def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
     """A JSON-able copy of `obj` with each tensor replaced by a reference to `prefix/<path>`."""
-    tensors: Dict[str, Tensor] = {}
+    tensors: dict[str, Tensor] = {}
 
     def go(x: Any, path: str) -> Any:
         if isinstance(x, Tensor):
@@ -93,7 +93,7 @@ def tensor_refs(obj: Any) -> list:
     return []
 
 
-def decode(obj: Any, tensors: Dict[str, Tensor]) -> Any:
+def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
     """Inverse of `encode`."""
     if isinstance(obj, dict):
         if len(obj) == 1 and _TENSOR in obj:
@@ -113,7 +113,7 @@ def _tensor_bytes(t: Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def digests(obj: Any, tensors: Dict[str, Tensor]) -> Dict[str, str]:
+def digests(obj: Any, tensors: dict[str, Tensor]) -> dict[str, str]:
     """{top-level key: sha256 of its value} of an encoded dict (`encode`'s output and tensors):
     ranks holding equal values get equal digests."""
     out = {}

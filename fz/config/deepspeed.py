@@ -11,10 +11,10 @@ typos; `strict=True` refuses them and unsupported features. Everything read is r
 from __future__ import annotations
 
 import dataclasses
-import json
 import difflib
+import json
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 from fz.config import keys as K
 from fz.config.explain import Provenance
@@ -32,7 +32,7 @@ NEAR_MISS = 0.8  # difflib ratio above which an unknown top-level key is a typo 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def load(config: Union[dict, str, os.PathLike]) -> Tuple[Dict[str, Any], str]:
+def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
     """The config as a dict, and where it came from (for explain)."""
     if isinstance(config, dict):
         return section("config", config), "a dict"
@@ -54,7 +54,7 @@ def load(config: Union[dict, str, os.PathLike]) -> Tuple[Dict[str, Any], str]:
     return section("config", data), origin
 
 
-def _world_size(auto: Dict[str, Any]) -> Tuple[int, str]:
+def _world_size(auto: dict[str, Any]) -> tuple[int, str]:
     from fz.sharding.mesh import user_world_size
     live = user_world_size()
     if "world_size" in auto:
@@ -64,16 +64,16 @@ def _world_size(auto: Dict[str, Any]) -> Tuple[int, str]:
     return (live, "auto") if live is not None else (1, "default")
 
 
-def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], int]:
+def _batch(r: Reader, cfg: dict[str, Any], world: int) -> tuple[int | None, int]:
     """(micro_batch, grad_accum) from any two of the three sizes: train = micro * accum * world.
 
     micro_batch= / grad_accum= fill their key when it is "auto" or absent; an explicit value
     must agree with them."""
     fill = {"train_batch_size": None, "train_micro_batch_size_per_gpu": "micro_batch",
             "gradient_accumulation_steps": "grad_accum"}
-    known: Dict[str, int] = {}
-    source: Dict[str, str] = {}
-    how: Dict[str, str] = {}  # derived sizes: the formula they came from
+    known: dict[str, int] = {}
+    source: dict[str, str] = {}
+    how: dict[str, str] = {}  # derived sizes: the formula they came from
     pending = []
     for key in BATCH_KEYS:
         v = cfg.get(key)
@@ -145,7 +145,7 @@ def _batch(r: Reader, cfg: Dict[str, Any], world: int) -> Tuple[Optional[int], i
     return micro, accum
 
 
-def _precision(r: Reader, cfg: Dict[str, Any]) -> Tuple[str, Any]:
+def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
     """precision= decides, adding a missing fp16/bf16 section as Accelerate does; an explicit
     `enabled` that disagrees with it is an error. Without it, "auto" beside an explicit true
     in the other section is false."""
@@ -210,7 +210,7 @@ def _precision(r: Reader, cfg: Dict[str, Any]) -> Tuple[str, Any]:
     return precision, scaling
 
 
-def _activation_checkpointing(r: Reader, cfg: Dict[str, Any]) -> Optional[bool]:
+def _activation_checkpointing(r: Reader, cfg: dict[str, Any]) -> bool | None:
     """True when a key that configures checkpointing is set (the model then uses it)."""
     path = "activation_checkpointing"
     if cfg.get(path) is None:
@@ -237,7 +237,7 @@ def _activation_checkpointing(r: Reader, cfg: Dict[str, Any]) -> Optional[bool]:
     return on
 
 
-def _monitor(r: Reader, cfg: Dict[str, Any], path: str, field: str) -> Optional[str]:
+def _monitor(r: Reader, cfg: dict[str, Any], path: str, field: str) -> str | None:
     """`tensorboard` / `csv_monitor`: output_path/job_name when enabled (the Spec's log_dir / csv_dir)."""
     d = r.section("", cfg, path)
     if cfg.get(path) is None:
@@ -251,7 +251,7 @@ def _monitor(r: Reader, cfg: Dict[str, Any], path: str, field: str) -> Optional[
     return out
 
 
-def _top_level(r: Reader, cfg: Dict[str, Any], strict: bool) -> None:
+def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
     """Known keys are checked; DeepSpeed accepts unknown top-level keys, and so does fz (listed,
     warned) unless strict or a near-miss of a known key (a typo); `_`-prefixed ones are comments."""
     known = K.TOP_USED | K.TOP_IGNORED | set(K.TOP_UNSUPPORTED)
@@ -270,7 +270,7 @@ def _top_level(r: Reader, cfg: Dict[str, Any], strict: bool) -> None:
     r.check_keys("", {k: v for k, v in cfg.items() if k in known}, K.TOP_USED, K.TOP_IGNORED, K.TOP_UNSUPPORTED)
 
 
-def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], strict: bool = False, **auto: Any):
+def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: bool = False, **auto: Any):
     """A DeepSpeed config (dict, path, or JSON text) -> `spec_cls` (fz.Spec, which calls this:
     fz.config never imports fz.spec); see the module docstring."""
     fields = {f.name: f.default for f in dataclasses.fields(spec_cls)}
@@ -280,7 +280,7 @@ def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], strict
     _top_level(r, cfg, boolean("strict", strict))
     world, source = _world_size(auto)
     r.record("world_size", world, source, "torch.distributed / world_size=")
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     out["micro_batch"], out["grad_accum"] = _batch(r, cfg, world)
     out.update(read_zero(r, cfg, fields))
     out["precision"], out["loss_scaling"] = _precision(r, cfg)
@@ -317,7 +317,7 @@ def read_deepspeed(spec_cls: type, config: Union[dict, str, os.PathLike], strict
     return spec
 
 
-def _order(cfg: Dict[str, Any], prefix: str = "", out: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+def _order(cfg: dict[str, Any], prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
     """Every key path of the input, numbered in reading order (explain() lists keys so)."""
     out = {} if out is None else out
     for k, v in cfg.items():

@@ -8,37 +8,38 @@ the input once, with its outcome (fz.config.reader: mapped, auto, ignored, unsup
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 SOURCES = ("config", "auto", "default")
 KEYS_HEADER = "DeepSpeed keys (each once: mapped / auto / ignored / unsupported = not in fz, warned at load):"
 
 
-class Provenance(Mapping[str, Tuple[Any, str]]):
+class Provenance(Mapping[str, tuple[Any, str]]):
     """name -> (value, source); also the DeepSpeed key of each name, and each input key's outcome."""
 
-    def __init__(self, entries: Dict[str, Tuple[Any, str]], keys: Dict[str, str],
-                 outcomes: Optional[Dict[str, Tuple[str, str]]] = None, unused_auto: Sequence[str] = (),
-                 origin: str = "a dict", objects: Optional[Dict[str, Any]] = None,
-                 order: Optional[Dict[str, int]] = None):
+    def __init__(self, entries: dict[str, tuple[Any, str]], keys: dict[str, str],
+                 outcomes: dict[str, tuple[str, str]] | None = None, unused_auto: Sequence[str] = (),
+                 origin: str = "a dict", objects: dict[str, Any] | None = None,
+                 order: dict[str, int] | None = None):
         self._entries = dict(entries)
         self.objects = dict(objects or {})  # name -> the object in the Spec, where the entry is a description
         self.keys = dict(keys)
         rank = dict(order or {})  # input key path -> position; keys not in the input go last
-        self.outcomes: Dict[str, Tuple[str, str]] = dict(
+        self.outcomes: dict[str, tuple[str, str]] = dict(
             sorted((outcomes or {}).items(), key=lambda kv: rank.get(kv[0], len(rank))))
-        self.unused_auto: List[str] = list(unused_auto)
+        self.unused_auto: list[str] = list(unused_auto)
         self.origin = origin
 
     @property
-    def ignored(self) -> List[str]:
+    def ignored(self) -> list[str]:
         return [p for p, (o, _) in self.outcomes.items() if o == "ignored"]
 
     @property
-    def unsupported(self) -> List[str]:
+    def unsupported(self) -> list[str]:
         return [p for p, (o, _) in self.outcomes.items() if o == "unsupported"]
 
-    def __getitem__(self, name: str) -> Tuple[Any, str]:
+    def __getitem__(self, name: str) -> tuple[Any, str]:
         return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -68,8 +69,8 @@ def _show(value: Any) -> str:
 
 def explain(spec: Any) -> str:
     """Every Spec value and where it came from, then the DeepSpeed keys fz ignored."""
-    prov: Optional[Provenance] = getattr(spec, "provenance", None)
-    rows: List[Tuple[str, str, str, str]] = []  # (name, source, DeepSpeed key, value)
+    prov: Provenance | None = getattr(spec, "provenance", None)
+    rows: list[tuple[str, str, str, str]] = []  # (name, source, DeepSpeed key, value)
     for f in dataclasses.fields(spec):
         if f.name == "provenance":
             continue

@@ -6,15 +6,15 @@ The reverse of fz/config: the same key names, tiers (TIER) and size conversions 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 from fz.config.offload import TIER
 
 DEVICE = {tier: device for device, tier in TIER.items()}  # fz tier -> DeepSpeed offload device
 
 
-def _offload_section(policy, tier: str) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"device": DEVICE[tier]}
+def _offload_section(policy, tier: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"device": DEVICE[tier]}
     if tier == "disk":
         out["nvme_path"] = policy.path
         out["buffer_count"] = policy.buffers
@@ -24,10 +24,10 @@ def _offload_section(policy, tier: str) -> Dict[str, Any]:
     return out
 
 
-def to_deepspeed(spec, world_size: int = 1) -> Dict[str, Any]:
+def to_deepspeed(spec, world_size: int = 1) -> dict[str, Any]:
     """The DeepSpeed config of `spec` (ZeRO, precision, batch sizes, clipping, checkpointing)."""
     elements = int(spec.bucket_mb * 2**20 / 4)
-    zero: Dict[str, Any] = {"stage": spec.stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
+    zero: dict[str, Any] = {"stage": spec.stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
     if spec.stage == 3:
         zero.update(stage3_param_persistence_threshold=spec.persist_threshold,
                     stage3_prefetch_bucket_size=spec.prefetch * elements,
@@ -40,7 +40,7 @@ def to_deepspeed(spec, world_size: int = 1) -> Dict[str, Any]:
             zero["offload_optimizer"] = _offload_section(policy, policy.optimizer)
         if policy.params != "device":
             zero["offload_param"] = _offload_section(policy, policy.params)
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     if spec.micro_batch is not None:
         out["train_micro_batch_size_per_gpu"] = spec.micro_batch
         out["train_batch_size"] = spec.micro_batch * spec.grad_accum * world_size
@@ -60,6 +60,6 @@ def to_deepspeed(spec, world_size: int = 1) -> Dict[str, Any]:
     return out
 
 
-def deepspeed_json(spec, world_size: int = 1, indent: Optional[int] = 2) -> str:
+def deepspeed_json(spec, world_size: int = 1, indent: int | None = 2) -> str:
     import json
     return json.dumps(to_deepspeed(spec, world_size), indent=indent)

@@ -8,7 +8,8 @@ so does fz unless they look like a typo (fz.config.deepspeed).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 from fz.config.values import in_use
 
@@ -30,7 +31,7 @@ TOP_IGNORED = {
     "use_data_before_expert_parallelism", "load_universal_checkpoint", "use_node_local_storage",
     "managed_gradient_accumulation", "comms_logger",
 }
-TOP_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
+TOP_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     k: in_use for k in (
         "amp", "torch_autocast", "wandb", "comet", "flops_profiler", "pipeline", "tensor_parallel",
         "expert_parallel", "sparse_attention", "sparse_gradients", "progressive_layer_drop", "curriculum_learning",
@@ -60,9 +61,14 @@ ZERO_IGNORED = {
     "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module", "compute_grad_norm",
     "parameter_alignment", "allgather_size",
 }
-ZERO_UNSUPPORTED: Dict[str, Callable[[Any], bool]] = {
-    "zero_hpz_partition_size": _not(1), "zero_quantized_weights": in_use, "zero_quantized_nontrainable_weights": in_use,
-    "zero_quantized_gradients": in_use, "zeropp_loco_param": in_use, "mics_hierarchical_params_gather": in_use, "zenflow": in_use,
+ZERO_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "zero_hpz_partition_size": _not(1),
+    "zero_quantized_weights": in_use,
+    "zero_quantized_nontrainable_weights": in_use,
+    "zero_quantized_gradients": in_use,
+    "zeropp_loco_param": in_use,
+    "mics_hierarchical_params_gather": in_use,
+    "zenflow": in_use,
 }
 OFFLOAD_KEYS = {
     "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init",

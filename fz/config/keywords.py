@@ -6,7 +6,7 @@ unknown names are errors (a TrainingArguments name says which keyword it is).
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 from fz.config.values import Check, betas, choice, integer, number, optional
 from fz.errors import ConfigError, suggest
@@ -26,7 +26,7 @@ TRAINER = {  # keyword -> what the Trainer fills "auto" with
     "hidden_size": "model.config.hidden_size",
 }
 AUTO_NAMES = tuple(TRAINER)
-CHECKS: Dict[str, Check] = {
+CHECKS: dict[str, Check] = {
     "lr": number(0.0), "betas": betas, "eps": number(0.0), "weight_decay": number(0.0),
     "micro_batch": COUNT, "grad_accum": COUNT,
     "clip_grad_norm": optional(number(0.0)),  # 0 or None: off (the Trainer's max_grad_norm=0)
@@ -40,7 +40,7 @@ _TRAINER_NAMES = {"learning_rate": "lr", "adam_epsilon": "eps", "per_device_trai
                   "bf16": "precision", "fp16": "precision"}
 
 
-def check_keywords(auto: Dict[str, Any]) -> Dict[str, Any]:
+def check_keywords(auto: dict[str, Any]) -> dict[str, Any]:
     """The keywords, checked; clip_grad_norm None becomes 0.0 (off, as a config's 0)."""
     out = {}
     for k, v in auto.items():

@@ -8,7 +8,7 @@ no counterpart in fz's preadv/pwritev thread pool and are listed as having no ef
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 from fz.config import keys as K
 from fz.config.reader import Reader
@@ -23,10 +23,10 @@ NO_EFFECT = {"fast_init", "pipeline_read", "pipeline_write", "pipeline", "super_
              "max_in_cpu"}
 
 
-def _section(r: Reader, zero: Dict[str, Any], key: str, old: str) -> Dict[str, Any]:
+def _section(r: Reader, zero: dict[str, Any], key: str, old: str) -> dict[str, Any]:
     """One offload section read: {'tier', 'path', 'pin', 'buffers', 'buffer_elements'}."""
     path = f"{PATH}.{key}"
-    out: Dict[str, Any] = {"tier": "device"}
+    out: dict[str, Any] = {"tier": "device"}
     if zero.get(old) is not None:
         on = boolean(f"{PATH}.{old}", zero[old])
         r.mark(f"{PATH}.{old}", "mapped" if on else "ignored", "device 'cpu'" if on else "off")
@@ -62,7 +62,7 @@ def _section(r: Reader, zero: Dict[str, Any], key: str, old: str) -> Dict[str, A
     return out
 
 
-def read_offload(r: Reader, cfg: Dict[str, Any], zero: Dict[str, Any]) -> Optional[Any]:
+def read_offload(r: Reader, cfg: dict[str, Any], zero: dict[str, Any]) -> Any | None:
     """The policy both sections describe (None when nothing is offloaded), recorded as `offload`."""
     from fz.offload.policy import Offload
     opt = _section(r, zero, "offload_optimizer", "cpu_offload")
@@ -87,7 +87,7 @@ def read_offload(r: Reader, cfg: Dict[str, Any], zero: Dict[str, Any]) -> Option
     pins = [s["pin"] for s in (opt, par) if s.get("pin") is not None]
     buffers = [s["buffers"] for s in (opt, par) if s.get("buffers")]
     elements = [s["buffer_elements"] for s in (opt, par) if s.get("buffer_elements")]
-    kw: Dict[str, Any] = {}
+    kw: dict[str, Any] = {}
     if buffers:
         kw["buffers"] = max(buffers)
         kw["prefetch"] = min(2, kw["buffers"] - 1)

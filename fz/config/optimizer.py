@@ -10,7 +10,8 @@ without a `scheduler` section, the Trainer's linear schedule from warmup_steps/t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from fz import optim
 from fz.config.explain import Described
@@ -26,7 +27,7 @@ WARMUP = integer(0, 2**62)  # DeepSpeed warms up over max(2, warmup_num_steps): 
 _ADAM = ({"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad", "maximize"},
          {"foreach", "fused", "capturable", "differentiable", "set_grad_none"})
 # type (lower case) -> (DeepSpeed name, keys fz reads, keys it ignores)
-OPTIMIZERS: Dict[str, Tuple[str, set, set]] = {
+OPTIMIZERS: dict[str, tuple[str, set, set]] = {
     "adam": ("Adam", *_ADAM),
     "adamw": ("AdamW", *_ADAM),
     "lamb": ("Lamb", {"lr", "betas", "eps", "weight_decay", "bias_correction", "eps_inside_sqrt", "max_grad_norm",
@@ -40,13 +41,13 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "lamb": 1e-3, "lion": 1e-3, "sgd": 1e
 COMPRESSED = {"onebitadam", "zerooneadam", "onebitlamb"}  # DeepSpeed's communication-compressing optimizers
 
 
-def _eps_pair(path: str, v: Any) -> Tuple[Optional[float], float]:
+def _eps_pair(path: str, v: Any) -> tuple[float | None, float]:
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"{path}: {v!r} must be a list [eps1 or null, eps2]")
     return optional(NONNEG)(f"{path}[0]", v[0]), NONNEG(f"{path}[1]", v[1])
 
 
-def _off(r: Reader, p: Dict[str, Any], key: str) -> None:
+def _off(r: Reader, p: dict[str, Any], key: str) -> None:
     if r.get("optimizer.params", p, key, boolean, False)[0]:
         raise ConfigError(f"optimizer.params.{key}: true is not supported by fz")
 
@@ -55,7 +56,7 @@ class OptimizerConfig:
     """The optimizer section (or, without one, the keywords) read and checked, before the lr
     schedule is known. `source`: "config", "auto" (from keywords) or "default"."""
 
-    def __init__(self, r: Reader, cfg: Dict[str, Any]):
+    def __init__(self, r: Reader, cfg: dict[str, Any]):
         self.r, self.values = r, {}
         d = r.section("", cfg, "optimizer")
         self.from_section = bool(d)
@@ -84,7 +85,7 @@ class OptimizerConfig:
         r.mark("optimizer.type", "mapped")
         self._read(params)
 
-    def get(self, params: Dict[str, Any], key: str, check: Check, default: Any, auto: Optional[str] = None) -> Any:
+    def get(self, params: dict[str, Any], key: str, check: Check, default: Any, auto: str | None = None) -> Any:
         path = "optimizer.params"
         value, source = self.r.get(path, params, key, check, default, auto=auto)
         self.values[key] = value
@@ -92,7 +93,7 @@ class OptimizerConfig:
         self.r.record(f"optimizer.{key}", value, source, where)
         return value
 
-    def _read(self, p: Dict[str, Any]) -> None:
+    def _read(self, p: dict[str, Any]) -> None:
         kind, get = self.kind, self.get
         self.lr = get(p, "lr", NONNEG, DEFAULT_LR[kind], auto="lr")
         if kind in ("adam", "adamw"):
@@ -139,7 +140,7 @@ class OptimizerConfig:
             get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
             _off(self.r, p, "maximize")
 
-    def build(self, lr: Any) -> Tuple[optim.GradientTransformation, str]:
+    def build(self, lr: Any) -> tuple[optim.GradientTransformation, str]:
         """The transformation with `lr` (a number or a schedule), and how to write it in fz."""
         v, kind = self.values, self.kind
         if kind in ("adam", "adamw"):
@@ -168,7 +169,7 @@ class OptimizerConfig:
 REQUIRED, OPT_LR = MISSING, object()  # table defaults: no default / the optimizer's lr
 # scheduler type -> [(key, check, default, keyword that fills "auto")]
 _WARMUP = [("warmup_num_steps", WARMUP, 1000, "warmup_steps"), ("warmup_type", choice(("log", "linear")), "log", None)]
-SCHEDULES: Dict[str, Tuple[Callable, list]] = {
+SCHEDULES: dict[str, tuple[Callable, list]] = {
     "WarmupLR": (optim.WarmupLR, [("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
                                   ("warmup_max_lr", NONNEG, OPT_LR, "lr")] + _WARMUP),
     "WarmupDecayLR": (optim.WarmupDecayLR, [("total_num_steps", STEPS, REQUIRED, "total_steps"),
@@ -192,7 +193,7 @@ SCHEDULES: Dict[str, Tuple[Callable, list]] = {
 }
 
 
-def read_scheduler(r: Reader, cfg: Dict[str, Any], opt_lr: float, has_betas: bool) -> Optional[Callable[[int], float]]:
+def read_scheduler(r: Reader, cfg: dict[str, Any], opt_lr: float, has_betas: bool) -> Callable[[int], float] | None:
     """The schedule the scheduler section describes; without one, the Trainer's (or None)."""
     d = r.section("", cfg, "scheduler")
     if not d:
@@ -210,11 +211,13 @@ def read_scheduler(r: Reader, cfg: Dict[str, Any], opt_lr: float, has_betas: boo
     if r.get(path, params, "last_batch_iteration", integer(), -1)[0] != -1:
         raise ConfigError("scheduler.params.last_batch_iteration: only -1 is supported "
                           "(fz resumes a schedule from the step count in the optimizer state)")
-    args: Dict[str, Any] = {}
+    args: dict[str, Any] = {}
     for key, check, default, auto in table:
         default = opt_lr if default is OPT_LR else default
         if auto == "warmup_min_lr":  # "auto" means 0, as the HF Trainer fills it
-            value, source = r.get(path, params, key, check, default, auto_value=0.0, auto_note="0, as the Trainer fills it")
+            value, source = r.get(
+                path, params, key, check, default, auto_value=0.0, auto_note="0, as the Trainer fills it"
+            )
         else:
             value, source = r.get(path, params, key, check, default, auto=auto)
         args[key] = value
@@ -233,7 +236,7 @@ def read_scheduler(r: Reader, cfg: Dict[str, Any], opt_lr: float, has_betas: boo
     return schedule
 
 
-def _trainer_schedule(r: Reader, lr: float) -> Optional[Callable[[int], float]]:
+def _trainer_schedule(r: Reader, lr: float) -> Callable[[int], float] | None:
     """No scheduler section: the Trainer's default ("linear") when warmup_steps / total_steps are given."""
     warmup, total = r.keyword("warmup_steps"), r.keyword("total_steps")
     if warmup is MISSING and total is MISSING:
@@ -245,7 +248,7 @@ def _trainer_schedule(r: Reader, lr: float) -> Optional[Callable[[int], float]]:
     return schedule
 
 
-def _check_total(r: Reader, total: Optional[int], warmup: Optional[int], what: str) -> None:
+def _check_total(r: Reader, total: int | None, warmup: int | None, what: str) -> None:
     if total is not None and warmup is not None and total < warmup:  # DeepSpeed warns too
         r.advice.append(f"{what}: total_num_steps={total} is less than warmup_num_steps={warmup}: "
                         "the lr never reaches its peak")

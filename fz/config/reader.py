@@ -13,7 +13,8 @@ value came from, and keeps one outcome for every DeepSpeed key of the input:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from fz.config.values import AUTO, MISSING, Check, join, section
 from fz.errors import ConfigError, suggest
@@ -33,15 +34,15 @@ def same(a: Any, b: Any) -> bool:
 class Reader:
     """Reads values out of config sections, filling "auto" from the keyword arguments."""
 
-    def __init__(self, auto: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None):
+    def __init__(self, auto: dict[str, Any], defaults: dict[str, Any] | None = None):
         self.auto = auto
         self.defaults = dict(defaults or {})  # Spec field -> its default
         self.used_auto: set = set()
-        self.entries: Dict[str, Tuple[Any, str]] = {}  # name -> (value, source)
-        self.keys: Dict[str, str] = {}  # name -> DeepSpeed key path it came from
-        self.outcomes: Dict[str, Tuple[str, str]] = {}  # DeepSpeed key path -> (outcome, note); the last wins
-        self.unknown: List[str] = []  # top-level keys neither DeepSpeed nor fz knows
-        self.advice: List[str] = []  # warnings about values fz honours (DeepSpeed warns too)
+        self.entries: dict[str, tuple[Any, str]] = {}  # name -> (value, source)
+        self.keys: dict[str, str] = {}  # name -> DeepSpeed key path it came from
+        self.outcomes: dict[str, tuple[str, str]] = {}  # DeepSpeed key path -> (outcome, note); the last wins
+        self.unknown: list[str] = []  # top-level keys neither DeepSpeed nor fz knows
+        self.advice: list[str] = []  # warnings about values fz honours (DeepSpeed warns too)
 
     def default(self, field: str) -> Any:
         return self.defaults.get(field)
@@ -55,24 +56,24 @@ class Reader:
         assert outcome in OUTCOMES, outcome
         self.outcomes[path] = (outcome, note)
 
-    def with_outcome(self, outcome: str) -> List[str]:
+    def with_outcome(self, outcome: str) -> list[str]:
         return [p for p, (o, _) in self.outcomes.items() if o == outcome]
 
-    def keyword(self, name: Optional[str]) -> Any:
+    def keyword(self, name: str | None) -> Any:
         """The keyword's value (marked used), or MISSING."""
         if name is None or name not in self.auto:
             return MISSING
         self.used_auto.add(name)
         return self.auto[name]
 
-    def agree(self, path: str, value: Any, name: Optional[str]) -> None:
+    def agree(self, path: str, value: Any, name: str | None) -> None:
         """An explicit config value must match the keyword that would fill it (HF raises too)."""
         kw = self.keyword(name)
         if kw is not MISSING and not same(value, kw):
             raise ConfigError(f"{path}: the config says {value!r} but the keyword {name}={kw!r}; they contradict "
                               f'(make them equal, drop the keyword, or set the key to "auto")')
 
-    def section(self, path: str, d: Dict[str, Any], key: str) -> Dict[str, Any]:
+    def section(self, path: str, d: dict[str, Any], key: str) -> dict[str, Any]:
         """d[key] as a section: {} when absent; null or {} is marked ignored."""
         full = join(path, key)
         raw = d.get(key)
@@ -80,8 +81,8 @@ class Reader:
             self.mark(full, "ignored", "null" if raw is None else "empty")
         return section(full, {} if raw is None else raw)
 
-    def check_keys(self, path: str, d: Dict[str, Any], used: Iterable[str], ignored: Iterable[str] = (),
-                   unsupported: Dict[str, Callable[[Any], bool]] | None = None, note: str = "") -> None:
+    def check_keys(self, path: str, d: dict[str, Any], used: Iterable[str], ignored: Iterable[str] = (),
+                   unsupported: dict[str, Callable[[Any], bool]] | None = None, note: str = "") -> None:
         """Unknown keys are errors (DeepSpeed's sections forbid them too); ignored keys and
         unsupported features are marked (an unsupported one that is off counts as ignored)."""
         used, ignored, unsupported = set(used), set(ignored), dict(unsupported or {})
@@ -103,8 +104,8 @@ class Reader:
         else:
             self.mark(path, "ignored", note)
 
-    def get(self, path: str, d: Dict[str, Any], key: str, check: Check, default: Any = MISSING,
-            auto: Optional[str] = None, auto_value: Any = MISSING, auto_note: str = "fz's default") -> Tuple[Any, str]:
+    def get(self, path: str, d: dict[str, Any], key: str, check: Check, default: Any = MISSING,
+            auto: str | None = None, auto_value: Any = MISSING, auto_note: str = "fz's default") -> tuple[Any, str]:
         """(value, source). Keyword `auto` fills an "auto" or absent key and must agree with an
         explicit one; an "auto" without it takes `auto_value`, else is an error."""
         full = join(path, key)

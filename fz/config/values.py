@@ -6,7 +6,8 @@ them and keeps the bookkeeping.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fz.errors import ConfigError, suggest
 
@@ -32,7 +33,7 @@ def got(v: Any) -> str:
     return "null" if v is None else repr(v)
 
 
-def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
+def integer(lo: int | None = None, hi: int | None = None) -> Check:
     """An int (JSON's 5e8 floats are fine when integral), within [lo, hi]."""
 
     def check(path: str, v: Any) -> int:
@@ -49,7 +50,7 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
     return check
 
 
-def number(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False,
+def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
            hi_open: bool = False) -> Check:
     """A finite int or float, within lo..hi (open ends where asked)."""
 
@@ -105,14 +106,14 @@ def choice(options: Sequence[Any]) -> Check:
     return check
 
 
-def betas(path: str, v: Any) -> Tuple[float, float]:
+def betas(path: str, v: Any) -> tuple[float, float]:
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"{path}: {v!r} must be a list of two numbers, e.g. [0.9, 0.999]")
     unit = number(0.0, 1.0, hi_open=True)
     return unit(f"{path}[0]", v[0]), unit(f"{path}[1]", v[1])
 
 
-def section(path: str, v: Any) -> Dict[str, Any]:
+def section(path: str, v: Any) -> dict[str, Any]:
     """A JSON object with string keys."""
     if not isinstance(v, dict):
         raise ConfigError(f"{path}: expected an object ({{...}}), got {type(v).__name__} {v!r:.60}")

@@ -8,7 +8,6 @@ once); `strict=True` makes them one ConfigError instead. `Spec.explain()` lists 
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Tuple
 
 from fz.errors import ConfigError
 
@@ -17,7 +16,7 @@ class DeepSpeedConfigWarning(UserWarning):
     """A DeepSpeed setting fz accepts without honouring it (training differs), or a doubtful value."""
 
 
-def report(outcomes: Dict[str, Tuple[str, str]], unknown: List[str], advice: List[str], origin: str,
+def report(outcomes: dict[str, tuple[str, str]], unknown: list[str], advice: list[str], origin: str,
            strict: bool, stacklevel: int = 4) -> None:
     """Warn (or with `strict`, raise) naming each unsupported key in `outcomes` and each unknown key."""
     unsupported = [f"{p} ({note})" if note else p for p, (o, note) in outcomes.items() if o == "unsupported"]

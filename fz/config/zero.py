@@ -10,25 +10,26 @@ Offload sections are read by fz/config/offload.py.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from fz.config import keys as K
 from fz.config.offload import read_offload
 from fz.config.reader import Reader
-from fz.config.values import AUTO, MISSING, boolean, choice, integer, section
+from fz.config.values import AUTO, MISSING, choice, integer
 from fz.errors import ConfigError
 
 PATH = "zero_optimization"
 # key -> (the Trainer's "auto" value from the hidden size h, only at stage 3?)
-HIDDEN: Dict[str, Tuple[Callable[[int], int], bool]] = {
+HIDDEN: dict[str, tuple[Callable[[int], int], bool]] = {
     "reduce_bucket_size": (lambda h: h * h, False),
     "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), True),
     "stage3_param_persistence_threshold": (lambda h: 10 * h, True),
 }
 
 
-def read_zero(r: Reader, cfg: Dict[str, Any], fields: set) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def read_zero(r: Reader, cfg: dict[str, Any], fields: set) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     raw = cfg.get(PATH)
     if isinstance(raw, bool):  # DeepSpeed's deprecated form: true means stage 1
         zero, stage, src = {}, int(raw), "config"
@@ -90,15 +91,15 @@ def read_zero(r: Reader, cfg: Dict[str, Any], fields: set) -> Dict[str, Any]:
     return out
 
 
-def _source(r: Reader, key: Optional[str]) -> str:
+def _source(r: Reader, key: str | None) -> str:
     return "auto" if key is not None and r.outcomes.get(key, ("",))[0] == "auto" else "config"
 
 
-def _elements(r: Reader, zero: Dict[str, Any], names: Tuple[str, ...],
-              stage: int) -> Tuple[Optional[str], Optional[int]]:
+def _elements(r: Reader, zero: dict[str, Any], names: tuple[str, ...],
+              stage: int) -> tuple[str | None, int | None]:
     """(key path, element count) under the first of `names` present (the others are ignored);
     "auto" or null: (path, None) unless the hidden size fills it as the Trainer would."""
-    found: Tuple[Optional[str], Optional[int]] = (None, None)
+    found: tuple[str | None, int | None] = (None, None)
     for name in names:
         if name not in zero:
             continue
@@ -118,7 +119,7 @@ def _elements(r: Reader, zero: Dict[str, Any], names: Tuple[str, ...],
     return found
 
 
-def _note_auto(r: Reader, zero: Dict[str, Any], field: str, names: Tuple[str, ...]) -> None:
+def _note_auto(r: Reader, zero: dict[str, Any], field: str, names: tuple[str, ...]) -> None:
     """Record an "auto" tuning size as fz's default, so explain() shows where it went."""
     if field in r.entries:
         return

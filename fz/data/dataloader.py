@@ -14,7 +14,8 @@ any world size, with any number of workers.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ class Loader:
     """An endless (or `epochs`-long) stream of this rank's batches; see `fz.data.loader`."""
 
     def __init__(self, dataset: Any, layout: Layout, *, seed: int, shuffle: bool, num_workers: int,
-                 collate_fn: Callable[[List[Any]], Any], epochs: Optional[int], key: str,
-                 position: Optional[Dict[str, Any]] = None):
+                 collate_fn: Callable[[list[Any]], Any], epochs: int | None, key: str,
+                 position: dict[str, Any] | None = None):
         self.dataset, self.layout, self.seed, self.shuffle = dataset, layout, seed, shuffle
         self.num_workers, self.collate_fn, self.epochs, self.key = num_workers, collate_fn, epochs, key
         self.iterable = _is_iterable(dataset)
@@ -51,11 +52,11 @@ class Loader:
         return self._pos[0]
 
     @property
-    def steps_per_epoch(self) -> Optional[int]:
+    def steps_per_epoch(self) -> int | None:
         """Steps in a whole epoch (map-style datasets; None for an iterable one)."""
         return None if self.size is None else self.layout.steps_in(self.size)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out: the same on every rank, at any world size."""
         return {"format": FORMAT, "epoch": self._pos[0], "index": self._pos[1], "seed": self.seed,
                 "shuffle": self.shuffle, "size": self.size}
@@ -107,7 +108,7 @@ def _is_iterable(dataset: Any) -> bool:
                       f"(iterable), got {type(dataset).__name__}")
 
 
-def _ranks(of: Union[State, Spec]):
+def _ranks(of: State | Spec):
     if isinstance(of, State):
         plan = of.plan
         return plan.ranks.index(plan.rank), len(plan.ranks)
@@ -115,10 +116,10 @@ def _ranks(of: Union[State, Spec]):
     return distributed.init() if not dist.is_initialized() else (dist.get_rank(), dist.get_world_size())
 
 
-def loader(dataset: Any, state_or_spec: Union[State, Spec], *, micro_batch: Optional[int] = None,
-           shuffle: Optional[bool] = None, seed: Optional[int] = None, num_workers: int = 0,
-           collate_fn: Optional[Callable[[List[Any]], Any]] = None, drop_last: bool = True,
-           epochs: Optional[int] = None, key: str = "loader", restart: bool = False) -> Loader:
+def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None = None,
+           shuffle: bool | None = None, seed: int | None = None, num_workers: int = 0,
+           collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool = True,
+           epochs: int | None = None, key: str = "loader", restart: bool = False) -> Loader:
     """This rank's batch for each step: `grad_accum * micro_batch` rows (the spec's grad_accum;
     `micro_batch` defaults to spec.micro_batch), epoch after epoch (`epochs=None`: forever).
 
@@ -154,9 +155,17 @@ def loader(dataset: Any, state_or_spec: Union[State, Spec], *, micro_batch: Opti
             raise ConfigError(f"fz.data.loader: the state is at step {int(state_or_spec.step)} but state.data has no "
                               f"position {key!r} (save `loader.attach(state)` to resume the data exactly); "
                               "pass restart=True to read from the start")
-    out = Loader(dataset, layout, seed=spec.seed if seed is None else seed, shuffle=not iterable and shuffle is not False,
-                 num_workers=num_workers, collate_fn=collate_fn or default_collate, epochs=epochs, key=key,
-                 position=position)
+    out = Loader(
+        dataset,
+        layout,
+        seed=spec.seed if seed is None else seed,
+        shuffle=not iterable and shuffle is not False,
+        num_workers=num_workers,
+        collate_fn=collate_fn or default_collate,
+        epochs=epochs,
+        key=key,
+        position=position,
+    )
     if out.size is not None:
         if not out.steps_per_epoch:
             raise ConfigError(f"fz.data.loader: {out.size} samples make no step of {layout.global_rows} "

@@ -12,7 +12,6 @@ samples that do not fill a global batch are skipped (the count depends on the wo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ class Layout:
     def global_rows(self) -> int:
         return self.rows * self.world
 
-    def share(self, take: int) -> Tuple[int, int]:
+    def share(self, take: int) -> tuple[int, int]:
         """This rank's [lo, hi) of a step of `take` samples: `rows` each for a full step, as even
         as possible (earlier ranks one more) for an epoch's last, smaller one."""
         base, extra = divmod(take, self.world)

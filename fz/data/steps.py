@@ -8,15 +8,16 @@ only for this rank's rows of the worker's own steps; an iterable dataset is read
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 from fz.data.order import Layout, epoch_order
 from fz.errors import ConfigError
 
-Fetch = Callable[[int, int], List[Any]]
+Fetch = Callable[[int, int], list[Any]]
 
 
 def unchanged(x: Any) -> Any:
@@ -25,12 +26,12 @@ def unchanged(x: Any) -> Any:
 
 
 class Steps(IterableDataset):
-    def __init__(self, dataset: Any, layout: Layout, collate: Callable[[List[Any]], Any], start: Tuple[int, int],
-                 epochs: Optional[int], seed: int, shuffle: bool, iterable: bool):
+    def __init__(self, dataset: Any, layout: Layout, collate: Callable[[list[Any]], Any], start: tuple[int, int],
+                 epochs: int | None, seed: int, shuffle: bool, iterable: bool):
         self.dataset, self.layout, self.collate, self.start = dataset, layout, collate, start
         self.epochs, self.seed, self.shuffle, self.iterable = epochs, seed, shuffle, iterable
 
-    def __iter__(self) -> Iterator[Tuple[Tuple[int, int], Any]]:
+    def __iter__(self) -> Iterator[tuple[tuple[int, int], Any]]:
         info = get_worker_info()
         me, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, index = self.start
@@ -44,11 +45,13 @@ class Steps(IterableDataset):
                 step += 1
                 made += 1
             if not made and not index:
-                raise ConfigError(f"fz.data.loader: epoch {epoch} of the dataset gives no step (a step takes "
-                                  f"{self.layout.global_rows} samples: {self.layout.world} ranks x {self.layout.rows} rows)")
+                raise ConfigError(
+                    f"fz.data.loader: epoch {epoch} of the dataset gives no step (a step takes "
+                    f"{self.layout.global_rows} samples: {self.layout.world} ranks x {self.layout.rows} rows)"
+                )
             epoch, index = epoch + 1, 0
 
-    def _index(self, epoch: int, index: int) -> Iterator[Tuple[int, int, Fetch]]:
+    def _index(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
         order = epoch_order(len(self.dataset), epoch, self.seed, self.shuffle)
         n, full = len(order), self.layout.global_rows
         while index < n and (index + full <= n or not self.layout.drop_last):
@@ -57,7 +60,7 @@ class Steps(IterableDataset):
             yield index, take, lambda lo, hi, rows=rows: [self.dataset[int(i)] for i in rows[lo:hi]]
             index += take
 
-    def _read(self, epoch: int, index: int) -> Iterator[Tuple[int, int, Fetch]]:
+    def _read(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
         it = iter(self.dataset)
         skipped = sum(1 for _ in islice(it, index))
         if skipped < index:

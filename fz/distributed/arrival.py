@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 from fz.distributed import peers
 from fz.errors import ConfigError

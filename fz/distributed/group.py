@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ def implicit() -> bool:
     return dist.is_initialized() and _own is not None and dist.group.WORLD is _own
 
 
-def _env_world() -> Optional[int]:
+def _env_world() -> int | None:
     raw = os.environ.get("WORLD_SIZE")
     if raw is None:
         return None
@@ -50,7 +49,7 @@ def _env_world() -> Optional[int]:
     return world
 
 
-def _attempt_store(world: int, timeout: Optional[timedelta]):
+def _attempt_store(world: int, timeout: timedelta | None):
     """torchrun's store, with keys of this restart attempt only. torchrun (2.13) keeps one store
     across `--max-restarts` attempts and its env:// rendezvous does not prefix them, so a
     restarted rank could read a dead process's gloo address and fail to connect (measured:
@@ -60,7 +59,7 @@ def _attempt_store(world: int, timeout: Optional[timedelta]):
     return dist.PrefixStore(f"fz/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> Tuple[int, int]:
+def init(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
     """Start the default process group unless one is running; return (rank, world size).
 
     With `WORLD_SIZE` in the environment (torchrun sets it, with RANK, MASTER_ADDR and

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -32,19 +31,19 @@ from fz.errors import PeerError
 BEAT = 0.5  # s between heartbeats
 PROBE = 2.5  # s a survivor watches the counters for
 _timeout_s = 300.0
-_doing: Tuple[str, Optional[int]] = ("fz", None)  # (what this rank is doing, its step)
-_waiting_since: Optional[float] = None  # monotonic time this rank started waiting on a collective
-_beat: Optional["_Heartbeat"] = None
+_doing: tuple[str, int | None] = ("fz", None)  # (what this rank is doing, its step)
+_waiting_since: float | None = None  # monotonic time this rank started waiting on a collective
+_beat: _Heartbeat | None = None
 _lock = threading.Lock()
 failed = False  # a PeerError was raised in this process: exit does not wait for collectives
-_first: Optional[PeerError] = None  # that error: later failures repeat it without probing again
+_first: PeerError | None = None  # that error: later failures repeat it without probing again
 
 
 def timeout_s() -> float:
     return _timeout_s
 
 
-def doing(what: str, step: Optional[int] = None) -> None:
+def doing(what: str, step: int | None = None) -> None:
     """Record what this rank is doing (named by PeerErrors here and on the other ranks)."""
     global _doing
     _doing = (what, step)
@@ -138,7 +137,7 @@ def _try(fn):
         return None
 
 
-def probe(world: int) -> Tuple[Optional[List[int]], Dict[int, str]]:
+def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
     """(the ranks whose heartbeat stopped, or None if the store does not answer; each rank's
     published activity)."""
     beat = _beat
@@ -177,7 +176,8 @@ def peer_error(err: BaseException) -> PeerError:
     world = dist.get_world_size() if dist.is_initialized() else 1
     lost, doings = probe(world)
     if lost is None:
-        who = "the job's store does not answer, so the lost rank cannot be told (its host, rank 0 or the launcher, may be gone)"
+        who = ("the job's store does not answer, so the lost rank cannot be told (its host, rank 0 or the launcher, "
+               "may be gone)")
     elif lost:
         who = f"lost rank(s) {lost}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)"
     else:
@@ -249,13 +249,13 @@ def wait_work(work) -> None:
             raise peer_error(e) from e
 
 
-def store_for(ranks) -> Optional[object]:
+def store_for(ranks) -> object | None:
     """The store the heartbeat uses, when `ranks` are several processes of a running job."""
     beat = _beat
     return beat.store if len(ranks) > 1 and beat is not None and beat.is_alive() else None
 
 
-def published(ranks) -> Dict[int, str]:
+def published(ranks) -> dict[int, str]:
     """What each of `ranks` last said it was doing (ranks that said nothing are left out)."""
     beat = _beat
     if beat is None:

@@ -11,7 +11,6 @@ import argparse
 import os
 import shlex
 import shutil
-from typing import List
 
 from fz.errors import ConfigError
 from fz.launch import commands, envfile, hostfile
@@ -52,12 +51,12 @@ def add_command(sub) -> None:
     r.set_defaults(fn=run)
 
 
-def _slurm_nodes() -> List[str]:
+def _slurm_nodes() -> list[str]:
     text = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
     return hostfile.expand_nodelist(text) if text else []
 
 
-def _local_slots(num_gpus: int) -> List[int]:
+def _local_slots(num_gpus: int) -> list[int]:
     if num_gpus >= 0:
         return list(range(num_gpus))
     try:
@@ -68,11 +67,11 @@ def _local_slots(num_gpus: int) -> List[int]:
     return list(range(count or 1))
 
 
-def _torchrun_args(args) -> List[str]:
+def _torchrun_args(args) -> list[str]:
     return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in _ELASTIC if getattr(args, n) is not None]
 
 
-def plan_nodes(args) -> List[NodeProcess]:
+def plan_nodes(args) -> list[NodeProcess]:
     """The node commands `args` asks for (what --dry-run prints)."""
     env = envfile.node_env(os.environ)
     slurm = _slurm_nodes() if args.launcher in ("auto", "slurm") and not args.hostfile else []

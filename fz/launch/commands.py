@@ -12,8 +12,8 @@ from __future__ import annotations
 import shlex
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
 
 from fz.launch.hostfile import Hosts
 
@@ -27,7 +27,7 @@ class Job:
     args: Sequence[str]
     master_addr: str
     master_port: int
-    env: Dict[str, str]
+    env: dict[str, str]
     cwd: str
     torchrun_args: Sequence[str] = ()  # elastic and rendezvous flags, passed as given
     python: str = sys.executable
@@ -40,7 +40,7 @@ def is_local(host: str) -> bool:
     return host in LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
 
 
-def torchrun_argv(job: Job, node_rank: int, slots: List[int]) -> List[str]:
+def torchrun_argv(job: Job, node_rank: int, slots: list[int]) -> list[str]:
     """This node's torchrun command line."""
     argv = [job.python, "-u", "-m", "torch.distributed.run", f"--nnodes={len(job.hosts)}",
             f"--nproc-per-node={len(slots)}"]
@@ -51,7 +51,7 @@ def torchrun_argv(job: Job, node_rank: int, slots: List[int]) -> List[str]:
     return argv
 
 
-def node_env(job: Job, slots: List[int]) -> Dict[str, str]:
+def node_env(job: Job, slots: list[int]) -> dict[str, str]:
     env = dict(job.env)
     if job.set_visible_devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
@@ -74,7 +74,7 @@ def shell_line(job: Job, node_rank: int, host: str, watch_stdin: bool = True) ->
             f"wait $p; s=$?; kill $w 2>/dev/null; exit $s")
 
 
-def remote_argv(job: Job, node_rank: int, host: str, launcher: str) -> List[str]:
+def remote_argv(job: Job, node_rank: int, host: str, launcher: str) -> list[str]:
     """ssh or pdsh, running the node's shell line on `host`."""
     line = shell_line(job, node_rank, host)
     if launcher == "pdsh":
@@ -82,7 +82,7 @@ def remote_argv(job: Job, node_rank: int, host: str, launcher: str) -> List[str]
     return ["ssh", "-o", "BatchMode=yes", *job.ssh_opts, host, line]
 
 
-def srun_argv(job: Job, nodes: List[str]) -> List[str]:
+def srun_argv(job: Job, nodes: list[str]) -> list[str]:
     """Inside a Slurm allocation: one torchrun per node via srun, node rank from SLURM_NODEID."""
     any_host = nodes[0]
     line = shell_line(job, 0, any_host, watch_stdin=False).replace("--node-rank=0", "--node-rank=$SLURM_NODEID")

@@ -8,8 +8,8 @@ PYTHONPATH, OMP_NUM_THREADS and NCCL_*/GLOO_*/FZ_*/TORCH_*/CUDA_* variables go a
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
 
 from fz.errors import ConfigError
 
@@ -18,8 +18,8 @@ _PASSED = ("PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR")
 _PREFIXES = ("NCCL_", "GLOO_", "FZ_", "TORCH_", "CUDA_", "UCX_", "HF_")
 
 
-def parse_env(text: str, where: str) -> Dict[str, str]:
-    out: Dict[str, str] = {}
+def parse_env(text: str, where: str) -> dict[str, str]:
+    out: dict[str, str] = {}
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -34,7 +34,7 @@ def parse_env(text: str, where: str) -> Dict[str, str]:
     return out
 
 
-def env_files(cwd: Optional[Path] = None, home: Optional[Path] = None) -> List[Path]:
+def env_files(cwd: Path | None = None, home: Path | None = None) -> list[Path]:
     """The env files that exist, lowest precedence first."""
     found = []
     for d in (home or Path.home(), cwd or Path.cwd()):
@@ -45,7 +45,7 @@ def env_files(cwd: Optional[Path] = None, home: Optional[Path] = None) -> List[P
     return found
 
 
-def node_env(environ: Mapping[str, str], cwd: Optional[Path] = None, home: Optional[Path] = None) -> Dict[str, str]:
+def node_env(environ: Mapping[str, str], cwd: Path | None = None, home: Path | None = None) -> dict[str, str]:
     """The variables exported on every node (CUDA_VISIBLE_DEVICES is set per node elsewhere)."""
     out = {k: v for k, v in environ.items() if k in _PASSED or k.startswith(_PREFIXES)}
     out.pop("CUDA_VISIBLE_DEVICES", None)

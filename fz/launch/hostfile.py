@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from fz.errors import ConfigError
 
-Hosts = Dict[str, List[int]]  # host -> its slots (device indices), in hostfile order
+Hosts = dict[str, list[int]]  # host -> its slots (device indices), in hostfile order
 
 _LINE = re.compile(r"^(?P<host>[^\s=]+)\s+slots\s*=\s*(?P<slots>\d+)$")
 
@@ -47,9 +46,9 @@ def read_hostfile(path: str) -> Hosts:
     return parse_hostfile(p.read_text(), f"hostfile {path}")
 
 
-def _parse_filter(text: str, hosts: Hosts, flag: str) -> Dict[str, Optional[List[int]]]:
+def _parse_filter(text: str, hosts: Hosts, flag: str) -> dict[str, list[int] | None]:
     """{host: slots or None (all)} named by an include/exclude string, checked against `hosts`."""
-    out: Dict[str, Optional[List[int]]] = {}
+    out: dict[str, list[int] | None] = {}
     for part in text.split("@"):
         part = part.strip()
         if not part:
@@ -102,9 +101,9 @@ def select(hosts: Hosts, include: str = "", exclude: str = "", num_nodes: int = 
     return chosen
 
 
-def expand_nodelist(text: str) -> List[str]:
+def expand_nodelist(text: str) -> list[str]:
     """Slurm's compressed node list (`node[01-03,07],gpu5`) as host names."""
-    out: List[str] = []
+    out: list[str] = []
     for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", text):
         prefix, ranges = m.group(1), m.group(2)
         if not ranges:

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 GRACE_S = 30.0  # after the first failure (or a signal), how long the other nodes get to stop
 
@@ -14,12 +13,12 @@ GRACE_S = 30.0  # after the first failure (or a signal), how long the other node
 @dataclass
 class NodeProcess:
     name: str
-    argv: List[str]
-    env: Optional[Dict[str, str]] = None  # None: inherit this process's environment
+    argv: list[str]
+    env: dict[str, str] | None = None  # None: inherit this process's environment
     watch_stdin: bool = False  # ssh/pdsh: closing its stdin stops the remote job
 
 
-def _stop(procs: List[subprocess.Popen], sig: int) -> None:
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             if p.stdin is not None:
@@ -33,11 +32,11 @@ def _stop(procs: List[subprocess.Popen], sig: int) -> None:
                 pass
 
 
-def run_nodes(nodes: List[NodeProcess]) -> int:
+def run_nodes(nodes: list[NodeProcess]) -> int:
     """Start every node's command; return 0 if all succeed, else the first failure's code
     (128 + N for a signal N), after stopping the others."""
     procs = [subprocess.Popen(n.argv, env=n.env, stdin=subprocess.PIPE if n.watch_stdin else None) for n in nodes]
-    received: List[int] = []
+    received: list[int] = []
 
     def forward(signum, _frame):
         received.append(signum)

@@ -13,7 +13,8 @@ parameters of modules that also have parts with parameters, and anything tied to
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.nn as nn
 
@@ -31,7 +32,7 @@ def _inside(name: str, units: Sequence[str]) -> bool:
     return any(name == u or name.startswith(u + ".") for u in units)
 
 
-def root_leaves(root: nn.Module, blocks: Sequence[str]) -> List[str]:
+def root_leaves(root: nn.Module, blocks: Sequence[str]) -> list[str]:
     """Names of the root's modules (outside `blocks`) that own parameters directly, have no part
     owning any, and have a forward of their own (a ParameterList is read, not called)."""
     out = []
@@ -48,11 +49,11 @@ def root_leaves(root: nn.Module, blocks: Sequence[str]) -> List[str]:
     return out
 
 
-def occurrences(root: nn.Module, units: Sequence[str]) -> Dict[str, List[str]]:
+def occurrences(root: nn.Module, units: Sequence[str]) -> dict[str, list[str]]:
     """Every name under which each unit's module sits outside the units (a module the model
     registers twice, as T5 once shared its embedding, gets one stand-in at each)."""
     by_id = {id(root.get_submodule(u)): u for u in units}
-    out: Dict[str, List[str]] = {u: [] for u in units}
+    out: dict[str, list[str]] = {u: [] for u in units}
     for name, module in root.named_modules(remove_duplicate=False):
         unit = by_id.get(id(module))
         if unit is not None and name and not _inside(name.rpartition(".")[0], units):

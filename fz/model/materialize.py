@@ -16,7 +16,7 @@ with different fills), and a tensor that still holds it after `reset_parameters(
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -37,7 +37,7 @@ def module_seed(seed: int, module_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _owner(name: str) -> Tuple[str, str]:
+def _owner(name: str) -> tuple[str, str]:
     mod, _, leaf = name.rpartition(".")
     return mod, leaf
 
@@ -46,7 +46,7 @@ def _signed(bits: int, size: int) -> int:
     return bits - (1 << 8 * size) if bits >= 1 << (8 * size - 1) else bits
 
 
-def sentinel(t: Tensor) -> Optional[Tuple[torch.dtype, int]]:
+def sentinel(t: Tensor) -> tuple[torch.dtype, int] | None:
     """(integer view dtype, value) of the sentinel that fills `t`; None: no value can be told
     apart (one-byte dtypes, complex128), so those are initialised twice with different fills."""
     size = t.element_size()
@@ -80,21 +80,22 @@ class InitialValues:
     """Full initial values of canonical parameters/buffers, one module at a time; remembers
     every tensor its initialisers left unset for one error (`check`) that names them all."""
 
-    def __init__(self, model: nn.Module, seed: int, device: torch.device, init_fn: Optional[InitFn] = None):
+    def __init__(self, model: nn.Module, seed: int, device: torch.device, init_fn: InitFn | None = None):
         self.model, self.seed, self.device, self.init_fn = model, seed, device, init_fn
         self.tensors = dict(model.named_parameters(remove_duplicate=True))
         self.tensors.update(model.named_buffers(remove_duplicate=True))
-        self.unset: List[Tuple[str, str, str]] = []  # (kind, canonical name, why)
+        self.unset: list[tuple[str, str, str]] = []  # (kind, canonical name, why)
 
-    def __call__(self, names: List[str]) -> Dict[str, Tensor]:
-        out: Dict[str, Tensor] = {}
-        meta_by_module: Dict[str, List[str]] = {}
+    def __call__(self, names: list[str]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        meta_by_module: dict[str, list[str]] = {}
         for n in names:
             t = self.tensors[n]
             if t.is_meta:
                 meta_by_module.setdefault(_owner(n)[0], []).append(n)
             else:
-                out[n] = t.detach().to(self.device, copy=True)  # never the module's own (training updates buffers in place)
+                # never the module's own (training updates buffers in place)
+                out[n] = t.detach().to(self.device, copy=True)
         for mname, full_names in meta_by_module.items():
             out.update(self._materialize(self.model.get_submodule(mname), mname, full_names))
         return out
@@ -138,7 +139,7 @@ class InitialValues:
             if init is not None:
                 init(current)
 
-    def _hf_init(self, name: str) -> Optional[Callable[[nn.Module], None]]:
+    def _hf_init(self, name: str) -> Callable[[nn.Module], None] | None:
         """`_init_weights` of the nearest Hugging Face model (one with a config) containing `name`."""
         parts = name.split(".") if name else []
         for k in range(len(parts), -1, -1):
@@ -147,7 +148,7 @@ class InitialValues:
                 return owner._init_weights
         return None
 
-    def _materialize(self, module: nn.Module, mname: str, full_names: List[str]) -> Dict[str, Tensor]:
+    def _materialize(self, module: nn.Module, mname: str, full_names: list[str]) -> dict[str, Tensor]:
         twin = self._twin(module, mname, False)
         leaves = [_owner(n)[1] for n in full_names]
         values = [self._leaf(twin, leaf) for leaf in leaves]
@@ -171,7 +172,9 @@ class InitialValues:
     def _why(self, module: nn.Module, unset: Tensor) -> str:
         part = "" if bool(unset.all()) else f"{int(unset.sum())} of {unset.numel()} elements "
         if hasattr(module, "reset_parameters"):
-            return f"{part}not set by {type(module).__name__}.reset_parameters()" + (" or init_fn" if self.init_fn else "")
+            return f"{part}not set by {type(module).__name__}.reset_parameters()" + (
+                " or init_fn" if self.init_fn else ""
+            )
         return f"{part}not set: {type(module).__name__} has no reset_parameters()" + (
             " and init_fn does not set it" if self.init_fn else "")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Dict
 
 import torch
 import torch.nn as nn
@@ -37,7 +36,7 @@ def _digest(text: str) -> Tensor:
     return torch.tensor(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True))
 
 
-def signature(spec, model: nn.Module) -> Dict[str, Tensor]:
+def signature(spec, model: nn.Module) -> dict[str, Tensor]:
     """{label: int64 digest}: the same labels on every rank (same fz), equal digests when equal."""
     out = {f"Spec.{f.name}": _digest(_stable(getattr(spec, f.name)))
            for f in dataclasses.fields(spec) if f.name not in PER_RANK}
@@ -45,6 +44,10 @@ def signature(spec, model: nn.Module) -> Dict[str, Tensor]:
     buffers = list(model.named_buffers(remove_duplicate=True))
     out["the model's parameter names"] = _digest(repr([n for n, _ in params]))
     out["the model's parameter shapes"] = _digest(repr([tuple(p.shape) for _, p in params]))
-    out["the model's parameter dtypes and requires_grad"] = _digest(repr([(p.dtype, p.requires_grad) for _, p in params]))
-    out["the model's buffers (names, shapes, dtypes)"] = _digest(repr([(n, tuple(b.shape), b.dtype) for n, b in buffers]))
+    out["the model's parameter dtypes and requires_grad"] = _digest(
+        repr([(p.dtype, p.requires_grad) for _, p in params])
+    )
+    out["the model's buffers (names, shapes, dtypes)"] = _digest(
+        repr([(n, tuple(b.shape), b.dtype) for n, b in buffers])
+    )
     return out

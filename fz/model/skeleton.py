@@ -11,8 +11,9 @@ parameters the root's leaves (embeddings, final norm, head) are units too (fz/mo
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,15 +47,15 @@ def default_wrap(name: str, module: nn.Module, parents: Sequence[nn.Module]) -> 
 class Unit:
     name: str  # "" for the root
     module: nn.Module  # meta skeleton of the block (the root skeleton for unit 0)
-    params: Tuple[Tuple[str, str], ...]  # (name inside the unit, canonical parameter name)
-    buffers: Tuple[Tuple[str, str], ...]  # (name inside the unit, canonical buffer name)
+    params: tuple[tuple[str, str], ...]  # (name inside the unit, canonical parameter name)
+    buffers: tuple[tuple[str, str], ...]  # (name inside the unit, canonical buffer name)
     checkpointed: bool = False  # Hugging Face's gradient checkpointing was on inside it (fz does it instead)
     leaf: bool = False  # a leaf of the root fetched per use (fz/model/leaves.py), not a block
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy whose parameters and buffers are meta tensors (ties kept, no data copied)."""
-    memo: Dict[int, Any] = {}
+    memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
@@ -65,14 +66,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class Skeleton:
     root: nn.Module
-    units: Tuple[Unit, ...]  # units[0] is the root
-    param_unit: Dict[str, int]  # canonical param name -> the unit that owns it
-    aliases: Dict[str, str]  # every parameter/buffer name (tied included) -> canonical name
-    persistent: Tuple[str, ...] = ()  # canonical buffers in the model's state_dict (exported with the weights)
-    cast_buffers: Tuple[str, ...] = ()  # floating buffers of modules with parameters (given in the compute dtype)
-    running_stats: Tuple[str, ...] = ()  # buffers that kernels update in train mode without a version bump (BatchNorm)
+    units: tuple[Unit, ...]  # units[0] is the root
+    param_unit: dict[str, int]  # canonical param name -> the unit that owns it
+    aliases: dict[str, str]  # every parameter/buffer name (tied included) -> canonical name
+    persistent: tuple[str, ...] = ()  # canonical buffers in the model's state_dict (exported with the weights)
+    cast_buffers: tuple[str, ...] = ()  # floating buffers of modules with parameters (given in the compute dtype)
+    running_stats: tuple[str, ...] = ()  # buffers that kernels update in train mode without a version bump (BatchNorm)
     fetches_root: bool = False  # the root's leaves were asked for as units (fz/model/leaves.py)
-    shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it (several)
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it (several)
 
     @property
     def training(self) -> bool:
@@ -92,7 +93,7 @@ class Skeleton:
         return tuple((u.name, type(u.module).__qualname__, u.params, u.buffers) for u in self.units)
 
 
-def _parents(root: nn.Module, name: str) -> List[nn.Module]:
+def _parents(root: nn.Module, name: str) -> list[nn.Module]:
     """The modules from the root down to `name`'s parent."""
     out, module = [root], root
     for part in name.split(".")[:-1]:
@@ -101,16 +102,18 @@ def _parents(root: nn.Module, name: str) -> List[nn.Module]:
     return out
 
 
-def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None, fetch_root: bool = False) -> Skeleton:
+def build_skeleton(model: nn.Module, wrap: WrapPolicy | None = None, fetch_root: bool = False) -> Skeleton:
     """The meta skeleton of `model` cut into units; `fetch_root`: the root's leaves are units
     too (stage 3 with offloaded parameters: fz/model/leaves.py)."""
     root = meta_copy(model)
-    canon: Dict[int, str] = {}
-    aliases: Dict[str, str] = {}
-    for name, t in list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False)):
+    canon: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in list(root.named_parameters(remove_duplicate=False)) + list(
+        root.named_buffers(remove_duplicate=False)
+    ):
         aliases[name] = canon.setdefault(id(t), name)
 
-    blocks: List[str] = []
+    blocks: list[str] = []
     for name, module in root.named_modules():
         if not name or any(name.startswith(c + ".") for c in blocks):
             continue
@@ -128,11 +131,15 @@ def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None, fetch_ro
     shared = {c: tuple(sorted(u)) for c, u in users.items() if len(u) > 1 and param_unit[c]}
 
     persistent, cast, running = _buffer_kinds(root, aliases)
-    units: List[Unit] = []
+    units: list[Unit] = []
     for uname in chosen:
         inner = root.get_submodule(uname)
-        params = tuple((local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_parameters(remove_duplicate=False))
-        buffers = tuple((local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_buffers(remove_duplicate=False))
+        params = tuple(
+            (local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_parameters(remove_duplicate=False)
+        )
+        buffers = tuple(
+            (local, aliases[f"{uname}.{local}"]) for local, _ in inner.named_buffers(remove_duplicate=False)
+        )
         units.append(Unit(uname, inner, params, buffers, _take_hf_checkpointing(inner), uname in leaves))
     places = occurrences(root, chosen)
     for i, unit in enumerate(units, start=1):
@@ -148,13 +155,13 @@ def build_skeleton(model: nn.Module, wrap: Optional[WrapPolicy] = None, fetch_ro
                     running, fetch_root, shared)
 
 
-def _users(root: nn.Module, units: Sequence[str], aliases: Dict[str, str]) -> Dict[str, set]:
+def _users(root: nn.Module, units: Sequence[str], aliases: dict[str, str]) -> dict[str, set]:
     """Canonical parameter -> the units whose module holds it (0: the root holds it outside them)."""
-    inside: Dict[str, int] = {}
+    inside: dict[str, int] = {}
     for i, (unit, places) in enumerate(occurrences(root, units).items(), start=1):
         for local, _ in root.get_submodule(unit).named_parameters(remove_duplicate=False):
             inside.update((f"{place}.{local}", i) for place in places)
-    users: Dict[str, set] = {}
+    users: dict[str, set] = {}
     for full, _ in root.named_parameters(remove_duplicate=False):
         users.setdefault(aliases[full], set()).add(inside.get(full, 0))
     return users
@@ -169,7 +176,7 @@ def _owner(users: set, fetch_root: bool) -> int:
     return 0 if 0 in users or not fetch_root else min(users)
 
 
-def bucket_entries(model: nn.Module, skel: Skeleton) -> List[Tuple[str, torch.Size, int, bool]]:
+def bucket_entries(model: nn.Module, skel: Skeleton) -> list[tuple[str, torch.Size, int, bool]]:
     """(name, shape, unit, trainable) of every parameter in bucket order (by unit, then the
     model's order): what `make_buckets` groups. fz.init and fz.estimate share it. The root's
     leaves keep the root's place (first, in the model's order), so states list their parameters
@@ -180,7 +187,7 @@ def bucket_entries(model: nn.Module, skel: Skeleton) -> List[Tuple[str, torch.Si
     return [(named[i][0], named[i][1].shape, units[i], named[i][1].requires_grad) for i in order]
 
 
-def _buffer_kinds(root: nn.Module, aliases: Dict[str, str]) -> Tuple[Tuple[str, ...], ...]:
+def _buffer_kinds(root: nn.Module, aliases: dict[str, str]) -> tuple[tuple[str, ...], ...]:
     """(buffers in the state_dict, floating buffers whose module has floating parameters, running
     statistics of norm layers), canonical names.
 

@@ -9,7 +9,6 @@ groups ("inter_*": the only traffic that crosses groups). Read from `state.metri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
 
 from fz.state import State
 
@@ -19,20 +18,20 @@ _RING = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "scalar": 
 @dataclass(frozen=True)
 class CommReport:
     world: int  # ranks in a shard group (ZeRO's N)
-    payload: Dict[str, int]  # kind -> bytes of the step's collectives within the shard group
+    payload: dict[str, int]  # kind -> bytes of the step's collectives within the shard group
     replicas: int = 1  # shard groups (2-D mesh); 1 on a 1-D mesh
-    inter_payload: Dict[str, int] = field(default_factory=dict)  # kind -> bytes across groups
+    inter_payload: dict[str, int] = field(default_factory=dict)  # kind -> bytes across groups
 
     @staticmethod
-    def _sent(payload: Dict[str, int], n: int) -> Dict[str, float]:
+    def _sent(payload: dict[str, int], n: int) -> dict[str, float]:
         return {k: v * _RING.get(k, 1.0) * (n - 1) / n for k, v in payload.items()}
 
     @property
-    def sent(self) -> Dict[str, float]:
+    def sent(self) -> dict[str, float]:
         return self._sent(self.payload, self.world)
 
     @property
-    def inter_sent(self) -> Dict[str, float]:
+    def inter_sent(self) -> dict[str, float]:
         return self._sent(self.inter_payload, self.replicas)
 
     @property
@@ -53,7 +52,10 @@ class CommReport:
     def __str__(self) -> str:
         lines = [f"fz communication, last step, shard group {self.world}, replicas {self.replicas}: "
                  "kind, payload MiB, sent per rank MiB"]
-        for where, payload, sent in (("intra", self.payload, self.sent), ("inter", self.inter_payload, self.inter_sent)):
+        for where, payload, sent in (
+            ("intra", self.payload, self.sent),
+            ("inter", self.inter_payload, self.inter_sent),
+        ):
             for k, v in sorted(payload.items()):
                 lines.append(f"  {where} {k:15} {v / 2**20:10.3f} {sent[k] / 2**20:10.3f}")
         return "\n".join(lines)

@@ -5,8 +5,6 @@ A collective API: every rank of the mesh calls it (stage 3 all-gathers within th
 """
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 from torch import Tensor
 
@@ -14,11 +12,11 @@ from fz.distributed import peers
 from fz.distributed.arrival import arrive
 from fz.sharding.comm import Comm, full_views, unpack
 from fz.sharding.pack import checked_flats
-from fz.storage.disk import load
 from fz.state import State
+from fz.storage.disk import load
 
 
-def full_params(state: State) -> Dict[str, Tensor]:
+def full_params(state: State) -> dict[str, Tensor]:
     """{name: full tensor}: the parameters (sharded buckets all-gathered, one bucket at a time), then
     the persistent buffers (BatchNorm's statistics; not the non-persistent ones, such as a RoPE
     table, which a state_dict leaves out too)."""
@@ -30,7 +28,7 @@ def full_params(state: State) -> Dict[str, Tensor]:
     if sync is not None:
         sync.finish()
     comm = Comm(plan)
-    out: Dict[str, Tensor] = {}
+    out: dict[str, Tensor] = {}
     for b, flat in zip(plan.buckets, flats):
         flat = load(flat)  # a shard on the disk tier: read now
         if not b.sharded_param:

@@ -10,7 +10,6 @@ optimizer 12 (master 4 + Adam's two moments), as in the paper's K=12.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict
 
 import torch.utils._pytree as pytree
 from torch import Tensor
@@ -35,7 +34,7 @@ class MemoryReport:
     formula_opt: float
     padding: int  # bytes of rows added so every rank's shard has the same size
     opt_other: int  # optimizer scalars (step counts): not part of ZeRO's accounting
-    tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # {device|host|disk: {kind: bytes}}
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # {device|host|disk: {kind: bytes}}
     device_peak: int = 0  # torch.cuda.max_memory_allocated on the state's device since the last reset (0 off CUDA)
     pinned: int = 0  # host memory fz holds pinned for transfers in this process (fz/offload/transfer.py)
 
@@ -47,7 +46,7 @@ class MemoryReport:
     def formula_total(self) -> float:
         return self.formula_params + self.formula_grads + self.formula_opt
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total, "formula_total": self.formula_total}
 
     def __str__(self) -> str:
@@ -73,9 +72,9 @@ def _bytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _opt_leaves_per_param(state: State) -> Dict[str, int]:
+def _opt_leaves_per_param(state: State) -> dict[str, int]:
     """How many param-shaped optimizer tensors each parameter has (Adam: 2)."""
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for path, leaf in pytree.tree_flatten_with_path(state.opt_state)[0]:
         if isinstance(leaf, DTensor):
             key = next(e.key for e in reversed(path) if isinstance(e, pytree.MappingKey))
@@ -110,7 +109,9 @@ def memory_report(state: State) -> MemoryReport:
             if b.trainable:
                 trainable += s.numel
                 f_grads += s.numel * el / (n if isinstance(b.place.grad, Shard) else 1)
-                f_opt += (opt_counts.get(s.name, 0) * 4 + master_el) * s.numel / (n if isinstance(b.place.opt, Shard) else 1)
+                f_opt += (
+                    (opt_counts.get(s.name, 0) * 4 + master_el) * s.numel / (n if isinstance(b.place.opt, Shard) else 1)
+                )
     other = 0
     for leaf in pytree.tree_leaves((state.opt_state, state.master_flats)):
         if isinstance(leaf, DTensor):
@@ -131,14 +132,14 @@ def device_peak(device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
-def _tiers(state: State, grads: int) -> Dict[str, Dict[str, int]]:
+def _tiers(state: State, grads: int) -> dict[str, dict[str, int]]:
     """Bytes per tier and kind: where each leaf lives (a DiskTensor: on disk; the policy's host
     tier: host memory; else the device). Buffers stay on the device; gradients too, unless the
     optimizer state is offloaded: then the step keeps them as fp32 host buffers (fz/offload/host_grads.py)."""
-    from fz.storage.disk import DiskTensor
     from fz.offload.host_grads import host_grad_bytes
+    from fz.storage.disk import DiskTensor
     policy = state.spec.offload if state.spec.offload is not None and state.spec.offload.active else None
-    out: Dict[str, Dict[str, int]] = {t: {k: 0 for k in ("params", "master", "moments", "grads", "buffers")}
+    out: dict[str, dict[str, int]] = {t: {k: 0 for k in ("params", "master", "moments", "grads", "buffers")}
                                       for t in ("device", "host", "disk")}
 
     def add(kind: str, t: Tensor, policy_tier: str) -> None:

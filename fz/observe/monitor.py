@@ -25,7 +25,7 @@ import math
 import resource
 import sys
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -62,15 +62,15 @@ def batch_counts(batch: Any) -> tuple:
 class Monitor:
     """Logs a training run (rank 0 writes); see the module docstring for what and where."""
 
-    def __init__(self, log_dir: Optional[str] = None, log_every: int = 10, total_steps: Optional[int] = None, *,
-                 csv_dir: Optional[str] = None, run: Optional[str] = None, progress: Optional[bool] = None,
+    def __init__(self, log_dir: str | None = None, log_every: int = 10, total_steps: int | None = None, *,
+                 csv_dir: str | None = None, run: str | None = None, progress: bool | None = None,
                  memory: bool = True, stream: TextIO = sys.stdout):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.log_every, self.total, self.stream, self.memory = log_every, total_steps, stream, memory
         self.run = run or run_name()
-        self.writers: List[Any] = []
-        self.bar: Optional[Bar] = None
+        self.writers: list[Any] = []
+        self.bar: Bar | None = None
         if self.rank == 0:
             if log_dir:
                 self.writers.append(TensorBoardWriter(run_dir(log_dir, self.run)))
@@ -80,19 +80,19 @@ class Monitor:
         self._reset(time.perf_counter())
 
     @classmethod
-    def from_spec(cls, spec, total_steps: Optional[int] = None, **kw: Any) -> "Monitor":
+    def from_spec(cls, spec, total_steps: int | None = None, **kw: Any) -> Monitor:
         """Directories and interval from the spec (DeepSpeed's tensorboard, csv_monitor, steps_per_print)."""
         return cls(spec.log_dir, spec.log_every, total_steps, csv_dir=spec.csv_dir, **kw)
 
     @property
-    def dirs(self) -> List[str]:
+    def dirs(self) -> list[str]:
         """The run directories written to (rank 0; empty elsewhere)."""
         return [str(w.path) for w in self.writers]
 
     def _reset(self, now: float) -> None:
         self.t0, self.steps, self.loss, self.rows, self.tokens = now, 0, 0.0, 0, 0
 
-    def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: Optional[int] = None) -> None:
+    def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: int | None = None) -> None:
         """Account one step (this rank's `batch` gives samples and tokens; `tokens=` overrides)."""
         step = int(state.step)
         self.steps += 1
@@ -111,7 +111,7 @@ class Monitor:
         now = time.perf_counter()
         took = max(now - self.t0, 1e-9)
         m = state.metrics
-        scalars: Dict[str, float] = {"train/loss": self.loss / self.steps}
+        scalars: dict[str, float] = {"train/loss": self.loss / self.steps}
         for key, tag in (("lr", "train/lr"), ("grad_norm", "train/grad_norm")):
             if not math.isnan(float(m[key])):
                 scalars[tag] = float(m[key])
@@ -132,7 +132,7 @@ class Monitor:
                 self.bar.write(f"step {step}{f'/{self.total}' if self.total else ''}  {_line(scalars)}")
         self._reset(time.perf_counter())
 
-    def _memory(self, state: State) -> Dict[str, float]:
+    def _memory(self, state: State) -> dict[str, float]:
         r = memory_report(state)
         tiers = [sum(r.tiers.get(t, {}).values()) for t in TIERS]
         mine = torch.tensor([r.params, r.grads, r.opt, r.total, *tiers, peak_rss(), r.device_peak, r.pinned],
@@ -143,9 +143,11 @@ class Monitor:
             every = mine.new_zeros(self.world * len(MEMORY))
             all_gather_single(every, mine)
         rows = every.view(self.world, len(MEMORY)).tolist()
-        return {f"memory/rank{rank}/{name}_mb": v / _MB for rank, row in enumerate(rows) for name, v in zip(MEMORY, row)}
+        return {
+            f"memory/rank{rank}/{name}_mb": v / _MB for rank, row in enumerate(rows) for name, v in zip(MEMORY, row)
+        }
 
-    def log(self, scalars: Dict[str, float], step: int, _console: bool = True) -> None:
+    def log(self, scalars: dict[str, float], step: int, _console: bool = True) -> None:
         """Write extra scalars (e.g. {"eval/loss": x}) at `step`; rank 0 writes, other ranks do nothing."""
         if self.rank != 0:
             return
@@ -161,13 +163,13 @@ class Monitor:
             self.bar.close()
 
 
-def _brief(scalars: Dict[str, float]) -> str:
+def _brief(scalars: dict[str, float]) -> str:
     out = f"loss {scalars['train/loss']:.4f}"
     if "perf/tokens_per_s" in scalars:
         out += f"  {scalars['perf/tokens_per_s']:,.0f} tok/s"
     return out
 
 
-def _line(scalars: Dict[str, float]) -> str:
+def _line(scalars: dict[str, float]) -> str:
     shown = [(k.split("/")[-1], v) for k, v in scalars.items() if not k.startswith("memory/")]
     return "  ".join(f"{k} {v:.4g}" for k, v in shown)

@@ -6,7 +6,7 @@ plain lines instead of carriage returns.
 from __future__ import annotations
 
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 def _clock(seconds: float) -> str:
@@ -18,7 +18,7 @@ def _clock(seconds: float) -> str:
 class Bar:
     """`show(step, text)` after each step; `write(line)` prints a line above it; `close()` ends it."""
 
-    def __init__(self, total: Optional[int], stream: TextIO, enabled: Optional[bool] = None, start_step: int = 0):
+    def __init__(self, total: int | None, stream: TextIO, enabled: bool | None = None, start_step: int = 0):
         self.total, self.stream = total, stream
         self.enabled = bool(stream.isatty()) if enabled is None else enabled
         self.start, self.first, self.last, self.shown = time.perf_counter(), start_step, 0.0, ""

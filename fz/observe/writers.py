@@ -8,9 +8,8 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
-from typing import Dict, Optional, Union
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
 def run_name() -> str:
@@ -37,7 +36,7 @@ class TensorBoardWriter:
         self.path = path
         self.writer = SummaryWriter(str(path))
 
-    def write(self, scalars: Dict[str, float], step: int) -> None:
+    def write(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
@@ -51,11 +50,11 @@ class CsvWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self.file: Optional[object] = open(path / "scalars.csv", "w", newline="", encoding="utf-8")
+        self.file: object | None = open(path / "scalars.csv", "w", newline="", encoding="utf-8")
         self.rows = csv.writer(self.file)
         self.rows.writerow(["step", "tag", "value"])
 
-    def write(self, scalars: Dict[str, float], step: int) -> None:
+    def write(self, scalars: dict[str, float], step: int) -> None:
         self.rows.writerows([step, tag, repr(float(value))] for tag, value in scalars.items())
         self.file.flush()
 

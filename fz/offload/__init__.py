@@ -5,7 +5,7 @@ policies that are functions from state to state.
     state = fz.offload.cpu()(state)      # move a live state's optimizer to host memory
     state = fz.offload.none()(state)     # and back
 """
-from fz.storage.disk import DiskTensor
 from fz.offload.policy import TIERS, Offload, cpu, none, nvme
+from fz.storage.disk import DiskTensor
 
 __all__ = ["DiskTensor", "Offload", "TIERS", "cpu", "none", "nvme"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,9 +18,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
+from fz.sharding.buckets import Bucket
 from fz.storage.disk import DiskTensor, load
 from fz.storage.store import ALIGN, check_directory, store_for
-from fz.sharding.buckets import Bucket
 
 if TYPE_CHECKING:  # policy.py applies a policy through this module
     from fz.offload.policy import Offload
@@ -36,9 +36,9 @@ def tier_of(t: Tensor, policy_tier: str) -> str:
     return "disk" if isinstance(t, DiskTensor) else ("host" if policy_tier == "host" else "device")
 
 
-def opt_leaves_by_param(opt_state: Any) -> Dict[str, List[Tuple[Any, DTensor]]]:
+def opt_leaves_by_param(opt_state: Any) -> dict[str, list[tuple[Any, DTensor]]]:
     """{param name: [(path, DTensor leaf)]}: the optimizer tensors kept per parameter, in tree order."""
-    out: Dict[str, List[Tuple[Any, DTensor]]] = {}
+    out: dict[str, list[tuple[Any, DTensor]]] = {}
     for path, leaf in pytree.tree_flatten_with_path(opt_state)[0]:
         if isinstance(leaf, DTensor):
             key = next((e.key for e in reversed(path) if isinstance(e, pytree.MappingKey)), None)
@@ -47,14 +47,14 @@ def opt_leaves_by_param(opt_state: Any) -> Dict[str, List[Tuple[Any, DTensor]]]:
     return out
 
 
-def master_slot_views(b: Bucket, mflat: Tensor) -> List[Tensor]:
+def master_slot_views(b: Bucket, mflat: Tensor) -> list[Tensor]:
     """Each parameter's part of the master storage, padding rows included (so the parts tile it)."""
     if b.place.opt.is_shard():
         return [mflat[s.shard_offset:s.shard_offset + s.chunk * s.row_numel] for s in b.slots]
     return [mflat[s.full_offset:s.full_offset + s.numel] for s in b.slots]
 
 
-def group_slots(part_bytes: List[int], buffer_bytes: int, bucket: Bucket) -> List[Tuple[int, int]]:
+def group_slots(part_bytes: list[int], buffer_bytes: int, bucket: Bucket) -> list[tuple[int, int]]:
     """[lo, hi) slot ranges whose parts fit one buffer, in order."""
     groups, lo, size = [], 0, 0
     for i, n in enumerate(part_bytes):
@@ -69,13 +69,13 @@ def group_slots(part_bytes: List[int], buffer_bytes: int, bucket: Bucket) -> Lis
     return groups
 
 
-def _slot_parts(plan, b: Bucket, mflat: Optional[Tensor], by_param) -> List[List[Tensor]]:
+def _slot_parts(plan, b: Bucket, mflat: Tensor | None, by_param) -> list[list[Tensor]]:
     masters = master_slot_views(b, mflat) if mflat is not None else [None] * len(b.slots)
     return [([m] if m is not None else []) + [leaf._local_tensor for _, leaf in by_param.get(s.name, [])]
             for s, m in zip(b.slots, masters)]
 
 
-def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: List[List[Tensor]]) -> List[List[DiskTensor]]:
+def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: list[list[Tensor]]) -> list[list[DiskTensor]]:
     """Write one bucket's optimizer parts into a new file; the DiskTensors that now hold them."""
     sizes = [[_round(t.numel() * t.element_size(), PART_ALIGN) for t in ts] for ts in parts]
     groups = group_slots([sum(s) for s in sizes], int(policy.buffer_mb * 2**20), b)
@@ -101,7 +101,7 @@ def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: List[List[Tensor]]
     return out
 
 
-def _concat(pieces: List[DiskTensor], numel: int, dtype, device) -> DiskTensor:
+def _concat(pieces: list[DiskTensor], numel: int, dtype, device) -> DiskTensor:
     extents = tuple(e for p in pieces for e in p._extents)
     return DiskTensor(pieces[0]._blob, extents, (numel,), dtype, device)
 
@@ -114,9 +114,11 @@ def _to_tier(t: Tensor, tier: str, device: torch.device, pin: bool) -> Tensor:
     return t.to(device)
 
 
-def _opt_on_disk(policy: Offload, b: Bucket, mflat: Optional[Tensor], by_param) -> bool:
+def _opt_on_disk(policy: Offload, b: Bucket, mflat: Tensor | None, by_param) -> bool:
     """Whether the bucket's optimizer state is already one file laid out for this policy's buffers."""
-    tensors = ([mflat] if mflat is not None else []) + [l._local_tensor for s in b.slots for _, l in by_param.get(s.name, [])]
+    tensors = ([mflat] if mflat is not None else []) + [
+        leaf._local_tensor for s in b.slots for _, leaf in by_param.get(s.name, [])
+    ]
     blobs = {t._blob for t in tensors if isinstance(t, DiskTensor)}
     return (len(blobs) == 1 and all(isinstance(t, DiskTensor) for t in tensors)
             and getattr(next(iter(blobs)), "group_bytes", None) == int(policy.buffer_mb * 2**20))
@@ -134,7 +136,7 @@ def apply_policy(policy: Offload, state):
                       "fz.init with the offload in the Spec fetches those per use (fz/model/leaves.py).", stacklevel=3)
     by_param = opt_leaves_by_param(state.opt_state)
     _check_room(policy, state, by_param)
-    replaced: Dict[int, Tensor] = {}  # id(old local) -> new local
+    replaced: dict[int, Tensor] = {}  # id(old local) -> new local
     masters = dict(state.master_flats)
     for b in plan.buckets:
         if not b.trainable:
@@ -144,8 +146,8 @@ def apply_policy(policy: Offload, state):
             if not _opt_on_disk(policy, b, mflat, by_param):
                 replaced.update(_bucket_to_disk(policy, plan, b, mflat, by_param))
         else:
-            for t in ([mflat] if mflat is not None else []) + [l._local_tensor for s in b.slots
-                                                                 for _, l in by_param.get(s.name, [])]:
+            for t in ([mflat] if mflat is not None else []) + [leaf._local_tensor for s in b.slots
+                                                                 for _, leaf in by_param.get(s.name, [])]:
                 new = _to_tier(t, policy.optimizer, plan.device, policy.pin_memory)
                 if new is not t:
                     replaced[id(t)] = new
@@ -162,11 +164,11 @@ def apply_policy(policy: Offload, state):
                                spec=spec.replace(offload=policy if policy.active else None))
 
 
-def _bucket_to_disk(policy: Offload, plan, b: Bucket, mflat: Optional[Tensor], by_param) -> Dict[int, Tensor]:
+def _bucket_to_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, by_param) -> dict[int, Tensor]:
     """Write one bucket's master weights and optimizer tensors to a new file: {id(old local): DiskTensor}."""
     parts = _slot_parts(plan, b, mflat, by_param)
     disk = write_opt_bucket(policy, plan, b, parts)
-    replaced: Dict[int, Tensor] = {}
+    replaced: dict[int, Tensor] = {}
     skip = 1 if mflat is not None else 0
     for old, new in zip(parts, disk):
         for o, n in zip(old[skip:], new[skip:]):
@@ -176,7 +178,7 @@ def _bucket_to_disk(policy: Offload, plan, b: Bucket, mflat: Optional[Tensor], b
     return replaced
 
 
-def bucket_init_on_disk(policy: Offload, plan, b: Bucket, mflat: Optional[Tensor], local_opt: Any):
+def bucket_init_on_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, local_opt: Any):
     """fz.init's path for the disk tier, one bucket at a time (so the whole optimizer state is
     never in memory): (master storage on disk or None, the bucket's optimizer state on disk)."""
     from fz.sharding.opt_state import wrap_opt_state
@@ -220,7 +222,9 @@ def _check_room(policy: Offload, state, by_param) -> None:
         m = state.master_flats.get(b.index)
         mflat = m._local_tensor if m is not None else None
         if policy.optimizer == "disk" and b.trainable and not _opt_on_disk(policy, b, mflat, by_param):
-            need += sum(t.numel() * t.element_size() for row in _slot_parts(state.plan, b, mflat, by_param) for t in row)
+            need += sum(
+                t.numel() * t.element_size() for row in _slot_parts(state.plan, b, mflat, by_param) for t in row
+            )
         local = state.param_flats[b.index]._local_tensor
         if policy.params == "disk" and b.sharded_param and not isinstance(local, DiskTensor):
             need += local.numel() * local.element_size()

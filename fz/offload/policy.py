@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from fz.errors import ConfigError
 
@@ -27,7 +26,7 @@ class Offload:
 
     optimizer: str = "device"
     params: str = "device"
-    path: Optional[str] = None  # the disk tier's directory (nvme)
+    path: str | None = None  # the disk tier's directory (nvme)
     pin_memory: bool = True  # host buffers pinned (CUDA only: pinned memory makes copies asynchronous)
     buffer_mb: float = 16.0  # one I/O buffer; a group of rows streamed at a time fits in it
     buffers: int = 4  # I/O buffers: resident memory for disk-tier state is buffers x buffer_mb
@@ -69,8 +68,10 @@ class Offload:
 
     def check_stage(self, stage: int) -> None:
         if self.params != "device" and stage != 3:
-            raise ConfigError(f"fz.offload: params={self.params!r} needs ZeRO stage 3 (below it every rank holds "
-                              f"whole parameters; DeepSpeed's offload_param has the same rule); this spec is stage {stage}")
+            raise ConfigError(
+                f"fz.offload: params={self.params!r} needs ZeRO stage 3 (below it every rank holds "
+                f"whole parameters; DeepSpeed's offload_param has the same rule); this spec is stage {stage}"
+            )
         if self.optimizer != "device" and stage == 0:
             raise ConfigError("fz.offload: offloading the optimizer needs ZeRO stage 1, 2 or 3 (as DeepSpeed's "
                               "offload_optimizer): at stage 0 every rank would stream the whole optimizer state")
@@ -80,7 +81,7 @@ class Offload:
         from fz.offload.move import apply_policy
         return apply_policy(self, state)
 
-    def replace(self, **changes) -> "Offload":
+    def replace(self, **changes) -> Offload:
         return dataclasses.replace(self, **changes)
 
 

@@ -22,15 +22,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-_POOLS: dict[tuple, "PinnedPool"] = {}
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_POOLS: dict[tuple, PinnedPool] = {}
 
 # Called with the copy stream before each copy is queued on it (tests queue a slow kernel
 # there to prove no buffer is read before its copy's event). None in normal use.
-before_copy: Callable[["torch.cuda.Stream"], None] | None = None
+before_copy: Callable[[torch.cuda.Stream], None] | None = None
 
 
-def copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
+def copy_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream host<->device copies of `device` run on (None off CUDA)."""
     if device.type != "cuda":
         return None

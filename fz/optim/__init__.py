@@ -27,9 +27,9 @@ from fz.optim.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
     current_lr,
-    scale_to_max_norm,
     scale_by_adam,
     scale_by_learning_rate,
+    scale_to_max_norm,
     trace,
 )
 

@@ -15,7 +15,7 @@ per step for all parameters together. The column statistic is replicated on ever
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ def _rows_across_shards(p: Tensor) -> bool:
     return p.dim() == 2
 
 
-def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[float], float] = (None, 1e-3),
+def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float] = (None, 1e-3),
               d: float = 1.0, weight_decay: float = 0.0) -> GradientTransformation:
     """torch.optim.Adafactor (foreach=False, maximize=False), sharding-aware; eps1 None = dtype eps."""
     eps1_arg, eps2 = eps
@@ -66,7 +66,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
         return AdafactorState(torch.zeros((), dtype=torch.int64), torch.tensor(lr_at(lr, 0), dtype=torch.float64),
                               row, col, var)
 
-    def update(updates: Params, state: AdafactorState, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: AdafactorState, params: Params | None = None, *, donate: bool = False,
                shard_sum=None, **extra):
         if params is None:
             raise ConfigError("adafactor needs params (its step size is relative to RMS(p))")
@@ -78,7 +78,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
         rho = min(lr_t, 1 / math.sqrt(t))
 
         # Round 1: per parameter [sum p^2, local rows, (2-D: column sums of g^2, sum of row stat)].
-        stats: Dict[str, Tensor] = {}
+        stats: dict[str, Tensor] = {}
         for k, g in updates.items():
             p = params[k]
             parts = [p.float().square().sum().reshape(1), p.new_full((1,), float(p.shape[0] if p.dim() else 1))]
@@ -89,9 +89,9 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: Tuple[Optional[floa
             stats[k] = torch.cat([x.float() for x in parts])
         stats = sum_across_shards(stats, shard_sum)
 
-        out: Dict[str, Tensor] = {}
-        numel: Dict[str, int] = {}
-        alpha: Dict[str, float] = {}
+        out: dict[str, Tensor] = {}
+        numel: dict[str, int] = {}
+        alpha: dict[str, float] = {}
         for k, g in updates.items():
             p, s = params[k], stats[k]
             eps1 = torch.finfo(p.dtype).eps if eps1_arg is None else eps1_arg

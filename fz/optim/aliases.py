@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 import torch
 
@@ -10,7 +9,7 @@ from fz.optim.base import GradientTransformation, Params, chain, lr_at, owned
 from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 
-def adamw(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def adamw(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 0.01, bias_correction: bool = True) -> GradientTransformation:
     """AdamW with decoupled weight decay, as torch.optim.AdamW.
 
@@ -30,7 +29,7 @@ class _FusedAdamW(GradientTransformation):
     """adamw: `update` is the chain's; `step` is the same step in torch's fused kernel."""
 
     lr: LR
-    betas: Tuple[float, float]
+    betas: tuple[float, float]
     eps: float
     weight_decay: float
 
@@ -51,7 +50,7 @@ class _FusedAdamW(GradientTransformation):
                 type(lr_state)(lr_state.count + 1, torch.tensor(value, dtype=torch.float64)))
 
 
-def adam(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def adam(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
          weight_decay: float = 0.0, bias_correction: bool = True) -> GradientTransformation:
     """Adam with L2 weight decay added to the gradient, as torch.optim.Adam."""
     return chain(add_decayed_weights(weight_decay), scale_by_adam(*betas, eps, bias_correction),

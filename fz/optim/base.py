@@ -13,20 +13,21 @@ a transformation may give it a faster kernel of the same meaning (adamw does).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
-Params = Dict[str, Tensor]
+Params = dict[str, Tensor]
 NormSq = Callable[[Params], Tensor]
 
 
 @dataclass(frozen=True, eq=False)
 class GradientTransformation:
     init: Callable[[Params], Any]
-    update: Callable[..., "tuple[Params, Any]"]
+    update: Callable[..., tuple[Params, Any]]
 
     def step(self, grads: Params, state: Any, params: Params, **extra: Any) -> Any:
         """Apply one update to `params` in place; returns the new state."""
@@ -41,7 +42,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None, **extra: Any):
+    def update(updates: Params, state: tuple, params: Params | None = None, **extra: Any):
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **extra)
@@ -57,7 +58,7 @@ def apply_updates(params: Params, updates: Params) -> None:
     torch._foreach_add_([params[k] for k in keys], [updates[k] for k in keys])
 
 
-def owned(tensors: List[Tensor], donate: bool) -> List[Tensor]:
+def owned(tensors: list[Tensor], donate: bool) -> list[Tensor]:
     """Buffers to write new values of `tensors` into: themselves when the caller donated them,
     else copies (so the caller's tensors never change)."""
     return tensors if donate else [t.clone() for t in tensors]
@@ -71,12 +72,12 @@ def local_norm_sq(tree: Params) -> Tensor:
     return torch.stack(norms).square().sum()
 
 
-def global_norm(tree: Params, norm_sq: Optional[NormSq] = None) -> Tensor:
+def global_norm(tree: Params, norm_sq: NormSq | None = None) -> Tensor:
     """L2 norm over every element of every leaf, across all ranks' shards (`norm_sq` sums them)."""
     return (norm_sq or local_norm_sq)(tree).sqrt()
 
 
-def sum_across_shards(partial: Params, shard_sum: Optional[Callable[[Params], Params]] = None) -> Params:
+def sum_across_shards(partial: Params, shard_sum: Callable[[Params], Params] | None = None) -> Params:
     """{param name: partial sum over this rank's rows} -> the sum over the whole parameter.
 
     For statistics a sharded optimizer needs whole (LAMB's per-parameter norms,
@@ -86,6 +87,6 @@ def sum_across_shards(partial: Params, shard_sum: Optional[Callable[[Params], Pa
     return partial if shard_sum is None else shard_sum(partial)
 
 
-def lr_at(lr: "float | Callable[[int], float]", count: int) -> float:
+def lr_at(lr: float | Callable[[int], float], count: int) -> float:
     """A learning rate is a number or a schedule: a function of the step count."""
     return float(lr(count)) if callable(lr) else float(lr)

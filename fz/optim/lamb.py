@@ -12,7 +12,7 @@ The norms are whole-parameter statistics: both squared sums go through one
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ def scale_by_lamb(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
         return LambState(torch.zeros((), dtype=torch.int64), zeros(), zeros())
 
-    def update(updates: Params, state: LambState, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: LambState, params: Params | None = None, *, donate: bool = False,
                shard_sum=None, **extra):
         if params is None:
             raise ConfigError("lamb needs params (the trust ratio uses ||p||)")
@@ -81,7 +81,7 @@ def scale_by_lamb(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_
     return GradientTransformation(init, update)
 
 
-def lamb(lr: LR = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+def lamb(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
          max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False,
          bias_correction: bool = True) -> GradientTransformation:
     """LAMB with DeepSpeed FusedLamb's defaults and trust-ratio clamping."""

@@ -6,7 +6,7 @@ Purely elementwise, so Shard(0) row shards need no communication.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +25,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def init(params: Params) -> LionState:
         return LionState({k: torch.zeros_like(p) for k, p in params.items()})
 
-    def update(updates: Params, state: LionState, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: LionState, params: Params | None = None, *, donate: bool = False,
                **extra):
         keys = list(updates)
         g = owned([updates[k] for k in keys], donate)
@@ -41,7 +41,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def lion(lr: LR = 1e-4, betas: Tuple[float, float] = (0.9, 0.99),
+def lion(lr: LR = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
          weight_decay: float = 0.0) -> GradientTransformation:
     """Lion with decoupled weight decay; lr is typically 3-10x smaller than AdamW's."""
     b1, b2 = betas

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from fz.errors import ConfigError
 
@@ -95,7 +94,7 @@ class warmup_linear:
 
     lr: float
     warmup_steps: int = 0
-    total_steps: Optional[int] = None
+    total_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -220,9 +219,9 @@ class OneCycle:
     cycle_max_lr: float
     decay_lr_rate: float = 0.0
     cycle_first_step_size: int = 2000
-    cycle_second_step_size: Optional[int] = None
+    cycle_second_step_size: int | None = None
     cycle_first_stair_count: int = 0
-    cycle_second_stair_count: Optional[int] = None
+    cycle_second_stair_count: int | None = None
     decay_step_size: int = 0
     cycle_momentum: bool = True
     cycle_min_mom: float = 0.8
@@ -267,7 +266,7 @@ class OneCycle:
             scale = math.floor(position) / stairs
         return scale
 
-    def _decay(self, count: int) -> Optional[float]:
+    def _decay(self, count: int) -> float | None:
         """Decay intervals after the cycle, or None while still inside it."""
         if count - 1 < self._total:
             return None
@@ -281,7 +280,7 @@ class OneCycle:
             return float(self.cycle_min_lr)
         return float(self.cycle_min_lr / (1 + self.decay_lr_rate * d))
 
-    def momentum(self, count: int) -> Optional[float]:
+    def momentum(self, count: int) -> float | None:
         """DeepSpeed's beta1 for this step, or None when cycle_momentum is off."""
         if not self.cycle_momentum:
             return None

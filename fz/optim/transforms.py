@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from fz.optim.base import GradientTransformation, Params, global_norm, lr_at, owned
 
-LR = Union[float, Callable[[int], float]]
+LR = float | Callable[[int], float]
 
 
 class CountState(NamedTuple):
@@ -54,7 +55,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
         return AdamState(_count0(), zeros(), zeros())
 
-    def update(updates: Params, state: AdamState, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: AdamState, params: Params | None = None, *, donate: bool = False,
                **extra):
         count = state.count + 1
         t = int(count)
@@ -85,7 +86,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return ()
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: tuple, params: Params | None = None, *, donate: bool = False,
                **extra):
         if weight_decay:
             if params is None:
@@ -117,7 +118,7 @@ def scale_by_learning_rate(lr: LR) -> GradientTransformation:
     def init(params: Params) -> LearningRateState:
         return LearningRateState(_count0(), _lr0(lr_at(lr, 0)))
 
-    def update(updates: Params, state: LearningRateState, params: Optional[Params] = None, *,
+    def update(updates: Params, state: LearningRateState, params: Params | None = None, *,
                donate: bool = False, **extra):
         value = lr_at(lr, int(state.count))
         keys = list(updates)
@@ -142,9 +143,9 @@ def current_lr(opt_state: Any) -> float:
     return float(found.to_local() if hasattr(found, "to_local") else found)
 
 
-def _find_lr(tree: Any) -> Optional[Tensor]:
+def _find_lr(tree: Any) -> Tensor | None:
     if isinstance(tree, tuple) and hasattr(tree, "_fields") and "lr" in tree._fields:
-        value = getattr(tree, "lr")
+        value = tree.lr
         if isinstance(value, Tensor) and value.numel() == 1:
             return value
     children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
@@ -165,7 +166,7 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     def init(params: Params) -> TraceState:
         return TraceState({k: torch.zeros_like(p) for k, p in params.items()})
 
-    def update(updates: Params, state: TraceState, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: TraceState, params: Params | None = None, *, donate: bool = False,
                **extra):
         keys, g, (buf,) = _lists(updates, state.trace)
         g, buf = owned(g, donate), owned(buf, donate)
@@ -192,7 +193,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return ()
 
-    def update(updates: Params, state: tuple, params: Optional[Params] = None, *, donate: bool = False,
+    def update(updates: Params, state: tuple, params: Params | None = None, *, donate: bool = False,
                norm_sq=None, **extra):
         keys = list(updates)
         u = owned([updates[k] for k in keys], donate)

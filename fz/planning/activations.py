@@ -10,8 +10,9 @@ block's own saved tensors.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -26,12 +27,12 @@ from fz.precision import PRECISIONS
 
 @dataclass(frozen=True)
 class Trace:
-    saved: Dict[str, int]  # unit name ("" = the root) -> bytes autograd saves in its forward (units in order)
-    inputs: Dict[str, int]  # unit name -> bytes of its tensor inputs (what a checkpointed block keeps)
+    saved: dict[str, int]  # unit name ("" = the root) -> bytes autograd saves in its forward (units in order)
+    inputs: dict[str, int]  # unit name -> bytes of its tensor inputs (what a checkpointed block keeps)
     largest: int  # the largest single saved tensor (e.g. a language model's logits)
 
-    def peaks(self, checkpointed: Callable[[str], bool], grads: Dict[str, int],
-              grads_stay: bool = True) -> Tuple[int, int, int]:
+    def peaks(self, checkpointed: Callable[[str], bool], grads: dict[str, int],
+              grads_stay: bool = True) -> tuple[int, int, int]:
         """(activation bytes at the forward's end, activations + gradients at backward's first op,
         activations + gradients at the worst point of the units' backward).
 
@@ -71,11 +72,11 @@ def default_batch(micro_batch: int, seq_len: int) -> Tensor:
     return torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
 
-def trace(model: nn.Module, unit_names: Tuple[str, ...], batch: Any, precision: str, loss_fn=None) -> Trace:
+def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: str, loss_fn=None) -> Trace:
     """Run one forward of `model` on `batch` (shapes only: real or meta tensors) with fake tensors."""
     dtype = PRECISIONS[precision]
-    saved: Dict[str, Dict[int, int]] = {u: {} for u in unit_names}
-    inputs: Dict[str, int] = {u: 0 for u in unit_names if u}
+    saved: dict[str, dict[int, int]] = {u: {} for u in unit_names}
+    inputs: dict[str, int] = {u: 0 for u in unit_names if u}
     current = [""]
     param_ids: set = set()
 
@@ -101,8 +102,8 @@ def trace(model: nn.Module, unit_names: Tuple[str, ...], batch: Any, precision: 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
-            canon: Dict[int, Tensor] = {}
-            tensors: Dict[str, Tensor] = {}
+            canon: dict[int, Tensor] = {}
+            tensors: dict[str, Tensor] = {}
             for name, p in model.named_parameters(remove_duplicate=False):
                 if id(p) not in canon:
                     canon[id(p)] = torch.empty(p.shape, dtype=dtype, requires_grad=p.requires_grad)

@@ -18,7 +18,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fz.errors import ConfigError
 
@@ -69,8 +70,18 @@ def _spec(args: argparse.Namespace):
 
 def _estimate(args: argparse.Namespace) -> int:
     from fz.planning.table import estimate_table
-    print(estimate_table(_target(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.precision,
-                         spec=_spec(args), nvme_path=args.nvme_path, micro_batch=args.micro_batch, seq_len=args.seq_len))
+    print(
+        estimate_table(
+            _target(args),
+            gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes,
+            precision=args.precision,
+            spec=_spec(args),
+            nvme_path=args.nvme_path,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+        )
+    )
     return 0
 
 

@@ -9,8 +9,8 @@ and the root holds none, as at stage 3 with offloaded parameters, where the root
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,7 @@ import torch.nn as nn
 from fz.errors import ConfigError
 from fz.model.skeleton import bucket_entries, build_skeleton
 
-Entry = Tuple[str, torch.Size, int, bool]  # (name, shape, unit, trainable)
+Entry = tuple[str, torch.Size, int, bool]  # (name, shape, unit, trainable)
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,12 @@ class Counts:
 
 @dataclass(frozen=True)
 class ModelCounts:
-    entries: Tuple[Entry, ...]
-    unit_names: Tuple[str, ...]  # unit index -> the block activations are traced by ("": the root and its leaves)
+    entries: tuple[Entry, ...]
+    unit_names: tuple[str, ...]  # unit index -> the block activations are traced by ("": the root and its leaves)
     buffer_bytes: int
-    model: Optional[nn.Module]  # None for raw counts (no activations can be traced)
+    model: nn.Module | None  # None for raw counts (no activations can be traced)
     fetches_root: bool = True  # the root's leaves are units (raw counts: every layer is one)
-    shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it, when several do
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it, when several do
 
     @property
     def num_params(self) -> int:
@@ -57,8 +57,8 @@ class ModelCounts:
         return max(per.values())
 
 
-def model_counts(model_or_counts: Union[nn.Module, Counts, Tuple[float, float]],
-                 wrap: Optional[Callable[[str, nn.Module], bool]] = None, fetch_root: bool = False) -> ModelCounts:
+def model_counts(model_or_counts: nn.Module | Counts | tuple[float, float],
+                 wrap: Callable[[str, nn.Module], bool] | None = None, fetch_root: bool = False) -> ModelCounts:
     """The parameters of a model (or of raw counts) in the order fz.init buckets them
     (`fetch_root`: the root's leaves as units, fz/model/leaves.py)."""
     if isinstance(model_or_counts, nn.Module):
@@ -74,7 +74,7 @@ def model_counts(model_or_counts: Union[nn.Module, Counts, Tuple[float, float]],
                           f"got {type(model_or_counts).__name__}")
     total, largest = model_or_counts.total_params, model_or_counts.largest_layer
     layers = -(-total // largest)
-    entries: List[Entry] = []
+    entries: list[Entry] = []
     for i in range(layers):
         numel = min(largest, total - i * largest)
         entries.append((f"layer{i}", torch.Size((numel,)), i + 1, True))

@@ -12,16 +12,16 @@ gradients as the optimizer reads them (fp32), and activations traced from one mi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
+from fz.model.leaves import fetches_root
 from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
 from fz.offload.move import PART_ALIGN
-from fz.model.leaves import fetches_root
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
@@ -56,13 +56,14 @@ class Estimate:
     grads_update: int  # gradients as the update reads them (fp32 copies in mixed precision)
     sync: int  # stages 1-2: the all-gathers' inputs (and padded buckets' buffers) until they land (fz/sharding/sync.py)
     io_buffers: int  # the disk tier's host buffers
-    activations: Optional[int]  # at the forward's end, traced from one micro-batch (None: no batch given)
-    backward_start: Optional[int]  # activations + one op's gradients at backward's first op (fz/planning/activations.py)
-    backward_units: Optional[int]  # activations + gradients at the worst point of the units' backward
+    activations: int | None  # at the forward's end, traced from one micro-batch (None: no batch given)
+    backward_start: int | None  # activations + one op's gradients at backward's first op (fz/planning/activations.py)
+    backward_units: int | None  # activations + gradients at the worst point of the units' backward
     model_copy: int  # a model built normally (not on the meta device): its fp32 values on the host
-    tiers: Dict[str, Dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
     ranks_per_node: int = 1
-    largest_opt_part: int = 0  # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
+    # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
+    largest_opt_part: int = 0
     update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
     gather_summed: int = 0  # the part of `gather` that is gradients summed over a bucket's several users
     accumulated: int = 0  # grad_accum > 1, replicated gradients (stages 0-1): summed in full across micro-batches
@@ -140,7 +141,7 @@ def _rank_plan(buckets, world: int, shards: int, rank: int = 0) -> ShardPlan:
                      tuple(range(shards)), world // shards, None, None)
 
 
-def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> Tuple[int, int]:
+def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> tuple[int, int]:
     """Bytes of the optimizer state memory_report counts (leaves placed like their parameter),
     and the largest parameter's part on the disk tier (its master rows and leaves, aligned as
     fz/offload/move.py writes them: one part must fit one I/O buffer)."""
@@ -165,11 +166,11 @@ def _aligned(n: int) -> int:
     return -(-n // PART_ALIGN) * PART_ALIGN
 
 
-def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage: Optional[int] = None,
-             precision: Optional[str] = None, offload: Any = "spec", shard_group_size: Optional[int] = None,
-             micro_batch: Optional[int] = None, seq_len: Optional[int] = None,
-             activation_checkpointing: Any = None, spec: Optional[Spec] = None, batch: Any = None,
-             zero_init: Optional[bool] = None) -> Estimate:
+def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage: int | None = None,
+             precision: str | None = None, offload: Any = "spec", shard_group_size: int | None = None,
+             micro_batch: int | None = None, seq_len: int | None = None,
+             activation_checkpointing: Any = None, spec: Spec | None = None, batch: Any = None,
+             zero_init: bool | None = None) -> Estimate:
     """Bytes per device, per host and on disk of training `model_or_counts` (an nn.Module, best
     built on the meta device, or raw counts `(total_params, largest_layer)`) as `spec` says, with
     the keywords overriding it. Activations are traced from one micro-batch when `batch` (shapes
@@ -221,17 +222,34 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     if io:
         tiers["host"]["io_buffers"] = io
     gather, summed = _gather(spec, buckets, el, counts, shards)
-    return Estimate(world_size, nodes, spec.stage, spec.precision, counts.num_params, params, grads, master, opt,
-                    counts.buffer_bytes, gather,
-                    _reduce(spec, buckets, shards, el, host_grads),
-                    0 if host_grads else _grads_update(buckets, el, mixed, shards, spec), _sync(buckets, el, shards), io,
-                    *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
-                    _model_copy(counts, zero_init),
-                    tiers, world_size // nodes, largest_part, _update_loaded(policy, buckets, el), summed,
-                    0 if host_grads else _accumulated(buckets, el, shards, spec))
+    return Estimate(
+        world_size,
+        nodes,
+        spec.stage,
+        spec.precision,
+        counts.num_params,
+        params,
+        grads,
+        master,
+        opt,
+        counts.buffer_bytes,
+        gather,
+        _reduce(spec, buckets, shards, el, host_grads),
+        0 if host_grads else _grads_update(buckets, el, mixed, shards, spec),
+        _sync(buckets, el, shards),
+        io,
+        *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
+        _model_copy(counts, zero_init),
+        tiers,
+        world_size // nodes,
+        largest_part,
+        _update_loaded(policy, buckets, el),
+        summed,
+        0 if host_grads else _accumulated(buckets, el, shards, spec),
+    )
 
 
-def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> Tuple[int, int]:
+def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> tuple[int, int]:
     """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
     the units in flight: the running one and, over several ranks, the `prefetch` ones after it
     in call order (taken as the model's order; all of a unit's buckets at once); the units
@@ -242,7 +260,7 @@ def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> T
     Returns (all of it, the summed gradients' part)."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]
-    units: Dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
+    units: dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
     summed = 0
     for b in sharded:
         users = {b.unit, *(u for s in b.slots for u in counts.shared.get(s.name, ()))} - {0}
@@ -311,7 +329,7 @@ def _sync(buckets, el: int, shards: int) -> int:
 
 
 def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int, batch, micro_batch,
-                 seq_len) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+                 seq_len) -> tuple[int | None, int | None, int | None]:
     """(activations at the forward's end, at backward's first op, at the units' backward's worst point)."""
     if batch is None and micro_batch is None:
         return None, None, None
@@ -325,7 +343,7 @@ def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int,
     t = trace(counts.model, counts.unit_names, batch, spec.precision, spec.loss_fn)
     policy = spec.activation_checkpointing
     modules = {n: counts.model.get_submodule(n) for n in counts.unit_names[1:]}
-    grads: Dict[str, int] = {}
+    grads: dict[str, int] = {}
     for b in buckets:
         if b.trainable:
             n = b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel
@@ -342,7 +360,7 @@ def _update_loaded(policy, buckets, el: int) -> int:
     return max((b.shard_numel if b.sharded_param else b.full_numel for b in buckets if b.trainable), default=0) * el
 
 
-def _model_copy(counts: ModelCounts, zero_init: Optional[bool]) -> int:
+def _model_copy(counts: ModelCounts, zero_init: bool | None) -> int:
     """A model built with real values stays in the user's hands: 4 bytes per parameter per rank."""
     if zero_init is None:
         zero_init = counts.model is None or all(p.is_meta for p in counts.model.parameters())

@@ -11,8 +11,9 @@ and the disk tier needs twice its bytes free, as `fz.init` requires.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
 
 from fz.errors import ConfigError
 from fz.offload.policy import cpu, nvme
@@ -25,10 +26,10 @@ GB = 2**30
 log = logging.getLogger(__name__)
 
 
-def rungs(base: Spec, nvme_path: str, activations: bool = True) -> List[Tuple[str, Spec]]:
+def rungs(base: Spec, nvme_path: str, activations: bool = True) -> list[tuple[str, Spec]]:
     """The ladder from fastest to most frugal; each rung keeps the previous rungs' changes.
     Without `activations` (no batch shape to trace) checkpointing has nothing to show for itself."""
-    steps: List[Tuple[str, Callable[[Spec], Spec]]] = [
+    steps: list[tuple[str, Callable[[Spec], Spec]]] = [
         ("ZeRO-0 (data parallel)", lambda s: s.replace(stage=0, offload=None)),
         ("+ activation checkpointing", lambda s: s.replace(activation_checkpointing=True)),
         ("ZeRO-2", lambda s: s.replace(stage=2)),
@@ -54,14 +55,14 @@ class Candidate:
     name: str
     spec: Spec
     estimate: Estimate
-    problems: Tuple[str, ...]  # empty: it fits
+    problems: tuple[str, ...]  # empty: it fits
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
 
-def check(est: Estimate, budgets: Budgets, margin: float) -> Tuple[str, ...]:
+def check(est: Estimate, budgets: Budgets, margin: float) -> tuple[str, ...]:
     """Why `est` does not fit `budgets` (an empty tuple if it does), naming the budget each need exceeds."""
     usable = lambda b: b * (1 - margin)  # noqa: E731
     of = lambda b: f"{usable(b) / GB:.2f} GB ({b / GB:.2f} GB less the {margin:.0%} margin)"  # noqa: E731
@@ -83,15 +84,15 @@ def check(est: Estimate, budgets: Budgets, margin: float) -> Tuple[str, ...]:
     return tuple(out)
 
 
-def candidates(model: Any, *, base: Optional[Spec] = None, world_size: Optional[int] = None, nodes: int = 1,
-               device_budget: Optional[float] = None, host_budget: Optional[float] = None,
-               disk_budget: Optional[float] = None, nvme_path: str = "nvme", margin: float = 0.2,
-               micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
-               stop_at_first: bool = True) -> Tuple[List[Candidate], Budgets]:
+def candidates(model: Any, *, base: Spec | None = None, world_size: int | None = None, nodes: int = 1,
+               device_budget: float | None = None, host_budget: float | None = None,
+               disk_budget: float | None = None, nvme_path: str = "nvme", margin: float = 0.2,
+               micro_batch: int | None = None, seq_len: int | None = None, batch: Any = None,
+               stop_at_first: bool = True) -> tuple[list[Candidate], Budgets]:
     """The ladder's rungs, estimated and checked, up to the first that fits (or all of them)."""
     budgets = plan_budgets(nvme_path, device_budget, host_budget, disk_budget)
     world = world_size or local_devices() * nodes
-    out: List[Candidate] = []
+    out: list[Candidate] = []
     for name, spec in rungs(base or Spec(), nvme_path, batch is not None or micro_batch is not None):
         est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
                        batch=batch)
@@ -107,11 +108,11 @@ def candidates(model: Any, *, base: Optional[Spec] = None, world_size: Optional[
     return out, budgets
 
 
-def plan(model: Any, *, spec: Optional[Spec] = None, world_size: Optional[int] = None, nodes: int = 1,
-         device_budget: Optional[float] = None, host_budget: Optional[float] = None,
-         disk_budget: Optional[float] = None, nvme_path: str = "nvme", margin: float = 0.2,
-         micro_batch: Optional[int] = None, seq_len: Optional[int] = None, batch: Any = None,
-         report: Optional[Callable[[str], None]] = None) -> Spec:
+def plan(model: Any, *, spec: Spec | None = None, world_size: int | None = None, nodes: int = 1,
+         device_budget: float | None = None, host_budget: float | None = None,
+         disk_budget: float | None = None, nvme_path: str = "nvme", margin: float = 0.2,
+         micro_batch: int | None = None, seq_len: int | None = None, batch: Any = None,
+         report: Callable[[str], None] | None = None) -> Spec:
     """The fastest configuration of `spec` (optimizer, loss, batch...) that fits the budgets, in
     bytes (defaults: this machine's GPU memory, RAM and the free disk under `nvme_path`). A device
     budget plans for that device, GPU here or not; with none and no GPU the device is the host.

@@ -1,8 +1,6 @@
 """Text for `fz plan`: each rung's verdict, the chosen Spec as Python, its DeepSpeed JSON."""
 from __future__ import annotations
 
-from typing import List
-
 from fz.config.export import deepspeed_json
 from fz.offload.policy import Offload
 from fz.planning.machine import Budgets
@@ -33,7 +31,7 @@ def spec_python(spec: Spec) -> str:
     return "fz.Spec(" + ", ".join(parts) + ")"
 
 
-def plan_report(found: List, budgets: Budgets) -> str:
+def plan_report(found: list, budgets: Budgets) -> str:
     """The budgets (and any note on them), each rung's needs and verdict, the chosen Spec."""
     if budgets.device_is_host:
         kind = f"{budgets.host / GB:.2f} GB memory (device = host: no device budget given and no GPU here)"

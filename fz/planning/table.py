@@ -10,7 +10,7 @@ shape is given); NVMe rows add the bytes on disk per node.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 from fz.offload.policy import Offload, cpu, nvme
 from fz.planning.counts import model_counts
@@ -20,9 +20,9 @@ from fz.spec import Spec
 GB = 2**30
 
 
-def options(stage: int, path: str) -> List[Tuple[str, Optional[Offload]]]:
+def options(stage: int, path: str) -> list[tuple[str, Offload | None]]:
     """(DeepSpeed's option text, the fz policy) for each offload choice valid at `stage`."""
-    out: List[Tuple[str, Optional[Offload]]] = []
+    out: list[tuple[str, Offload | None]] = []
     if stage == 3:
         out += [("offload_param=nvme, offload_optimizer=nvme", nvme(path, params=True)),
                 ("offload_param=cpu , offload_optimizer=cpu ", cpu(params=True))]
@@ -33,25 +33,29 @@ def options(stage: int, path: str) -> List[Tuple[str, Optional[Offload]]]:
 
 
 def estimate_table(model_or_counts: Any, *, gpus_per_node: int = 1, nodes: int = 1, precision: str = "bf16",
-                   stages: Tuple[int, ...] = (3, 2, 1, 0), spec: Optional[Spec] = None, nvme_path: str = "nvme",
-                   micro_batch: Optional[int] = None, seq_len: Optional[int] = None) -> str:
+                   stages: tuple[int, ...] = (3, 2, 1, 0), spec: Spec | None = None, nvme_path: str = "nvme",
+                   micro_batch: int | None = None, seq_len: int | None = None) -> str:
     """The table as text: a row per stage x offload x zero_init (most frugal first, as DeepSpeed)."""
     counts = model_counts(model_or_counts, (spec or Spec()).wrap)
     world = gpus_per_node * nodes
     base = (spec or Spec()).replace(precision=precision)
-    lines = ["Estimated memory needed for params, optim states and gradients for a:",
-             f"HW: Setup with {nodes} node{'s' if nodes > 1 else ''}, {gpus_per_node} GPU{'s' if gpus_per_node > 1 else ''}"
-             " per node.",
-             f"SW: Model with {round(counts.num_params / 1e6)}M total params, "
-             f"{round(counts.largest_layer / 1e6)}M largest layer params; fz, {precision}, "
-             f"{'activations of one micro-batch included' if micro_batch else 'no activations'}.",
-             "  per CPU  |  per GPU |   Options"]
+    lines = [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        f"HW: Setup with {nodes} node{'s' if nodes > 1 else ''}, {gpus_per_node} GPU{'s' if gpus_per_node > 1 else ''}"
+        " per node.",
+        f"SW: Model with {round(counts.num_params / 1e6)}M total params, "
+        f"{round(counts.largest_layer / 1e6)}M largest layer params; fz, {precision}, "
+        f"{'activations of one micro-batch included' if micro_batch else 'no activations'}.",
+        "  per CPU  |  per GPU |   Options",
+    ]
     for stage in stages:
         for text, policy in options(stage, nvme_path):
             est = estimate(model_or_counts, spec=base.replace(stage=stage, offload=policy), world_size=world,
                            nodes=nodes, micro_batch=micro_batch, seq_len=seq_len)
             for zero_init in (1, 0):
-                host = est.per_host + (0 if zero_init else gpus_per_node * (counts.num_params * 4 + counts.buffer_bytes))
+                host = est.per_host + (
+                    0 if zero_init else gpus_per_node * (counts.num_params * 4 + counts.buffer_bytes)
+                )
                 disk = f" (+{est.per_disk / GB:.2f}GB on disk per node)" if est.per_disk else ""
                 lines.append(f"{host / GB:8.2f}GB | {est.per_device / GB:7.2f}GB | stage={stage}, {text}, "
                              f"zero_init={zero_init}{disk}")

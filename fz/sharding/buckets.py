@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import Shard
@@ -39,7 +39,7 @@ class Slot:
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if len(self.shape) else 1
 
-    def local_rows(self, rank: int) -> Tuple[int, int]:
+    def local_rows(self, rank: int) -> tuple[int, int]:
         start = min(rank * self.chunk, self.rows)
         return start, min(start + self.chunk, self.rows)
 
@@ -56,7 +56,7 @@ class Bucket:
     unit: int  # index into the skeleton's units; 0 is the root
     place: Placements
     trainable: bool
-    slots: Tuple[Slot, ...]
+    slots: tuple[Slot, ...]
     shards: int  # ranks the bucket is sharded over (the shard group)
 
     @property
@@ -77,15 +77,15 @@ class Bucket:
         return self.shard_numel * self.shards
 
 
-def make_buckets(params: Sequence[Tuple[str, torch.Size, int, bool]], stage: int, shards: int,
-                 bucket_numel: int, persist_threshold: int) -> List[Bucket]:
+def make_buckets(params: Sequence[tuple[str, torch.Size, int, bool]], stage: int, shards: int,
+                 bucket_numel: int, persist_threshold: int) -> list[Bucket]:
     """Group (name, shape, unit, trainable) in order into buckets of at most bucket_numel.
 
     A bucket never mixes units, placements or trainability; one parameter larger than
     the limit gets a bucket of its own.
     """
-    buckets: List[Bucket] = []
-    group: List[Tuple[str, torch.Size]] = []
+    buckets: list[Bucket] = []
+    group: list[tuple[str, torch.Size]] = []
     key = None
 
     def close() -> None:

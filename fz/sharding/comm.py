@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,6 @@ from torch import Tensor
 from fz.compat import all_gather_single, reduce_scatter_single
 from fz.sharding.buckets import Bucket
 from fz.sharding.settle import Handle
-
 
 _TAGS = 1 << 20
 
@@ -66,7 +65,9 @@ class Comm:
     def replica_sum(self, t: Tensor, scalar: bool = False) -> None:
         """Sum `t` across the replica groups, in place (`scalar`: count it with the scalars)."""
         if self.replicas > 1:
-            self.bytes["inter_scalar" if scalar or t.numel() <= 8 else "inter_all_reduce"] += t.numel() * t.element_size()
+            self.bytes["inter_scalar" if scalar or t.numel() <= 8 else "inter_all_reduce"] += (
+                t.numel() * t.element_size()
+            )
             Handle([t]).add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.replica_group, async_op=True)).wait()
 
     def broadcast_first(self, t: Tensor) -> None:
@@ -146,10 +147,13 @@ def _regions(buf: Tensor, bucket: Bucket):
     """Per slot: (slot, [world, chunk, row_numel] view of its region in a rank-major buffer)."""
     view = buf.view(bucket.shards, bucket.shard_numel)
     for s in bucket.slots:
-        yield s, view[:, s.shard_offset:s.shard_offset + s.chunk * s.row_numel].view(bucket.shards, s.chunk, s.row_numel)
+        yield (
+            s,
+            view[:, s.shard_offset : s.shard_offset + s.chunk * s.row_numel].view(bucket.shards, s.chunk, s.row_numel),
+        )
 
 
-def pack(tensors: Sequence[Optional[Tensor]], bucket: Bucket, dtype: torch.dtype, device) -> Tensor:
+def pack(tensors: Sequence[Tensor | None], bucket: Bucket, dtype: torch.dtype, device) -> Tensor:
     """Full-shape tensors (None = zeros) -> a new rank-major buffer of padded_numel."""
     pad = any(s.chunk * bucket.shards != s.rows for s in bucket.slots) or any(t is None for t in tensors)
     buf = (torch.zeros if pad else torch.empty)(bucket.padded_numel, dtype=dtype, device=device)
@@ -164,7 +168,7 @@ def pack(tensors: Sequence[Optional[Tensor]], bucket: Bucket, dtype: torch.dtype
     return buf
 
 
-def unpack(buf: Tensor, bucket: Bucket) -> List[Tensor]:
+def unpack(buf: Tensor, bucket: Bucket) -> list[Tensor]:
     """A rank-major buffer -> one new full-shape tensor per slot."""
     out = []
     for s, region in _regions(buf, bucket):
@@ -182,12 +186,12 @@ def unpack_into(buf: Tensor, bucket: Bucket, full_flat: Tensor) -> None:
             rows[q * s.chunk:].copy_(region[q, :s.rows - q * s.chunk])
 
 
-def full_views(flat: Tensor, bucket: Bucket) -> List[Tensor]:
+def full_views(flat: Tensor, bucket: Bucket) -> list[Tensor]:
     """Each parameter as a view of the bucket's full flat buffer."""
     return [flat[s.full_offset:s.full_offset + s.numel].view(s.shape) for s in bucket.slots]
 
 
-def shard_views(flat: Tensor, bucket: Bucket, rank: int) -> List[Tensor]:
+def shard_views(flat: Tensor, bucket: Bucket, rank: int) -> list[Tensor]:
     """Each parameter's local Shard(0) rows as a view of a per-rank shard buffer."""
     out = []
     for s in bucket.slots:
@@ -197,7 +201,7 @@ def shard_views(flat: Tensor, bucket: Bucket, rank: int) -> List[Tensor]:
     return out
 
 
-def local_rows_of_full(flat: Tensor, bucket: Bucket, rank: int) -> List[Tensor]:
+def local_rows_of_full(flat: Tensor, bucket: Bucket, rank: int) -> list[Tensor]:
     """Each parameter's local Shard(0) rows as a view of the full flat buffer."""
     out = []
     for s, full in zip(bucket.slots, full_views(flat, bucket)):

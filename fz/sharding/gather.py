@@ -12,15 +12,15 @@ are saved as usual: nothing is recomputed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from fz.storage.disk import DiskTensor, load
-from fz.sharding.comm import Comm, unpack
 from fz.sharding.buckets import Bucket
+from fz.sharding.comm import Comm, unpack
+from fz.storage.disk import DiskTensor, load
 
 _READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
 
@@ -48,7 +48,7 @@ class LiveCounter:
         self.max_buckets, self.max_elements = self.buckets, self.elements
         self.unprefetched = 0
 
-    def track(self, tensors: Tuple[Tensor, ...], numel: int) -> None:
+    def track(self, tensors: tuple[Tensor, ...], numel: int) -> None:
         """Gathered tensors count as live until the last of them is freed."""
         self.acquire(numel)
         left = [len(tensors)]
@@ -71,8 +71,8 @@ class Gatherer:
 
     def __init__(self, comm: Comm, live: LiveCounter):
         self.comm, self.live = comm, live
-        self.inflight: Dict[int, Tuple[Tensor, object, int]] = {}  # bucket index -> (buffer, work, elements)
-        self.reads: Dict[int, Future] = {}  # shards on the disk tier being read ahead
+        self.inflight: dict[int, tuple[Tensor, object, int]] = {}  # bucket index -> (buffer, work, elements)
+        self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
 
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
         """Start reading a shard that lives on disk, so its gather finds it in memory."""
@@ -95,7 +95,7 @@ class Gatherer:
                                                                   async_op=True), bucket.full_numel)
         self.live.acquire(bucket.full_numel)
 
-    def gather(self, bucket: Bucket, shard: Tensor) -> Tuple[Tensor, ...]:
+    def gather(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
         """The bucket's full parameters (a shard on the disk tier is read first)."""
         if self.comm.world == 1:  # each parameter copied once, from wherever the shard lives, to the device
             src = self._source(bucket, shard)
@@ -114,7 +114,7 @@ class Gatherer:
         return outs
 
     def close(self) -> None:
-        for index, (_, work, numel) in list(self.inflight.items()):
+        for _index, (_, work, numel) in list(self.inflight.items()):
             work.wait()
             self.live.release(numel)  # prefetched, never used: no longer alive
         self.inflight.clear()
@@ -128,11 +128,11 @@ class ParamSaver:
 
     def __init__(self, gatherer: Gatherer, on_regather: Callable[[Bucket, int], None]):
         self.gatherer, self.on_regather = gatherer, on_regather
-        self.owner: Dict[int, Tuple[Bucket, Tensor, int, int]] = {}  # storage ptr -> (bucket, shard, slot, unit)
-        self.regathered: Dict[int, Tuple[Tensor, ...]] = {}
+        self.owner: dict[int, tuple[Bucket, Tensor, int, int]] = {}  # storage ptr -> (bucket, shard, slot, unit)
+        self.regathered: dict[int, tuple[Tensor, ...]] = {}
         self.marked: set = set()  # units this forward saved a marker for: their backward gathers again
 
-    def register(self, bucket: Bucket, shard: Tensor, tensors: Tuple[Tensor, ...], unit: int) -> None:
+    def register(self, bucket: Bucket, shard: Tensor, tensors: tuple[Tensor, ...], unit: int) -> None:
         """`unit`: the unit the bucket was gathered for (a bucket several units share has one owner)."""
         for i, t in enumerate(tensors):
             ptr = t.untyped_storage().data_ptr()
@@ -183,8 +183,8 @@ class _GatherBucket(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-def gather_bucket(shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver: Optional[ParamSaver] = None,
-                  grad_sink: Optional[Callable] = None, unit: Optional[int] = None) -> List[Tensor]:
+def gather_bucket(shard: Tensor, bucket: Bucket, gatherer: Gatherer, saver: ParamSaver | None = None,
+                  grad_sink: Callable | None = None, unit: int | None = None) -> list[Tensor]:
     """The bucket's full parameters, gathered from every rank's shard (for `unit`: by default
     the bucket's own).
 

@@ -8,7 +8,6 @@ crosses groups per step.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -27,8 +26,8 @@ def user_world_size():
     return dist.get_world_size()
 
 
-def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int] = None,
-              timeout: Optional[timedelta] = None) -> DeviceMesh:
+def make_mesh(mesh: DeviceMesh | None = None, shard_group_size: int | None = None,
+              timeout: timedelta | None = None) -> DeviceMesh:
     """`mesh` itself (checked), else a mesh over the default process group: 1-D, or 2-D
     ("replicate", "shard") with groups of `shard_group_size` consecutive ranks. `timeout`
     is the group's when fz starts it."""
@@ -43,7 +42,7 @@ def make_mesh(mesh: Optional[DeviceMesh] = None, shard_group_size: Optional[int]
     return init_device_mesh(dev, (world // shard_group_size, shard_group_size), mesh_dim_names=MESH_DIMS)
 
 
-def _checked(mesh: DeviceMesh, shard_group_size: Optional[int]) -> DeviceMesh:
+def _checked(mesh: DeviceMesh, shard_group_size: int | None) -> DeviceMesh:
     if mesh.ndim not in (1, 2):
         raise ConfigError(f"fz shards over a 1-D or 2-D mesh, got a {mesh.ndim}-D one")
     if mesh.ndim == 2 and mesh.mesh_dim_names not in (None, MESH_DIMS):

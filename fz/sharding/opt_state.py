@@ -5,7 +5,7 @@ every moment's global shape and can reshard it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -16,7 +16,7 @@ from fz.errors import ConfigError
 from fz.sharding.plan import ShardPlan
 
 
-def _param_key(path) -> Optional[str]:
+def _param_key(path) -> str | None:
     for entry in reversed(path):
         if isinstance(entry, pytree.MappingKey):
             return entry.key
@@ -41,7 +41,7 @@ def is_placed_leaf(path, leaf: Tensor, expected: torch.Size, sharded: bool) -> b
     return leaf.shape == expected or placement_follows_rows(path, leaf, expected, sharded)
 
 
-def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: Optional[Dict[int, DTensor]] = None) -> Any:
+def wrap_opt_state(tree: Any, plan: ShardPlan, reuse: dict[int, DTensor] | None = None) -> Any:
     """Local optimizer state -> the same tree with param-shaped leaves as DTensors.
 
     `reuse` maps id(local tensor) -> an existing DTensor around it (saves rebuilding
@@ -96,11 +96,11 @@ def checked_opt_state(tree: Any, plan: ShardPlan) -> Any:
     return pytree.tree_map_with_path(check, tree)
 
 
-def reuse_map(tree: Any) -> Dict[int, DTensor]:
+def reuse_map(tree: Any) -> dict[int, DTensor]:
     return {id(x._local_tensor): x for x in pytree.tree_leaves(tree) if isinstance(x, DTensor)}
 
 
-def merge_opt_states(results: List[Any], every: Set[str]) -> Any:
+def merge_opt_states(results: list[Any], every: set[str]) -> Any:
     """One optimizer state from the groups' results: parameter-keyed dicts united, the rest
     (shared scalars, equal in every group) from the last group."""
     last = results[-1]

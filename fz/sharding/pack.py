@@ -7,8 +7,6 @@ is converted behind the user's back.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -39,7 +37,7 @@ def _check(plan, what: str, t, shape: torch.Size, placement, dtype: torch.dtype)
     return t._local_tensor
 
 
-def checked_flats(state) -> Tuple[List[Tensor], Optional[ParamSync], List[Optional[Tensor]]]:
+def checked_flats(state) -> tuple[list[Tensor], ParamSync | None, list[Tensor | None]]:
     """(param storage per bucket, the sync still bringing some of it, master storage per bucket)."""
     plan, spec = state.plan, state.spec
     if len(state.param_flats) != len(plan.buckets):
@@ -51,10 +49,12 @@ def checked_flats(state) -> Tuple[List[Tensor], Optional[ParamSync], List[Option
         data, pending = local_data(local)
         sync = sync or pending
         flats.append(data if data.is_contiguous() else data.contiguous())
-    masters: List[Optional[Tensor]] = [None] * len(plan.buckets)
+    masters: list[Tensor | None] = [None] * len(plan.buckets)
     want = {b.index for b in plan.buckets if b.trainable} if spec.precision != "fp32" else set()
     if set(state.master_flats) != want:
-        raise ConfigError(f"state.master_flats holds buckets {sorted(state.master_flats)}; this spec needs {sorted(want)}")
+        raise ConfigError(
+            f"state.master_flats holds buckets {sorted(state.master_flats)}; this spec needs {sorted(want)}"
+        )
     for i, t in state.master_flats.items():
         b = plan.buckets[i]
         local = _check(plan, f"state.master_flats[{i}] ({bucket_label(b)})", t, plan.flat_shape(b, b.place.opt),
@@ -63,7 +63,7 @@ def checked_flats(state) -> Tuple[List[Tensor], Optional[ParamSync], List[Option
     return flats, sync, masters
 
 
-def _pack(state, named: Dict[str, Tensor], field: str, placement_of, views_of, dtype, buckets) -> Dict[int, Tensor]:
+def _pack(state, named: dict[str, Tensor], field: str, placement_of, views_of, dtype, buckets) -> dict[int, Tensor]:
     plan = state.plan
     if not isinstance(named, dict):
         raise ConfigError(f"State.replace({field}=...) takes {{name: DTensor}}, got {type(named).__name__}")
@@ -71,7 +71,7 @@ def _pack(state, named: Dict[str, Tensor], field: str, placement_of, views_of, d
     extra = sorted(set(named) - names)
     if extra:
         raise ConfigError(f"State.replace({field}=...): {extra[0]!r} is not one of this state's {field}")
-    out: Dict[int, Tensor] = {}
+    out: dict[int, Tensor] = {}
     for b in buckets:
         placement = placement_of(b)
         flat = torch.zeros(plan.flat_shape(b, placement)[0] // (plan.shards if placement.is_shard() else 1),
@@ -84,14 +84,14 @@ def _pack(state, named: Dict[str, Tensor], field: str, placement_of, views_of, d
     return out
 
 
-def pack_params(state, named: Dict[str, Tensor]) -> Tuple[DTensor, ...]:
+def pack_params(state, named: dict[str, Tensor]) -> tuple[DTensor, ...]:
     plan = state.plan
     packed = _pack(state, named, "params", lambda b: b.place.param, plan.param_locals, state.spec.compute_dtype,
                    plan.buckets)
     return tuple(packed[b.index] for b in plan.buckets)
 
 
-def pack_master(state, named: Optional[Dict[str, Tensor]]) -> Dict[int, DTensor]:
+def pack_master(state, named: dict[str, Tensor] | None) -> dict[int, DTensor]:
     if state.spec.precision == "fp32":
         if named:
             raise ConfigError("State.replace(master=...): an fp32 state has no master weights (its params are "

@@ -12,7 +12,6 @@ On a 2-D mesh every placement gains a leading Replicate() for the "replicate" di
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,17 +29,17 @@ from fz.sharding.comm import full_views, local_rows_of_full, shard_views
 class ShardPlan:
     mesh: DeviceMesh
     device: torch.device
-    buckets: Tuple[Bucket, ...]
+    buckets: tuple[Bucket, ...]
     rank: int  # this rank's global rank
-    ranks: Tuple[int, ...]  # global ranks of the whole mesh
+    ranks: tuple[int, ...]  # global ranks of the whole mesh
     shard_rank: int  # position within the shard group
-    shard_ranks: Tuple[int, ...]  # global ranks of this rank's shard group
+    shard_ranks: tuple[int, ...]  # global ranks of this rank's shard group
     replicas: int  # shard groups holding replicas of each other (1 on a 1-D mesh)
-    shard_group: Optional[dist.ProcessGroup] = field(compare=False, repr=False)
-    replica_group: Optional[dist.ProcessGroup] = field(compare=False, repr=False)
+    shard_group: dist.ProcessGroup | None = field(compare=False, repr=False)
+    replica_group: dist.ProcessGroup | None = field(compare=False, repr=False)
 
     @staticmethod
-    def build(mesh: DeviceMesh, device: torch.device, buckets: Tuple[Bucket, ...]) -> "ShardPlan":
+    def build(mesh: DeviceMesh, device: torch.device, buckets: tuple[Bucket, ...]) -> ShardPlan:
         shard_group = mesh.get_group(mesh.ndim - 1)
         replica_group = mesh.get_group(0) if mesh.ndim == 2 else None
         return ShardPlan(mesh, device, tuple(buckets), dist.get_rank(), tuple(mesh.mesh.flatten().tolist()),
@@ -56,11 +55,11 @@ class ShardPlan:
     def world(self) -> int:
         return len(self.ranks)
 
-    def placements(self, p: Placement) -> Tuple[Placement, ...]:
+    def placements(self, p: Placement) -> tuple[Placement, ...]:
         """The stage table's placement as one per mesh dimension."""
         return (p,) if self.mesh.ndim == 1 else (Replicate(), p)
 
-    def slots(self) -> Dict[str, Tuple[Bucket, Slot]]:
+    def slots(self) -> dict[str, tuple[Bucket, Slot]]:
         return {s.name: (b, s) for b in self.buckets for s in b.slots}
 
     # -- flat storage (the State's leaves) --------------------------------------------------
@@ -80,15 +79,15 @@ class ShardPlan:
 
     # -- per-parameter views of the storage -------------------------------------------------
 
-    def param_locals(self, flat: Tensor, b: Bucket) -> List[Tensor]:
+    def param_locals(self, flat: Tensor, b: Bucket) -> list[Tensor]:
         """The local tensor of each parameter: full (replicated) or its rows (sharded)."""
         return shard_views(flat, b, self.shard_rank) if b.sharded_param else full_views(flat, b)
 
-    def master_locals(self, mflat: Tensor, b: Bucket) -> List[Tensor]:
+    def master_locals(self, mflat: Tensor, b: Bucket) -> list[Tensor]:
         """Master weights: full layout (optimizer Replicate) or this rank's padded rows."""
         return shard_views(mflat, b, self.shard_rank) if isinstance(b.place.opt, Shard) else full_views(mflat, b)
 
-    def opt_locals(self, flat: Tensor, mflat: Optional[Tensor], b: Bucket) -> List[Tensor]:
+    def opt_locals(self, flat: Tensor, mflat: Tensor | None, b: Bucket) -> list[Tensor]:
         """What the optimizer updates for each parameter: the whole of it or this rank's rows
         (of the fp32 master weights in mixed precision, else of the parameters themselves)."""
         if mflat is not None:
@@ -99,9 +98,9 @@ class ShardPlan:
             return local_rows_of_full(flat, b, self.shard_rank)
         return full_views(flat, b)
 
-    def named(self, flats, views_of, placement_of) -> Dict[str, DTensor]:
+    def named(self, flats, views_of, placement_of) -> dict[str, DTensor]:
         """{name: DTensor view} of per-bucket storage (`flats`: bucket index -> local flat)."""
-        out: Dict[str, DTensor] = {}
+        out: dict[str, DTensor] = {}
         for b in self.buckets:
             flat = flats.get(b.index) if isinstance(flats, dict) else flats[b.index]
             if flat is None:

@@ -8,8 +8,6 @@ the mesh sees every rank's sums and all of them raise together) finds it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 import torch
 from torch import Tensor
 
@@ -40,7 +38,7 @@ _DIFFER = ("replicated tensor(s) differ between ranks, so each rank would train 
            "the meta device and let fz initialise it).")
 
 
-def check_replicated(plan, named: Dict[str, Tensor], what: Tuple[str, str] = _DIFFER) -> None:
+def check_replicated(plan, named: dict[str, Tensor], what: tuple[str, str] = _DIFFER) -> None:
     """Raise a ConfigError naming each of `named` ({label: tensor}, replicated over the whole
     mesh) whose values differ between ranks, and the ranks that differ from the first.
     `what` is (what differs, how to fix it) for the message."""
@@ -53,7 +51,7 @@ def check_replicated(plan, named: Dict[str, Tensor], what: Tuple[str, str] = _DI
         table = _gather(table, plan.replica_group, plan.replicas).view(-1, len(labels))
     table = table.cpu()
     ranks = list(plan.ranks)  # mesh order: replica group major, then shard position
-    bad: List[str] = []
+    bad: list[str] = []
     for i, label in enumerate(labels):
         differ = [ranks[r] for r in range(len(ranks)) if table[r, i] != table[0, i]]
         if differ:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,20 +29,20 @@ from torch import Tensor
 from fz.distributed import peers
 
 _RELEASE_TIMEOUT = 2.0  # s: past this, someone besides gloo holds the tensor; stop waiting
-_orphans: List["Handle"] = []
+_orphans: list[Handle] = []
 
 
 class Handle:
     """One collective (or several launched together): its works and the tensors they use."""
 
-    def __init__(self, tensors: Sequence[Tensor], then: Optional[Callable[[], None]] = None):
+    def __init__(self, tensors: Sequence[Tensor], then: Callable[[], None] | None = None):
         self.tensors = list(tensors)
         self.keeper = torch._C.ScriptList(self.tensors) if self.tensors else None  # C++ references
         self.counts = [t._use_count() for t in self.tensors]  # with the keeper's, before the launch
         self.works: list = []
         self.then = then
 
-    def add(self, work) -> "Handle":
+    def add(self, work) -> Handle:
         if work is not None:
             self.works.append(work)
         return self

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -40,7 +39,7 @@ class Placements:
     opt: Placement
 
 
-STAGES: Dict[int, Placements] = {
+STAGES: dict[int, Placements] = {
     0: Placements(R, R, R),
     1: Placements(R, R, S),
     2: Placements(R, S, S),

@@ -26,7 +26,7 @@ starts a collective: the all-gathers were started by every rank at the end of th
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,15 +49,15 @@ _SHAPE_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.
 class ParamSync:
     """The all-gathers of one step's updated rows, in bucket order (the same on every rank)."""
 
-    def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[Tuple[Bucket, Tensor, Optional[Tensor]]]):
+    def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[tuple[Bucket, Tensor, Tensor | None]]):
         self.comm, self.rank = comm, shard_rank
-        self.inflight: List[Tuple[Bucket, Tensor, Tensor, object]] = []
+        self.inflight: list[tuple[Bucket, Tensor, Tensor, object]] = []
         self.waiting = {b.index for b, _, _ in todo}  # buckets not up to date yet
         for b, flat, mflat in todo:  # the bytes belong to the step that made the update
             comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
             self._launch(b, flat, mflat)
 
-    def _launch(self, b: Bucket, flat: Tensor, mflat: Optional[Tensor]) -> None:
+    def _launch(self, b: Bucket, flat: Tensor, mflat: Tensor | None) -> None:
         if mflat is not None:  # this rank's updated rows, in the parameters' dtype
             shard = mflat.to(flat.dtype)
         else:
@@ -105,7 +105,7 @@ class Arriving(torch.Tensor):
     """A bucket's storage (or a view of it) whose values arrive with `sync`'s all-gather."""
 
     @staticmethod
-    def __new__(cls, data: Tensor, sync: ParamSync, index: int) -> "Arriving":
+    def __new__(cls, data: Tensor, sync: ParamSync, index: int) -> Arriving:
         r = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
                                                 storage_offset=data.storage_offset(), dtype=data.dtype,
                                                 device=data.device, requires_grad=False)
@@ -144,7 +144,7 @@ class Arriving(torch.Tensor):
         return func(*unwrapped[0], **unwrapped[1])
 
 
-def local_data(t: Tensor) -> Tuple[Tensor, Optional[ParamSync]]:
+def local_data(t: Tensor) -> tuple[Tensor, ParamSync | None]:
     """(the storage, the sync it still waits for or None) of a bucket's local tensor."""
     if isinstance(t, Arriving):
         return t._data, (t._sync if t._index in t._sync.waiting else None)
@@ -152,7 +152,7 @@ def local_data(t: Tensor) -> Tuple[Tensor, Optional[ParamSync]]:
 
 
 def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
-                     mflats: Sequence[Optional[Tensor]]) -> Optional[ParamSync]:
+                     mflats: Sequence[Tensor | None]) -> ParamSync | None:
     """Make every rank's parameters equal the updated (master) shards: a cast copy where the
     layouts agree (done now), an all-gather where a replicated parameter was updated in
     shards (returned as a ParamSync that runs during the next forward; None if there is none)."""

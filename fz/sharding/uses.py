@@ -12,7 +12,7 @@ backward never comes (its output did not reach the loss) is flushed when backwar
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
@@ -26,8 +26,8 @@ class GradUses:
 
     def __init__(self, sink: Sink):
         self.sink = sink
-        self.left: Dict[int, int] = {}  # bucket index -> gathers whose backward is still to come
-        self.parts: Dict[int, Tuple[Bucket, Tuple[Tensor, ...]]] = {}  # the sum of the parts so far
+        self.left: dict[int, int] = {}  # bucket index -> gathers whose backward is still to come
+        self.parts: dict[int, tuple[Bucket, tuple[Tensor, ...]]] = {}  # the sum of the parts so far
 
     def gathered(self, b: Bucket) -> None:
         """A gather of `b` whose backward will give a part (grad enabled, trainable, in forward)."""

@@ -17,7 +17,8 @@ whether the rank's own loss is non-finite.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,20 +27,24 @@ from torch import Tensor
 from fz.errors import ConfigError
 
 
-def batch_size(batch: Any) -> Tuple[int, int]:
+def batch_size(batch: Any) -> tuple[int, int]:
     """(rows, elements) of a batch: the first tensor's leading dimension, every tensor's numel."""
     tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor)]
     rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
     return rows, sum(x.numel() for x in tensors)
 
 
-def _by_value(values: List[int], ranks: List[int], unit: str) -> str:
-    groups: Dict[int, List[int]] = {}
+def _by_value(values: list[int], ranks: list[int], unit: str) -> str:
+    groups: dict[int, list[int]] = {}
     for r, v in zip(ranks, values):
         groups.setdefault(v, []).append(r)
     parts = []
     for v, rs in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0])):
-        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs[:8]))}" + (", ..." if len(rs) > 8 else "")
+        who = (
+            f"rank {rs[0]}"
+            if len(rs) == 1
+            else f"ranks {', '.join(map(str, rs[:8]))}" + (", ..." if len(rs) > 8 else "")
+        )
         parts.append(f"{who}: {unit} {v}")
     return "; ".join(parts)
 
@@ -61,17 +66,17 @@ class Agreement:
                               "run out?")
         self.vec = None
         self.work = None
-        self.result: Optional[Tuple[Tensor, float]] = None  # finish()'s, once it ran
-        self.bad_grads: List[int] = []  # per rank: index + 1 of its first non-finite gradient (0: none)
-        self.bad_losses: List[int] = []  # per rank: 1 if its loss is non-finite
+        self.result: tuple[Tensor, float] | None = None  # finish()'s, once it ran
+        self.bad_grads: list[int] = []  # per rank: index + 1 of its first non-finite gradient (0: none)
+        self.bad_losses: list[int] = []  # per rank: 1 if its loss is non-finite
 
     @property
     def loss_weight(self) -> float:
         """What this rank's loss is multiplied by before backward."""
         return float(self.rows) if self.weight_by_rows and self.n > 1 else 1.0
 
-    def start(self, comm, loss: Tensor, first_bad: Optional[Tensor] = None,
-              calls: Sequence[int] = ()) -> "Agreement":
+    def start(self, comm, loss: Tensor, first_bad: Tensor | None = None,
+              calls: Sequence[int] = ()) -> Agreement:
         """Launch the all-reduce of (this rank's loss, its slots); `loss` is its mean loss,
         `first_bad` the index + 1 of its first non-finite gradient (a 0-d tensor, 0: none),
         `calls` the blocks its forwards called, in order."""
@@ -90,7 +95,7 @@ class Agreement:
             self.work = comm.all_reduce_sum(self.vec, async_op=True, scalar=True)
         return self
 
-    def finish(self, comm) -> Tuple[Tensor, float]:
+    def finish(self, comm) -> tuple[Tensor, float]:
         """(the mean loss over every rank, the factor for the averaged gradients); raises a
         ConfigError on every rank if the ranks' steps or (unless weighted) batch sizes differ.
         Calling it again returns the same result."""
@@ -98,7 +103,7 @@ class Agreement:
             self.result = self._finish(comm)
         return self.result
 
-    def _finish(self, comm) -> Tuple[Tensor, float]:
+    def _finish(self, comm) -> tuple[Tensor, float]:
         vec, n = self.vec, self.n
         if n > 1:
             if self.work is not None:

@@ -1,7 +1,7 @@
 """A step's batch as micro-batches, and the loss as a scalar: checked, with errors that name the cause."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import torch.utils._pytree as pytree
 from torch import Tensor
@@ -9,14 +9,16 @@ from torch import Tensor
 from fz.errors import ConfigError
 
 
-def micro_batches(batch: Any, n: int, micro: Optional[int] = None) -> List[Any]:
+def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
         raise ConfigError("the batch holds no tensors")
     sizes = {x.shape[0] if x.dim() else None for x in tensors}
     if len(sizes) != 1 or None in sizes:
-        raise ConfigError(f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}")
+        raise ConfigError(
+            f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}"
+        )
     size = sizes.pop()
     if size == 0:
         raise ConfigError("the batch is empty (0 rows): every rank needs grad_accum * micro_batch rows per step "

@@ -16,15 +16,15 @@ checkpoint started inside a block marks it.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch.nn as nn
 from torch import Tensor
 
 from fz.compat import checkpoint_generator_name
 
-_SEEN: contextvars.ContextVar[Optional[List[bool]]] = contextvars.ContextVar("fz_checkpoint_seen", default=None)
-_Slot = Tuple[Dict[str, Any], str, Any]  # (module._parameters or _buffers, key, the meta tensor it held)
+_SEEN: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("fz_checkpoint_seen", default=None)
+_Slot = tuple[dict[str, Any], str, Any]  # (module._parameters or _buffers, key, the meta tensor it held)
 
 
 def _mark() -> None:
@@ -58,7 +58,7 @@ def _install() -> None:
 class checkpoint_seen:
     """Context: `seen[0]` becomes True if a torch.utils.checkpoint starts inside it."""
 
-    def __enter__(self) -> List[bool]:
+    def __enter__(self) -> list[bool]:
         _install()
         self.seen = [False]
         self.token = _SEEN.set(self.seen)
@@ -72,11 +72,11 @@ class Bindings:
     """Tensors bound into skeleton modules, and the meta tensors to put back."""
 
     def __init__(self) -> None:
-        self.slots: List[_Slot] = []
+        self.slots: list[_Slot] = []
 
-    def bind(self, module: nn.Module, tensors: Dict[str, Tensor]) -> List[_Slot]:
+    def bind(self, module: nn.Module, tensors: dict[str, Tensor]) -> list[_Slot]:
         """Put `tensors` ({dotted name inside `module`: tensor}) into `module`; returns their slots."""
-        slots: List[_Slot] = []
+        slots: list[_Slot] = []
         for name, t in tensors.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
@@ -88,7 +88,7 @@ class Bindings:
         return slots
 
     @staticmethod
-    def unbind(slots: List[_Slot]) -> None:
+    def unbind(slots: list[_Slot]) -> None:
         for table, leaf, meta in reversed(slots):
             table[leaf] = meta
 

@@ -9,7 +9,7 @@ rank by default (floating ones; others take the first rank's), or the first rank
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -17,19 +17,18 @@ from torch import Tensor
 from fz.sharding.comm import Comm
 
 
-
-def versions(buffers: Dict[str, Tensor]) -> Dict[str, int]:
+def versions(buffers: dict[str, Tensor]) -> dict[str, int]:
     return {n: t._version for n, t in buffers.items()}
 
 
-def sync_changed(comm: Comm, buffers: Dict[str, Tensor], before: Dict[str, int], how: str,
-                 running: Sequence[str] = ()) -> List[str]:
+def sync_changed(comm: Comm, buffers: dict[str, Tensor], before: dict[str, int], how: str,
+                 running: Sequence[str] = ()) -> list[str]:
     """Make the buffers changed since `before` (and the `running` ones) equal on every rank; returns
     their names (sorted, so every rank packs them alike)."""
     changed = sorted(n for n, t in buffers.items() if t._version != before.get(n) or n in running)
     if not changed or (comm.world == 1 and comm.replicas == 1):
         return changed
-    by_kind: Dict[tuple, List[str]] = {}
+    by_kind: dict[tuple, list[str]] = {}
     for n in changed:
         t = buffers[n]
         mean = how == "mean" and t.is_floating_point()

@@ -17,32 +17,31 @@ between buckets, and the step's gradients are fp32 host buffers.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
+from fz.offload.host_grads import HostGrads
+from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, full_views, pack, shard_views
 from fz.sharding.plan import ShardPlan
-from fz.sharding.buckets import Bucket
-from fz.offload.host_grads import HostGrads
-
 
 MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gradient memory)
 
 
 class GradReducer:
-    def __init__(self, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor], host: Optional[HostGrads] = None):
+    def __init__(self, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor], host: HostGrads | None = None):
         self.plan, self.comm, self.leaves, self.host = plan, comm, leaves, host
         self.buckets = [b for b in plan.buckets if b.trainable and not b.sharded_param]
         self.sharded = [b for b in plan.buckets if b.trainable and b.sharded_param]
         self.last = False
-        self.launched: Set[int] = set()
-        self.pending: List[tuple] = []
-        self.acc: Dict[int, Tensor] = {}
-        self.layout: Dict[int, str] = {}  # "full" (param-major) or "shard" (this rank's padded rows)
+        self.launched: set[int] = set()
+        self.pending: list[tuple] = []
+        self.acc: dict[int, Tensor] = {}
+        self.layout: dict[int, str] = {}  # "full" (param-major) or "shard" (this rank's padded rows)
         self.handles = [leaves[b.index].register_post_accumulate_grad_hook(partial(self._hook, b))
                         for b in self.buckets]
 
@@ -162,7 +161,7 @@ class GradReducer:
         self.pending.clear()
         self.leaves = ()
 
-    def optimizer_grads(self, b: Bucket) -> List[Tensor]:
+    def optimizer_grads(self, b: Bucket) -> list[Tensor]:
         """The reduced gradient of each parameter of `b`, shaped like its optimizer state."""
         g = self.host.acc[b.index] if self.host is not None else self.acc[b.index]
         if self.layout[b.index] == "shard":

@@ -7,7 +7,8 @@ state has the same keys (a fresh one holds zeros and NaNs), so states share a tr
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ def _i64(v: int) -> Tensor:
     return torch.tensor(v, dtype=torch.int64)
 
 
-def initial_metrics(lr: Optional[float] = None, loss_scale: float = 1.0) -> Dict[str, Any]:
+def initial_metrics(lr: float | None = None, loss_scale: float = 1.0) -> dict[str, Any]:
     return {
         "order": torch.zeros(0, dtype=torch.int64),  # units in forward call order (stage 3 prefetches by it)
         "comm": {k: _i64(0) for k in COMM_KINDS},  # payload bytes of each collective kind
@@ -33,8 +34,8 @@ def initial_metrics(lr: Optional[float] = None, loss_scale: float = 1.0) -> Dict
     }
 
 
-def step_metrics(order: Sequence[int], comm, live, norm: Optional[Tensor], lr: Optional[float],
-                 scaler: Optional[Dict[str, Tensor]]) -> Dict[str, Any]:
+def step_metrics(order: Sequence[int], comm, live, norm: Tensor | None, lr: float | None,
+                 scaler: dict[str, Tensor] | None) -> dict[str, Any]:
     out = initial_metrics(lr, float(scaler["scale"]) if scaler is not None and "scale" in scaler else 1.0)
     out["order"] = torch.tensor(list(order), dtype=torch.int64)
     for k in COMM_KINDS:

@@ -20,15 +20,13 @@ a static `loss_scale`, or a scale already at `min_loss_scale`.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.errors import NonFiniteError
 
-Params = Dict[str, Tensor]
+Params = dict[str, Tensor]
 
 
 def first_nonfinite(grads: Params) -> Tensor:
@@ -47,7 +45,7 @@ def verdict_is_local(plan) -> bool:
     return plan.shards == 1 or all(not isinstance(b.place.opt, Shard) for b in plan.buckets if b.trainable)
 
 
-def _describe(names: List[str], ranks: List[int], bad_grads: List[int], bad_losses: List[int]) -> str:
+def _describe(names: list[str], ranks: list[int], bad_grads: list[int], bad_losses: list[int]) -> str:
     parts = []
     owners = [(r, k) for r, k in zip(ranks, bad_grads) if k]
     if owners:
@@ -63,10 +61,10 @@ def _describe(names: List[str], ranks: List[int], bad_grads: List[int], bad_loss
 class NonFinite:
     """One step's check: the local finding, then the verdict (skip or go on), or the error."""
 
-    def __init__(self, spec, plan, step: int, scaler: Optional[Dict[str, Tensor]]):
+    def __init__(self, spec, plan, step: int, scaler: dict[str, Tensor] | None):
         self.spec, self.plan, self.step, self.scaler = spec, plan, step, scaler
-        self.names: List[str] = []
-        self.first: Optional[Tensor] = None
+        self.names: list[str] = []
+        self.first: Tensor | None = None
 
     def check(self, grads: Params) -> Tensor:
         """This rank's finding on the gradients it holds, for the agreement's slot."""

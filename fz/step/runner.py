@@ -12,34 +12,35 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 from torch.autograd.graph import saved_tensors_hooks
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from fz.model.skeleton import Skeleton
+from fz.model.standin import running
+from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm
 from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
 from fz.sharding.plan import ShardPlan
-from fz.sharding.buckets import Bucket
 from fz.sharding.sync import ParamSync
 from fz.sharding.uses import GradUses
 from fz.step.binding import Bindings, checkpoint_seen
 from fz.step.unused import UsedParams
-from fz.model.skeleton import Skeleton
-from fz.model.standin import running
 
 
 class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor],
-                 buffers: Dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
-                 grad_sink: Optional[Callable] = None, prefetch: int = 0, compile: Any = False,
-                 sync: Optional[ParamSync] = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32,
-                 used: Optional[UsedParams] = None):
+                 buffers: dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
+                 grad_sink: Callable | None = None, prefetch: int = 0, compile: Any = False,
+                 sync: ParamSync | None = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32,
+                 used: UsedParams | None = None):
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
         self.bindings = Bindings()
         self.used = used  # Spec.skip_unused: which parameters backward reaches
@@ -64,16 +65,16 @@ class Runner:
         widest = max(self.sharded[1:], default=0)
         self.keep_budget = keep_budget(live_buckets, prefetch, self.sharded[0], widest, skel.fetches_root)
         self.kept: set = set()  # units whose gathered buckets this forward keeps for backward
-        self.root_tensors: Dict[str, Tensor] = {}
-        self.read_tensors: Dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
+        self.root_tensors: dict[str, Tensor] = {}
+        self.read_tensors: dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
         self.gatherer = Gatherer(comm, self.live)
         self.saver = ParamSaver(self.gatherer, self._on_regather)
         self.uses = GradUses(grad_sink) if grad_sink is not None else None
         self.backward_seen: set = set()
         self.in_unit = self.in_backward = False
-        self.called: List[int] = []  # units in the order this forward called them
+        self.called: list[int] = []  # units in the order this forward called them
 
-    def _bucket_tensors(self, b: Bucket, unit: int) -> List[Tensor]:
+    def _bucket_tensors(self, b: Bucket, unit: int) -> list[Tensor]:
         leaf = self.leaves[b.index]
         if b.sharded_param:
             grad = torch.is_grad_enabled()
@@ -112,9 +113,9 @@ class Runner:
                     elif b.sharded_param:  # one unit further: a shard on disk starts its read
                         self.gatherer.read_ahead(b, self.leaves[b.index])
 
-    def _gathered(self, index: int) -> Dict[str, Tensor]:
+    def _gathered(self, index: int) -> dict[str, Tensor]:
         """{canonical name: tensor} of the buckets `index` gathers (or views, when replicated)."""
-        own: Dict[str, Tensor] = {}
+        own: dict[str, Tensor] = {}
         for b in self.unit_buckets[index]:
             own.update(zip((s.name for s in b.slots), self._bucket_tensors(b, index)))
         return own
@@ -137,7 +138,7 @@ class Runner:
             self.read_tensors.update(got)
         return self.read_tensors[c]
 
-    def _unit_args(self, index: int) -> Dict[str, Tensor]:
+    def _unit_args(self, index: int) -> dict[str, Tensor]:
         own = self._gathered(index)
         if self.used is not None and torch.is_grad_enabled():
             self.used.watch(own)
@@ -241,12 +242,12 @@ class Runner:
             self.order, self.called = self.called, []
 
 
-def unit_buckets(skel: Skeleton, buckets: Sequence[Bucket]) -> List[List[Bucket]]:
+def unit_buckets(skel: Skeleton, buckets: Sequence[Bucket]) -> list[list[Bucket]]:
     """The buckets each unit gathers: the root, its own (held for the step); another unit, the
     ones holding its parameters that the root does not (a bucket shared by a tied embedding
     and head is gathered by both)."""
     where = {s.name: b for b in buckets for s in b.slots}
-    out: List[List[Bucket]] = [[b for b in buckets if b.unit == 0]]
+    out: list[list[Bucket]] = [[b for b in buckets if b.unit == 0]]
     for unit in skel.units[1:]:
         mine = {where[c].index: where[c] for _, c in unit.params if where[c].unit != 0}
         out.append(sorted(mine.values(), key=lambda b: b.index))
@@ -265,10 +266,10 @@ def _call(module, params, args, kwargs):
     return functional_call(module, params, args, kwargs, tie_weights=False, strict=False)
 
 
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def compiled_units(skel: Skeleton, backend: Any) -> List[Callable]:
+def compiled_units(skel: Skeleton, backend: Any) -> list[Callable]:
     """One torch.compile'd functional call per unit (cached per skeleton: compiled once)."""
     key = "inductor" if backend is True else str(backend)
     per_skel = _COMPILED.setdefault(skel.root, {})

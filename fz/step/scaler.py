@@ -9,14 +9,12 @@ In fp32 and bf16 it holds only `skipped`: the steps a non-finite gradient skippe
 """
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 from torch import Tensor
 
 from fz.spec import Spec
 
-Scaler = Dict[str, Tensor]
+Scaler = dict[str, Tensor]
 
 
 def init_scaler(spec: Spec) -> Scaler:

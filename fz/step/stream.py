@@ -15,25 +15,25 @@ offloaded state is the pool's buffers, whatever the model's size.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Dict, List, Optional, Set
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.storage.disk import DiskTensor, load
-from fz.offload.move import PART_ALIGN, group_slots, master_slot_views, _round
-from fz.storage.store import ALIGN, store_for
+from fz.offload.move import PART_ALIGN, _round, group_slots, master_slot_views
 from fz.optim.base import global_norm
-from fz.sharding.opt_state import merge_opt_states
 from fz.optim.transforms import scale_to_max_norm
+from fz.sharding.opt_state import merge_opt_states
 from fz.step.update import norm_sq_fn, shard_sum_fn
+from fz.storage.disk import DiskTensor, load
+from fz.storage.store import ALIGN, store_for
 
-Params = Dict[str, Tensor]
+Params = dict[str, Tensor]
 
 
-def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: Set[str]):
+def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str]):
     """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
     there and back; a no-op copy on a CPU-only machine."""
     from fz.step.update import apply_optimizer
@@ -53,11 +53,11 @@ def _no_global_norm(tree):
                       "group by group and cannot see every gradient at once. Clip with Spec(clip_grad_norm=...)")
 
 
-def _param_key(path) -> Optional[str]:
+def _param_key(path) -> str | None:
     return next((e.key for e in reversed(path) if isinstance(e, pytree.MappingKey)), None)
 
 
-def _subtree(tree: Any, names: Set[str], every: Set[str], replace: Dict[int, Tensor]) -> Any:
+def _subtree(tree: Any, names: set[str], every: set[str], replace: dict[int, Tensor]) -> Any:
     """The optimizer state restricted to `names`: dicts keyed by parameter keep only those keys,
     DiskTensors become their loaded buffer views, shared scalars are copied (each group owns its copy)."""
     if isinstance(tree, dict):
@@ -72,7 +72,7 @@ def _subtree(tree: Any, names: Set[str], every: Set[str], replace: Dict[int, Ten
     return tree
 
 
-def _scalars_copied(tree: Any, every: Set[str]) -> Any:
+def _scalars_copied(tree: Any, every: set[str]) -> Any:
     """Tensors outside parameter-keyed dicts (step counts, the lr) copied: every group updates its own."""
     if isinstance(tree, dict):
         keyed = any(k in every for k in tree)
@@ -87,7 +87,7 @@ def _scalars_copied(tree: Any, every: Set[str]) -> Any:
 class _Group:
     """One aligned range of a bucket's file: the parts of consecutive parameters."""
 
-    def __init__(self, b, lo: int, hi: int, parts: List[List[DiskTensor]], names: List[str]):
+    def __init__(self, b, lo: int, hi: int, parts: list[list[DiskTensor]], names: list[str]):
         self.bucket, self.lo, self.hi, self.parts, self.names = b, lo, hi, parts, names
         self.blob = parts[0][0]._blob
         offs = [p._extents[0][0] for row in parts for p in row]
@@ -95,7 +95,7 @@ class _Group:
         end = max(p._extents[0][0] + p._extents[0][1] for row in parts for p in row)
         self.length = _round(end - self.start, ALIGN)
 
-    def views(self, buf: Tensor) -> List[List[Tensor]]:
+    def views(self, buf: Tensor) -> list[list[Tensor]]:
         out = []
         for row in self.parts:
             out.append([buf[p._extents[0][0] - self.start:][:p.nbytes_on_disk].view(p.dtype).view(p.shape)
@@ -103,7 +103,7 @@ class _Group:
         return out
 
 
-def _groups(plan, policy, flats, mflats, by_param) -> List[_Group]:
+def _groups(plan, policy, flats, mflats, by_param) -> list[_Group]:
     buffer_bytes = int(policy.buffer_mb * 2**20)
     out = []
     for b in plan.buckets:
@@ -121,8 +121,8 @@ def _groups(plan, policy, flats, mflats, by_param) -> List[_Group]:
     return out
 
 
-def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: List[Tensor],
-                mflats: List[Optional[Tensor]], sharded: Set[str], donate: bool):
+def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: list[Tensor],
+                mflats: list[Tensor | None], sharded: set[str], donate: bool):
     """(new local optimizer state, grad norm, new master locals, new param locals): every
     offloaded tensor of the result lives in new files. With `donate`, each old file is
     deleted as soon as its last group has been read (disk use stays near one copy)."""
@@ -132,7 +132,7 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
         scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
     extra = dict(donate=True, norm_sq=_no_global_norm, shard_sum=shard_sum_fn(comm, sharded))
     by_path = [(p, x) for p, x in pytree.tree_flatten_with_path(local_opt)[0]]
-    by_param: Dict[str, List[DiskTensor]] = {}
+    by_param: dict[str, list[DiskTensor]] = {}
     for path, x in by_path:
         if isinstance(x, DiskTensor) and _param_key(path) is not None:
             by_param.setdefault(_param_key(path), []).append(x)
@@ -145,12 +145,12 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             new_blob[g.bucket.index] = store.new_blob(f"opt-rank{plan.rank}-b{g.bucket.index}", g.blob.nbytes)
             new_blob[g.bucket.index].group_bytes = g.blob.group_bytes
     every = set(plan.slots())
-    params_mem: Dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
-    new_params: Dict[int, Tensor] = {}
-    results: List[Any] = []
+    params_mem: dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
+    new_params: dict[int, Tensor] = {}
+    results: list[Any] = []
     free, writes, reads = list(io.buffers), deque(), {}
 
-    def take() -> Optional[Tensor]:
+    def take() -> Tensor | None:
         if not free and writes:
             buf, fut = writes.popleft()
             fut.result()
@@ -199,7 +199,7 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             fut.result()
             free.append(buf)
     finally:
-        for buf, fut in list(reads.values()) + list(writes):
+        for _buf, fut in list(reads.values()) + list(writes):
             fut.exception()  # in-flight I/O finishes before its buffer is reused
     old_disk = {pytree.keystr(p): x for p, x in by_path if isinstance(x, DiskTensor)}
 
@@ -230,7 +230,7 @@ def _bucket_of(plan, name: str) -> int:
     return plan.slots()[name][0].index
 
 
-def _copy_back(sub: Any, new_sub: Any, replace: Dict[int, Tensor]) -> None:
+def _copy_back(sub: Any, new_sub: Any, replace: dict[int, Tensor]) -> None:
     """Results a transformation returned in new tensors go into the group's buffer views."""
     views = {id(v) for v in replace.values()}
     olds, _ = pytree.tree_flatten(sub)

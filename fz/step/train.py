@@ -11,21 +11,19 @@ Everything the step measured goes into the new state's `metrics`, never into sha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fz.distributed import peers
-from fz.storage.disk import DiskTensor
-from fz.offload.host_grads import HostGrads
-from fz.step.stream import disk_update, host_update
-from fz.offload.transfer import pool_for
-from fz.rng import forked as rng_forked
 from fz.background import raise_background_failures
+from fz.distributed import peers
 from fz.errors import ConfigError
+from fz.offload.host_grads import HostGrads
+from fz.offload.transfer import pool_for
 from fz.optim.transforms import current_lr
+from fz.rng import forked as rng_forked
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
 from fz.sharding.pack import checked_flats
@@ -36,11 +34,13 @@ from fz.step.batches import micro_batches, on_device, scalar_loss
 from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
+from fz.step.nonfinite import NonFinite, verdict_is_local
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
-from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.stream import disk_update, host_update
 from fz.step.unused import UsedParams, put_back, snapshot, unused_everywhere
 from fz.step.update import apply_optimizer, optimizer_inputs
+from fz.storage.disk import DiskTensor
 
 
 def _autocast(state: State):
@@ -63,7 +63,7 @@ def _offload_of(spec):
     return spec.offload if spec.offload is not None and spec.offload.active else None
 
 
-def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State, Tensor]:
+def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State, Tensor]:
     """One optimizer step on this rank's `batch`; returns (new state, mean loss over all ranks).
 
     With `donate=True` (the default) the new state takes over the old one's buffers and
@@ -87,7 +87,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
         flats = [_own(f) for f in flats]
         mflats = [None if m is None else _own(m) for m in mflats]
         local_opt = _clone_tree(local_opt)
-    buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}  # modules update them in place
+    # modules update them in place
+    buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}
     before = versions(buffers)
     micro = micro_batches(on_device(batch, plan.device), spec.grad_accum, spec.micro_batch)
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
@@ -108,7 +109,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     model = BoundModel(runner)
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
-    calls: List[int] = []  # the blocks each forward called, in order (checked across ranks)
+    calls: list[int] = []  # the blocks each forward called, in order (checked across ranks)
     with rng_forked(state.rng, plan.device) as rng_now:
         try:
             for i, mb in enumerate(micro):
@@ -152,9 +153,11 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
                 except BaseException as e:
                     if donate:
                         given.donate()
-                        e.add_note("fz.train_step failed while streaming the offloaded optimizer state; the state "
-                                   "it was given is consumed (donated; its in-memory parameters may be partly "
-                                   "updated): restore the last checkpoint. With donate=False the input state stays whole.")
+                        e.add_note(
+                            "fz.train_step failed while streaming the offloaded optimizer state; the state "
+                            "it was given is consumed (donated; its in-memory parameters may be partly "
+                            "updated): restore the last checkpoint. With donate=False the input state stays whole."
+                        )
                     raise
                 new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats))  # params already cast
             else:
@@ -189,14 +192,14 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> Tuple[State,
     return new, loss
 
 
-def _lr(opt_state: Any) -> Optional[float]:
+def _lr(opt_state: Any) -> float | None:
     try:
         return current_lr(opt_state)
     except ValueError:
         return None
 
 
-def _param_leaves(state: State, flats: List[Tensor], sync, donate: bool):
+def _param_leaves(state: State, flats: list[Tensor], sync, donate: bool):
     """The new state's parameter storage: the same DTensors where nothing changed, futures where
     the bucket is still being all-gathered."""
     plan, out = state.plan, []

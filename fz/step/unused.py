@@ -9,8 +9,9 @@ update. (A shared step count, such as Adam's bias correction, still advances.)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,9 +24,9 @@ class UsedParams:
     """Which parameters backward reached on this rank (a hook on each tensor a block is given)."""
 
     def __init__(self) -> None:
-        self.used: Set[str] = set()
+        self.used: set[str] = set()
 
-    def watch(self, tensors: Dict[str, Tensor]) -> None:
+    def watch(self, tensors: dict[str, Tensor]) -> None:
         for name, t in tensors.items():
             if t.requires_grad:
                 t.register_hook(partial(self._reached, name))
@@ -34,7 +35,7 @@ class UsedParams:
         self.used.add(name)
 
 
-def unused_everywhere(comm: Comm, names: Sequence[str], used: Set[str]) -> Set[str]:
+def unused_everywhere(comm: Comm, names: Sequence[str], used: set[str]) -> set[str]:
     """The names no rank used (one all-reduce of a flag per parameter, in `names`' order)."""
     flags = torch.tensor([float(n in used) for n in names], device=comm.device)
     if comm.world > 1:
@@ -47,7 +48,7 @@ def _owner(path) -> Any:
     return next((e.key for e in path if isinstance(e, pytree.MappingKey)), None)
 
 
-def snapshot(skip: Set[str], params: Dict[str, Tensor], opt_state: Any) -> Tuple[Dict[str, Tensor], List]:
+def snapshot(skip: set[str], params: dict[str, Tensor], opt_state: Any) -> tuple[dict[str, Tensor], list]:
     """Copies of the skipped parameters' local values and optimizer-state leaves."""
     kept = {n: params[n].clone() for n in skip if n in params}
     leaves, _ = pytree.tree_flatten_with_path(opt_state)
@@ -55,7 +56,7 @@ def snapshot(skip: Set[str], params: Dict[str, Tensor], opt_state: Any) -> Tuple
     return kept, moments
 
 
-def put_back(kept: Dict[str, Tensor], moments: List, params: Dict[str, Tensor], opt_state: Any) -> None:
+def put_back(kept: dict[str, Tensor], moments: list, params: dict[str, Tensor], opt_state: Any) -> None:
     """The skipped parameters and moments as they were before the update (in place)."""
     for n, v in kept.items():
         params[n].copy_(v)

@@ -10,7 +10,8 @@ forward) is fz/sharding/sync.py.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,15 +23,15 @@ from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
 from fz.step.grads import GradReducer
 
-Params = Dict[str, Tensor]
+Params = dict[str, Tensor]
 
 
 def optimizer_inputs(plan: ShardPlan, reducer: GradReducer, flats: Sequence[Tensor],
-                     mflats: Sequence[Optional[Tensor]], inv_scale: float) -> Tuple[Params, Params, Set[str]]:
+                     mflats: Sequence[Tensor | None], inv_scale: float) -> tuple[Params, Params, set[str]]:
     """(fp32 unscaled grads, the tensors the optimizer updates, names whose state is sharded)."""
     grads: Params = {}
     params: Params = {}
-    sharded: Set[str] = set()
+    sharded: set[str] = set()
     for b, flat, mflat in zip(plan.buckets, flats, mflats):
         if not b.trainable:
             continue
@@ -44,7 +45,7 @@ def optimizer_inputs(plan: ShardPlan, reducer: GradReducer, flats: Sequence[Tens
     return grads, params, sharded
 
 
-def norm_sq_fn(comm: Comm, sharded: Set[str]):
+def norm_sq_fn(comm: Comm, sharded: set[str]):
     """Sum of squares over every shard, the same in every stage: each parameter's norm is taken
     over the same row blocks (Shard(0)'s, also for replicated ones) in fp32, and the blocks'
     squares are summed in float64, whose rounding never reaches the fp32 result."""
@@ -64,7 +65,7 @@ def norm_sq_fn(comm: Comm, sharded: Set[str]):
     return norm_sq
 
 
-def _row_blocks(t: Tensor, shards: int) -> List[Tensor]:
+def _row_blocks(t: Tensor, shards: int) -> list[Tensor]:
     """`t` split as Shard(0) splits it over `shards` ranks."""
     if t.dim() == 0:
         return [t]
@@ -82,7 +83,7 @@ def _all_reduce_sum_on(comm: Comm, t: Tensor) -> Tensor:
     return on.to(t.device)
 
 
-def shard_sum_fn(comm: Comm, sharded: Set[str]):
+def shard_sum_fn(comm: Comm, sharded: set[str]):
     def shard_sum(tree: Params) -> Params:
         names = [k for k in tree if k in sharded]
         if not names or comm.world == 1:
@@ -97,7 +98,7 @@ def shard_sum_fn(comm: Comm, sharded: Set[str]):
 
 
 def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Params,
-                    sharded: Set[str]) -> Tuple[Any, Optional[Tensor]]:
+                    sharded: set[str]) -> tuple[Any, Tensor | None]:
     """Clip, then update the local shards in place (the step owns every buffer it passes: they
     are donated); returns (the optimizer's new local state, the global grad norm or None)."""
     extra = dict(donate=True, norm_sq=norm_sq_fn(comm, sharded), shard_sum=shard_sum_fn(comm, sharded))

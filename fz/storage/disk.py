@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -22,7 +22,7 @@ from torch import Tensor
 from fz.errors import ConfigError
 
 aten = torch.ops.aten
-Extents = Tuple[Tuple[int, int], ...]  # (byte offset, byte length) in the blob, in order
+Extents = tuple[tuple[int, int], ...]  # (byte offset, byte length) in the blob, in order
 
 _SHAPE_ONLY = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
                aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
@@ -127,7 +127,7 @@ class DiskTensor(Tensor):
 
     @staticmethod
     def __new__(cls, blob: Blob, extents: Extents, shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device) -> "DiskTensor":
+                device: torch.device) -> DiskTensor:
         r = Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device, requires_grad=False)
         r._blob, r._extents = blob, tuple(extents)
         return r
@@ -155,7 +155,7 @@ class DiskTensor(Tensor):
     def __reduce_ex__(self, proto):
         raise TypeError("a DiskTensor cannot be pickled; save the state with fz.save")
 
-    def _sub(self, start_el: int, shape: Sequence[int]) -> "DiskTensor":
+    def _sub(self, start_el: int, shape: Sequence[int]) -> DiskTensor:
         size = self.element_size()
         ext = sub_extents(self._extents, start_el * size, math.prod(shape) * size)
         return DiskTensor(self._blob, ext, shape, self.dtype, self.device)
@@ -183,7 +183,7 @@ class DiskTensor(Tensor):
                         o.store(n)
         return result
 
-    def copy_to_new_blob(self) -> "DiskTensor":
+    def copy_to_new_blob(self) -> DiskTensor:
         """This tensor's bytes in a new file of the same store (a clone that stays on disk)."""
         blob = self._blob.store.new_blob("clone", self.nbytes_on_disk)
         new = DiskTensor(blob, ((0, self.nbytes_on_disk),), self.shape, self.dtype, self.device)
@@ -194,7 +194,7 @@ class DiskTensor(Tensor):
         return new
 
 
-def _as_list(x) -> List:
+def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List
 
 import torch
 from torch import Tensor
@@ -25,7 +24,7 @@ class IOPool:
 
     def __init__(self, count: int, nbytes: int, threads: int, direct: bool, pin: bool):
         self.nbytes, self.direct = nbytes, direct
-        self.buffers: List[Tensor] = [_buffer(nbytes, pin) for _ in range(count)]
+        self.buffers: list[Tensor] = [_buffer(nbytes, pin) for _ in range(count)]
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fz-offload-io")
 
     @property

@@ -14,14 +14,13 @@ import os
 import shutil
 import socket
 import warnings
-from typing import Dict, Tuple
 
 from fz.errors import ConfigError
 from fz.storage.disk import Blob
 from fz.storage.io import IOPool
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
-_STORES: Dict[Tuple[str, int], "DiskStore"] = {}
+_STORES: dict[tuple[str, int], DiskStore] = {}
 _counter = itertools.count()
 
 
@@ -96,7 +95,7 @@ class DiskStore:
             raise ConfigError(f"fz.offload.nvme: cannot create {self.dir}: {e.strerror}") from e
         self.direct = direct and _direct_io_works(self.dir)
         self._names = itertools.count()
-        self._pools: Dict[tuple, IOPool] = {}
+        self._pools: dict[tuple, IOPool] = {}
         atexit.register(shutil.rmtree, self.dir, True)
 
     def io_pool(self, policy) -> IOPool:

@@ -11,8 +11,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> List[Any]:
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
     """fn(rank, world, *args) on `world` fresh processes; returns the results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

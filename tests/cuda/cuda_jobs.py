@@ -33,8 +33,9 @@ def cases():
 
 def losses(root: str) -> dict:
     """{case: the 3 losses, or the ConfigError's first line} on this process's device."""
-    import fz
     from helpers import make_model, rank_batches, spec
+
+    import fz
 
     batches = rank_batches(1, 1, STEPS)
     out = {}
@@ -57,9 +58,10 @@ def losses(root: str) -> dict:
 
 def gloo_world2(rank: int, world: int, stage: int) -> list:
     """Two ranks on the one GPU through gloo (NCCL refuses two ranks on one device)."""
+    from helpers import make_model, rank_batches, spec
+
     import fz
     import fz.distributed
-    from helpers import make_model, rank_batches, spec
 
     fz.distributed.init(backend="gloo")
     state = fz.init(make_model(), spec(stage, 1))

@@ -10,7 +10,6 @@ import random
 import signal
 
 import pytest
-
 from test_peers import check_trial
 
 pytestmark = pytest.mark.skipif(not os.environ.get("FZ_STRESS"), reason="stress test: set FZ_STRESS=1 to run it")
