@@ -166,5 +166,5 @@ def test_activation_checkpointing_same_result_less_memory(stage):
         assert ckpt_bytes < 0.6 * plain_bytes, (ckpt_bytes, plain_bytes)
     # a name policy: checkpoint only block 1
     state = fz.init(make_model(), spec(stage, 1, activation_checkpointing=["blocks.1"]))
-    runner = fz.step.runner.Runner(state.skeleton, state.plan, Comm(state.plan), [], {}, checkpointing=["blocks.1"])
+    runner = fz.step.runner.Runner(state.skeleton, state.plan, Comm(state.plan), [], {}, state.spec)
     assert runner.checkpointed == [False, False, True]

@@ -29,6 +29,7 @@ from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
 from fz.sharding.plan import ShardPlan
 from fz.sharding.sync import ParamSync
 from fz.sharding.uses import GradUses
+from fz.spec import Spec
 from fz.step.binding import Bindings, checkpoint_seen
 from fz.step.unused import UsedParams
 
@@ -37,10 +38,13 @@ class Runner:
     """One forward pass over `leaves` (one tensor per bucket: full params or this rank's shard)."""
 
     def __init__(self, skel: Skeleton, plan: ShardPlan, comm: Comm, leaves: Sequence[Tensor],
-                 buffers: dict[str, Tensor], order: Sequence[int] = (), checkpointing: Any = False,
-                 grad_sink: Callable | None = None, prefetch: int = 0, compile: Any = False,
-                 sync: ParamSync | None = None, live_buckets: int = 0, compute_dtype: torch.dtype = torch.float32,
-                 used: UsedParams | None = None):
+                 buffers: dict[str, Tensor], spec: Spec, order: Sequence[int] = (), *, backward: bool = True,
+                 grad_sink: Callable | None = None, sync: ParamSync | None = None, used: UsedParams | None = None):
+        """`spec` gives prefetch, compile, the compute dtype and, when a `backward` follows (train_step),
+        activation checkpointing and `live_buckets`; eval and apply run forward only."""
+        checkpointing = spec.activation_checkpointing if backward else False
+        live_buckets = spec.live_buckets if backward else 0
+        prefetch, compile, compute_dtype = spec.prefetch, spec.compile, spec.compute_dtype
         self.skel, self.plan, self.leaves, self.buffers = skel, plan, leaves, buffers
         self.bindings = Bindings()
         self.used = used  # Spec.skip_unused: which parameters backward reaches

@@ -26,7 +26,7 @@ from fz.offload.move import PART_ALIGN, _round, group_slots, master_slot_views
 from fz.optim.base import global_norm
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.opt_state import merge_opt_states
-from fz.step.update import norm_sq_fn, shard_sum_fn
+from fz.step.update import apply_optimizer, norm_sq_fn, shard_sum_fn
 from fz.storage.disk import DiskTensor, load
 from fz.storage.store import ALIGN, store_for
 
@@ -36,7 +36,6 @@ Params = dict[str, Tensor]
 def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str]):
     """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
     there and back; a no-op copy on a CPU-only machine."""
-    from fz.step.update import apply_optimizer
     host = torch.device("cpu")
     grads = {k: g.to(host, non_blocking=True) for k, g in grads.items()}
     on_host = {k: p.to(host) for k, p in params.items()}

@@ -37,9 +37,9 @@ from fz.step.metrics import step_metrics
 from fz.step.nonfinite import NonFinite, verdict_is_local
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
-from fz.step.stream import disk_update, host_update
-from fz.step.unused import UsedParams, put_back, snapshot, unused_everywhere
-from fz.step.update import apply_optimizer, optimizer_inputs
+from fz.step.unused import UsedParams, unused_everywhere
+from fz.step.update import optimizer_inputs
+from fz.step.updaters import UPDATERS, UpdateInputs, update_tier
 from fz.storage.disk import DiskTensor
 
 
@@ -74,7 +74,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     state.check_alive("fz.train_step")
     peers.doing("fz.train_step", int(state.step))
     raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
-    given, offload = state, _offload_of(state.spec)
+    given, offload, tier = state, _offload_of(state.spec), update_tier(state.spec)
     if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
         state = offload(state)
     spec, plan = state.spec, state.plan
@@ -102,10 +102,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     reducer = GradReducer(plan, comm, leaves, host)
     state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics
     used = UsedParams() if spec.skip_unused else None
-    runner = Runner(state.skeleton, plan, comm, leaves, buffers, state.metrics["order"].tolist(),
-                    spec.activation_checkpointing, grad_sink=reducer.reduce_gathered, prefetch=spec.prefetch,
-                    compile=spec.compile, sync=sync, live_buckets=spec.live_buckets, compute_dtype=spec.compute_dtype,
-                    used=used)
+    runner = Runner(state.skeleton, plan, comm, leaves, buffers, spec, state.metrics["order"].tolist(),
+                    grad_sink=reducer.reduce_gathered, sync=sync, used=used)
     model = BoundModel(runner)
     weight = scale * agreement.loss_weight / spec.grad_accum
     total = torch.zeros((), device=plan.device)
@@ -146,28 +144,22 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
         overflow = guard.skip(agreement, comm)
         new_sync, norm = None, None
         if not overflow:
-            if offload is not None and "disk" in (offload.optimizer, offload.params):
-                try:
-                    local_opt, norm, mflats, flats = disk_update(spec, offload, comm, plan, local_opt, grads, flats,
-                                                                 mflats, sharded, donate)
-                except BaseException as e:
-                    if donate:
-                        given.donate()
-                        e.add_note(
-                            "fz.train_step failed while streaming the offloaded optimizer state; the state "
-                            "it was given is consumed (donated; its in-memory parameters may be partly "
-                            "updated): restore the last checkpoint. With donate=False the input state stays whole."
-                        )
-                    raise
-                new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats))  # params already cast
-            else:
-                update = host_update if offload is not None and offload.optimizer == "host" else apply_optimizer
-                skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
-                kept = snapshot(skip, params, local_opt) if skip else None
-                local_opt, norm = update(spec, comm, local_opt, grads, params, sharded)
-                if kept is not None:  # Spec.skip_unused: as torch, no update without a gradient
-                    put_back(*kept, params, local_opt)
-                new_sync = start_param_sync(comm, plan, flats, mflats)
+            skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
+            inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate)
+            try:
+                up = UPDATERS[tier](spec, comm, plan, inputs)
+            except BaseException as e:
+                if donate and tier == "disk":
+                    given.donate()
+                    e.add_note(
+                        "fz.train_step failed while streaming the offloaded optimizer state; the state "
+                        "it was given is consumed (donated; its in-memory parameters may be partly "
+                        "updated): restore the last checkpoint. With donate=False the input state stays whole."
+                    )
+                raise
+            del inputs
+            local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
+            new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats) if up.cast else mflats)
     del grads, params
     if host is not None:
         host.release()
@@ -232,8 +224,8 @@ def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -
     state.skeleton.set_mode(train)
     # in train mode modules update buffers in place: they get copies, the state keeps its own
     buffers = {n: t.clone() for n, t in state.buffers.items()} if train else state.buffers
-    runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.metrics["order"].tolist(),
-                    prefetch=state.spec.prefetch, compile=state.spec.compile, compute_dtype=state.spec.compute_dtype)
+    runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec,
+                    state.metrics["order"].tolist(), backward=False)
     with torch.no_grad(), rng_forked(state.rng, state.plan.device), _autocast(state):
         try:
             return fn(runner, comm, *args, **kwargs)

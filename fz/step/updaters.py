@@ -1,0 +1,89 @@
+"""Where the optimizer runs, chosen once from the Spec: one table, one signature.
+
+    device  the optimizer state lives with the parameters: update in place (fz/step/update.py)
+    host    the state is in host memory: the update runs there (fz/step/stream.py: host_update)
+    disk    the state (and at stage 3 maybe the parameters) is in files: streamed group by group
+
+Every updater takes the step's `UpdateInputs` and returns an `Updated`: the optimizer's new
+local state, the global gradient norm (None without clipping), and the parameter and master
+storage the new state holds. `cast` says the parameters already hold the update (the disk
+tier casts each group as it writes it); otherwise the stage 1-2 gathers start from the
+masters. `Spec.skip_unused` (device and host only: the disk tier streams group by group and
+the Spec refuses it there) restores the parameters no rank used, as torch skips them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from fz.sharding.comm import Comm
+from fz.sharding.plan import ShardPlan
+from fz.spec import Spec
+from fz.step.stream import disk_update, host_update
+from fz.step.unused import put_back, snapshot
+from fz.step.update import apply_optimizer
+
+Params = dict[str, Tensor]
+
+
+@dataclass
+class UpdateInputs:
+    """What the step hands its updater (all owned by the step: updaters may update them in place)."""
+
+    local_opt: Any  # this rank's optimizer state
+    grads: Params  # fp32, unscaled, this rank's rows
+    params: Params  # the tensors the optimizer updates (masters in mixed precision)
+    flats: list[Tensor]  # parameter storage per bucket
+    mflats: list[Tensor | None]  # master storage per bucket (None: fp32 without masters)
+    sharded: set[str]  # parameters whose optimizer state is sharded over the ranks
+    skip: set[str]  # Spec.skip_unused: parameters no rank used this step
+    donate: bool
+
+
+@dataclass
+class Updated:
+    local_opt: Any
+    norm: Tensor | None
+    flats: list[Tensor]
+    mflats: list[Tensor | None]
+    cast: bool  # the parameters already hold the update (nothing to cast from the masters)
+
+
+Updater = Callable[[Spec, Comm, ShardPlan, UpdateInputs], Updated]
+
+
+def _in_memory(run) -> Updater:
+    """Device and host: the optimizer over `params` in place, the skipped parameters put back."""
+    def update(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
+        kept = snapshot(x.skip, x.params, x.local_opt) if x.skip else None
+        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded)
+        if kept is not None:
+            put_back(*kept, x.params, local_opt)
+        return Updated(local_opt, norm, x.flats, x.mflats, cast=False)
+    return update
+
+
+def _on_disk(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
+    local_opt, norm, mflats, flats = disk_update(spec, spec.offload, comm, plan, x.local_opt, x.grads, x.flats,
+                                                 x.mflats, x.sharded, x.donate)
+    return Updated(local_opt, norm, flats, mflats, cast=True)
+
+
+UPDATERS: dict[str, Updater] = {
+    "device": _in_memory(apply_optimizer),
+    "host": _in_memory(host_update),
+    "disk": _on_disk,
+}
+
+
+def update_tier(spec: Spec) -> str:
+    """Where this Spec's optimizer update runs: a key of UPDATERS."""
+    policy = spec.offload if spec.offload is not None and spec.offload.active else None
+    if policy is None:
+        return "device"
+    if "disk" in (policy.optimizer, policy.params):
+        return "disk"
+    return "host" if policy.optimizer == "host" else "device"
