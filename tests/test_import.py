@@ -44,3 +44,23 @@ def test_import_fz_patches_nothing():
 
 def test_an_async_save_installs_the_exit_guards():
     assert _run(ASYNC) == ["False", "True"]  # destroy_process_group now waits for pending saves
+
+
+def test_messages_go_through_the_fz_logger_and_can_be_silenced(tmp_path, capsys):
+    import logging
+
+    from helpers import make_model, spec
+
+    import fz
+
+    state = fz.init(make_model(), spec(0, 1))
+    fz.save(state, tmp_path / "shown")
+    assert "fz: saved " in capsys.readouterr().out  # by default, on stdout as before
+    log = logging.getLogger("fz")
+    level = log.level
+    log.setLevel(logging.WARNING)  # standard logging config silences it
+    try:
+        fz.save(state, tmp_path / "silent")
+    finally:
+        log.setLevel(level)
+    assert "fz: saved " not in capsys.readouterr().out

@@ -10,7 +10,7 @@ from pathlib import Path
 FZ = Path(__file__).resolve().parents[1] / "fz"
 
 LAYERS = [  # lowest first; a package may import its own layer and those below
-    {"errors", "compat", "version", "precision", "rng", "background"},
+    {"errors", "compat", "version", "precision", "rng", "background", "log"},
     {"storage"},  # file-backed tensors, their store and I/O pool
     {"distributed"},  # process-group start, peers (deadlines, lost ranks), arrival
     {"optim", "model"},

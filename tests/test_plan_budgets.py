@@ -92,10 +92,16 @@ def test_the_device_is_the_host_only_without_a_device_budget_or_gpu(llama, tmp_p
     assert not [n for n in given.notes if n.startswith("host")]  # a smaller host budget is simply honoured
 
 
-def test_budget_notes_reach_the_log_without_a_report(llama, tmp_path, monkeypatch, caplog):
+def test_budget_notes_reach_the_log_without_a_report(llama, tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.setattr(machine, "gpu_memory", lambda: 16 * GB)
-    fz.plan(llama, world_size=1, device_budget=DEVICE, host_budget=HOST, nvme_path=str(tmp_path))
+    fz_log = fz.log.logger()  # "fz": its own console handler, not propagated to the root (fz/log.py)
+    fz_log.addHandler(caplog.handler)  # routed like any logger
+    try:
+        fz.plan(llama, world_size=1, device_budget=DEVICE, host_budget=HOST, nvme_path=str(tmp_path))
+    finally:
+        fz_log.removeHandler(caplog.handler)
     assert "device budget 24.00 GB given, this machine has 16.00 GB (GPU): the given one wins" in caplog.text
+    assert "the given one wins" in capsys.readouterr().err  # and shown by default, as a warning on stderr
 
 
 def test_offload_rung_keeps_the_device_under_2_gb(llama, tmp_path):

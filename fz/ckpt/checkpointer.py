@@ -32,6 +32,7 @@ from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step
 from fz.distributed import guards, peers
 from fz.distributed.arrival import arrive
 from fz.errors import CheckpointError, ConfigError
+from fz.log import logger
 from fz.state import State
 
 _lock = threading.Lock()
@@ -215,7 +216,7 @@ class Checkpointer:
             size = f"{sum(f['size'] for f in manifest.read(path).values()) / 2**20:.1f} MB"
         except ConfigError:
             size = "size unknown"
-        print(f"fz: {verb} {path} ({size} in {time.perf_counter() - t0:.2f} s{note})", flush=True)
+        logger("ckpt").info(f"fz: {verb} {path} ({size} in {time.perf_counter() - t0:.2f} s{note})")
 
     def wait(self) -> None:
         """Block until this Checkpointer's pending async save has committed; raise its error."""

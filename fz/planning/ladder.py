@@ -10,12 +10,12 @@ and the disk tier needs twice its bytes free, as `fz.init` requires.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from fz.errors import ConfigError
+from fz.log import logger
 from fz.offload.policy import cpu, nvme
 from fz.planning.estimator import Estimate, estimate
 from fz.planning.machine import Budgets, local_devices, plan_budgets
@@ -23,7 +23,6 @@ from fz.planning.render import plan_report
 from fz.spec import Spec
 
 GB = 2**30
-log = logging.getLogger(__name__)
 
 
 def rungs(base: Spec, nvme_path: str, activations: bool = True) -> list[tuple[str, Spec]]:
@@ -127,7 +126,7 @@ def plan(model: Any, *, spec: Spec | None = None, world_size: int | None = None,
         report(plan_report(found, budgets))
     else:
         for note in budgets.notes:
-            log.warning("fz.plan: %s", note)
+            logger("planning").warning("fz.plan: %s", note)
     if not found[-1].fits:
         last = found[-1]
         raise ConfigError(f"fz.plan: no configuration fits; the most frugal ({last.name}) "
