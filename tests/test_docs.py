@@ -23,11 +23,12 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 # What a page's session must print (stdout) and leave behind (files), beyond running cleanly.
 EXPECT = {
-    "README.md": (["step 200  loss", "fz: saved checkpoints/run/step_30", "epoch=1, index=2304"],  # epoch=: the
-                  ["model.safetensors"]),  # resumed loader's position, as the page says
+    "README.md": (["step 50  loss"], []),
+    "docs/model.md": (["step 200  loss", "epoch=1, index=2304"], []),  # the resumed loader's position, as it says
+    "docs/checkpoints.md": (["fz: saved checkpoints/run/step_30"], ["model.safetensors"]),
 }
 # The pages that show an fz command's output (a one-line bash block, then a text block), and which commands.
-SHOWN = {"README.md": [["estimate"]]}
+SHOWN = {"docs/planning.md": [["estimate"]]}
 
 
 def text(page: str) -> str:
