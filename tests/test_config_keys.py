@@ -1,6 +1,6 @@
 """Every key of a DeepSpeed config shows once in explain() with its outcome, and the batch
 arithmetic holds, for every config the loader accepts (real ones and generated ones); the
-README's worked example (transformers' ds_config_zero3.json) prints what the README shows.
+worked example of docs/deepspeed-config.md (transformers' ds_config_zero3.json) prints what that page shows.
 """
 from __future__ import annotations
 
@@ -202,15 +202,15 @@ def test_any_accepted_config_accounts_for_every_key_and_its_batch_sizes(cfg, kw)
     check(cfg, spec)
 
 
-# --- the README's worked example ------------------------------------------------------------------------
+# --- docs/deepspeed-config.md's worked example ---------------------------------------------------------------
 
-def test_readme_worked_example_prints_what_the_readme_shows(capsys, monkeypatch):
-    text = (ROOT / "README.md").read_text()
+def test_docs_worked_example_prints_what_the_page_shows(capsys, monkeypatch):
+    text = (ROOT / "docs" / "deepspeed-config.md").read_text()
     at = text.index('"tests/data/ds_config_zero3.json"')
     code = re.search(r"```python\n(.*?)```", text[text.rindex("```python", 0, at):], re.S).group(1)
     shown = re.search(r"```text\n(.*?)```", text[at:], re.S).group(1)
     monkeypatch.chdir(ROOT)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fz.config.DeepSpeedConfigWarning)  # everything in it is honoured
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/deepspeed-config.md", "exec"), {})
     assert capsys.readouterr().out == shown

@@ -217,7 +217,7 @@ def test_stage3_gathered_buckets_bounded_by_live_limit(world_results):
 
 
 def test_what_is_bit_identical_across_stages(world_results):
-    """README: stages 1-3 reduce with the same reduce-scatter, so without accumulation they are
+    """docs/precision.md: stages 1-3 reduce with the same reduce-scatter, so without accumulation they are
     bit-identical; with it, 2-3 (each micro-batch reduced, then summed) still are, 1 sums the
     micro-batches first. Stage 0's all-reduce adds the ranks in another order, which changes
     nothing at world 2 (a sum of two terms), where 0 = 1-3 without accumulation and 0 = 1 with it."""

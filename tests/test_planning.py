@@ -97,7 +97,7 @@ def test_activations_traced_and_checkpointing_saves():
 
 
 def test_seed_table_raw_counts():
-    """The seed's example: 2,783M params, 65M largest layer, 1 node x 1 GPU (README: the formulas)."""
+    """The seed's example: 2,783M params, 65M largest layer, 1 node x 1 GPU (docs/planning.md: the formulas)."""
     text = fz.estimate_table((2783e6, 65e6), gpus_per_node=1, nodes=1)
     lines = text.splitlines()
     assert lines[:4] == ["Estimated memory needed for params, optim states and gradients for a:",

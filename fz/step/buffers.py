@@ -1,7 +1,7 @@
 """Buffers that training changes (BatchNorm's running statistics) stay identical on every rank.
 
 Each rank's forward updates its buffers from its own rows, so they would drift apart while
-the README calls them replicated (and a checkpoint would keep one rank's). After each step
+docs/model.md calls them replicated (and a checkpoint would keep one rank's). After each step
 the buffers whose in-place version counter moved, and the running statistics of norm layers
 (which the kernel updates without moving it), are made equal again: averaged over every
 rank by default (floating ones; others take the first rank's), or the first rank's for all
