@@ -80,8 +80,8 @@ def main() -> None:
         losses.append(float(loss))
         if int(state.step) % 20 == 0:
             heldout = fz.data.loader(MyData(512, seed=1), spec, shuffle=False, epochs=1)
-            losses = [float(fz.eval_step(state, b)) for b in heldout]
-            monitor.log({"eval/loss": sum(losses) / len(losses)}, int(state.step))
+            held = [float(fz.eval_step(state, b)) for b in heldout]  # not `losses`: the training ones
+            monitor.log({"eval/loss": sum(held) / len(held)}, int(state.step))
         if int(state.step) % args.save_every == 0:
             ckpt.save(train.attach(state))  # every rank; the data position goes with it
     if ckpt.latest_step() != int(state.step):
