@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--step", type=int, default=None, help="a step of the root instead of `latest`")
         p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
         p.add_argument("--progress", action="store_true", help="show the progress bar even when not a terminal")
-    # issue 11: memory estimator and automatic plan
+    # the memory estimator and automatic plan (fz estimate, fz plan)
     from fz.planning.cli import add_commands
     add_commands(sub)
-    # issue 11: the launcher (torchrun underneath)
+    # the launcher (fz run: torchrun underneath)
     from fz.launch.cli import add_command
     add_command(sub)
     args = parser.parse_args(argv)

@@ -61,12 +61,12 @@ class Spec:
     # meta init: fn(module_name, module) after reset_parameters()
     init_fn: Callable[[str, nn.Module], None] | None = None
     weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
-    # real models (issue 12): buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
+    # real models: buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
     # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed)
     # or skipped (torch)
     buffer_sync: str = "mean"
     skip_unused: bool = False
-    # issue 15 (reliability): what a NaN/inf gradient does, and how long a rank waits for the others
+    # reliability: what a NaN/inf gradient does, and how long a rank waits for the others
     nonfinite: str = "skip"  # "skip": the step leaves params and optimizer state as they were (counted); "raise"
     timeout_s: float = 300.0  # a collective or checkpoint barrier waiting longer raises fz.PeerError
 
