@@ -54,6 +54,9 @@ def test_tensorboard_and_csv_hold_every_scalar(world2):
     root, ranks = world2
     losses, dirs, _ = ranks[0]
     assert dirs == [str(root / "tb" / "run1"), str(root / "csv" / "run1")] and ranks[1][1] == []  # rank 0 writes
+    said = ranks[0][2]  # rank 0's close says where the scalars went (the examples print it so)
+    assert f"fz: TensorBoard scalars in {dirs[0]} (tensorboard --logdir {root / 'tb'})\n" in said, said[-500:]
+    assert f"fz: scalars in {dirs[1]}/scalars.csv\n" in said and "fz: " not in ranks[1][2]
     want = set(TRAIN + PERF) | {f"memory/rank{r}/{m}" for r in (0, 1) for m in MEMORY}
     events = EventAccumulator(dirs[0])
     events.Reload()
@@ -79,7 +82,7 @@ def test_tensorboard_and_csv_hold_every_scalar(world2):
 
 def test_not_a_terminal_gets_plain_lines_and_a_terminal_a_progress_bar(world2, tmp_path):
     _, ranks = world2
-    lines = ranks[0][2].splitlines()
+    lines = [ln for ln in ranks[0][2].splitlines() if not ln.startswith("fz: ")]  # close's lines: tested above
     assert [ln.split("  ")[0] for ln in lines] == ["step 2/4", "step 4/4"] and "\r" not in ranks[0][2]
     assert ranks[1][2] == ""
 

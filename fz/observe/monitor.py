@@ -157,10 +157,16 @@ class Monitor:
             self.bar.write(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
 
     def close(self) -> None:
+        """Flush and close the writers; rank 0 then says where the run's scalars went."""
         for w in self.writers:
             w.close()
         if self.bar is not None:
             self.bar.close()
+        for w in self.writers:
+            if isinstance(w, TensorBoardWriter):
+                self.stream.write(f"fz: TensorBoard scalars in {w.path} (tensorboard --logdir {w.path.parent})\n")
+            else:
+                self.stream.write(f"fz: scalars in {w.path / 'scalars.csv'}\n")
 
 
 def _brief(scalars: dict[str, float]) -> str:
