@@ -3,8 +3,8 @@
 Until something uses it, importing fz configures nothing. At first use, if the "fz" logger has
 no handler of its own, fz gives it one that writes the bare message to the current stdout
 (what a `print` did: `fz: saved ckpt/step_100 (12.3 MB in 0.21 s)`; warnings to stderr) at
-level INFO, and stops
-it propagating to the root logger (so a configured root does not print it twice). To route
+level INFO, and stops it propagating to the root logger (so a configured root does not print
+it twice). To route
 or silence: `logging.getLogger("fz").setLevel(logging.WARNING)`, or give it handlers of your
 own before fz logs (dictConfig included) and fz adds none.
 """

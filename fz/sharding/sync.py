@@ -51,7 +51,7 @@ class ParamSync:
 
     def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[tuple[Bucket, Tensor, Tensor | None]]):
         self.comm, self.rank = comm, shard_rank
-        self.inflight: list[tuple[Bucket, Tensor, Tensor, object]] = []
+        self.inflight: list[tuple[Bucket, Tensor, Tensor, tuple[object, Tensor]]] = []  # (b, flat, out, (work, input))
         self.waiting = {b.index for b, _, _ in todo}  # buckets not up to date yet
         for b, flat, mflat in todo:  # the bytes belong to the step that made the update
             comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
@@ -72,8 +72,7 @@ class ParamSync:
 
     def _complete_oldest(self) -> None:
         b, flat, full, (work, shard) = self.inflight.pop(0)
-        work.wait()
-        del shard
+        work.wait()  # the gather's input (`shard`) goes with this entry
         if full is not flat:
             unpack_into(full, b, flat)
         elif not rank_major_is_param_major(b):
