@@ -109,3 +109,36 @@ def test_tiers_say_gradients_are_on_the_host():
         assert n * 4 <= tiers["host"]["grads"] <= n * 4 * 1.1  # fp32, this one rank's rows (with padding)
     plain = fz.memory_report(fz.init(make_model(), spec(3, 1, precision="bf16"))).tiers
     assert plain["device"]["grads"] > 0 and plain["host"]["grads"] == 0
+
+
+def _gpt_host_tensors(d: int, layers: int, vocab: int, bucket: int) -> list[tuple[int, torch.dtype]]:
+    """The host tensors of a GPT's offloaded state, in fz.init's order: per bucket its bf16
+    parameter shard and fp32 master, then Adam's two fp32 moments per parameter."""
+    params = [vocab * d, 1024 * d]
+    for _ in range(layers):
+        params += [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    buckets, cur = [], 0
+    for n in params:
+        if cur and cur + n > bucket:
+            buckets, cur = buckets + [cur], 0
+        cur += n
+    return ([(n, dt) for b in buckets + [cur] for n, dt in ((b, torch.bfloat16), (b, torch.float32))]
+            + [(n, torch.float32) for n in params for _ in range(2)])
+
+
+def test_slabs_hold_host_state_at_its_exact_size(monkeypatch):
+    """torch's pinned allocator rounds each allocation up to a power of two; the state's host
+    tensors are carved out of power-of-two slabs instead (pinned on CUDA; plain here, same carving).
+    The 2.8B GPT of the GPU benchmark, every size divided by 1024 (slabs too)."""
+    from fz.offload import transfer
+    monkeypatch.setattr(transfer, "SLAB_BYTES", transfer.SLAB_BYTES // 1024)
+    slabs = transfer.Slabs(pin=False)
+    shapes = _gpt_host_tensors(d=80, layers=34, vocab=1572, bucket=int(25 * 2**20 / 4 / 1024))
+    src = [torch.randn(n).to(dt) for n, dt in shapes] + [torch.randn(7, 9).to(torch.bfloat16).t()]
+    out = [slabs.copy(t) for t in src]
+    assert all(torch.equal(a, b) and b.is_contiguous() for a, b in zip(src, out))
+    exact = sum(t.numel() * t.element_size() for t in src)
+    allocator = sum(transfer.rounded(t.numel() * t.element_size()) for t in src)
+    assert slabs.slab_bytes <= 1.08 * exact < allocator / 1.25, (slabs.slab_bytes, exact, allocator)
+    assert all(t.data_ptr() % transfer.SLAB_ALIGN == 0 for t in out)
+    assert transfer.rounded(40 * 2**20 + 1) == 64 * 2**20 and transfer.rounded(4096) == 4096

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
+from fz.offload.transfer import pinned_copy
 from fz.sharding.buckets import Bucket
 from fz.storage.disk import DiskTensor, load
 from fz.storage.store import ALIGN, check_directory, store_for
@@ -109,8 +110,7 @@ def _concat(pieces: list[DiskTensor], numel: int, dtype, device) -> DiskTensor:
 def _to_tier(t: Tensor, tier: str, device: torch.device, pin: bool) -> Tensor:
     t = load(t)
     if tier == "host":
-        t = t.to("cpu")
-        return t.pin_memory() if pin and torch.cuda.is_available() and not t.is_pinned() else t
+        return pinned_copy(t) if pin else t.to("cpu")
     return t.to(device)
 
 
