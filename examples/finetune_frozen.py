@@ -113,7 +113,7 @@ def main() -> None:
         model = Finetuned()
     for p in model.trunk.parameters():
         p.requires_grad_(False)  # frozen: no gradient, no optimizer state
-    spec = fz.Spec(stage=2, optimizer=fz.optim.adamw(lr=3e-3), micro_batch=32, loss_fn=loss_fn, log_every=20)
+    spec = fz.Spec(stage=2, optimizer=fz.optim.adamw(lr=3e-3), micro_batch=32, loss_fn=loss_fn)
     state = fz.init(model, spec)
     with warnings.catch_warnings(record=True) as notes:  # the file has the trunk only
         warnings.simplefilter("always")
@@ -129,7 +129,7 @@ def main() -> None:
               f"{mem.opt:,} bytes (Adam for every parameter would be {adam_all:,.0f})")
 
     loader = fz.data.loader(Task(4096, seed=0), state)
-    monitor = fz.Monitor.from_spec(spec, total_steps=steps)
+    monitor = fz.Monitor(log_every=20, total_steps=steps)
     losses = []
     for batch in loader:
         if int(state.step) >= steps:

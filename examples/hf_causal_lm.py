@@ -57,13 +57,13 @@ def main() -> None:
     spec = fz.Spec.from_deepspeed(HERE / "hf_ds_config.json", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
                                   micro_batch=8, grad_accum=1, clip_grad_norm=1.0, precision="fp32",
                                   total_steps=steps, warmup_steps=steps // 10)
-    spec = spec.replace(loss_fn=loss_fn, log_every=10)
+    spec = spec.replace(loss_fn=loss_fn)
     if rank == 0:
         print(spec.explain())
     state = fz.init(model, spec)  # GPT2's blocks (transformer.h.*) are the ZeRO-3 units
 
     loader = fz.data.loader(corpus(config.n_positions), state)
-    monitor = fz.Monitor.from_spec(spec, total_steps=steps)
+    monitor = fz.Monitor.from_spec(spec, total_steps=steps)  # the JSON says how often (steps_per_print)
     losses = []
     for batch in loader:
         if int(state.step) >= steps:

@@ -158,11 +158,10 @@ def offload(args: argparse.Namespace):
 def make_spec(args: argparse.Namespace) -> fz.Spec:
     if args.deepspeed:  # the JSON decides; flags given fill its "auto" values (and must agree with the rest)
         spec = fz.Spec.from_deepspeed(args.deepspeed, **args.given)
-        return spec.replace(loss_fn=lm_loss, log_every=args.log_every, offload=offload(args) or spec.offload)
+        return spec.replace(loss_fn=lm_loss, offload=offload(args) or spec.offload)
     return fz.Spec(stage=args.stage, optimizer=fz.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01),
                    grad_accum=args.grad_accum, micro_batch=args.micro_batch, clip_grad_norm=1.0,
-                   precision=args.precision, loss_fn=lm_loss, seed=0, log_dir=args.logdir or None,
-                   csv_dir=args.csv or None, log_every=args.log_every, offload=offload(args))
+                   precision=args.precision, loss_fn=lm_loss, seed=0, offload=offload(args))
 
 
 def evaluate(state: fz.State, heldout: Dataset, batches: int) -> float:
@@ -195,7 +194,9 @@ def main() -> None:
     if args.resume and ckpt.latest_step() is not None:
         state = ckpt.restore(state, step=None if args.resume == "latest" else int(args.resume))
     loader = fz.data.loader(train, state, num_workers=args.workers)  # resumes at state.data's position
-    monitor = fz.Monitor.from_spec(spec, total_steps=args.steps)
+    # a DeepSpeed config's tensorboard / csv_monitor decide where logs go; without one, the flags
+    where = {} if args.deepspeed else {"log_dir": args.logdir or None, "csv_dir": args.csv or None}
+    monitor = fz.Monitor.from_spec(spec, total_steps=args.steps, log_every=args.log_every, **where)
     losses, start, t0 = [], int(state.step), time.perf_counter()
     for batch in loader:
         if int(state.step) >= args.steps:

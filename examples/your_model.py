@@ -62,14 +62,13 @@ def main() -> None:
     steps = 40 if args.ci else args.steps
 
     rank, _ = fz.distributed.init()  # under torchrun: the job's process group; alone: a group of one
-    spec = fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=3e-3), micro_batch=32, loss_fn=loss_fn, clip_grad_norm=1.0,
-                   log_dir="runs/your_model", log_every=20)
+    spec = fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=3e-3), micro_batch=32, loss_fn=loss_fn, clip_grad_norm=1.0)
     state = fz.init(MyModel(), spec)
     ckpt = fz.Checkpointer(args.ckpt_dir, keep_last=2)
     if ckpt.latest_step() is not None:
         state = ckpt.restore(state)  # weights, optimizer, step, RNG and the data position
     train = fz.data.loader(MyData(8192, seed=0), state)  # this rank's micro_batch * grad_accum rows per step
-    monitor = fz.Monitor.from_spec(spec, total_steps=steps)
+    monitor = fz.Monitor("runs/your_model", log_every=20, total_steps=steps)
 
     losses = []
     for batch in train:

@@ -126,8 +126,8 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
 
 
 _DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank must build the same model "
-             "and pass the same Spec", "Build the model and the Spec the same way on every rank (only Spec.log_dir "
-             "and Spec.csv_dir may differ).")
+             "and pass the same Spec", "Build the model and the Spec the same way on every rank (only an offload "
+             "path may differ).")
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn as nn
@@ -14,61 +14,116 @@ from fz.offload.policy import Offload
 from fz.optim import GradientTransformation, adamw
 from fz.precision import PRECISIONS, LossScale
 
-NONFINITE = ("skip", "raise")  # Spec.nonfinite
+Stage = Literal[0, 1, 2, 3]
+Precision = Literal["fp32", "bf16", "fp16"]
+BufferSync = Literal["mean", "rank0"]
+NonFinite = Literal["skip", "raise"]
+NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
+BUFFER_SYNC: tuple[BufferSync, ...] = get_args(BufferSync)
 CheckpointPolicy = bool | Sequence[str] | Callable[[str, nn.Module], bool]
+# Spec fields that moved out of the Spec, and where to (Spec(...) with one of them says so)
+MOVED = {"log_dir": "fz.Monitor(log_dir=...)", "log_every": "fz.Monitor(log_every=...)",
+         "csv_dir": "fz.Monitor(csv_dir=...)"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Spec:
-    """How to train: ZeRO stage, optimizer, batching, clipping, precision, seed.
+    """How to train: every setting that decides the numbers and the memory of a step, and so
+    must be the same on every rank (fz.init checks that it is).
 
-    Bucketing and stage-3 knobs mirror DeepSpeed's `zero_optimization` keys:
-    `bucket_mb` (reduce_bucket_size / allgather_bucket_size), `persist_threshold`
-    (stage3_param_persistence_threshold, in elements), `live_buckets` (how many
-    gathered buckets may exist at once, the root one included; DeepSpeed's
-    stage3_max_live_parameters: room beyond the root, the running block and the
-    prefetched ones keeps the first blocks gathered from forward to backward, so they
-    are not gathered again) and `prefetch` (blocks gathered ahead; stage3_prefetch_bucket_size).
-    `shard_group_size=n` is hybrid sharding (DeepSpeed's mics_shard_size, FSDP2's HSDP):
-    ZeRO shards within groups of n consecutive ranks and the groups replicate each other.
-    Precision: `precision` is the compute dtype (fp32 master weights and optimizer
-    moments stay fp32); `reduce_dtype` is the gradient-communication dtype
-    (DeepSpeed's communication_data_type; None = fp32).
+    Grouped by concern below; each field says what it is and, where there is one, its
+    DeepSpeed key (`Spec.from_deepspeed` reads a DeepSpeed config into a Spec and
+    `explain()` says where each value came from). Monitoring (TensorBoard, CSV, how often
+    to log) is not here: it changes no number and may differ per rank, so it is `fz.Monitor`'s.
+    Keyword-only: `fz.Spec(stage=2, precision="bf16")`; `spec.replace(stage=3)` for a copy.
     """
 
-    stage: int = 0
+    # --- ZeRO: what is sharded, and in which groups ---
+    stage: Stage = 0
+    """ZeRO stage: 0 data parallel, 1 shards optimizer state, 2 also gradients, 3 also parameters
+    (zero_optimization.stage). fz/sharding/stages.py is the table."""
+    shard_group_size: int | None = None
+    """Hybrid sharding: shard within groups of this many consecutive ranks, replicate across the
+    groups (DeepSpeed's mics_shard_size, FSDP2's HSDP). None shards over every rank."""
+    offload: Offload | None = None
+    """Where optimizer state and parameters live: fz.offload.cpu(...) or fz.offload.nvme(path, ...)
+    (zero_optimization.offload_optimizer / offload_param). None keeps them on the device."""
+
+    # --- the optimizer and the batch ---
     optimizer: GradientTransformation = dataclasses.field(default_factory=lambda: adamw(lr=1e-3))
+    """An fz.optim transformation (optax's init + update), e.g. fz.optim.adamw(lr=3e-4) (optimizer,
+    scheduler)."""
     grad_accum: int = 1
-    micro_batch: int | None = None  # rows per micro-batch; when set, train_step checks batches
+    """Micro-batches per step (gradient_accumulation_steps)."""
+    micro_batch: int | None = None
+    """Rows per micro-batch on each rank (train_micro_batch_size_per_gpu); when set, train_step
+    checks every batch against it. None takes whatever batch comes."""
     clip_grad_norm: float | None = None
-    precision: str = "fp32"
-    reduce_dtype: str | None = None
-    loss_scaling: LossScale = LossScale()
-    activation_checkpointing: CheckpointPolicy = False
+    """Clip the global gradient norm to this (gradient_clipping); None does not clip."""
     loss_fn: Callable[[nn.Module, Any], Any] | None = None
-    seed: int = 0
-    bucket_mb: float = 25.0
-    persist_threshold: int = 0
-    live_buckets: int = 3
-    prefetch: int = 1  # stage 3: blocks gathered ahead of use (forward and backward)
-    wrap: Callable[[str, nn.Module], bool] | None = None
-    log_dir: str | None = None  # TensorBoard scalars (DeepSpeed's tensorboard.output_path)
-    log_every: int = 10  # DeepSpeed's steps_per_print
-    csv_dir: str | None = None  # CSV scalars (DeepSpeed's csv_monitor.output_path)
-    compile: bool | str = False  # torch.compile each block's forward; a str names the backend
-    shard_group_size: int | None = None  # hybrid sharding: shard within groups of this many ranks (MiCS/HSDP)
-    offload: Offload | None = None  # fz.offload.cpu(...) / nvme(path, ...): where optimizer state and params live
-    # meta init: fn(module_name, module) after reset_parameters()
-    init_fn: Callable[[str, nn.Module], None] | None = None
-    weight_by_rows: bool = False  # ranks with unequal batch sizes: weight each rank's loss by its rows (else an error)
-    # real models: buffers changed by training ("mean" over ranks, or "rank0": DDP's broadcast_buffers);
-    # parameters that get no gradient in a step on any rank: updated as with a zero gradient (DeepSpeed)
-    # or skipped (torch)
-    buffer_sync: str = "mean"
+    """loss_fn(model, batch) -> scalar loss. None calls model(batch) and takes the loss from it."""
+    weight_by_rows: bool = False
+    """Ranks with batches of different sizes: weight each rank's loss by its rows. False makes
+    unequal batches an error."""
     skip_unused: bool = False
-    # reliability: what a NaN/inf gradient does, and how long a rank waits for the others
-    nonfinite: str = "skip"  # "skip": the step leaves params and optimizer state as they were (counted); "raise"
-    timeout_s: float = 300.0  # a collective or checkpoint barrier waiting longer raises fz.PeerError
+    """Parameters that get no gradient in a step on any rank: False updates them as with a zero
+    gradient (DeepSpeed), True leaves them and their optimizer state as they are (torch)."""
+    seed: int = 0
+    """Seeds initialisation and each rank's generators (seed)."""
+
+    # --- precision ---
+    precision: Precision = "fp32"
+    """The compute dtype (bf16.enabled / fp16.enabled); master weights and optimizer moments stay fp32."""
+    reduce_dtype: Precision | None = None
+    """The gradient-communication dtype (communication_data_type); None is fp32."""
+    loss_scaling: LossScale = LossScale()
+    """fp16's dynamic loss scale (fp16.loss_scale, initial_scale_power, loss_scale_window, ...)."""
+    nonfinite: NonFinite = "skip"
+    """A NaN/inf gradient: "skip" leaves params and optimizer state as they were (counted in
+    state.scaler['skipped']), "raise" stops on every rank. It never reaches the weights."""
+
+    # --- the model: blocks, recomputation, initialisation, buffers ---
+    wrap: Callable[[str, nn.Module], bool] | None = None
+    """wrap(name, module) -> True for the modules that are blocks (units gathered, checkpointed
+    and compiled one at a time). None finds the repeated blocks (an nn.ModuleList's children)."""
+    activation_checkpointing: CheckpointPolicy = False
+    """Recompute blocks in backward: True for every block, a list of block names, or a function
+    (name, module) -> bool (activation_checkpointing.*)."""
+    compile: bool | str = False
+    """torch.compile each block's forward; a str names the backend."""
+    init_fn: Callable[[str, nn.Module], None] | None = None
+    """Meta-device init: init_fn(module_name, module) runs on each module after reset_parameters()."""
+    buffer_sync: BufferSync = "mean"
+    """Buffers training changes (BatchNorm's statistics): "mean" over ranks, or "rank0" (DDP's
+    broadcast_buffers)."""
+
+    # --- communication: buckets and stage 3's gathering (zero_optimization's keys) ---
+    bucket_mb: float = 25.0
+    """MiB per communication bucket (reduce_bucket_size / allgather_bucket_size)."""
+    persist_threshold: int = 0
+    """Stage 3: parameters of at most this many elements stay gathered (stage3_param_persistence_threshold)."""
+    live_buckets: int = 3
+    """Stage 3: gathered buckets alive at once, the root one included (stage3_max_live_parameters).
+    Room beyond the root, the running block and the prefetched ones keeps the first blocks
+    gathered from forward to backward, so they are not gathered again."""
+    prefetch: int = 1
+    """Stage 3: blocks gathered ahead of use, in forward and backward (stage3_prefetch_bucket_size)."""
+
+    # --- reliability ---
+    timeout_s: float = 300.0
+    """A collective or checkpoint barrier waiting longer raises fz.PeerError."""
+
+    provenance: Any | None = dataclasses.field(default=None, compare=False, repr=False)
+    """From a DeepSpeed config (fz.config): where each value came from. Not compared, may differ per rank."""
+
+    def __new__(cls, *args: Any, **changes: Any) -> Spec:
+        moved = [k for k in changes if k in MOVED]
+        if moved:
+            raise ConfigError(
+                f"Spec({moved[0]}=...): monitoring is no longer in the Spec (it changes no number and may differ per "
+                f"rank); pass it to {MOVED[moved[0]]}, or to fz.Monitor.from_spec(spec, {moved[0]}=...). A DeepSpeed "
+                "config's tensorboard, csv_monitor and steps_per_print still reach Monitor.from_spec through the Spec.")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, why: str) -> ConfigError:
@@ -118,7 +173,7 @@ class Spec:
             raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
         if not isinstance(self.weight_by_rows, bool):
             raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
-        if self.buffer_sync not in ("mean", "rank0"):
+        if self.buffer_sync not in BUFFER_SYNC:
             raise bad(
                 "buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)"
             )
@@ -132,8 +187,6 @@ class Spec:
                       "gradient never reaches the weights")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "must be a number of seconds > 0")
-        if not isinstance(self.log_every, int) or self.log_every < 1:
-            raise bad("log_every", self.log_every, "must be an integer >= 1")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -145,9 +198,6 @@ class Spec:
 
     def replace(self, **changes: Any) -> Spec:
         return dataclasses.replace(self, **changes)
-
-    # DeepSpeed configs (fz.config): where each value came from, kept out of ==.
-    provenance: Any | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_deepspeed(cls, config: Any, *, strict: bool = False, **auto: Any) -> Spec:

@@ -148,7 +148,7 @@ def test_offload_sections_map_to_a_policy():
 def test_the_example_config_loads_from_its_path():
     spec = fz.Spec.from_deepspeed(EXAMPLE, world_size=2)
     assert (spec.stage, spec.micro_batch, spec.grad_accum, spec.precision) == (3, 8, 2, "bf16")
-    assert spec.log_dir == "runs/train_ds_config" and spec.clip_grad_norm == 1.0
+    assert fz.Monitor.settings_of(spec)["log_dir"] == "runs/train_ds_config" and spec.clip_grad_norm == 1.0
     assert fz.Spec.from_deepspeed(EXAMPLE.read_text(), world_size=2).stage == 3  # JSON text works too
 
 
@@ -339,7 +339,8 @@ def test_zero_and_precision_mapping():
     assert spec.loss_scaling == fz.spec.LossScale(loss_scale=0.0, initial_scale_power=12, loss_scale_window=500,
                                                 hysteresis=3, consecutive_hysteresis=True, min_loss_scale=0.5)
     assert spec.precision == "fp16"
-    assert (spec.reduce_dtype, spec.clip_grad_norm, spec.log_every, spec.seed) == ("bf16", None, 5, 7)
+    assert (spec.reduce_dtype, spec.clip_grad_norm, spec.seed) == ("bf16", None, 7)
+    assert fz.Monitor.settings_of(spec)["log_every"] == 5
     assert fz.Spec.from_deepspeed({"zero_optimization": True}).stage == 1  # DeepSpeed's deprecated boolean form
     assert fz.Spec.from_deepspeed({"zero_optimization": {"stage3_max_live_parameters": 0}}).live_buckets >= 2
     if "prefetch" in {f.name for f in fz.Spec.__dataclass_fields__.values()}:
@@ -358,8 +359,9 @@ def test_activation_checkpointing_and_tensorboard():
     assert on.activation_checkpointing is True and off.activation_checkpointing is False
     assert "activation_checkpointing.profile" in on.provenance.ignored
     tb = fz.Spec.from_deepspeed({"tensorboard": {"enabled": True, "output_path": "out/", "job_name": "run1"}})
-    assert tb.log_dir == "out/run1"
-    assert fz.Spec.from_deepspeed({"tensorboard": {"enabled": False, "output_path": "out/"}}).log_dir is None
+    assert fz.Monitor.settings_of(tb)["log_dir"] == "out/run1"
+    off = fz.Spec.from_deepspeed({"tensorboard": {"enabled": False, "output_path": "out/"}})
+    assert fz.Monitor.settings_of(off)["log_dir"] is None
 
 
 def _dist_config(rank, world):
@@ -438,3 +440,28 @@ def test_random_configs_raise_only_config_errors(cfg, kwargs):
     except fz.ConfigError:
         return
     assert isinstance(spec.explain(), str)
+
+
+def test_every_spec_field_is_documented_and_enumerations_are_literals():
+    """One field per line with its docstring under it (torchtitan's config style); enumerations
+    are Literal types, and the values the checks accept are exactly the Literal's."""
+    import ast
+    import dataclasses
+    import typing
+
+    import fz.precision
+    tree = ast.parse((Path(fz.__file__).parent / "spec.py").read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Spec").body
+    documented = {a.target.id for a, b in zip(body, body[1:]) if isinstance(a, ast.AnnAssign)
+                  and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+    assert documented == {f.name for f in dataclasses.fields(fz.Spec)}
+    hints = typing.get_type_hints(fz.Spec)
+    assert typing.get_args(hints["stage"]) == (0, 1, 2, 3)
+    assert set(typing.get_args(hints["precision"])) == set(fz.precision.PRECISIONS)
+    assert set(typing.get_args(hints["nonfinite"])) == {"skip", "raise"}
+    assert set(typing.get_args(hints["buffer_sync"])) == {"mean", "rank0"}
+    for field, bad in (("precision", "fp8"), ("nonfinite", "ignore"), ("buffer_sync", "max"), ("stage", 4)):
+        with pytest.raises(fz.ConfigError, match=rf"^Spec\.{field}="):
+            fz.Spec(**{field: bad})
+    with pytest.raises(TypeError):
+        fz.Spec(2)  # keyword-only

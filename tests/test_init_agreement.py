@@ -10,18 +10,20 @@ from fz.testing.gpt import GPTConfig
 from fz.testing.spawn import run_ranks
 
 
-def _job(rank, world):
+def _job(rank, world, root):
+    import os
+    os.makedirs(f"{root}/nvme{rank}", exist_ok=True)
     wider = GPTConfig(vocab=CFG.vocab, seq=CFG.seq, dim=CFG.dim + 8 * rank, heads=CFG.heads, layers=CFG.layers)
     return {
         "stage": config_error(lambda: fz.init(make_model(), spec(3 if rank else 2, 1))),
         "shapes": config_error(lambda: fz.init(make_model(cfg=wider), spec(3, 1))),
-        "log_dir": config_error(lambda: fz.init(make_model(), spec(3, 1, log_dir="runs" if rank == 0 else None))),
+        "path": config_error(lambda: fz.init(make_model(), spec(3, 1, offload=fz.offload.nvme(f"{root}/nvme{rank}")))),
     }
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(2, _job, timeout=120)
+def results(tmp_path_factory):
+    return run_ranks(2, _job, str(tmp_path_factory.mktemp("agree")), timeout=120)
 
 
 def test_a_different_spec_field_is_named_on_every_rank(results):
@@ -35,5 +37,5 @@ def test_a_different_model_is_named_on_every_rank(results):
         assert "the model's parameter shapes: rank(s) [1] differ from rank 0" in res["shapes"], res["shapes"]
 
 
-def test_per_rank_log_dirs_are_allowed(results):
-    assert [res["log_dir"] for res in results] == ["", ""]
+def test_per_rank_offload_paths_are_allowed(results):
+    assert [res["path"] for res in results] == ["", ""]

@@ -30,9 +30,8 @@ MEMORY = (
 
 
 def _train(rank, world, root):
-    state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4),
-                                       log_dir=f"{root}/tb", csv_dir=f"{root}/csv", log_every=EVERY))
-    monitor = fz.Monitor.from_spec(state.spec, total_steps=STEPS, run="run1", stream=io.StringIO())
+    state = fz.init(make_model(), spec(3, 1, precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4)))
+    monitor = fz.Monitor(f"{root}/tb", EVERY, STEPS, csv_dir=f"{root}/csv", run="run1", stream=io.StringIO())
     losses = []
     for per_rank in rank_batches(world, 1, STEPS):
         state, loss = fz.train_step(state, per_rank[rank])
@@ -125,9 +124,24 @@ def test_save_and_restore_report_bytes_and_seconds(tmp_path, capsys):
     assert "quiet" not in out
 
 
-def test_deepspeed_monitor_keys_map_onto_the_spec():
+def test_deepspeed_monitor_keys_reach_the_monitor_through_the_spec():
     spec = fz.Spec.from_deepspeed({"tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
                                    "csv_monitor": {"enabled": True, "output_path": "csv", "job_name": "j"},
                                    "steps_per_print": 7})
-    assert (spec.log_dir, spec.csv_dir, spec.log_every) == ("tb/j", "csv/j", 7)
+    assert fz.Monitor.settings_of(spec) == {"log_dir": "tb/j", "csv_dir": "csv/j", "log_every": 7}
+    assert fz.Monitor.settings_of(fz.Spec.from_deepspeed({})) == {"log_dir": None, "csv_dir": None, "log_every": 10}
+    assert fz.Monitor.settings_of(fz.Spec()) == {}
+    monitor = fz.Monitor.from_spec(spec.replace(stage=1), log_dir=None, csv_dir=None, stream=io.StringIO())
+    assert (monitor.log_every, monitor.writers) == (7, [])  # the config's interval; keywords win over its dirs
+    monitor.close()
+    explained = spec.explain()
+    assert re.search(r"^  monitor\.log_every +config +steps_per_print +7$", explained, re.M), explained
+    assert re.search(r"^  monitor\.log_dir +config +tensorboard\.output_path / job_name +'tb/j'$", explained, re.M)
+    with pytest.raises(fz.ConfigError, match=r"^Spec\(log_dir=\.\.\.\): monitoring is no longer in the Spec .*"
+                       r"pass it to fz\.Monitor\(log_dir=\.\.\.\)"):
+        fz.Spec(stage=1, log_dir="runs")
+    with pytest.raises(fz.ConfigError, match=r"^Spec\(log_every=\.\.\.\): .*fz\.Monitor\(log_every=\.\.\.\)"):
+        fz.Spec().replace(log_every=5)
+    with pytest.raises(fz.ConfigError, match=r"^fz\.Monitor\(log_every=0\): must be an integer >= 1"):
+        fz.Monitor(log_every=0)
     assert "csv_monitor" not in " ".join(spec.provenance.unsupported)

@@ -238,9 +238,10 @@ def _activation_checkpointing(r: Reader, cfg: dict[str, Any]) -> bool | None:
 
 
 def _monitor(r: Reader, cfg: dict[str, Any], path: str, field: str) -> str | None:
-    """`tensorboard` / `csv_monitor`: output_path/job_name when enabled (the Spec's log_dir / csv_dir)."""
+    """`tensorboard` / `csv_monitor`: output_path/job_name when enabled (fz.Monitor's log_dir / csv_dir)."""
     d = r.section("", cfg, path)
     if cfg.get(path) is None:
+        r.record(field, None, "default")
         return None
     r.check_keys(path, d, K.TENSORBOARD_KEYS)
     enabled = r.get(path, d, "enabled", boolean, False)[0]
@@ -290,18 +291,18 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     r.record("clip_grad_norm", out["clip_grad_norm"], source, "gradient_clipping")
     for field, key, check, default in (
             ("reduce_dtype", "communication_data_type", optional(choice(K.COMM_DTYPES)), None),
-            ("log_every", "steps_per_print", integer(1, 2**62), r.default("log_every")),
             ("seed", "seed", integer(-2**63, 2**64 - 1), r.default("seed"))):
-        out[field], source = r.get("", cfg, key, check, default, auto_value=default if key == "steps_per_print"
-                                   else MISSING)
+        out[field], source = r.get("", cfg, key, check, default)
         r.record(field, out[field], source, key)
     ac = _activation_checkpointing(r, cfg)
     if ac is not None:
         out["activation_checkpointing"] = ac
-    for key, field in (("tensorboard", "log_dir"), ("csv_monitor", "csv_dir")):
-        value = _monitor(r, cfg, key, field)
-        if key in cfg:
-            out[field] = value
+    # monitoring is fz.Monitor's, not the Spec's: recorded as monitor.* for Monitor.from_spec
+    every, source = r.get("", cfg, "steps_per_print", integer(1, 2**62), K.STEPS_PER_PRINT,
+                          auto_value=K.STEPS_PER_PRINT)
+    r.record("monitor.log_every", every, source, "steps_per_print")
+    for key, field in (("tensorboard", "monitor.log_dir"), ("csv_monitor", "monitor.csv_dir")):
+        _monitor(r, cfg, key, field)
 
     opt = OptimizerConfig(r, cfg)
     schedule = read_scheduler(r, cfg, opt.lr, has_betas=opt.kind not in ("sgd", "adafactor"))

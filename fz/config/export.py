@@ -55,7 +55,9 @@ def to_deepspeed(spec, world_size: int = 1) -> dict[str, Any]:
     out["zero_optimization"] = zero
     if spec.activation_checkpointing:
         out["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": True}
-    out["steps_per_print"] = spec.log_every
+    prov = spec.provenance  # monitoring is fz.Monitor's; a Spec read from a config gives it back
+    if prov is not None and "monitor.log_every" in prov:
+        out["steps_per_print"] = prov["monitor.log_every"][0]
     out["seed"] = spec.seed
     return out
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from fz.config.values import in_use
 
+STEPS_PER_PRINT = 10  # DeepSpeed's default steps_per_print, and fz.Monitor's log_every
+
 
 def _not(*off: Any) -> Callable[[Any], bool]:
     return lambda v: in_use(v) and v not in off

@@ -6,8 +6,8 @@ sizes: a hang, a gloo size error, or silently wrong training. One digest per Spe
 and per model property (parameter names, shapes, dtypes and trainability; buffers)
 goes through the replicated-value check (fz/sharding/replicated.py, one small all-gather
 of a fixed number of int64s), so every rank raises together naming what differs.
-`log_dir` and `csv_dir` may differ (only rank 0 writes), and the offload path (a local
-disk per rank); functions compare by name.
+The provenance may differ (it names the file each rank read), and the offload path (a
+local disk per rank); functions compare by name.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-PER_RANK = {"log_dir", "csv_dir", "provenance"}  # Spec fields allowed to differ between ranks
+PER_RANK = {"provenance"}  # Spec fields allowed to differ between ranks
 
 
 def _stable(value) -> str:

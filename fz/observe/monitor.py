@@ -33,6 +33,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.compat import all_gather_single
+from fz.config.keys import STEPS_PER_PRINT
+from fz.errors import ConfigError
 from fz.observe.memory import memory_report
 from fz.observe.progress import Bar
 from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
@@ -41,6 +43,7 @@ from fz.state import State
 _MB = 2**20
 MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss", "device_peak", "pinned")
 TIERS = ("device", "host", "disk")
+MONITOR_SETTINGS = ("log_dir", "log_every", "csv_dir")  # what a DeepSpeed config may set (Monitor.from_spec)
 
 
 def peak_rss() -> int:
@@ -62,9 +65,11 @@ def batch_counts(batch: Any) -> tuple:
 class Monitor:
     """Logs a training run (rank 0 writes); see the module docstring for what and where."""
 
-    def __init__(self, log_dir: str | None = None, log_every: int = 10, total_steps: int | None = None, *,
+    def __init__(self, log_dir: str | None = None, log_every: int = STEPS_PER_PRINT, total_steps: int | None = None, *,
                  csv_dir: str | None = None, run: str | None = None, progress: bool | None = None,
                  memory: bool = True, stream: TextIO = sys.stdout):
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ConfigError(f"fz.Monitor(log_every={log_every!r}): must be an integer >= 1 (steps between logs)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.log_every, self.total, self.stream, self.memory = log_every, total_steps, stream, memory
@@ -81,8 +86,18 @@ class Monitor:
 
     @classmethod
     def from_spec(cls, spec, total_steps: int | None = None, **kw: Any) -> Monitor:
-        """Directories and interval from the spec (DeepSpeed's tensorboard, csv_monitor, steps_per_print)."""
-        return cls(spec.log_dir, spec.log_every, total_steps, csv_dir=spec.csv_dir, **kw)
+        """A Monitor for a Spec read from a DeepSpeed config: its tensorboard, csv_monitor and
+        steps_per_print (recorded as monitor.* in the Spec's provenance) give log_dir, csv_dir
+        and log_every; keywords given here win. A Spec written in code has none: defaults."""
+        return cls(total_steps=total_steps, **{**cls.settings_of(spec), **kw})
+
+    @staticmethod
+    def settings_of(spec) -> dict[str, Any]:
+        """{log_dir, log_every, csv_dir: value} that `spec`'s DeepSpeed config set (none for a Spec
+        written in code)."""
+        prov = getattr(spec, "provenance", None)
+        return {name: prov[f"monitor.{name}"][0] for name in MONITOR_SETTINGS
+                if prov is not None and f"monitor.{name}" in prov}
 
     @property
     def dirs(self) -> list[str]:
