@@ -72,7 +72,9 @@ def _torch_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fz", description="fz checkpoint tools")
+    parser = argparse.ArgumentParser(prog="fz", description=(
+        "fz, DeepSpeed's ZeRO as functional training: checkpoints (consolidate, inspect), memory "
+        "(estimate, plan) and the launcher (run)"))
     parser.add_argument("--version", action="version", version=f"fz {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="cmd")
     c = sub.add_parser("consolidate", help="write the full parameters of a checkpoint to one safetensors file")

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 import torch
 import torch.nn as nn
 
-from fz.errors import ConfigError
+from fz.errors import ConfigError, suggest
 from fz.offload.policy import Offload
 from fz.optim import GradientTransformation, adamw
 from fz.precision import PRECISIONS, LossScale
@@ -117,6 +117,11 @@ class Spec:
     """From a DeepSpeed config (fz.config): where each value came from. Not compared, may differ per rank."""
 
     def __new__(cls, *args: Any, **changes: Any) -> Spec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in changes if k not in names and k not in MOVED]
+        if unknown:
+            raise ConfigError(f"Spec({unknown[0]}=...): no such field{suggest(unknown[0], names)}; the fields are "
+                              f"{', '.join(f.name for f in dataclasses.fields(cls))} (help(fz.Spec) says what each is)")
         moved = [k for k in changes if k in MOVED]
         if moved:
             raise ConfigError(

@@ -110,10 +110,30 @@ class State:
         return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else _copy_leaf(x, memo), self)
 
 
+def expect_state(x: Any, what: str) -> State:
+    """`x` if it is a live fz.State; otherwise the error says what `what` takes and what it got."""
+    if isinstance(x, State):
+        x.check_alive(what)
+        return x
+    import torch.nn as nn
+    kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+    if isinstance(x, nn.Module):
+        got = f"a model ({kind}): make the state once with `state = fz.init(model, spec)` and pass that"
+    elif isinstance(x, Spec):
+        got = "an fz.Spec: make the state once with `state = fz.init(model, spec)` and pass that"
+    elif isinstance(x, tuple) and x and isinstance(x[0], State):
+        got = "a tuple: fz.train_step returns (state, loss); write `state, loss = fz.train_step(state, batch)`"
+    elif x is None:
+        got = "None (was the state assigned from a function that returns nothing?)"
+    else:
+        got = f"a {kind}"
+    raise ConfigError(f"{what} takes an fz.State (made by `fz.init(model, spec)`) as its state; it got {got}")
+
+
 def block_until_ready(state: State) -> State:
     """`state` with every parameter still arriving waited for (as `jax.block_until_ready`): the
     returned state's leaves are plain storage. Waits only for collectives already started."""
-    state.check_alive("fz.block_until_ready")
+    expect_state(state, "fz.block_until_ready")
     from fz.sharding.sync import Arriving
     leaves = []
     for f in state.param_flats:

@@ -207,7 +207,8 @@ def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):
     assert main(["plan", "--model", "examples/train_gpt.py:default_model", "--loss-fn", "examples/train_gpt.py:lm_loss",
                  "--micro-batch", "8", "--seq-len", "129", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "chosen:\n  ZeRO-0" in out and "spec = fz.Spec(loss_fn=loss_fn)" in out
+    assert "chosen:\n  ZeRO-0" in out and "spec = fz.Spec(micro_batch=8, loss_fn=loss_fn)" in out
+    assert '"train_micro_batch_size_per_gpu": 8' in out  # the micro-batch planned for is in the Spec and the JSON
     assert main(["plan", "--model", "benchmarks/offload.py:headline_model", "--world-size", "2", "--precision", "bf16",
                  "--host-gb", "23.5", "--disk-gb", "76"]) == 0
     out = capsys.readouterr().out
@@ -226,3 +227,7 @@ def test_cli_estimate_raw_counts(capsys):
     assert "HW: Setup with 1 node, 8 GPUs per node." in out and "SW: Model with 2800M total params" in out
     assert main(["estimate", "--params", "2.8e9"]) == 2
     assert "--largest-layer" in capsys.readouterr().err
+    assert main(["plan"]) == 2  # no arguments: usage and what to give, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fz plan")
+    assert "error: give --model module:factory, or --params and --largest-layer" in err

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fz.ckpt.layout import PathLike, fsync_path
 from fz.errors import CheckpointError, ConfigError
-from fz.state import State, block_until_ready
+from fz.state import State, block_until_ready, expect_state
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -157,7 +157,7 @@ def load_weights(state: State, path: PathLike, *, strict: bool = True) -> State:
     """
     from safetensors import safe_open
 
-    state.check_alive("fz.load_weights")
+    expect_state(state, "fz.load_weights")
     state = block_until_ready(state)
     files = _files(path)
     handles = [_open(safe_open, f) for f in files]

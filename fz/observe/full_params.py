@@ -12,7 +12,7 @@ from fz.distributed import peers
 from fz.distributed.arrival import arrive
 from fz.sharding.comm import Comm, full_views, unpack
 from fz.sharding.pack import checked_flats
-from fz.state import State
+from fz.state import State, expect_state
 from fz.storage.disk import load
 
 
@@ -20,7 +20,7 @@ def full_params(state: State) -> dict[str, Tensor]:
     """{name: full tensor}: the parameters (sharded buckets all-gathered, one bucket at a time), then
     the persistent buffers (BatchNorm's statistics; not the non-persistent ones, such as a RoPE
     table, which a state_dict leaves out too)."""
-    state.check_alive("fz.full_params")
+    expect_state(state, "fz.full_params")
     plan = state.plan
     peers.doing("fz.full_params", int(state.step))
     arrive("fz.full_params", plan.ranks, plan.rank)  # one rank alone fails fast, not a hang

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fz.offload.transfer import pinned_bytes
-from fz.state import State
+from fz.state import State, expect_state
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def _opt_leaves_per_param(state: State) -> dict[str, int]:
 def memory_report(state: State) -> MemoryReport:
     """Per-rank bytes of this state's model states; local (shapes only: it never waits or communicates).
     N in the formulas is the shard group's size (the world size on a 1-D mesh)."""
-    state.check_alive("fz.memory_report")
+    expect_state(state, "fz.memory_report")
     plan, n = state.plan, state.plan.shards
     opt_counts = _opt_leaves_per_param(state)
     flats = [f._local_tensor for f in state.param_flats]

@@ -59,6 +59,7 @@ def _target(args: argparse.Namespace):
     if args.model:
         return build(args.model)
     if args.params is None or args.largest_layer is None:
+        args.parser.print_usage(sys.stderr)
         raise ConfigError("give --model module:factory, or --params and --largest-layer (raw counts)")
     return Counts(int(args.params), int(args.largest_layer))
 
@@ -97,8 +98,6 @@ def _plan(args: argparse.Namespace) -> int:
 def add_commands(sub) -> None:
     """Register `fz estimate` and `fz plan` on the `fz` command's subparsers."""
     e = sub.add_parser("estimate", help="memory per GPU / CPU / disk for every stage and offload (DeepSpeed's table)")
-    e.add_argument("--params", type=float, help="total parameters (raw counts), e.g. 2.8e9")
-    e.add_argument("--largest-layer", type=float, help="parameters of the largest layer (raw counts), e.g. 65e6")
     e.add_argument("--gpus-per-node", "--num-gpus", type=int, default=1)
     e.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     e.set_defaults(fn=_estimate)
@@ -112,7 +111,10 @@ def add_commands(sub) -> None:
     p.add_argument("--margin", type=float, default=0.2, help="fraction of each budget kept free (default 0.2)")
     p.set_defaults(fn=_plan)
     for c in (e, p):
+        c.set_defaults(parser=c)
         c.add_argument("--model", help="module:factory returning the nn.Module (called under the meta device)")
+        c.add_argument("--params", type=float, help="or: total parameters (raw counts), e.g. 2.8e9")
+        c.add_argument("--largest-layer", type=float, help="and parameters of the largest layer, e.g. 65e6")
         c.add_argument("--loss-fn", help="module:function (model, batch) -> loss, for the activation trace")
         c.add_argument("--nodes", "--num-nodes", "--num_nodes", type=int, default=1)
         c.add_argument("--micro-batch", type=int, help="rows per micro-batch: traces activations")

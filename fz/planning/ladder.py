@@ -91,8 +91,11 @@ def candidates(model: Any, *, base: Spec | None = None, world_size: int | None =
     """The ladder's rungs, estimated and checked, up to the first that fits (or all of them)."""
     budgets = plan_budgets(nvme_path, device_budget, host_budget, disk_budget)
     world = world_size or local_devices() * nodes
+    base = base or Spec()
+    if micro_batch is not None and base.micro_batch is None:  # the micro-batch planned for is the Spec's
+        base = base.replace(micro_batch=micro_batch)
     out: list[Candidate] = []
-    for name, spec in rungs(base or Spec(), nvme_path, batch is not None or micro_batch is not None):
+    for name, spec in rungs(base, nvme_path, batch is not None or micro_batch is not None):
         est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
                        batch=batch)
         off = spec.offload

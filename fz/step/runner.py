@@ -21,6 +21,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from fz.errors import ConfigError
 from fz.model.skeleton import Skeleton
 from fz.model.standin import running
 from fz.sharding.buckets import Bucket
@@ -319,6 +320,15 @@ class BoundModel:
 
 
 def default_loss(model: BoundModel, batch: Any) -> Any:
-    """model(**batch) for a dict, else model(batch); an output with `.loss` gives that."""
-    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    """model(**batch) for a dict, else model(batch); an output with `.loss` gives that. A forward
+    that does not take the batch so is told to the user as the missing Spec.loss_fn it is."""
+    try:
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    except TypeError as e:
+        if "argument" not in str(e) or "forward()" not in str(e):
+            raise
+        how = f"model(**batch) with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else "model(batch)"
+        raise ConfigError(f"the Spec has no loss_fn, so fz called {how}, and the model's forward refused it ({e}). "
+                          "Set Spec(loss_fn=fn): fn(model, batch) returns the loss, e.g. "
+                          "`lambda model, b: F.cross_entropy(model(b['x']), b['y'])`") from e
     return getattr(out, "loss", out)

@@ -28,7 +28,7 @@ from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
 from fz.sharding.pack import checked_flats
 from fz.sharding.sync import Arriving, start_param_sync
-from fz.state import State
+from fz.state import State, expect_state
 from fz.step.agree import Agreement
 from fz.step.batches import micro_batches, on_device, scalar_loss
 from fz.step.buffers import sync_changed, versions
@@ -71,7 +71,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     gradients hold a NaN or inf on any rank changes only the step count, RNG and scaler
     (Spec.nonfinite="skip", fp16 overflows too) or raises fz.NonFiniteError ("raise").
     """
-    state.check_alive("fz.train_step")
+    expect_state(state, "fz.train_step")
     peers.doing("fz.train_step", int(state.step))
     raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
     given, offload, tier = state, _offload_of(state.spec), update_tier(state.spec)
@@ -213,9 +213,8 @@ def _master_leaves(state: State, mflats, donate: bool):
     return out
 
 
-def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -> Any:
-    state.check_alive("fz.eval_step/apply")
-    peers.doing("fz.eval_step/apply", int(state.step))
+def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.apply", **kwargs: Any) -> Any:
+    peers.doing(what, int(state.step))
     raise_background_failures()
     flats, sync, _ = checked_flats(state)
     if sync is not None:
@@ -236,6 +235,7 @@ def _forward(state: State, fn, *args: Any, train: bool = False, **kwargs: Any) -
 def eval_step(state: State, batch: Any) -> Tensor:
     """The loss on this rank's `batch`, averaged over ranks, with the model in eval mode (dropout
     off, BatchNorm on its running statistics); no state changes."""
+    expect_state(state, "fz.eval_step")
     loss_fn = state.spec.loss_fn or default_loss
 
     batch = on_device(batch, state.plan.device)
@@ -245,12 +245,13 @@ def eval_step(state: State, batch: Any) -> Tensor:
         loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
         return agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype)
 
-    return _forward(state, run)
+    return _forward(state, run, what="fz.eval_step")
 
 
 def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     """The model's own forward output on `args` (stage 3 gathers block by block), in eval mode;
     `train=True` runs it in train mode (dropout from the state's generator, BatchNorm on batch
     statistics) without changing the state's buffers."""
+    expect_state(state, "fz.apply")
     args, kwargs = on_device((args, kwargs), state.plan.device)
     return _forward(state, lambda r, comm: r(*args, **kwargs), train=train)

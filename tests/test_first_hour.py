@@ -1,0 +1,67 @@
+"""A new user's first mistakes get an error naming the cause and the fix (issue 29): the wrong
+object where a State goes, a Spec keyword typo, a model the default loss cannot call."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fz
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+BATCH = {"x": torch.randn(3, 4), "y": torch.randint(0, 2, (3,))}
+EXPECTS = r"takes an fz\.State \(made by `fz\.init\(model, spec\)`\) as its state; it got "
+
+
+@pytest.fixture(scope="module")
+def state():
+    return fz.init(Net(), fz.Spec(stage=0))
+
+
+@pytest.mark.parametrize("call, given, says", [
+    (lambda x: fz.train_step(x, BATCH), Net(), r"a model \(test_first_hour\.Net\): make the state once with "
+                                               r"`state = fz\.init\(model, spec\)`"),
+    (lambda x: fz.train_step(x, BATCH), fz.Spec(), r"an fz\.Spec: make the state once"),
+    (lambda x: fz.train_step(x, BATCH), None, r"None \(was the state assigned from a function that returns nothing"),
+    (lambda x: fz.eval_step(x, BATCH), [], r"a list$"),
+    (lambda x: fz.apply(x, BATCH["x"]), Net(), r"a model"),
+    (lambda x: fz.memory_report(x), "state", r"a str$"),
+    (lambda x: fz.full_params(x), Net(), r"a model"),
+], ids=["train_step-model", "train_step-spec", "train_step-None", "eval_step-list", "apply-model",
+        "memory_report-str", "full_params-model"])
+def test_the_wrong_object_where_a_state_goes_is_named(call, given, says):
+    with pytest.raises(fz.ConfigError, match=EXPECTS + says):
+        call(given)
+
+
+def test_the_train_step_tuple_is_named(state):
+    with pytest.raises(fz.ConfigError, match=r"^fz\.apply " + EXPECTS + r"a tuple: fz\.train_step returns \(state, "
+                                             r"loss\); write `state, loss = fz\.train_step\(state, batch\)`"):
+        fz.apply((state, torch.tensor(1.0)), BATCH["x"])
+
+
+def test_a_spec_keyword_typo_says_did_you_mean():
+    with pytest.raises(fz.ConfigError, match=r"^Spec\(micro_bach=\.\.\.\): no such field \(did you mean "
+                                             r"'micro_batch'\?\); the fields are stage, shard_group_size, "):
+        fz.Spec(micro_bach=3)
+    with pytest.raises(fz.ConfigError, match=r"did you mean 'grad_accum'"):
+        fz.Spec(stage=1).replace(grad_acum=2)
+
+
+def test_a_model_the_default_loss_cannot_call_names_loss_fn(state):
+    with pytest.raises(fz.ConfigError, match=r"^the Spec has no loss_fn, so fz called model\(\*\*batch\) with keys "
+                                             r"\['x', 'y'\], and the model's forward refused it \(.*unexpected "
+                                             r"keyword argument 'y'\)\. Set Spec\(loss_fn=fn\)"):
+        fz.train_step(state, BATCH, donate=False)
+    good = fz.init(Net(), fz.Spec(loss_fn=lambda m, b: nn.functional.cross_entropy(m(b["x"]), b["y"])))
+    _, loss = fz.train_step(good, BATCH)
+    assert torch.isfinite(loss)
