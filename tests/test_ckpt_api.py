@@ -1,0 +1,69 @@
+"""The checkpoint API's shape: fz.save(state, path) and fz.restore(state, path) take the state first
+(fz 0.1's restore(path, state) still works, warning; any other pair is a ConfigError naming the
+signature)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import make_model, rank_batches, spec
+
+import fz
+from fz.errors import ConfigError
+
+SIGNATURE = r"fz\.restore\(state, path\) needs an fz\.State and a checkpoint path \(str or os\.PathLike\), "
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    state = fz.init(make_model(), spec(0, 1))
+    state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+    fz.save(state, root / "ck")
+    return root / "ck", fz.full_params(state)
+
+
+def _template() -> fz.State:
+    return fz.init(make_model(), spec(0, 1))
+
+
+def _same(a, b) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_restore_takes_the_state_first_like_save(saved):
+    root, want = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new order warns about nothing
+        for path in (root, str(root)):
+            got = fz.restore(_template(), path)
+            assert int(got.step) == 1 and _same(fz.full_params(got), want)
+        got, client = fz.restore(_template(), root, step=1, with_client_state=True)
+    assert int(got.step) == 1 and client == {}
+
+
+def test_the_old_order_still_restores_and_warns_naming_the_new_call(saved):
+    root, want = saved
+    with pytest.warns(DeprecationWarning) as record:
+        got = fz.restore(root, _template(), step=1)
+    assert int(got.step) == 1 and _same(fz.full_params(got), want)
+    assert len(record) == 1
+    assert str(record[0].message) == ("fz.restore(path, state) is deprecated: call fz.restore(state, path), "
+                                      "the state first as in fz.save and fz.load_weights")
+    assert record[0].filename == __file__  # points at the caller's line
+
+
+def test_a_wrong_pair_names_the_signature(saved, tmp_path):
+    root, _ = saved
+    state = _template()
+    with pytest.raises(ConfigError, match=SIGNATURE + r"got \(PosixPath, str\)$"):
+        fz.restore(root, "ckpt")
+    with pytest.raises(ConfigError, match=SIGNATURE + r"got \(State, State\)$"):
+        fz.restore(state, state)
+    with pytest.raises(ConfigError, match=SIGNATURE + r"got \(State, NoneType\)$"):
+        fz.restore(state, None)
+    with pytest.raises(ConfigError, match=r"^fz\.save\(state, path\) needs an fz\.State and a checkpoint path "
+                                          r"\(str or os\.PathLike\), got \(str, State\) \(the state comes first\)$"):
+        fz.save(str(tmp_path), state)
+    assert not (tmp_path / "step_0").exists()
