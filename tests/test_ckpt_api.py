@@ -1,8 +1,9 @@
 """The checkpoint API's shape: fz.save(state, path) and fz.restore(state, path) take the state first
 (fz 0.1's restore(path, state) still works, warning; any other pair is a ConfigError naming the
-signature)."""
+signature), and consolidate / inspect return frozen dataclasses that still answer dict reads, warning."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from helpers import make_model, rank_batches, spec
 
 import fz
+from fz.ckpt import CheckpointInfo, Consolidated, consolidate, inspect
 from fz.errors import ConfigError
 
 SIGNATURE = r"fz\.restore\(state, path\) needs an fz\.State and a checkpoint path \(str or os\.PathLike\), "
@@ -67,3 +69,47 @@ def test_a_wrong_pair_names_the_signature(saved, tmp_path):
                                           r"\(str or os\.PathLike\), got \(str, State\) \(the state comes first\)$"):
         fz.save(str(tmp_path), state)
     assert not (tmp_path / "step_0").exists()
+
+
+def test_inspect_and_consolidate_return_frozen_dataclasses(saved, tmp_path):
+    root, _ = saved
+    info = inspect(root)
+    assert isinstance(info, CheckpointInfo) and fz.CheckpointInfo is CheckpointInfo
+    assert (info.step, info.train_step, info.world, info.stage, info.precision, info.master) == (1, 1, 1, 0, "fp32",
+                                                                                                False)
+    assert (info.key, info.signed, info.meta_error, info.verified, info.verify_error) == (False, False, None, True,
+                                                                                         None)
+    assert info.path == str(root / "step_1") and info.fz_version == fz.__version__
+    assert info.tensors > info.model_tensors > 0 and info.bytes > info.model_bytes > 0
+    assert inspect(root, verify=False).verified is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.step = 2
+    out = consolidate(root, tmp_path / "m.safetensors", progress=False)
+    assert isinstance(out, Consolidated) and fz.Consolidated is Consolidated
+    assert dataclasses.asdict(out) == {"checkpoint": str(root / "step_1"), "out": str(tmp_path / "m.safetensors"),
+                                       "tensors": info.model_tensors, "bytes": info.model_bytes,
+                                       "chunks": info.model_tensors}
+    assert {"CheckpointInfo", "Consolidated"} <= set(fz.__all__) & set(fz.ckpt.__all__)
+
+
+def test_reading_a_result_by_key_still_works_and_warns(saved, tmp_path):
+    root, _ = saved
+    info = inspect(root)
+    with pytest.warns(DeprecationWarning) as record:
+        assert info["step"] == 1
+    assert str(record[0].message) == ("['step'] on the result of fz.ckpt.inspect is deprecated: it returns a "
+                                      "CheckpointInfo dataclass now; read .step")
+    assert record[0].filename == __file__
+    out = consolidate(root, tmp_path / "m.safetensors", progress=False)
+    with pytest.warns(DeprecationWarning, match=r"^\['out'\] on the result of fz\.ckpt\.consolidate is deprecated"):
+        assert out["out"] == str(tmp_path / "m.safetensors")
+    with pytest.warns(DeprecationWarning):
+        # as the dicts did: the keys they left out (no metadata error; not verified) are absent
+        assert "meta_error" not in info and "verified" in info
+        unverified = inspect(root, verify=False)
+        assert unverified.get("verified", True) is True and "verify_error" not in unverified
+        assert dict(info) == {k: v for k, v in dataclasses.asdict(info).items() if k != "meta_error"}
+        with pytest.raises(KeyError):
+            info["meta_error"]
+        with pytest.raises(KeyError):
+            out["nope"]

@@ -12,12 +12,13 @@ Modules: checkpointer (Checkpointer and the function API), arguments (the functi
 argument order), saver, loader, layout (directories, durable renames), manifest (checksums),
 signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,
 agreement), reader (DCP files without torch.distributed), safetensors_io, export
-(consolidate, inspect), progress.
+(consolidate, inspect), results (what those return), progress.
 """
 from fz.ckpt.checkpointer import Checkpointer, restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect
 from fz.ckpt.loader import PartialRestoreWarning
+from fz.ckpt.results import CheckpointInfo, Consolidated
 from fz.ckpt.safetensors_io import load_weights
 
-__all__ = ["Checkpointer", "PartialRestoreWarning", "consolidate", "inspect", "load_weights", "restore", "save",
-           "wait_for_checkpoints"]
+__all__ = ["CheckpointInfo", "Checkpointer", "Consolidated", "PartialRestoreWarning", "consolidate", "inspect",
+           "load_weights", "restore", "save", "wait_for_checkpoints"]
