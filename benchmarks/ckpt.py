@@ -75,7 +75,7 @@ def _fz(rank: int, world: int, cfg, directory: str, repeats: int, stage: int) ->
         res["async_return"].append(ret)
         res["async_total"].append(time.perf_counter() - t)
         fresh = fz.init(_model(cfg), spec)
-        res["restore"].append(_timed(lambda: restore(root, fresh)))
+        res["restore"].append(_timed(lambda: restore(fresh, root)))
         d = os.path.join(directory, f"dcp_only{stage}_{i}")
         res["dcp_only"].append(_timed(lambda: dcp.save(dict(entries(state)),
                                                        storage_writer=dcp.FileSystemWriter(d, sync_files=True))))

@@ -4,7 +4,7 @@
     state, loss = fz.train_step(state, batch)
 """
 from fz import data, distributed, offload, optim
-from fz.ckpt import Checkpointer, load_weights, restore, save, wait_for_checkpoints
+from fz.ckpt import Checkpointer, CheckpointInfo, Consolidated, load_weights, restore, save, wait_for_checkpoints
 from fz.errors import CheckpointError, ConfigError, NonFiniteError, PeerError
 from fz.init_state import init
 from fz.observe.comm_report import CommReport, comm_report
@@ -18,8 +18,8 @@ from fz.step.train import apply, eval_step, train_step
 from fz.version import __version__
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "CommReport", "ConfigError", "LossScale", "MemoryReport", "Monitor",
-    "NonFiniteError", "PeerError", "Spec", "State", "__version__",
+    "CheckpointError", "CheckpointInfo", "Checkpointer", "CommReport", "ConfigError", "Consolidated", "LossScale",
+    "MemoryReport", "Monitor", "NonFiniteError", "PeerError", "Spec", "State", "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
     "full_params", "init", "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step",
     "wait_for_checkpoints",

@@ -24,7 +24,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     info = consolidate(args.ckpt, args.out, dtype=args.dtype, step=args.step, verify=not args.no_verify,
                        progress=True if args.progress else None)
-    print(f"wrote {info['out']}: {info['tensors']} tensors from {info['checkpoint']} ({_mb(info['bytes'])} read)")
+    print(f"wrote {info.out}: {info.tensors} tensors from {info.checkpoint} ({_mb(info.bytes)} read)")
     return 0
 
 
@@ -33,34 +33,34 @@ def _inspect(args: argparse.Namespace) -> int:
 
     info = inspect(args.ckpt, step=args.step, verify=not args.no_verify, progress=True if args.progress else None)
     rows = [
-        ("checkpoint", info["path"]),
-        ("step", info["step"]),
-        ("train step", info["train_step"]),
-        ("world size", info["world"]),
-        ("ZeRO stage", info["stage"]),
-        ("precision", info["precision"]),
-        ("fp32 master", info["master"]),
-        ("fz version", info["fz_version"]),
-        ("torch version", info["torch_version"]),
-        ("tensors", f"{info['tensors']} ({_mb(info['bytes'])})"),
-        ("model tensors", f"{info['model_tensors']} ({_mb(info['model_bytes'])})"),
+        ("checkpoint", info.path),
+        ("step", info.step),
+        ("train step", info.train_step),
+        ("world size", info.world),
+        ("ZeRO stage", info.stage),
+        ("precision", info.precision),
+        ("fp32 master", info.master),
+        ("fz version", info.fz_version),
+        ("torch version", info.torch_version),
+        ("tensors", f"{info.tensors} ({_mb(info.bytes)})"),
+        ("model tensors", f"{info.model_tensors} ({_mb(info.model_bytes)})"),
     ]
-    if "meta_error" in info:
-        rows.append(("metadata", f"UNREADABLE: {info['meta_error']}"))
-    if info["signed"]:
-        signed = "yes (HMAC-SHA256), " + ("checked below with FZ_CKPT_KEY" if info["key"] and not args.no_verify
+    if info.meta_error is not None:
+        rows.append(("metadata", f"UNREADABLE: {info.meta_error}"))
+    if info.signed:
+        signed = "yes (HMAC-SHA256), " + ("checked below with FZ_CKPT_KEY" if info.key and not args.no_verify
                                           else "not checked (set FZ_CKPT_KEY to check it)")
     else:
-        signed = "no" if info["signed"] is False else "?"
+        signed = "no" if info.signed is False else "?"
     rows.append(("signed", signed))
     if args.no_verify:
         rows.append(("manifest", "not checked (--no-verify)"))
     else:
-        rows.append(("manifest", "verified" if info["verified"] else f"FAILED: {info['verify_error']}"))
+        rows.append(("manifest", "verified" if info.verified else f"FAILED: {info.verify_error}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    return 0 if info.get("verified", True) and "meta_error" not in info else 1
+    return 0 if info.verified is not False and info.meta_error is None else 1
 
 
 def _torch_version() -> str:

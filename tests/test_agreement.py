@@ -85,7 +85,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
     out["client_shared"] = _error(lambda: fz.save(state, f"{root}/shared", client_state=client))
     out["client_shared_dir"] = sorted(os.listdir(f"{root}/shared")) if os.path.isdir(f"{root}/shared") else []
     fz.save(state, f"{root}/per_rank", client_state=client, client_state_per_rank=True)
-    _, got = fz.restore(f"{root}/per_rank", fz.init(make_model(), spec(3, 1)), with_client_state=True)
+    _, got = fz.restore(fz.init(make_model(), spec(3, 1)), f"{root}/per_rank", with_client_state=True)
     out["client_per_rank"] = got
 
     with torch.device("meta"):

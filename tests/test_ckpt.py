@@ -154,7 +154,7 @@ def _objects(rank: int, world: int, root: str) -> dict:
 
 
 def _resharded(path: str, stage: int, rank: int, world: int) -> dict:
-    state = restore(path, fz.init(make_model(1), spec(stage, 1)))
+    state = restore(fz.init(make_model(1), spec(stage, 1)), path)
     snap = _snapshot(state)
     _, snap["losses"] = _continue(state, rank, world)
     return snap
@@ -163,27 +163,27 @@ def _resharded(path: str, stage: int, rank: int, world: int) -> dict:
 def _read_world2(rank: int, world: int, root: str) -> dict:
     out = {}
     for stage in STAGES:
-        state, client = restore(f"{root}/s{stage}", fz.init(make_model(1), spec(stage, 1)), with_client_state=True)
+        state, client = restore(fz.init(make_model(1), spec(stage, 1)), f"{root}/s{stage}", with_client_state=True)
         out[stage] = dict(_snapshot(state), data=state.data, client=client)
         _, out[stage]["losses"] = _continue(state, rank, world)
     out["s3->1"] = _resharded(f"{root}/s3", 1, rank, world)
     # an fp32 checkpoint into a mixed-precision template: Shard(0) master, Replicate bf16 params
-    mixed = restore(f"{root}/s3", fz.init(make_model(1), spec(1, 1, precision="bf16")))
+    mixed = restore(fz.init(make_model(1), spec(1, 1, precision="bf16")), f"{root}/s3")
     out["master"] = ({n: m.full_tensor() for n, m in mixed.master.items()}, fz.full_params(mixed))
-    out["async"] = _snapshot(restore(f"{root}/async", fz.init(make_model(1), spec(3, 1))))
+    out["async"] = _snapshot(restore(fz.init(make_model(1), spec(3, 1)), f"{root}/async"))
     out["errors"] = {}
     for name in sorted(os.listdir(f"{root}/bad")):
         t = time.perf_counter()
         try:
-            restore(f"{root}/bad/{name}", fz.init(make_model(1), spec(3, 1)))
+            restore(fz.init(make_model(1), spec(3, 1)), f"{root}/bad/{name}")
             out["errors"][name] = (None, 0.0)
         except ConfigError as e:
             out["errors"][name] = (str(e), time.perf_counter() - t)
     out["weights"] = fz.full_params(load_weights(fz.init(make_model(1), spec(3, 1)), f"{root}/s3.safetensors"))
-    mixed = restore(f"{root}/bf16", fz.init(make_model(1), spec(1, 1, precision="bf16")))
+    mixed = restore(fz.init(make_model(1), spec(1, 1, precision="bf16")), f"{root}/bf16")
     out["bf16"] = {"master": {n: m.full_tensor() for n, m in mixed.master.items()}}
     _, out["bf16"]["losses"] = _continue(mixed, rank, world)
-    out["bf16->fp32"] = fz.full_params(restore(f"{root}/bf16", fz.init(make_model(1), spec(0, 1))))
+    out["bf16->fp32"] = fz.full_params(restore(fz.init(make_model(1), spec(0, 1)), f"{root}/bf16"))
     return out
 
 

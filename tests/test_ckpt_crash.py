@@ -154,11 +154,11 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
         manifest.verify(root / latest)  # `latest` names a complete checkpoint
         if name in KILLS:
             assert latest == ("step_4" if name.replace("async_", "") in AFTER_COMMIT else "step_2"), (name, latest)
-        assert same(restore(root, fz.init(_model(), _spec())), 2 if latest == "step_2" else 4), name
+        assert same(restore(fz.init(_model(), _spec()), root), 2 if latest == "step_2" else 4), name
         for d in root.glob("step_*"):  # every other committed checkpoint (the previous one) is intact
             if d.name != latest and d.is_dir() and not d.name.endswith((".tmp", ".del")):
                 n = int(d.name[5:])
-                assert same(restore(root, fz.init(_model(), _spec()), step=n), 2 if n == 2 else 4), (name, d.name)
+                assert same(restore(fz.init(_model(), _spec()), root, step=n), 2 if n == 2 else 4), (name, d.name)
         # the next save clears the leftovers of the crash and commits
         leftovers[name] = sorted(p.name for p in root.iterdir())
         save(fz.init(_model(), _spec()), root, step=9999, keep_last=1)

@@ -62,30 +62,30 @@ def test_damaged_checkpoint_is_a_clear_error_and_the_original_still_restores(sma
         shutil.copytree(src, d)
         damage(d)
         with pytest.raises(fz.CheckpointError) as e:
-            restore(d, fz.init(make_model(1), spec(3, 1)))
+            restore(fz.init(make_model(1), spec(3, 1)), d)
         assert fname in str(e.value) and word in str(e.value), (name, str(e.value))
     (tmp_path / "dangling").mkdir()
     (tmp_path / "dangling" / "latest").write_text("step_9")
     with pytest.raises(fz.CheckpointError, match="step_9, which does not exist"):
-        restore(tmp_path / "dangling", fz.init(make_model(1), spec(3, 1)))
+        restore(fz.init(make_model(1), spec(3, 1)), tmp_path / "dangling")
     with pytest.raises(fz.CheckpointError, match="does not exist"):
-        restore(tmp_path / "nowhere", fz.init(make_model(1), spec(3, 1)))
-    assert _equal_params(fz.full_params(restore(root / "ck", fz.init(make_model(1), spec(0, 1)))), want)
+        restore(fz.init(make_model(1), spec(3, 1)), tmp_path / "nowhere")
+    assert _equal_params(fz.full_params(restore(fz.init(make_model(1), spec(0, 1)), root / "ck")), want)
 
 
 def test_checkpoint_of_another_model_lists_differences_or_restores_the_overlap(small):
     root, want = small
     other = GPT(GPTConfig(vocab=CFG.vocab, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=3))
     with pytest.raises(ConfigError) as e:
-        restore(root / "ck", fz.init(other, spec(3, 1)))
+        restore(fz.init(other, spec(3, 1)), root / "ck")
     msg = str(e.value)
     assert not isinstance(e.value, fz.CheckpointError)  # the checkpoint is fine: the model differs
     assert "missing in checkpoint: model/blocks.2." in msg and "strict=False" in msg and "more" in msg, msg
     wider = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim, heads=CFG.heads, layers=CFG.layers))
     with pytest.raises(ConfigError, match=r"shape mismatch: model/wte.weight is \(64, 32\) in the checkpoint"):
-        restore(root / "ck", fz.init(wider, spec(3, 1)))
+        restore(fz.init(wider, spec(3, 1)), root / "ck")
     with pytest.warns(PartialRestoreWarning, match="blocks.2") as caught:
-        state = restore(root / "ck", fz.init(other, spec(3, 1)), strict=False)
+        state = restore(fz.init(other, spec(3, 1)), root / "ck", strict=False)
     got = fz.full_params(state)
     assert int(state.step) == 2 and all(torch.equal(got[k], want[k]) for k in want)
     skipped = caught[0].message.skipped  # every skipped tensor, not only the ones the message shows
@@ -99,10 +99,10 @@ def test_an_unrelated_checkpoint_is_never_adopted_and_the_optimizer_is_named(sma
     unrelated = GPT(GPTConfig(vocab=CFG.vocab + 8, seq=CFG.seq, dim=CFG.dim + 8, heads=CFG.heads, layers=CFG.layers))
     fresh = fz.init(unrelated, spec(3, 1))
     with pytest.raises(ConfigError, match="holds none of this model's parameters"):
-        restore(root / "ck", fresh, strict=False)
+        restore(fresh, root / "ck", strict=False)
     sgd = fz.init(make_model(1), spec(3, 1, optimizer=fz.optim.sgd(0.1, momentum=0.9)))
     with pytest.raises(ConfigError) as e:
-        restore(root / "ck", sgd)
+        restore(sgd, root / "ck")
     msg = str(e.value)
     assert "does not match this optimizer (the model matches: the checkpoint was saved with another optimizer" in msg, (
         msg
@@ -114,8 +114,8 @@ def test_master_weights_are_the_source_of_truth(tmp_path):
     shifted = state.replace(master=pytree.tree_map(lambda m: m + 1, state.master))  # master != params
     want = {k: m.full_tensor() for k, m in shifted.master.items()}
     save(shifted, tmp_path)  # the checkpoint keeps the master
-    assert _equal_params(fz.full_params(restore(tmp_path, fz.init(make_model(), spec(3, 1)))), want)
-    mixed = restore(tmp_path, fz.init(make_model(), spec(2, 1, precision="bf16")))
+    assert _equal_params(fz.full_params(restore(fz.init(make_model(), spec(3, 1)), tmp_path)), want)
+    mixed = restore(fz.init(make_model(), spec(2, 1, precision="bf16")), tmp_path)
     assert _equal_params({k: m.full_tensor() for k, m in mixed.master.items()}, want)
     assert _equal_params(fz.full_params(mixed), {k: v.to(torch.bfloat16) for k, v in want.items()})
 
@@ -137,7 +137,7 @@ def test_keep_last_latest_and_resaving(tmp_path):
     with pytest.raises(ConfigError, match="writing checkpoint .*step_8.tmp failed: rank 0: NotImplementedError"):
         save(state, tmp_path, step=8, client_state={"sparse": torch.eye(2).to_sparse()})  # DCP fails inside
     assert not (tmp_path / "step_8.tmp").exists() and (tmp_path / "latest").read_text() == "step_4"
-    assert int(restore(tmp_path, fz.init(make_model(), spec(1, 1)), step=4).step) == 1
+    assert int(restore(fz.init(make_model(), spec(1, 1)), tmp_path, step=4).step) == 1
 
 
 def test_checkpointer_steps_validation_and_close(tmp_path):

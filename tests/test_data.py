@@ -71,7 +71,7 @@ def _run(dataset, ckpt, *, workers=0, micro=MICRO, split=True, spec_kw=None):
         return seen, losses
     state, seen, losses = _train(state, loader, SAVE_AT)
     fz.save(loader.attach(state), ckpt)
-    state = fz.restore(ckpt, fz.init(_model(), spec))
+    state = fz.restore(fz.init(_model(), spec), ckpt)
     loader = fz.data.loader(dataset, state, micro_batch=micro, num_workers=workers, epochs=EPOCHS)
     _, more, more_losses = _train(state, loader, 10**9)
     return seen + more, losses + more_losses
@@ -127,7 +127,7 @@ def test_a_world2_checkpoint_resumes_at_world1_without_repeating_or_skipping(wor
     """Saved at world 2 after 4 steps of 6 samples; continued at world 1 with 2 workers, with the
     same global batch (6) and another one (4): the stream goes on at sample 24 of epoch 0."""
     root, ranks = world2
-    state = fz.restore(f"{root}/map", fz.init(_model(), _spec()))
+    state = fz.restore(fz.init(_model(), _spec()), f"{root}/map")
     loader = fz.data.loader(Numbers(), state, micro_batch=micro, num_workers=2, epochs=EPOCHS)
     _, more, losses = _train(state, loader, 10**9)
     whole = _global(ranks, ("map", "whole"))

@@ -104,7 +104,7 @@ def _where_collective_tensors_die(rank: int, world: int, root: str) -> list:
             state, _ = fz.train_step(state, per_rank[rank])
         fz.eval_step(state, per_rank[rank])
         fz.save(state, f"{root}/s{stage}")
-        fz.restore(f"{root}/s{stage}", fz.init(make_model(), spec(stage, 1)))
+        fz.restore(fz.init(make_model(), spec(stage, 1)), f"{root}/s{stage}")
     del state
     gc.collect()
     time.sleep(0.2)
@@ -189,7 +189,7 @@ def test_destroying_the_process_group_right_after_an_async_save_lets_it_commit(t
             assert (p.returncode != 0) == bool(want), (how, p.returncode, err[-2000:])
         if how == "ok":
             assert sorted(os.listdir(tmp_path / "ok")) == ["latest", "step_1"]
-            restored = fz.restore(tmp_path / "ok", fz.init(make_model(), spec(0, 1)))
+            restored = fz.restore(fz.init(make_model(), spec(0, 1)), tmp_path / "ok")
             assert int(restored.step) == 1
         else:
             assert "sparse" in outs[0][1] or "NotImplementedError" in outs[0][1], outs[0][1][-2000:]

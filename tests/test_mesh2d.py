@@ -57,12 +57,12 @@ def _world4(rank, world, root):
         losses.append(float(loss))
     out["explicit_mesh"] = losses
     # checkpoints across mesh shapes
-    restored = fz.restore(f"{root}/w2", fz.init(make_model(1), spec(3, 1, shard_group_size=GROUP)))
+    restored = fz.restore(fz.init(make_model(1), spec(3, 1, shard_group_size=GROUP)), f"{root}/w2")
     out["w2_on_2x2"] = _snapshot(restored)
     state, _ = train_fz(rank, world, 3, 1, steps=2, shard_group_size=GROUP)
     fz.save(state, f"{root}/m22")
     out["m22"] = _snapshot(state)
-    out["m22_on_4"] = _snapshot(fz.restore(f"{root}/m22", fz.init(make_model(1), spec(3, 1))))
+    out["m22_on_4"] = _snapshot(fz.restore(fz.init(make_model(1), spec(3, 1)), f"{root}/m22"))
     return out
 
 
@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("mesh2d"))
     w2 = run_ranks(2, _write_world2, root)
     w4 = run_ranks(4, _world4, root)
-    w1 = _snapshot(fz.restore(f"{root}/m22", fz.init(make_model(1), spec(3, 1))))
+    w1 = _snapshot(fz.restore(fz.init(make_model(1), spec(3, 1)), f"{root}/m22"))
     return w2, w4, w1
 
 

@@ -49,7 +49,7 @@ def _garbled_copy(src, dst, name: str):
 def test_every_unreadable_checkpoint_file_is_named(saved, tmp_path, name):
     bad = _garbled_copy(saved, tmp_path / "step_1", name)
     with pytest.raises(ConfigError) as e:
-        fz.restore(bad, fz.init(make_model(), spec(0, 1)))
+        fz.restore(fz.init(make_model(), spec(0, 1)), bad)
     assert f"checkpoint file {bad / name} is unreadable" in str(e.value), str(e.value)
 
 

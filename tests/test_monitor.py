@@ -115,7 +115,7 @@ def test_each_run_gets_its_own_directory(tmp_path):
 def test_save_and_restore_report_bytes_and_seconds(tmp_path, capsys):
     state = fz.init(make_model(), spec(0, 1))
     fz.save(state, tmp_path)
-    fz.restore(tmp_path, fz.init(make_model(), spec(0, 1)))
+    fz.restore(fz.init(make_model(), spec(0, 1)), tmp_path)
     with fz.Checkpointer(tmp_path / "quiet", verbose=False) as ckpt:
         ckpt.save(state)
     out = capsys.readouterr().out

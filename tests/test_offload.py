@@ -245,8 +245,8 @@ def test_checkpoints_move_between_tiers(tmp_path):
     fz.save(off, tmp_path / "from_nvme")
     fz.save(plain, tmp_path / "from_plain")
     fz.wait_for_checkpoints()
-    a = fz.restore(tmp_path / "from_nvme", fz.init(make_model(), sp))
-    b_ = fz.restore(tmp_path / "from_plain", fz.init(make_model(), nv))
+    a = fz.restore(fz.init(make_model(), sp), tmp_path / "from_nvme")
+    b_ = fz.restore(fz.init(make_model(), nv), tmp_path / "from_plain")
     assert fz.memory_report(b_).tiers["disk"]["moments"] > 0 and not fz.memory_report(a).tiers["disk"]["moments"]
     want, got_a, got_b = [], [], []
     for b in batches[2:]:

@@ -127,7 +127,7 @@ def test_batchnorm_in_bf16_at_stage_3_exports_with_strict_load_and_the_same_eval
     assert torch.allclose(fz.apply(state, x).float(), exported(x), atol=3e-2, rtol=3e-2)
 
     fz.save(state, tmp_path / "ck")
-    restored = fz.restore(tmp_path / "ck", fz.init(TinyResNet(), _spec(3, xent, precision="bf16")))
+    restored = fz.restore(fz.init(TinyResNet(), _spec(3, xent, precision="bf16")), tmp_path / "ck")
     assert all(torch.equal(restored.buffers[n], b) for n, b in state.buffers.items())  # saved once, restored
     consolidate(tmp_path / "ck", tmp_path / "m.safetensors")
     from safetensors.torch import load_file

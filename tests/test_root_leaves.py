@@ -279,10 +279,10 @@ def test_a_checkpoint_moves_between_the_root_held_and_fetched(tmp_path):
     state, _ = fz.train_step(fz.init(plain(True), spec), bs[0])
     fz.save(state, tmp_path / "held")
     want, want_loss = fz.train_step(state, bs[1], donate=False)
-    fetched = fz.restore(tmp_path / "held", fz.init(plain(True), spec.replace(offload=fz.offload.cpu(params=True))))
+    fetched = fz.restore(fz.init(plain(True), spec.replace(offload=fz.offload.cpu(params=True))), tmp_path / "held")
     assert [u.name for u in fetched.skeleton.units if u.leaf] == ["wte", "ln_f"]
     fz.save(fetched, tmp_path / "fetched")
-    for s in (fetched, fz.restore(tmp_path / "fetched", fz.init(plain(True), spec))):
+    for s in (fetched, fz.restore(fz.init(plain(True), spec), tmp_path / "fetched")):
         got, loss = fz.train_step(s, bs[1])
         assert float(loss) == float(want_loss)
         assert all(torch.equal(v, fz.full_params(want)[k]) for k, v in fz.full_params(got).items())

@@ -33,7 +33,7 @@ def signed(tmp_path_factory):
 
 
 def _restore(d, **kw):
-    return fz.restore(d, fz.init(make_model(), spec(0, 1)), **kw)
+    return fz.restore(fz.init(make_model(), spec(0, 1)), d, **kw)
 
 
 def _forged(src, dst, want):

@@ -85,7 +85,7 @@ def _attempts(ck, tmp_path):
     """Every way fz reads a checkpoint: (what, outcome) with outcome 'ok' or the error."""
     out = []
     for what, call in (
-            ("restore", lambda: fz.restore(ck, fz.init(make_model(), spec(1, 1)))),
+            ("restore", lambda: fz.restore(fz.init(make_model(), spec(1, 1)), ck)),
             ("inspect", lambda: main(["inspect", str(ck)])),
             ("consolidate", lambda: main(["consolidate", str(ck), str(tmp_path / "out.safetensors")]))):
         try:
@@ -139,8 +139,8 @@ def test_a_checkpoint_with_only_dcps_pickled_index_is_refused_naming_why(saved, 
     files.pop("index.json")
     manifest.write(ck, files)
     with pytest.raises(ConfigError, match=r"only DCP's .metadata, a pickle, which fz never reads"):
-        fz.restore(ck, fz.init(make_model(), spec(1, 1)))
-    restored = fz.restore(ck_dir, fz.init(make_model(), spec(1, 1)))  # the intact one loads exactly
+        fz.restore(fz.init(make_model(), spec(1, 1)), ck)
+    restored = fz.restore(fz.init(make_model(), spec(1, 1)), ck_dir)  # the intact one loads exactly
     for k, v in fz.full_params(restored).items():
         assert torch.equal(v, full[k]), k
 
@@ -153,4 +153,4 @@ def test_a_manifest_of_the_wrong_shape_is_named_not_a_traceback(saved, tmp_path)
         crc = f"{zlib.crc32(json.dumps(files, sort_keys=True).encode()):08x}"  # self-consistent, wrong shape
         (ck / "manifest.json").write_text(json.dumps({"files": files, "table_crc": crc}))
         with pytest.raises(ConfigError, match=f"{ck / 'manifest.json'} is unreadable .*the manifest is damaged"):
-            fz.restore(ck, fz.init(make_model(), spec(1, 1)))
+            fz.restore(fz.init(make_model(), spec(1, 1)), ck)

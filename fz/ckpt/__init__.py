@@ -3,20 +3,22 @@
     ckpt = fz.Checkpointer("ckpt", keep_last=3, async_=True)
     ckpt.save(state)                                     # every rank; writes ckpt/step_<N>
     state = ckpt.restore(fz.init(model, spec))           # any world size, stage, precision
-    fz.save(state, "ckpt"); fz.restore("ckpt", template) # the same as functions
+    fz.save(state, "ckpt"); fz.restore(template, "ckpt") # the same as functions, state first
     fz.load_weights(state, "model.safetensors")          # weights only, e.g. from consolidate
     $ fz consolidate ckpt model.safetensors --dtype bf16 # one file of the full weights
     $ fz inspect ckpt
 
-Modules: checkpointer (Checkpointer and the function API), saver, loader, layout
-(directories, durable renames), manifest (checksums), signing (keyed manifests), tree
-(state <-> keys), group (checkpoint process groups, agreement), reader (DCP files without
-torch.distributed), safetensors_io, export (consolidate, inspect), progress.
+Modules: checkpointer (Checkpointer and the function API), arguments (the functions'
+argument order), saver, loader, layout (directories, durable renames), manifest (checksums),
+signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,
+agreement), reader (DCP files without torch.distributed), safetensors_io, export
+(consolidate, inspect), results (what those return), progress.
 """
 from fz.ckpt.checkpointer import Checkpointer, restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect
 from fz.ckpt.loader import PartialRestoreWarning
+from fz.ckpt.results import CheckpointInfo, Consolidated
 from fz.ckpt.safetensors_io import load_weights
 
-__all__ = ["Checkpointer", "PartialRestoreWarning", "consolidate", "inspect", "load_weights", "restore", "save",
-           "wait_for_checkpoints"]
+__all__ = ["CheckpointInfo", "Checkpointer", "Consolidated", "PartialRestoreWarning", "consolidate", "inspect",
+           "load_weights", "restore", "save", "wait_for_checkpoints"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fz.background import on_next_call
-from fz.ckpt import loader, manifest, saver, signing
+from fz.ckpt import arguments, loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
 from fz.distributed import guards, peers
@@ -341,21 +341,25 @@ def save(state: State, path: PathLike, *, step: int | None = None, client_state:
     interpreter exit wait for it. Call `wait_for_checkpoints()` before
     `dist.destroy_process_group()`, which would cut it off. `key` (else FZ_CKPT_KEY) signs it.
     """
+    state, path = arguments.state_and_path("fz.save", state, path)
     state.check_alive("fz.save")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key)
     ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
-def restore(path: PathLike, state: State, *, step: int | None = None, strict: bool = True,
+def restore(state: State, path: PathLike, *, step: int | None = None, strict: bool = True,
             with_client_state: bool = False, key: signing.Key = None) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
 
-    Every rank calls it. A damaged checkpoint (missing, truncated or corrupted file) or one of
-    another model raises ConfigError; with strict=False the tensors both share are loaded
-    and the rest is reported as a PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a
-    checkpoint that this key did not sign is refused.
+    The state comes first, as in fz.save (fz/ckpt/arguments.py says why); fz 0.1's
+    `restore(path, state)` still works and warns. Every rank calls it. A damaged checkpoint
+    (missing, truncated or corrupted file) or one of another model raises ConfigError; with
+    strict=False the tensors both share are loaded and the rest is reported as a
+    PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a checkpoint that this key did not
+    sign is refused. `with_client_state=True` returns (state, client_state).
     """
+    state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
     state.check_alive("fz.restore")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key)

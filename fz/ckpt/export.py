@@ -7,7 +7,6 @@ drops it: peak host memory stays near the largest chunk (plus its cast copy), no
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,11 +14,15 @@ from fz.ckpt import manifest, signing
 from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
+from fz.ckpt.results import CheckpointInfo, Consolidated
 from fz.ckpt.safetensors_io import StreamWriter
 from fz.errors import CheckpointError, ConfigError
 from fz.spec import PRECISIONS
 
 _PREFIX, _BUFFERS = "model/", "buffers/"
+# CheckpointInfo's fields read from fz.json
+_META_FIELDS = ("step", "train_step", "world", "stage", "precision", "master", "fz_version", "torch_version",
+                "tensors", "bytes", "model_tensors", "model_bytes")
 
 
 def _name(key: str) -> str:
@@ -44,14 +47,14 @@ def _verify(d: Path, progress: bool | None, key: bytes | None) -> None:
 
 
 def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step: int | None = None,
-                verify: bool = True, progress: bool | None = None, key: signing.Key = None) -> dict[str, Any]:
+                verify: bool = True, progress: bool | None = None, key: signing.Key = None) -> Consolidated:
     """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
 
     Names are the canonical parameter names, then the buffers of the model's state_dict (its
     persistent ones: BatchNorm's statistics), so the file loads with `strict=True`; `dtype`
     ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
     master weights when the run had them). With a `key` (or FZ_CKPT_KEY) the checkpoint must be
-    signed with it, and is verified even with verify=False. Returns a summary.
+    signed with it, and is verified even with verify=False. Returns what it wrote (a Consolidated).
     """
     d = resolve(ckpt, step)
     key = signing.resolve(key)
@@ -95,32 +98,31 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
         raise
     finally:
         bar.close()
-    return {"checkpoint": str(d), "out": str(out), "tensors": len(names), "bytes": total, "chunks": reader.chunks}
+    return Consolidated(checkpoint=str(d), out=str(out), tensors=len(names), bytes=total, chunks=reader.chunks)
 
 
 def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
-            progress: bool | None = None, key: signing.Key = None) -> dict[str, Any]:
+            progress: bool | None = None, key: signing.Key = None) -> CheckpointInfo:
     """What a checkpoint holds (from fz.json), whether its manifest is signed, and whether it
-    verifies (with a `key`, or FZ_CKPT_KEY: its signature too)."""
+    verifies (with a `key`, or FZ_CKPT_KEY: its signature too). Damage is reported in the
+    CheckpointInfo (`meta_error`, `verify_error`), not raised, so every readable fact is shown."""
     d = resolve(ckpt, step)
     key = signing.resolve(key)
-    info: dict[str, Any] = {"path": str(d), "key": key is not None}
     try:
-        info["signed"] = manifest.is_signed(d)
+        signed = manifest.is_signed(d)
     except ConfigError:
-        info["signed"] = None
+        signed = None
+    meta_error = None
     try:
         meta = read_json(d / META)
     except ConfigError as e:
-        meta = {}
-        info["meta_error"] = str(e)
-    for k in ("step", "train_step", "world", "stage", "precision", "master", "fz_version", "torch_version",
-              "tensors", "bytes", "model_tensors", "model_bytes"):
-        info[k] = meta.get(k)
+        meta, meta_error = {}, str(e)
+    verified = verify_error = None
     if verify:
         try:
             _verify(d, progress, key)
-            info["verified"], info["verify_error"] = True, None
+            verified = True
         except ConfigError as e:
-            info["verified"], info["verify_error"] = False, str(e)
-    return info
+            verified, verify_error = False, str(e)
+    return CheckpointInfo(path=str(d), key=key is not None, signed=signed, meta_error=meta_error,
+                          **{k: meta.get(k) for k in _META_FIELDS}, verified=verified, verify_error=verify_error)

@@ -171,7 +171,7 @@ def test_dropout_resumes_bit_identically(tmp_path):
         want.append(float(loss))
     torch.manual_seed(123)
     torch.cuda.manual_seed(123)  # the process's generators elsewhere change nothing
-    restored = fz.restore(str(tmp_path / "ck"), fz.init(GPT(cfg), sp))
+    restored = fz.restore(fz.init(GPT(cfg), sp), str(tmp_path / "ck"))
     got = []
     for i in range(2, 4):
         restored, loss = fz.train_step(restored, data[2 * i:2 * i + 2])
