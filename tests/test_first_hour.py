@@ -65,3 +65,14 @@ def test_a_model_the_default_loss_cannot_call_names_loss_fn(state):
     good = fz.init(Net(), fz.Spec(loss_fn=lambda m, b: nn.functional.cross_entropy(m(b["x"]), b["y"])))
     _, loss = fz.train_step(good, BATCH)
     assert torch.isfinite(loss)
+
+
+def test_a_model_given_to_save_or_restore_is_named(tmp_path, state):
+    with pytest.raises(fz.ConfigError, match=r"^fz\.save " + EXPECTS + r"a model \(test_first_hour\.Net\)"):
+        fz.save(Net(), tmp_path)
+    with pytest.raises(fz.ConfigError, match=r"^fz\.restore " + EXPECTS + r"a model"):
+        fz.restore(tmp_path, Net())  # the old order, with a model for the state
+    with pytest.raises(fz.ConfigError, match=r"^fz\.restore " + EXPECTS + r"an fz\.Spec"):
+        fz.restore(fz.Spec(), tmp_path)
+    with pytest.raises(fz.ConfigError, match=r"^Checkpointer\.save " + EXPECTS + r"None"):
+        fz.Checkpointer(tmp_path).save(None)

@@ -14,7 +14,7 @@ from typing import Any
 
 from fz.ckpt.layout import PathLike
 from fz.errors import ConfigError
-from fz.state import State
+from fz.state import State, expect_state
 
 
 def _is_path(x: Any) -> bool:
@@ -30,6 +30,10 @@ def state_and_path(who: str, state: Any, path: Any, *, old_order: bool = False) 
         warnings.warn(f"{who}(path, state) is deprecated: call {who}(state, path), the state first as in "
                       f"fz.save and fz.load_weights", DeprecationWarning, stacklevel=3)
         return path, state
+    if _is_path(path) and not isinstance(state, State) and not _is_path(state):
+        expect_state(state, who)  # raises, naming what was given (a model, a Spec, ...)
+    if old_order and _is_path(state) and not isinstance(path, State) and not _is_path(path):
+        expect_state(path, who)
     swapped = " (the state comes first)" if _is_path(state) and isinstance(path, State) else ""
     raise ConfigError(f"{who}(state, path) needs an fz.State and a checkpoint path (str or os.PathLike), "
                       f"got ({type(state).__name__}, {type(path).__name__}){swapped}")

@@ -33,7 +33,7 @@ from fz.distributed import guards, peers
 from fz.distributed.arrival import arrive
 from fz.errors import CheckpointError, ConfigError
 from fz.log import logger
-from fz.state import State
+from fz.state import State, expect_state
 
 _lock = threading.Lock()
 # Checkpointers with an async save nobody has waited for yet. Strong references: a
@@ -153,7 +153,7 @@ class Checkpointer:
         ConfigError names the keys that differ), unless `client_state_per_rank=True` saves
         each rank's own. Waits for this Checkpointer's previous save first and raises its error.
         """
-        state.check_alive(f"{self._who}save")
+        expect_state(state, f"{self._who}save")
         self._check_open("save")
         self.wait()
         self._arrive(state, "save")
@@ -192,7 +192,7 @@ class Checkpointer:
         return self._restore(state, step, strict, with_client_state, stacklevel=4)
 
     def _restore(self, state: State, step: int | None, strict: bool, with_client_state: bool, stacklevel: int):
-        state.check_alive(f"{self._who}restore")
+        expect_state(state, f"{self._who}restore")
         self._check_open("restore")
         self.wait()
         self._arrive(state, "restore")
@@ -342,7 +342,7 @@ def save(state: State, path: PathLike, *, step: int | None = None, client_state:
     `dist.destroy_process_group()`, which would cut it off. `key` (else FZ_CKPT_KEY) signs it.
     """
     state, path = arguments.state_and_path("fz.save", state, path)
-    state.check_alive("fz.save")
+    expect_state(state, "fz.save")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key)
     ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
@@ -360,7 +360,7 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     sign is refused. `with_client_state=True` returns (state, client_state).
     """
     state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
-    state.check_alive("fz.restore")
+    expect_state(state, "fz.restore")
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
