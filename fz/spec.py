@@ -69,7 +69,10 @@ class Spec:
     """Parameters that get no gradient in a step on any rank: False updates them as with a zero
     gradient (DeepSpeed), True leaves them and their optimizer state as they are (torch)."""
     seed: int = 0
-    """Seeds initialisation and each rank's generators (seed)."""
+    """Seeds what fz draws (seed): a model built on the meta device (each module from (seed, its
+    name): the same weights at any world size), dropout (each rank's generators), and the data
+    loader's shuffle. A model built on the CPU before fz.init already holds the values torch's
+    global generator gave it: `torch.manual_seed(seed)` before building it repeats a run."""
 
     # --- precision ---
     precision: Precision = "fp32"

@@ -171,3 +171,28 @@ def test_a_hugging_face_model_on_meta_gets_its_own_init_the_same_at_every_world_
     # GPT-2's scaled residual init
     assert abs(float(gpt2["transformer.h.0.attn.c_proj.weight"].std()) - 0.02 / 2) < 2e-3
     assert abs(float(gpt2["transformer.wte.weight"].std()) - 0.02) < 2e-3
+
+
+def test_torchs_own_attention_and_encoder_initialise_on_meta_as_on_the_cpu():
+    """nn.MultiheadAttention has no reset_parameters(), only torch's private _reset_parameters(),
+    which also zeroes its child out_proj's bias: fz runs both, as building on the CPU does."""
+    def make():
+        layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, batch_first=True, dropout=0.0)
+        return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 3))
+
+    with torch.device("meta"):
+        model = make()
+    loss_fn = lambda m, b: nn.functional.cross_entropy(m(b["x"]).mean(1), b["y"])  # noqa: E731
+    state = fz.init(model, fz.Spec(stage=3, loss_fn=loss_fn))
+    got, cpu = fz.full_params(state), dict(make().named_parameters())
+    assert got.keys() == cpu.keys()
+    for name in cpu:
+        a, b = got[name].float(), cpu[name].detach()
+        if "bias" in name and "linear" not in name and not name.startswith("1."):  # attention and norm biases: 0
+            assert bool((a == b).all()), name
+        elif b.numel() >= 256:  # the same distribution (fz draws each module from its own seed)
+            assert abs(float(a.std()) - float(b.std())) < 0.25 * float(b.std()) + 1e-6, name
+    assert float(got["0.layers.0.self_attn.out_proj.bias"].abs().max()) == 0.0  # the parent's init ran
+    batch = {"x": torch.randn(4, 5, 32), "y": torch.randint(0, 3, (4,))}
+    state, loss = fz.train_step(state, batch)
+    assert torch.isfinite(loss)

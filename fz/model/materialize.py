@@ -114,12 +114,30 @@ class InitialValues:
         twin._modules = dict(module._modules)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(self.seed, mname))
-            if hasattr(twin, "reset_parameters"):
-                twin.reset_parameters()
+            init = _own_init(twin)
+            if init is not None:
+                init()
+            self._torch_parent_inits(twin, mname)
             self._model_init(twin, mname)
             if self.init_fn is not None:
                 self.init_fn(mname, twin)
         return twin
+
+    def _torch_parent_inits(self, twin: nn.Module, mname: str) -> None:
+        """torch modules whose constructor ends by initialising their children's tensors too
+        (`nn.MultiheadAttention._reset_parameters` zeroes `out_proj.bias`; `nn.Transformer`'s
+        re-draws every matrix): run it on a shell of each such ancestor whose child on the way
+        down is `twin`, nearest first, as building the model on the CPU would."""
+        names = [mname.rsplit(".", k)[0] for k in range(1, mname.count(".") + 1)] + ([""] if mname else [])
+        current, below = twin, mname
+        for name in names:
+            original = self.model.get_submodule(name)
+            shell = nn.Module.__new__(type(original))
+            shell.__dict__ = dict(original.__dict__)
+            shell._modules = dict(original._modules, **{below.rsplit(".", 1)[-1]: current})
+            if _torch_private_init(shell) is not None:
+                _torch_private_init(shell)()
+            current, below = shell, name
 
     def _model_init(self, twin: nn.Module, mname: str) -> None:
         """A Hugging Face model's own `_init_weights` on `twin` and then on each ancestor, nearest
@@ -171,8 +189,8 @@ class InitialValues:
 
     def _why(self, module: nn.Module, unset: Tensor) -> str:
         part = "" if bool(unset.all()) else f"{int(unset.sum())} of {unset.numel()} elements "
-        if hasattr(module, "reset_parameters"):
-            return f"{part}not set by {type(module).__name__}.reset_parameters()" + (
+        if _own_init(module) is not None:
+            return f"{part}not set by {type(module).__name__}.{_own_init(module).__name__}()" + (
                 " or init_fn" if self.init_fn else ""
             )
         return f"{part}not set: {type(module).__name__} has no reset_parameters()" + (
@@ -189,3 +207,16 @@ class InitialValues:
             "Set them with Spec(init_fn=fn) (fn(module_name, module) runs on each module after its "
             "reset_parameters(), under no_grad; fill its tensors in place), give the module a reset_parameters() "
             "that sets them, or build the model on the CPU.")
+
+
+def _torch_private_init(module: nn.Module) -> Callable[[], None] | None:
+    """torch's own modules without a public reset_parameters() initialise in a private
+    `_reset_parameters()` (nn.MultiheadAttention, nn.Transformer); only torch's are trusted."""
+    init = getattr(module, "_reset_parameters", None)
+    return init if callable(init) and type(module).__module__.startswith("torch.nn") else None
+
+
+def _own_init(module: nn.Module) -> Callable[[], None] | None:
+    """What initialises `module`'s own tensors when it is built: reset_parameters(), else torch's private one."""
+    init = getattr(module, "reset_parameters", None)
+    return init if callable(init) else _torch_private_init(module)
