@@ -47,6 +47,26 @@ def _job(rank, world, root):
         out["idle"] = _timed(lambda: fz.full_params(state))
     else:
         time.sleep(6)
+    # evaluating and printing samples under `if rank == 0:` (issue 29): apply works alone where
+    # every parameter is local (stages 0-2); eval_step (a mean over ranks) and stage 3's apply fail fast
+    x = batches[3][rank][:, :-1]
+    for stage in (0, 3):
+        state = fz.init(make_model(), spec(stage, 1, timeout_s=30.0))
+        state, _ = fz.train_step(state, batches[3][rank])
+        both = fz.apply(state, x)
+        if rank == 0:
+            alone = []
+            out[stage, "apply"] = _timed(lambda: alone.append(fz.apply(state, x)))  # noqa: B023
+            out[stage, "apply_same"] = bool(alone) and torch.equal(alone[0], both)
+            out[stage, "eval_step"] = _timed(lambda: fz.eval_step(state, batches[4][0]))  # noqa: B023
+        state, loss = fz.train_step(state, batches[4][rank])  # and they carry on together
+        out[stage, "loss"] = float(loss)
+    if rank == 0:  # its last call, while rank 1 finishes its script
+        out["last"] = _timed(lambda: fz.apply(state, x))
+        try:  # a collective with no arrival check: the PeerError says rank 1 finished, not that it was lost
+            fz.train_step(state, batches[5][0])
+        except fz.PeerError as e:
+            out["peer"] = str(e)
     return out
 
 
@@ -77,3 +97,29 @@ def test_a_rank_outside_fz_is_waited_for_up_to_the_timeout(results):
     msg, took = results[0]["idle"]
     assert "did not call it within Spec.timeout_s=3 s" in msg, msg
     assert 3 <= took < 6, took
+
+
+def test_apply_on_one_rank_works_where_every_parameter_is_local(results):
+    msg, took = results[0][0, "apply"]
+    assert msg == "" and results[0][0, "apply_same"], msg  # stage 0: rank 0's own output, at once
+    assert took < 10, took
+
+
+def test_eval_step_and_stage3_apply_on_one_rank_fail_fast_with_the_fix(results):
+    for key in ((0, "eval_step"), (3, "eval_step"), (3, "apply")):
+        api = "fz." + key[1]
+        msg, took = results[0][key]
+        assert f"{api}: every rank must call {api} (it is collective), but rank(s) [1] are waiting" in msg, msg
+        assert "to print on one rank, call it on every rank and print under the `if`" in msg, msg
+        assert took < 10, (key, took)
+    for stage in (0, 3):
+        assert results[0][stage, "loss"] == results[1][stage, "loss"], stage
+
+
+def test_a_rank_that_finished_its_script_is_not_called_lost(results):
+    msg, took = results[0]["last"]
+    assert "rank(s) [1] finished their script without calling it" in msg and "lost" not in msg, msg
+    assert took < 10, took
+    peer = results[0]["peer"]
+    assert "fz.train_step at step 2: a collective failed: rank(s) [1] finished its script" in peer, peer
+    assert "lost" not in peer, peer

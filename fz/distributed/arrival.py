@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from datetime import timedelta
 
 from fz.distributed import peers
 from fz.errors import ConfigError
@@ -37,25 +36,34 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
         _wait_for_all(store, api, ident, base, keys, ranks, rank)
 
 
+def _poll(store, keys: list[str], seconds: float) -> bool:
+    """Whether every key exists within `seconds` (checked every few ms)."""
+    end = time.monotonic() + seconds
+    while not store.check(keys):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _wait_for_all(store, api, ident, base, keys, ranks, rank) -> None:
     deadline = time.monotonic() + peers.timeout_s()
     while True:
-        try:
-            store.wait(keys, timedelta(seconds=0.5))
+        if _poll(store, keys, 0.5):  # polled, not store.wait: its timeouts log a C++ warning each
             return
-        except RuntimeError:  # not everyone yet (the store's wait timed out)
-            pass
         missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         if not missing:
             return
         doings = peers.published(missing)
         stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
-        if stuck or time.monotonic() > deadline:
+        exited = {r: d for r, d in doings.items() if d.startswith(peers.EXITED)}
+        if stuck or exited or time.monotonic() > deadline:
             store.delete_key(f"{base}/{rank}")
             _calls[ident] -= 1
             shown = "; ".join(f"rank {r}: {doings.get(r, 'no activity published')}" for r in missing)
-            why = ("are waiting for the others elsewhere" if stuck
-                   else f"did not call it within Spec.timeout_s={peers.timeout_s():g} s")
+            why = ("are waiting for the others elsewhere" if stuck else "finished their script without calling it"
+                   if exited else f"did not call it within Spec.timeout_s={peers.timeout_s():g} s")
             raise ConfigError(
                 f"{api}: every rank must call {api} (it is collective), but rank(s) {missing} {why} ({shown}). "
-                f"Call {api} on every rank, not under `if rank == 0:`.")
+                f"Call {api} on every rank, not under `if rank == 0:`; to print on one rank, call it on every "
+                "rank and print under the `if`.")

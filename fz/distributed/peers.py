@@ -9,7 +9,8 @@ Lost ranks are told by a heartbeat: a daemon thread of each process adds 1 to it
 in the job's store (torchrun's, or the group's TCPStore) every `BEAT` seconds and
 publishes what the rank is doing. On a failure the survivor reads every counter twice,
 `PROBE` seconds apart: a rank whose counter did not move is lost (killed, stopped by
-SIGSTOP, or its whole process hung), unless it said it left after losing a peer itself.
+SIGSTOP, or its whole process hung), unless it said it left after losing a peer itself, or
+it finished its script: a process that exits says so (`EXITED`) and is never called lost.
 A store that does not answer is said too (its host may be the lost one). Nothing here
 runs on a step's path but a string assignment; the thread costs two store messages a beat.
 """
@@ -37,6 +38,7 @@ _beat: _Heartbeat | None = None
 _lock = threading.Lock()
 failed = False  # a PeerError was raised in this process: exit does not wait for collectives
 _first: PeerError | None = None  # that error: later failures repeat it without probing again
+EXITED = "finished its script"  # what a rank publishes as it exits or ends its group (arrival checks it too)
 
 
 def timeout_s() -> float:
@@ -104,6 +106,7 @@ def configure(timeout: float) -> None:
         if _beat is not None:
             _beat.stop.set()
         _beat = _Heartbeat(store, dist.get_rank())
+        _try(lambda: store.delete_key(f"fz/exited/{dist.get_rank()}"))  # a group started again: not done
         _beat.start()
     _install_stop()
 
@@ -117,8 +120,21 @@ def _install_stop() -> None:
     global _stop_installed
     if not _stop_installed:
         _stop_installed = True
-        atexit.register(stop_heartbeat)
-        guards.before_destroy(stop_heartbeat, order=1)
+        atexit.register(_finish, "")
+        guards.before_destroy(lambda: _finish(" (destroy_process_group)"), order=1)
+
+
+def _finish(how: str) -> None:
+    """Stop the heartbeat, then tell the others this rank is done (a rank still waiting for it in
+    a collective says so, not "lost"); an uncaught exception is named as what ended it."""
+    beat = _beat
+    stop_heartbeat()
+    if beat is None:
+        return
+    err = getattr(sys, "last_value", None)
+    said = EXITED + how + ("" if err is None else f" after an error ({type(err).__name__}: {str(err)[:160]})")
+    _bounded(lambda: (beat.store.set(f"fz/doing/{beat.rank}", said), beat.store.set(f"fz/exited/{beat.rank}", "1")),
+             1.0)
 
 
 def _bounded(fn, seconds: float):
@@ -148,7 +164,7 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
 
     def read():
         return ([store.add(f"fz/hb/{r}", 0) for r in range(world)],
-                [store.add(f"fz/left/{r}", 0) for r in range(world)])
+                [store.add(f"fz/left/{r}", 0) + store.add(f"fz/exited/{r}", 0) for r in range(world)])
 
     first = _bounded(read, PROBE)
     if first is None:
@@ -175,9 +191,13 @@ def peer_error(err: BaseException) -> PeerError:
     step = _doing[1]
     world = dist.get_world_size() if dist.is_initialized() else 1
     lost, doings = probe(world)
+    exited = sorted(r for r, d in doings.items() if d.startswith(EXITED))
     if lost is None:
         who = ("the job's store does not answer, so the lost rank cannot be told (its host, rank 0 or the launcher, "
                "may be gone)")
+    elif exited and not lost:
+        who = (f"rank(s) {exited} {doings[exited[0]]} while this rank waited for them in a collective: every rank "
+               "must call the same fz functions (a call under `if rank == 0:` runs on one rank only)")
     elif lost:
         who = f"lost rank(s) {lost}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)"
     else:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from fz.background import raise_background_failures
 from fz.distributed import peers
+from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.offload.host_grads import HostGrads
 from fz.offload.transfer import pool_for
@@ -213,7 +214,12 @@ def _master_leaves(state: State, mflats, donate: bool):
     return out
 
 
-def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.apply", **kwargs: Any) -> Any:
+def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.apply", collective: bool = True,
+             **kwargs: Any) -> Any:
+    """Run `fn` on a Runner over the state's parameters. A `collective` call checks in first, so
+    one called on one rank only fails in seconds, naming the fix, instead of hanging."""
+    if collective:
+        arrive(what, state.plan.ranks, state.plan.rank)
     peers.doing(what, int(state.step))
     raise_background_failures()
     flats, sync, _ = checked_flats(state)
@@ -245,13 +251,17 @@ def eval_step(state: State, batch: Any) -> Tensor:
         loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
         return agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype)
 
-    return _forward(state, run, what="fz.eval_step")
+    return _forward(state, run, what="fz.eval_step")  # the loss is averaged over ranks: collective
 
 
 def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     """The model's own forward output on `args` (stage 3 gathers block by block), in eval mode;
     `train=True` runs it in train mode (dropout from the state's generator, BatchNorm on batch
-    statistics) without changing the state's buffers."""
+    statistics) without changing the state's buffers.
+
+    At stages 0-2 every parameter is on every rank, so one rank may call it alone (e.g. to
+    print samples under `if rank == 0:`); at stage 3 it gathers, and every rank must call it."""
     expect_state(state, "fz.apply")
     args, kwargs = on_device((args, kwargs), state.plan.device)
-    return _forward(state, lambda r, comm: r(*args, **kwargs), train=train)
+    sharded = any(b.sharded_param for b in state.plan.buckets)
+    return _forward(state, lambda r, comm: r(*args, **kwargs), train=train, collective=sharded)
