@@ -231,3 +231,42 @@ def test_cli_estimate_raw_counts(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: fz plan")
     assert "error: give --model module:factory, or --params and --largest-layer" in err
+
+
+def _printed_blocks(text: str) -> list[tuple[str, float, list[float]]]:
+    """(title, total GB, [term GB]) of each block `str(fz.estimate(...))` prints."""
+    import re
+    blocks: list = []
+    for line in text.splitlines()[1:]:
+        m = re.match(r"^( {2,4})(\S.*?)\s+(-?\d+\.\d\d) GB$", line)
+        assert m, line
+        if len(m.group(1)) == 2:
+            blocks.append((m.group(2), float(m.group(3)), []))
+        else:
+            blocks[-1][2].append(float(m.group(3)))
+    return blocks
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_printed_estimate_total_is_the_sum_of_its_printed_lines(precision, tmp_path):
+    """Every stage and offload row, with and without activations and accumulation: each total
+    `fz.estimate` prints is the sum of the lines under it (to the printed rounding), and the
+    device peak's terms add up to `per_device` exactly."""
+    from fz.planning.counts import Counts
+    rows = [(0, None), (1, None), (2, None), (3, None), (1, fz.offload.cpu()), (2, fz.offload.cpu()),
+            (3, fz.offload.cpu()), (3, fz.offload.cpu(params=True)), (2, fz.offload.nvme(str(tmp_path))),
+            (3, fz.offload.nvme(str(tmp_path), params=True))]
+    targets = [(Counts(2_783_000_000, 65_000_000), {}), (GPT(GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)),
+                                                         {"micro_batch": 4, "seq_len": 16})]
+    for target, act in targets:
+        for stage, off in rows:
+            for accum in (1, 4):
+                est = fz.estimate(target, spec=fz.Spec(stage=stage, precision=precision, offload=off,
+                                                       grad_accum=accum, loss_fn=lm_loss), world_size=8, **act)
+                assert sum(v for _, v in est.device_peak()[1]) == est.per_device
+                assert sum(v for _, v in est.host_terms()) == est.per_rank_host
+                blocks = _printed_blocks(str(est))
+                assert any(t.startswith("per device, at its peak") for t, _, _ in blocks)
+                for title, total, parts in blocks:
+                    if parts:
+                        assert abs(total - sum(parts)) <= 0.005 * (len(parts) + 1), (stage, off, title, total, parts)

@@ -81,15 +81,35 @@ class Estimate:
 
     @property
     def per_device(self) -> int:
-        """Peak device bytes of one rank during a step."""
-        resident = sum(v for k, v in self.tiers["device"].items() if k != "grads")
-        # backward's first op: every activation, the gathered units, no gradient made or reduced yet;
-        # then backward frees a block's activations as it makes the block's gradients
-        # (`backward_units` is its worst point); the update holds the gradients and, stages 1-2,
-        # the all-gathers' buffers
-        first_op = (self.backward_start or 0) + self.gather - self.gather_summed + self.accumulated
-        during_backward = self.reduce + self.accumulated + max(self.grads_update, self.backward_units or 0)
-        return resident + max(first_op, self.gather + max(during_backward, self.grads_update + self.sync))
+        """Peak device bytes of one rank during a step (the sum of `device_peak()`'s terms)."""
+        return sum(v for _, v in self.device_peak()[1])
+
+    def device_peak(self) -> tuple[str, list[tuple[str, int]]]:
+        """(when the device peaks, [(term, bytes)] that add up to `per_device`): what stays on the
+        device for the whole step, plus the worst of three moments. Backward's first op holds every
+        activation and the gathered units, no gradient made or reduced yet; then backward frees a
+        block's activations as it makes the block's gradients (`backward_units` is its worst
+        point) with reductions in flight; the update holds the gradients as it reads them and, at
+        stages 1-2, the all-gathers' inputs."""
+        resident = [(f"{k} (resident)", v) for k, v in self.tiers["device"].items() if k != "grads"]
+        grads = ("gradients for the update", self.grads_update)
+        if (self.backward_units or 0) > self.grads_update:
+            grads = ("activations + gradients, units' backward", self.backward_units or 0)
+        moments = {
+            "backward's first op": [("activations + first op's gradients", self.backward_start or 0),
+                                    ("gathered units", self.gather - self.gather_summed),
+                                    ("accumulated gradients", self.accumulated)],
+            "backward": [("gathered units", self.gather), ("reductions in flight", self.reduce),
+                         ("accumulated gradients", self.accumulated), grads],
+            "the update": [("gathered units", self.gather), ("gradients for the update", self.grads_update),
+                           ("all-gather inputs (sync)", self.sync)],
+        }
+        when = max(moments, key=lambda m: sum(v for _, v in moments[m]))  # the first of equals
+        return when, resident + moments[when]
+
+    def host_terms(self) -> list[tuple[str, int]]:
+        """[(term, bytes)] of one rank's host memory: they add up to `per_rank_host`."""
+        return [*self.tiers["host"].items(), ("model copy (built off meta)", self.model_copy)]
 
     @property
     def one_memory(self) -> int:
@@ -108,7 +128,7 @@ class Estimate:
 
     @property
     def per_rank_host(self) -> int:
-        return sum(self.tiers["host"].values()) + self.model_copy
+        return sum(v for _, v in self.host_terms())
 
     @property
     def per_host(self) -> int:
@@ -122,17 +142,27 @@ class Estimate:
         return self.ranks_per_node * sum(self.tiers["disk"].values())
 
     def __str__(self) -> str:
+        """Each total, then the terms it is the sum of (every term, so the lines add up)."""
         gb = lambda x: f"{x / 2**30:8.2f} GB"  # noqa: E731
-        rows = [("params", self.params), ("grads", self.grads), ("master", self.master),
-                ("optimizer", self.optimizer), ("buffers", self.buffers), ("gather", self.gather),
-                ("reduce", self.reduce), ("io_buffers", self.io_buffers),
-                ("activations", self.activations or 0), ("model copy", self.model_copy)]
-        head = (f"fz estimate: {self.num_params / 1e6:,.1f}M params, ZeRO stage {self.stage}, {self.precision}, "
-                f"{self.nodes} node(s) x {self.ranks_per_node} rank(s)")
-        body = [f"  {k:<12}{gb(v)}  per rank" for k, v in rows if v]
-        tail = [f"  per device {gb(self.per_device)} (peak)   per host {gb(self.per_host)}   "
-                f"on disk {gb(self.per_disk)} per node"]
-        return "\n".join([head, *body, *tail])
+
+        def block(title: str, total: int, terms: list[tuple[str, int]]) -> list[str]:
+            return [f"  {title:<44}{gb(total)}", *(f"    {k:<42}{gb(v)}" for k, v in terms if v)]
+
+        when, device = self.device_peak()
+        disk = [(k, v) for k, v in self.tiers["disk"].items()]
+        n = self.ranks_per_node
+        lines = [f"fz estimate: {self.num_params / 1e6:,.1f}M params, ZeRO stage {self.stage}, {self.precision}, "
+                 f"{self.nodes} node(s) x {n} rank(s)",
+                 *block("model states per rank (as fz.memory_report)", self.model_states,
+                        [("params", self.params), ("grads", self.grads), ("master", self.master),
+                         ("optimizer", self.optimizer)]),
+                 *block(f"per device, at its peak ({when})", self.per_device, device),
+                 *block("per rank on the host", self.per_rank_host, self.host_terms()),
+                 f"  {f'per host ({n} rank(s) x the line above)':<44}{gb(self.per_host)}"]
+        if self.per_disk:
+            lines += [*block("on disk per rank", self.per_disk // n, disk),
+                      f"  {f'on disk per node ({n} rank(s))':<44}{gb(self.per_disk)}"]
+        return "\n".join(lines)
 
 
 def _rank_plan(buckets, world: int, shards: int, rank: int = 0) -> ShardPlan:
