@@ -2,6 +2,8 @@
 object where a State goes, a Spec keyword typo, a model the default loss cannot call."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -76,3 +78,29 @@ def test_a_model_given_to_save_or_restore_is_named(tmp_path, state):
         fz.restore(fz.Spec(), tmp_path)
     with pytest.raises(fz.ConfigError, match=r"^Checkpointer\.save " + EXPECTS + r"None"):
         fz.Checkpointer(tmp_path).save(None)
+
+
+def test_restoring_a_step_that_is_not_there_lists_the_steps(tmp_path):
+    fz.save(fz.init(Net(), fz.Spec()), tmp_path)
+    with pytest.raises(fz.CheckpointError, match=r"^no checkpoint .*step_7: there is no step 7 in .* \(committed "
+                                                 r"steps: \[0\]\)$"):
+        fz.restore(fz.init(Net(), fz.Spec()), tmp_path / "step_7")
+
+
+def test_saving_where_nothing_can_be_written_names_the_path(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(fz.CheckpointError, match=r"^fz\.save: cannot write the checkpoint directory .*file/ckpt: "
+                                                 r"Not a directory \(NotADirectoryError\)"):
+        fz.save(fz.init(Net(), fz.Spec()), tmp_path / "file" / "ckpt")
+
+
+def test_restoring_at_another_world_size_says_what_keeps_the_global_batch(tmp_path):
+    import json
+
+    from fz.ckpt.checkpointer import _world_note
+    st = fz.init(Net(), fz.Spec(grad_accum=2))
+    for saved, says in ((4, r"; saved at world 4, restored at world 1: with the same rows per rank the global batch "
+                            r"is 0\.25x what it was \(Spec\(grad_accum=8\) keeps it\)$"),
+                        (1, r"^$")):
+        (tmp_path / "fz.json").write_text(json.dumps({"world": saved}))
+        assert re.search(says, _world_note(tmp_path, st)), _world_note(tmp_path, st)

@@ -28,7 +28,7 @@ from typing import Any
 from fz.background import on_next_call
 from fz.ckpt import arguments, loader, manifest, saver, signing
 from fz.ckpt.group import GroupCache, state_ranks
-from fz.ckpt.layout import PathLike, committed_steps, read_latest, resolve, step_name
+from fz.ckpt.layout import META, PathLike, committed_steps, read_json, read_latest, resolve, step_name
 from fz.distributed import guards, peers
 from fz.distributed.arrival import arrive
 from fz.errors import CheckpointError, ConfigError
@@ -201,7 +201,11 @@ class Checkpointer:
             out = loader.load(state, self.root, self._group(state), step=step, strict=strict,
                               with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel,
                               key=self._key)
-        self._report(first, "restored", resolve(self.root, step), t0)
+        where = resolve(self.root, step)
+        note = _world_note(where, state) if state.plan.rank == min(state.plan.ranks) else ""
+        if note and not first:  # verbose=False silences the restore line, not this
+            logger("ckpt").warning(f"fz: restored {where}{note.replace(';', ':', 1)}")
+        self._report(first, "restored", where, t0, note)
         return out
 
     def _reports(self, state: State) -> bool:
@@ -364,3 +368,21 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     wait_for_checkpoints()
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
+
+
+def _world_note(where: Path, state: State) -> str:
+    """Restoring at another world size changes the global batch (the same rows per rank, more or
+    fewer ranks): said in the restore line, with the grad_accum that keeps it."""
+    try:
+        saved = int(read_json(where / META)["world"])
+    except (ConfigError, KeyError, TypeError, ValueError, OSError):
+        return ""
+    now, accum = len(state.plan.ranks), state.spec.grad_accum
+    if saved == now:
+        return ""
+    keep = accum * saved / now
+    fix = (f"Spec(grad_accum={int(keep)}) keeps it" if keep == int(keep) and keep >= 1
+           else f"no whole grad_accum keeps it ({accum} x {saved} / {now}): change the rows per rank")
+    return (f"; saved at world {saved}, restored at world {now}: with the same rows per rank the global batch is "
+            f"{now / saved:g}x what it was ({fix})")
+

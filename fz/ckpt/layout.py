@@ -131,6 +131,10 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
     `path` may also be a step directory itself.
     """
     root = Path(path)
+    if step is None and _STEP_RE.match(root.name) and not root.exists():
+        have = committed_steps(root.parent)
+        raise CheckpointError(f"no checkpoint {root}: there is no step {root.name.split('_', 1)[1]} in {root.parent} "
+                              f"(committed steps: {have or 'none'})")
     if step is None and (_STEP_RE.match(root.name) or any((root / n).exists() for n in (MANIFEST, META, ".metadata"))):
         return root  # a step directory itself
     if step is not None:

@@ -38,7 +38,7 @@ from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
 from fz.compat import FileSystemWriter
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.state import State, block_until_ready
 from fz.storage.disk import DiskTensor, load
 from fz.version import __version__
@@ -218,7 +218,14 @@ def _tensor_totals(md) -> dict[str, int]:
 
 def _prepare_dir(root: Path, step: int) -> None:
     """Phase 1 on rank 0: the root exists, leftovers are gone, step_<N>.tmp is empty."""
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".fz-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"fz.save: cannot write the checkpoint directory {root}: {e.strerror or e} "
+                              f"({type(e).__name__}); choose a directory this process can create and write") from e
     if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
         raise ConfigError(
             f"step {step} is already the latest checkpoint in {root}; saving it again would first "
