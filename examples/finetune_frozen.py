@@ -120,7 +120,7 @@ def main() -> None:
         state = fz.load_weights(state, args.weights, strict=False)
     if rank == 0:
         for note in notes:  # the adapter and head are new: they keep fz.init's values
-            print(f"load_weights: {note.message}")
+            print(f"load_weights (expected: the file holds the trunk, the adapter and head are new): {note.message}")
 
     mem = fz.memory_report(state)
     if rank == 0:

@@ -44,21 +44,24 @@ def main() -> None:
     ap.add_argument("--out", default="hf_export")
     ap.add_argument("--ckpt-dir", default="checkpoints/hf_causal_lm")
     ap.add_argument("--ci", action="store_true", help="a short run")
+    ap.add_argument("--explain", action="store_true", help="print where each Spec value came from (JSON, auto)")
     args = ap.parse_args()
     steps = 40 if args.ci else args.steps
 
     rank, world = fz.distributed.init()
     config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)  # token ids within this byte vocabulary
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)  # built normally: fz takes rank 0's values (HF modules lack reset_parameters)
+    model.loss_type = "ForCausalLM"  # GPT-2 leaves it None, and transformers warns at the first loss
 
     # The HF Trainer's way: the JSON says "auto", the code gives the values (explain() shows which went where).
     spec = fz.Spec.from_deepspeed(HERE / "hf_ds_config.json", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
                                   micro_batch=8, grad_accum=1, clip_grad_norm=1.0, precision="fp32",
                                   total_steps=steps, warmup_steps=steps // 10)
     spec = spec.replace(loss_fn=loss_fn)
-    if rank == 0:
+    if rank == 0 and args.explain:
         print(spec.explain())
     state = fz.init(model, spec)  # GPT2's blocks (transformer.h.*) are the ZeRO-3 units
 

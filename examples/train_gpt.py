@@ -3,7 +3,7 @@ machine with Python has the corpus), with fz: ZeRO stage 0-3, checkpoints, resum
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     ... examples/train_gpt.py --steps 400 --save-every 100          # checkpoints in checkpoints/train_gpt
-    ... examples/train_gpt.py --steps 600 --resume                  # continue exactly where it stopped
+    ... examples/train_gpt.py --steps 600 --resume --save-every 100 # continue exactly where it stopped
     ... examples/train_gpt.py --deepspeed examples/ds_config.json   # the spec from a DeepSpeed config
     ... examples/train_gpt.py --offload cpu                         # optimizer state in host memory (or nvme)
     .venv/bin/python examples/train_gpt.py --ci                     # one process, a short run
@@ -209,6 +209,8 @@ def main() -> None:
             monitor.log({"eval/loss": evaluate(state, heldout, args.eval_batches)}, step)
         if args.save_every and step % args.save_every == 0:
             ckpt.save(loader.attach(state))  # the data position goes into the checkpoint
+    if args.save_every and ckpt.latest_step() != int(state.step):  # the last steps too
+        ckpt.save(loader.attach(state))
     ckpt.close()
     monitor.close()
     if rank == 0 and losses:

@@ -3,7 +3,7 @@ train loop, eval, a checkpoint every N steps, resume, export. Copy it and replac
 three parts marked YOURS.
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 examples/your_model.py
-    (run it again: it resumes from checkpoints/your_model, data position included)
+    (run it again with a larger --steps: it resumes from checkpoints/your_model, data position included)
     .venv/bin/python examples/your_model.py --ci            # one process, a short run
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:  # YOURS: (model, ba
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=400, help="train until this step (a rerun resumes up to it)")
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--ckpt-dir", default="checkpoints/your_model")
     ap.add_argument("--ci", action="store_true", help="a short run")
@@ -95,7 +95,9 @@ def main() -> None:
         test = MyData(512, seed=1)
         with torch.no_grad():
             exported = F.mse_loss(model(test.x), test.y).item()
-        trained = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; " if losses else "nothing left to train; "
+        trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; " if losses else
+                   f"nothing left to train: {args.ckpt_dir} is at step {int(state.step)}, and --steps {steps} "
+                   "stops there (pass a larger --steps to go on); ")
         print(f"{trained}the exported model's held-out loss: {exported:.4f}")
 
 

@@ -77,12 +77,14 @@ def test_dry_run_prints_each_nodes_exact_command(tmp_path, capsys, monkeypatch):
     (tmp_path / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\n")
     out = _dry(["--hostfile", "hosts", "--exclude", "worker-2:0@worker-3:0,1", "--master_port", "29555"],
                capsys, tmp_path, monkeypatch)
-    assert [line for line in out if line.startswith("#")] == ["# node 0: worker-1", "# node 1: worker-2",
-                                                              "# node 2: worker-3"]
+    assert [line for line in out if line.startswith("# node")] == ["# node 0: worker-1", "# node 1: worker-2",
+                                                                   "# node 2: worker-3"]
     cmds = [line for line in out if not line.startswith("#")]
+    through = [line for line in out if line.startswith("#   through ")]
     for rank, (host, devices) in enumerate([("worker-1", "0,1,2,3"), ("worker-2", "1,2,3"), ("worker-3", "2,3")]):
-        c = cmds[rank]
-        assert c.startswith(f"ssh -o BatchMode=yes {host} ") or c.startswith(f"pdsh -S -w {host} "), c
+        c, t = cmds[rank], through[rank].split(": ", 1)[1]
+        assert t.startswith(f"ssh -o BatchMode=yes {host} ") or t.startswith(f"pdsh -S -w {host} "), t
+        assert c.startswith(f"cd {tmp_path} && ") and "'" not in c, c  # readable: no shell quoting layers
         assert f"CUDA_VISIBLE_DEVICES={devices} " in c and "NCCL_IB_DISABLE=1" in c, c
         assert f"--nnodes=3 --nproc-per-node={len(devices.split(','))} --node-rank={rank} " \
                f"--master-addr=worker-1 --master-port=29555 train.py --deepspeed --deepspeed_config ds.json" in c, c

@@ -109,7 +109,8 @@ def plan_nodes(args) -> list[NodeProcess]:
                 argv.insert(4, "--standalone")
             out.append(NodeProcess(host, argv, dict(os.environ, **commands.node_env(job, hosts[host]))))
         else:
-            out.append(NodeProcess(host, commands.remote_argv(job, rank, host, launcher), watch_stdin=True))
+            out.append(NodeProcess(host, commands.remote_argv(job, rank, host, launcher), watch_stdin=True,
+                                   runs=commands.readable_line(job, rank, host)))
     return out
 
 
@@ -123,6 +124,10 @@ def run(args) -> int:
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
                              if k == "CUDA_VISIBLE_DEVICES") if n.env is not None else ""
             print(f"# node {i}: {n.name}")
-            print((shown + " " if shown else "") + shlex.join(n.argv))
+            if n.runs is not None:  # remote: what the host runs, then how it gets there (quoted for the shell)
+                print(n.runs)
+                print(f"#   through {n.argv[0]} (stopped when the launcher exits): {shlex.join(n.argv)}")
+            else:
+                print((shown + " " if shown else "") + shlex.join(n.argv))
         return 0
     return run_nodes(nodes)

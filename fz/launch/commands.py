@@ -74,6 +74,14 @@ def shell_line(job: Job, node_rank: int, host: str, watch_stdin: bool = True) ->
             f"wait $p; s=$?; kill $w 2>/dev/null; exit $s")
 
 
+def readable_line(job: Job, node_rank: int, host: str) -> str:
+    """The command `host` runs, as a person would type it there (what --dry-run shows first)."""
+    slots = job.hosts[host]
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(node_env(job, slots).items()))
+    run = shlex.join(torchrun_argv(job, node_rank, slots))
+    return f"cd {shlex.quote(job.cwd)} && " + (f"{exports} {run}" if exports else run)
+
+
 def remote_argv(job: Job, node_rank: int, host: str, launcher: str) -> list[str]:
     """ssh or pdsh, running the node's shell line on `host`."""
     line = shell_line(job, node_rank, host)

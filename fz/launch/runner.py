@@ -16,6 +16,7 @@ class NodeProcess:
     argv: list[str]
     env: dict[str, str] | None = None  # None: inherit this process's environment
     watch_stdin: bool = False  # ssh/pdsh: closing its stdin stops the remote job
+    runs: str | None = None  # ssh/pdsh: the command the host runs, readable (--dry-run shows it, argv apart)
 
 
 def _stop(procs: list[subprocess.Popen], sig: int) -> None:
