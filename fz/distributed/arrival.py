@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from fz.distributed import peers
 from fz.errors import ConfigError
 
@@ -32,12 +34,13 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
     _calls[ident] += 1
     base = f"fz/call/{api}/{min(ranks)}-{len(ranks)}/{_calls[ident]}"
     keys = [f"{base}/{r}" for r in ranks]
-    store.set(f"{base}/{rank}", b"1")
+    store.set(f"{base}/{rank}", "1")  # stored as the bytes b"1"
     with peers.waiting():
         _wait_for_all(store, api, ident, base, keys, ranks, rank)
 
 
-def _wait_for_all(store, api, ident, base, keys, ranks, rank) -> None:
+def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]], base: str, keys: list[str],
+                  ranks: Sequence[int], rank: int) -> None:
     deadline = time.monotonic() + peers.timeout_s()
     while True:
         try:
