@@ -82,7 +82,7 @@ class InitialValues:
 
     def __init__(self, model: nn.Module, seed: int, device: torch.device, init_fn: InitFn | None = None):
         self.model, self.seed, self.device, self.init_fn = model, seed, device, init_fn
-        self.tensors = dict(model.named_parameters(remove_duplicate=True))
+        self.tensors: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.tensors.update(model.named_buffers(remove_duplicate=True))
         self.unset: list[tuple[str, str, str]] = []  # (kind, canonical name, why)
 
@@ -114,8 +114,9 @@ class InitialValues:
         twin._modules = dict(module._modules)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(self.seed, mname))
-            if hasattr(twin, "reset_parameters"):
-                twin.reset_parameters()
+            reset = getattr(twin, "reset_parameters", None)
+            if reset is not None:
+                reset()
             self._model_init(twin, mname)
             if self.init_fn is not None:
                 self.init_fn(mname, twin)
@@ -144,8 +145,9 @@ class InitialValues:
         parts = name.split(".") if name else []
         for k in range(len(parts), -1, -1):
             owner = self.model.get_submodule(".".join(parts[:k]))
-            if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
-                return owner._init_weights
+            init = getattr(owner, "_init_weights", None)
+            if callable(init) and hasattr(owner, "config"):
+                return init
         return None
 
     def _materialize(self, module: nn.Module, mname: str, full_names: list[str]) -> dict[str, Tensor]:
@@ -158,6 +160,7 @@ class InitialValues:
         for n, leaf, v in zip(full_names, leaves, values):
             unset = still_filled(v)
             if sentinel(v) is None:
+                assert again is not None, "made above for every value without a sentinel"
                 unset &= still_filled(self._leaf(again, leaf), True)
             if bool(unset.any()):
                 self.unset.append(("parameter" if leaf in module._parameters else "buffer", n,
@@ -166,8 +169,12 @@ class InitialValues:
 
     @staticmethod
     def _leaf(twin: nn.Module, leaf: str) -> Tensor:
-        t = twin._parameters.get(leaf)
-        return (twin._buffers.get(leaf) if t is None else t).detach()
+        t: Tensor | None = twin._parameters.get(leaf)
+        if t is None:
+            t = twin._buffers.get(leaf)
+        if t is None:
+            raise ConfigError(f"{type(twin).__name__}.{leaf} is None after its reset_parameters() / init_fn")
+        return t.detach()
 
     def _why(self, module: nn.Module, unset: Tensor) -> str:
         part = "" if bool(unset.all()) else f"{int(unset.sum())} of {unset.numel()} elements "
