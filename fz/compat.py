@@ -20,12 +20,12 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "al
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
-def all_gather_single(out: Tensor, inp: Tensor, **kwargs: Any):
+def all_gather_single(out: Tensor, inp: Tensor, **kwargs: Any) -> dist.Work | None:
     """`out` = every rank's `inp` concatenated in rank order (torch's all-gather into one tensor)."""
     return getattr(dist, _ALL_GATHER)(out, inp, **kwargs)
 
 
-def reduce_scatter_single(out: Tensor, inp: Tensor, **kwargs: Any):
+def reduce_scatter_single(out: Tensor, inp: Tensor, **kwargs: Any) -> dist.Work | None:
     """`out` = this rank's 1/world of every rank's `inp`, reduced (torch's reduce-scatter of one tensor)."""
     return getattr(dist, _REDUCE_SCATTER)(out, inp, **kwargs)
 

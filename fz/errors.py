@@ -31,6 +31,6 @@ class PeerError(RuntimeError):
     """Another rank stopped answering (died, frozen) or left a collective: raised on every rank that
     waits for it, naming the lost rank(s) when they can be told and what this rank was doing."""
 
-    def __init__(self, message: str, ranks=(), step=None):
+    def __init__(self, message: str, ranks: Iterable[int] = (), step: int | None = None):
         super().__init__(message)
         self.ranks, self.step = tuple(ranks), step

@@ -19,7 +19,7 @@ from fz.model.skeleton import bucket_entries, build_skeleton
 from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, param_to_disk
 from fz.optim.transforms import current_lr
 from fz.rng import seeded
-from fz.sharding.buckets import make_buckets
+from fz.sharding.buckets import Bucket, make_buckets
 from fz.sharding.comm import Comm, full_views, pack
 from fz.sharding.mesh import make_mesh
 from fz.sharding.opt_state import merge_opt_states, wrap_opt_state
@@ -68,7 +68,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
     check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     comm = Comm(plan)
 
-    disk_opt = spec.offload is not None and spec.offload.optimizer == "disk"
+    disk_policy = spec.offload if spec.offload is not None and spec.offload.optimizer == "disk" else None
     if spec.offload is not None:
         check_room_at_init(spec.offload, plan, spec.optimizer, spec.precision != "fp32")
     values = InitialValues(model, spec.seed, device, spec.init_fn)
@@ -84,9 +84,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
             flat = host_tree(flat, pin)
         if host_opt and mflat is not None:
             mflat = host_tree(mflat, pin)
-        if disk_opt and b.trainable:  # straight to disk, one bucket at a time
+        if disk_policy is not None and b.trainable:  # straight to disk, one bucket at a time
             local = spec.optimizer.init(dict(zip((s.name for s in b.slots), plan.opt_locals(flat, mflat, b))))
-            mflat, opt_b = bucket_init_on_disk(spec.offload, plan, b, mflat, local)
+            mflat, opt_b = bucket_init_on_disk(disk_policy, plan, b, mflat, local)
             on_disk.append(opt_b)
         if spec.offload is not None and spec.offload.params == "disk" and b.sharded_param:
             flat = param_to_disk(spec.offload, plan, b, flat)
@@ -100,10 +100,10 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
                   for s, v in zip(b.slots, full_views(p, b))}
     check_replicated(plan, dict(replicated, **{f"buffer {n!r}": t for n, t in buffers.items()}))
 
-    if disk_opt:
+    if disk_policy is not None:
         opt_state = merge_opt_states(on_disk, {s.name for b in buckets for s in b.slots})
     else:
-        opt_params = {}
+        opt_params: dict[str, Tensor] = {}
         for b, (flat, mflat) in zip(buckets, storages):
             if b.trainable:
                 locals_ = plan.opt_locals(flat, mflat, b)
@@ -130,7 +130,7 @@ _DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank 
              "path may differ).")
 
 
-def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b, spec: Spec,
+def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b: Bucket, spec: Spec,
                     initial: InitialValues) -> tuple[Tensor, Tensor | None]:
     """This rank's (param storage, fp32 master storage or None) for bucket `b`, initialised.
 

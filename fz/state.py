@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
@@ -66,7 +68,7 @@ class State:
                           lambda b: b.place.opt)
 
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         return self.plan.mesh
 
     def replace(self, **changes: Any) -> State:
@@ -104,7 +106,7 @@ class State:
         return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "
                 f"{n:,} elements, stage={self.spec.stage}, mesh={mesh})")
 
-    def __deepcopy__(self, memo) -> State:
+    def __deepcopy__(self, memo: dict[int, Any]) -> State:
         """Every tensor copied (parameters still arriving are waited for: their copy is whole)."""
         self.check_alive("copy.deepcopy")
         return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else _copy_leaf(x, memo), self)
@@ -143,7 +145,7 @@ def block_until_ready(state: State) -> State:
     return dataclasses.replace(state, param_flats=tuple(leaves))
 
 
-def _copy_leaf(x: Any, memo) -> Any:
+def _copy_leaf(x: Any, memo: dict[int, Any]) -> Any:
     return copy.deepcopy(x, memo)
 
 
@@ -169,16 +171,16 @@ class _Static:
         return f"fz.State static(stage={self.spec.stage}, buckets={len(self.plan.buckets)})"
 
 
-def _flatten(s: State):
+def _flatten(s: State) -> tuple[list[Any], _Static]:
     s.check_alive("flattening a State")
     return [getattr(s, f) for f in _LEAVES], _Static(s.skeleton, s.spec, s.plan)
 
 
-def _unflatten(values, context: _Static) -> State:
+def _unflatten(values: Iterable[Any], context: _Static) -> State:
     return State(**dict(zip(_LEAVES, values)), skeleton=context.skeleton, spec=context.spec, plan=context.plan)
 
 
-def _flatten_with_keys(s: State):
+def _flatten_with_keys(s: State) -> tuple[list[tuple[pytree.KeyEntry, Any]], _Static]:
     leaves, context = _flatten(s)
     return [(pytree.GetAttrKey(k), v) for k, v in zip(_LEAVES, leaves)], context
 

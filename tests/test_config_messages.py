@@ -25,7 +25,8 @@ def test_explain_names_where_a_derived_batch_size_came_from():
     derived = fz.Spec.from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, world_size=2)
     assert derived.grad_accum == 2
     assert "train_batch_size / (train_micro_batch_size_per_gpu * world_size)" in _row(derived, "grad_accum")
-    assert derived.provenance.keys["grad_accum"] != "gradient_accumulation_steps"
+    assert derived.provenance.ds_keys["grad_accum"] != "gradient_accumulation_steps"
+    assert dict(derived.provenance)["grad_accum"] == derived.provenance["grad_accum"]  # a Mapping: keys() works
     micro = fz.Spec.from_deepspeed({"train_batch_size": 32, "gradient_accumulation_steps": 2}, world_size=2)
     assert "train_batch_size / (gradient_accumulation_steps * world_size)" in _row(micro, "micro_batch")
     only = fz.Spec.from_deepspeed({"train_batch_size": 8}, world_size=2)

@@ -47,6 +47,7 @@ class _Pending:
     thread of its own, because phases 3-4 run collectives and must follow the write."""
 
     def __init__(self, job: saver.SaveJob, done=None):
+        self.error: BaseException | None  # _finish's, if the save failed
         self.step, self.error, self.done = job.step, None, done
         self.where = job.root / step_name(job.step)
         written = job.launch()
@@ -278,7 +279,7 @@ def raise_failed_saves() -> None:
     with _lock:
         failed = [c for c in _unwaited if c._pending is not None and c._pending.failed]
     if failed:
-        where = failed[0]._pending.where
+        where = failed[0]._pending.where  # type: ignore[union-attr]  # not None: filtered above
         try:
             failed[0].wait()
         except BaseException as e:  # noqa: BLE001 - re-raised naming the checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickletools
 import struct
 import zipfile
+from io import BufferedReader
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ _MAX_PICKLE = 1 << 16  # a tensor record's pickle is ~150 bytes
 class _Slice:
     """A read-only file object over [start, start + length) of a file, for zipfile."""
 
-    def __init__(self, f, start: int, length: int):
+    def __init__(self, f: BufferedReader, start: int, length: int):
         self.f, self.start, self.length, self.pos = f, start, length, 0
 
     def seek(self, pos: int, whence: int = 0) -> int:
@@ -54,7 +55,7 @@ def _parse(data: bytes) -> Any:
     ('pid', tuple), ('call', func, args). Opcodes beyond plain data and one call are refused."""
     stack: list[Any] = []
     marks: list[int] = []
-    memo = {}
+    memo: dict[Any, Any] = {}  # memo index -> value
     for op, arg, _ in pickletools.genops(data):
         name = op.name
         if name in ("PROTO", "FRAME"):
@@ -64,6 +65,7 @@ def _parse(data: bytes) -> Any:
         elif name in _CONST:
             stack.append(_CONST[name])
         elif name == "GLOBAL":
+            assert isinstance(arg, str)  # pickletools gives GLOBAL "module name"
             module, _, attr = arg.partition(" ")
             stack.append(("global", module, attr))
         elif name == "MARK":
@@ -115,7 +117,7 @@ def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: tupl
                           f"({type(e).__name__}: {e})") from e
 
 
-def _read(f, at: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Tensor:
+def _read(f: BufferedReader, at: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Tensor:
     z = zipfile.ZipFile(_Slice(f, at, length))
     names = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
     pkl = names.get("data.pkl")

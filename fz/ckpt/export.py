@@ -87,7 +87,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
 
     try:
         for k in names:
-            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))  # noqa: B008 - binds this k
+            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))  # type: ignore[misc]  # noqa: B008 - binds this k
         writer.close()
     except BaseException as e:
         # before abort

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -106,7 +107,8 @@ def _check(index: Any) -> None:
 
 def metadata_of(index: dict[str, Any]) -> Metadata:
     """DCP's Metadata, rebuilt from the index (for DCP's planners)."""
-    sd, storage = {}, {}
+    sd: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
     for key, t in index["tensors"].items():
         chunks = []
         for c in t["chunks"]:
@@ -121,6 +123,7 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = metadata_of(read_index(Path(self.path)))
+        assert md.storage_meta is not None  # metadata_of makes one
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -136,6 +139,8 @@ class SafeReader(dcp.FileSystemReader):
                 raise CheckpointError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
             info = self.storage_data[req.storage_index]
             m = sd[req.storage_index.fqn]
+            if not isinstance(m, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
             chunk = next(c for c in m.chunks if c.offsets == req.storage_index.offset)
             tensor = read_chunk(Path(self.path) / info.relative_path, info.offset, info.length,
                                 m.properties.dtype, tuple(chunk.sizes))

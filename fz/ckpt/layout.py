@@ -69,8 +69,8 @@ def read_json(path: Path) -> Any:
 
 
 def _no_space(err: BaseException) -> bool:
-    seen = set()
-    stack = [err]
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

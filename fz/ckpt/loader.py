@@ -105,7 +105,9 @@ def _derived_rng(state: State, step: int, rank: int) -> Tensor:
 
 def _params_from_master(state: State) -> None:
     """Mixed precision: params = master weights cast to the compute dtype, in place."""
-    for name, m in state.master.items():
+    master = state.master
+    assert master is not None  # called in mixed precision only
+    for name, m in master.items():
         p = state.params[name]
         src = m if tuple(m.placements) == tuple(p.placements) else m.redistribute(m.device_mesh, p.placements)
         p._local_tensor.copy_(src.to_local())

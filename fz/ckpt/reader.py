@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from fz.ckpt.index import SafeReader
@@ -25,6 +26,8 @@ Put = Callable[[tuple[int, ...], Tensor], None]
 
 class _Sink(Tensor):
     """A tensor without storage: DCP's `target.copy_(chunk)` passes `chunk` to `put`."""
+
+    _put: Callable[[Tensor], None]
 
     @staticmethod
     def __new__(cls, size: torch.Size, dtype: torch.dtype, put: Callable[[Tensor], None]):
@@ -71,7 +74,7 @@ class CheckpointReader:
         self.dir = Path(directory)
         self._reader = SafeReader(self.dir)
         self._md = self._reader.read_metadata()  # fz's JSON index, read once
-        self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if hasattr(m, "size")}
+        self.meta = {k: m for k, m in self._md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
         self.chunks = 0
 
     def keys(self) -> list[str]:

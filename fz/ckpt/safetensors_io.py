@@ -66,7 +66,7 @@ class StreamWriter:
                 or any(o < 0 or o + n > s for o, n, s in zip(offsets, box, shape))):
             raise CheckpointError(f"StreamWriter: got {name} {chunk.dtype} {box} at {tuple(offsets)}, "
                               f"expected a part of {name} {dtype} {shape}")
-        data = memoryview(chunk.contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy().data
         for at, run in _runs(shape, offsets, box, dtype.itemsize):
             self._pwrite(data[:run], self.data_start + start + at)
             data = data[run:]

@@ -53,9 +53,9 @@ def _stage(t: Tensor) -> Tensor:
     deep-copy each DTensor, which fails ("invalid python storage") when its local tensor is a
     view at a nonzero storage offset, as fz's bucket views are; and they would copy the bucket.
     """
-    if _on_disk(t):  # a snapshot on disk (the step may delete the file it read): no memory
-        return DTensor(t._local_tensor.copy_to_new_blob(), t._spec, requires_grad=False)
     if isinstance(t, DTensor):
+        if isinstance(t._local_tensor, DiskTensor):  # a snapshot on disk (the step may delete what it read)
+            return DTensor(t._local_tensor.copy_to_new_blob(), t._spec, requires_grad=False)
         local = t._local_tensor.detach().to("cpu", copy=True)
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
@@ -189,7 +189,8 @@ def _my_share(tensors: dict[str, Tensor], rank: int, world: int) -> dict[str, Te
     tensors go to the least-loaded rank, largest first: the same choice on every rank."""
     if world == 1:
         return tensors
-    load, out = [0] * world, {}
+    load = [0] * world
+    out: dict[str, Tensor] = {}
     for k in sorted(tensors, key=lambda k: (-tensors[k].numel() * tensors[k].element_size(), k)):
         t = tensors[k]
         if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from fz.errors import ConfigError
 from fz.state import State
@@ -23,7 +25,7 @@ from fz.state import State
 _TENSOR, _TUPLE = "__fz_tensor__", "__fz_tuple__"
 
 
-def path_key(path) -> str:
+def path_key(path: Sequence[Any]) -> str:
     parts = []
     for e in path:
         if isinstance(e, pytree.MappingKey):
@@ -43,7 +45,7 @@ def opt_leaves(opt_state: Any) -> dict[str, Tensor]:
     return {"opt/" + path_key(p): x for p, x in leaves if isinstance(x, Tensor)}
 
 
-def weights(state: State) -> dict[str, Tensor]:
+def weights(state: State) -> dict[str, DTensor]:
     """The weights' source of truth: fp32 master weights when present, else the parameters."""
     return state.master if state.master is not None else state.params
 

@@ -99,6 +99,7 @@ def _batch(r: Reader, cfg: dict[str, Any], world: int) -> tuple[int | None, int]
         return f"{key}={known[key]}" + (f" ({fill[key]}=)" if source.get(key) == "auto" and fill[key] else "")
 
     if len(known) == 3:
+        train, micro, accum = (known[k] for k in BATCH_KEYS)
         if train != micro * accum * world:
             raise ConfigError(f"{show('train_batch_size')} != {show('train_micro_batch_size_per_gpu')} * "
                               f"{show('gradient_accumulation_steps')} * world_size={world} "
@@ -106,6 +107,7 @@ def _batch(r: Reader, cfg: dict[str, Any], world: int) -> tuple[int | None, int]
     elif len(known) == 2:
         derived = "auto" if pending or "auto" in source.values() else "config"
         if train is None:
+            micro, accum = known[BATCH_KEYS[1]], known[BATCH_KEYS[2]]
             train = micro * accum * world
             known["train_batch_size"], source["train_batch_size"] = train, derived
             how["train_batch_size"] = f"{BATCH_KEYS[1]} * {BATCH_KEYS[2]} * world_size"
@@ -121,8 +123,8 @@ def _batch(r: Reader, cfg: dict[str, Any], world: int) -> tuple[int | None, int]
         pending = []
     if pending:
         key = pending[0]
-        how = f"pass {fill[key]}=... or " if fill[key] else ""
-        raise ConfigError(f'{key}: "auto" is left without a value ({how}give two of {", ".join(BATCH_KEYS)})')
+        hint = f"pass {fill[key]}=... or " if fill[key] else ""
+        raise ConfigError(f'{key}: "auto" is left without a value ({hint}give two of {", ".join(BATCH_KEYS)})')
     if len(known) == 1 and train is not None:  # DeepSpeed: accumulation 1, micro = train / world
         if train % world:
             raise ConfigError(f"train_batch_size={train} is not divisible by world_size={world} "
@@ -154,7 +156,7 @@ def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
         r.ignore_all("bfloat16", cfg["bfloat16"], "bf16 wins, as in DeepSpeed")
     sections = {key: r.section("", cfg, name) for key, name in names.items()}
     kw = r.keyword("precision")
-    enabled = {}
+    enabled: dict[str, tuple[bool, str, dict[str, Any]]] = {}
     for key, other in (("fp16", "bf16"), ("bf16", "fp16")):
         name, d = names[key], sections[key]
         path, v = f"{name}.enabled", d.get("enabled")
@@ -177,19 +179,19 @@ def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
             enabled[key] = r.get(name, d, "enabled", boolean, False, auto="precision") + (d,)
     if enabled["fp16"][0] and enabled["bf16"][0]:
         raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one")
-    key = "fp16" if enabled["fp16"][0] else "bf16" if enabled["bf16"][0] else None
-    precision, src = ("fp32", "default") if key is None else (key, enabled[key][1])
-    if key is None and (enabled["fp16"][1] == "auto" or enabled["bf16"][1] == "auto"):
+    on = "fp16" if enabled["fp16"][0] else "bf16" if enabled["bf16"][0] else None
+    precision, src = ("fp32", "default") if on is None else (on, enabled[on][1])
+    if on is None and (enabled["fp16"][1] == "auto" or enabled["bf16"][1] == "auto"):
         src = "auto"
-    where = f"{names[key]}.enabled" if key else "fp16.enabled / bf16.enabled"
-    if key is not None and names[key] not in cfg:
-        where = f"precision= (adds the {key} section, as Accelerate)"
+    where = f"{names[on]}.enabled" if on else "fp16.enabled / bf16.enabled"
+    if on is not None and names[on] not in cfg:
+        where = f"precision= (adds the {on} section, as Accelerate)"
     r.record("precision", precision, src, where)
     for k, table in (("fp16", (K.FP16_USED, K.FP16_IGNORED, K.FP16_UNSUPPORTED)),
                      ("bf16", (K.BF16_USED, K.BF16_IGNORED, K.BF16_UNSUPPORTED))):
         used, ignored, unsupported = table  # an unsupported option of a section that is off does nothing
         r.check_keys(names[k], sections[k], used, ignored,
-                     unsupported if k == key else {u: (lambda v: False) for u in unsupported})
+                     unsupported if k == on else {u: (lambda v: False) for u in unsupported})
     d = enabled["fp16"][2]
     p = "fp16"
     args = dict(
@@ -200,7 +202,7 @@ def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
         consecutive_hysteresis=r.get(p, d, "consecutive_hysteresis", boolean, False)[0],
         min_loss_scale=r.get(p, d, "min_loss_scale", number(0.0, lo_open=True), 1.0)[0],
     )
-    if key != "fp16":  # checked, but only an enabled fp16 section scales the loss
+    if on != "fp16":  # checked, but only an enabled fp16 section scales the loss
         for k in args:
             if k in d:
                 r.mark(f"fp16.{k}", "ignored", "fp16 is off")
@@ -271,7 +273,7 @@ def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
     r.check_keys("", {k: v for k, v in cfg.items() if k in known}, K.TOP_USED, K.TOP_IGNORED, K.TOP_UNSUPPORTED)
 
 
-def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: bool = False, **auto: Any):
+def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: bool = False, **auto: Any) -> Any:
     """A DeepSpeed config (dict, path, or JSON text) -> `spec_cls` (fz.Spec, which calls this:
     fz.config never imports fz.spec); see the module docstring."""
     fields = {f.name: f.default for f in dataclasses.fields(spec_cls)}

@@ -24,7 +24,7 @@ class Provenance(Mapping[str, tuple[Any, str]]):
                  order: dict[str, int] | None = None):
         self._entries = dict(entries)
         self.objects = dict(objects or {})  # name -> the object in the Spec, where the entry is a description
-        self.keys = dict(keys)
+        self.ds_keys = dict(keys)  # name -> the DeepSpeed key it came from (not `keys`: Mapping's method)
         rank = dict(order or {})  # input key path -> position; keys not in the input go last
         self.outcomes: dict[str, tuple[str, str]] = dict(
             sorted((outcomes or {}).items(), key=lambda kv: rank.get(kv[0], len(rank))))
@@ -80,7 +80,7 @@ def explain(spec: Any) -> str:
             source, key = "code", "(changed after from_deepspeed)"
         elif prov is not None and f.name in prov:
             value, source = prov[f.name]
-            key = prov.keys.get(f.name, "")
+            key = prov.ds_keys.get(f.name, "")
         else:
             default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
             source = "default" if default is not dataclasses.MISSING and _equal(value, default) else "code"
@@ -89,7 +89,7 @@ def explain(spec: Any) -> str:
     if prov is not None:
         for name, (value, source) in prov.items():
             if "." in name or name in ("world_size", "train_batch_size", "scheduler"):
-                rows.append((f"  {name}", source, prov.keys.get(name, ""), _show(value)))
+                rows.append((f"  {name}", source, prov.ds_keys.get(name, ""), _show(value)))
     width = max(len(r[0]) for r in rows) + 2
     kwidth = max(len(r[2]) for r in rows) + 2 if prov is not None else 0
     head = "fz.Spec" + (f" from DeepSpeed config {prov.origin}" if prov is not None else "")

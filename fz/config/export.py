@@ -6,14 +6,17 @@ The reverse of fz/config: the same key names, tiers (TIER) and size conversions 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fz.config.offload import TIER
+
+if TYPE_CHECKING:
+    from fz.offload.policy import Offload
 
 DEVICE = {tier: device for device, tier in TIER.items()}  # fz tier -> DeepSpeed offload device
 
 
-def _offload_section(policy, tier: str) -> dict[str, Any]:
+def _offload_section(policy: Offload, tier: str) -> dict[str, Any]:
     out: dict[str, Any] = {"device": DEVICE[tier]}
     if tier == "disk":
         out["nvme_path"] = policy.path
@@ -24,8 +27,9 @@ def _offload_section(policy, tier: str) -> dict[str, Any]:
     return out
 
 
-def to_deepspeed(spec, world_size: int = 1) -> dict[str, Any]:
-    """The DeepSpeed config of `spec` (ZeRO, precision, batch sizes, clipping, checkpointing)."""
+def to_deepspeed(spec: Any, world_size: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config of `spec` (an fz.Spec, which imports fz.config: ZeRO, precision, batch
+    sizes, clipping, checkpointing)."""
     elements = int(spec.bucket_mb * 2**20 / 4)
     zero: dict[str, Any] = {"stage": spec.stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
     if spec.stage == 3:
@@ -62,6 +66,6 @@ def to_deepspeed(spec, world_size: int = 1) -> dict[str, Any]:
     return out
 
 
-def deepspeed_json(spec, world_size: int = 1, indent: int | None = 2) -> str:
+def deepspeed_json(spec: Any, world_size: int = 1, indent: int | None = 2) -> str:
     import json
     return json.dumps(to_deepspeed(spec, world_size), indent=indent)

@@ -81,10 +81,11 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 FP16_USED = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale"}
 FP16_IGNORED = {"fused_mode", "type"}
-FP16_UNSUPPORTED = {"auto_cast": in_use, "fp16_master_weights_and_grads": in_use}
+FP16_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {"auto_cast": in_use, "fp16_master_weights_and_grads": in_use}
 BF16_USED = {"enabled"}
 BF16_IGNORED = {"immediate_grad_update", "check_grad_overflow", "accumulate_grads_via_hooks"}
-BF16_UNSUPPORTED = {"bf16_master_weights_and_grads": in_use, "bf16_optimizer_states": in_use}
+BF16_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {"bf16_master_weights_and_grads": in_use,
+                                                     "bf16_optimizer_states": in_use}
 
 ACTIVATION_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                    "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}

@@ -57,15 +57,16 @@ class OptimizerConfig:
     schedule is known. `source`: "config", "auto" (from keywords) or "default"."""
 
     def __init__(self, r: Reader, cfg: dict[str, Any]):
-        self.r, self.values = r, {}
+        self.r = r
+        self.values: dict[str, Any] = {}
         d = r.section("", cfg, "optimizer")
         self.from_section = bool(d)
         if not d:  # the Trainer's torch AdamW from its arguments
             self.kind = "adamw"
             self._read({})
-            used = any(f"optimizer.{k}" in r.entries and r.entries[f"optimizer.{k}"][1] == "auto"
-                       for k in ("lr", "betas", "eps", "weight_decay"))
-            self.source = "auto" if used else "default"
+            filled = any(f"optimizer.{k}" in r.entries and r.entries[f"optimizer.{k}"][1] == "auto"
+                         for k in ("lr", "betas", "eps", "weight_decay"))
+            self.source = "auto" if filled else "default"
             r.record("optimizer.type", "AdamW", self.source, "(no optimizer section: torch's AdamW, as the Trainer)")
             return
         r.check_keys("optimizer", d, {"type", "params"}, {"legacy_fusion", "adam_w_mode"})
@@ -143,6 +144,7 @@ class OptimizerConfig:
     def build(self, lr: Any) -> tuple[optim.GradientTransformation, str]:
         """The transformation with `lr` (a number or a schedule), and how to write it in fz."""
         v, kind = self.values, self.kind
+        fn: Callable[..., optim.GradientTransformation]
         if kind in ("adam", "adamw"):
             fn = optim.adamw if self.w_mode else optim.adam
             args = dict(betas=v["betas"], eps=v["eps"], weight_decay=v["weight_decay"])

@@ -47,7 +47,7 @@ class Reader:
     def default(self, field: str) -> Any:
         return self.defaults.get(field)
 
-    def record(self, name: str, value: Any, source: str, key: str = "") -> None:
+    def record(self, name: str, value: Any, source: str, key: str | None = "") -> None:
         self.entries[name] = (value, source)
         if key:
             self.keys[name] = key

@@ -10,7 +10,7 @@ Offload sections are read by fz/config/offload.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fz.config import keys as K
@@ -28,7 +28,7 @@ HIDDEN: dict[str, tuple[Callable[[int], int], bool]] = {
 }
 
 
-def read_zero(r: Reader, cfg: dict[str, Any], fields: set) -> dict[str, Any]:
+def read_zero(r: Reader, cfg: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     raw = cfg.get(PATH)
     if isinstance(raw, bool):  # DeepSpeed's deprecated form: true means stage 1
@@ -45,13 +45,13 @@ def read_zero(r: Reader, cfg: dict[str, Any], fields: set) -> dict[str, Any]:
         out["offload"] = policy
     sizes = {k: v for k, v in (_elements(r, zero, (k,), stage) for k in ("reduce_bucket_size", "allgather_bucket_size"))
              if v is not None and k is not None}
-    for key, value in sizes.items():
+    for size_key, value in sizes.items():
         if value < 1:
-            raise ConfigError(f"{key}: {value!r} must be >= 1")
+            raise ConfigError(f"{size_key}: {value!r} must be >= 1")
     if sizes:  # one bucket size in fz: the smaller respects both limits
-        key = min(sizes, key=sizes.get)
-        out["bucket_mb"] = sizes[key] * 4 / 2**20
-        r.record("bucket_mb", out["bucket_mb"], _source(r, key), f"{key} * 4 / 2**20")
+        size_key = min(sizes, key=lambda k: sizes[k])
+        out["bucket_mb"] = sizes[size_key] * 4 / 2**20
+        r.record("bucket_mb", out["bucket_mb"], _source(r, size_key), f"{size_key} * 4 / 2**20")
     _note_auto(r, zero, "bucket_mb", ("reduce_bucket_size", "allgather_bucket_size"))
     bucket_elems = out.get("bucket_mb", r.default("bucket_mb")) * 2**20 / 4
 

@@ -108,7 +108,7 @@ def _is_iterable(dataset: Any) -> bool:
                       f"(iterable), got {type(dataset).__name__}")
 
 
-def _ranks(of: State | Spec):
+def _ranks(of: State | Spec) -> tuple[int, int]:
     if isinstance(of, State):
         plan = of.plan
         return plan.ranks.index(plan.rank), len(plan.ranks)

@@ -57,7 +57,10 @@ class Steps(IterableDataset):
         while index < n and (index + full <= n or not self.layout.drop_last):
             take = min(full, n - index)
             rows = order[index:index + take]
-            yield index, take, lambda lo, hi, rows=rows: [self.dataset[int(i)] for i in rows[lo:hi]]
+
+            def fetch(lo: int, hi: int, rows: Any = rows) -> list[Any]:
+                return [self.dataset[int(i)] for i in rows[lo:hi]]
+            yield index, take, fetch
             index += take
 
     def _read(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
@@ -74,5 +77,8 @@ class Steps(IterableDataset):
             if len(chunk) < self.layout.world:
                 raise ConfigError(f"fz.data.loader: the last step of epoch {epoch} has {len(chunk)} samples for "
                                   f"{self.layout.world} ranks; use drop_last=True")
-            yield index, len(chunk), lambda lo, hi, chunk=chunk: chunk[lo:hi]
+
+            def part(lo: int, hi: int, chunk: list[Any] = chunk) -> list[Any]:
+                return chunk[lo:hi]
+            yield index, len(chunk), part
             index += len(chunk)

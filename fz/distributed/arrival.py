@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from fz.distributed import peers
 from fz.errors import ConfigError
 
@@ -31,12 +33,12 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
     _calls[ident] += 1
     base = f"fz/call/{api}/{min(ranks)}-{len(ranks)}/{_calls[ident]}"
     keys = [f"{base}/{r}" for r in ranks]
-    store.set(f"{base}/{rank}", b"1")
+    store.set(f"{base}/{rank}", "1")  # stored as the bytes b"1"
     with peers.waiting():
         _wait_for_all(store, api, ident, base, keys, ranks, rank)
 
 
-def _poll(store, keys: list[str], seconds: float) -> bool:
+def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:
     """Whether every key exists within `seconds` (checked every few ms)."""
     end = time.monotonic() + seconds
     while not store.check(keys):
@@ -46,7 +48,8 @@ def _poll(store, keys: list[str], seconds: float) -> bool:
     return True
 
 
-def _wait_for_all(store, api, ident, base, keys, ranks, rank) -> None:
+def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]], base: str, keys: list[str],
+                  ranks: Sequence[int], rank: int) -> None:
     deadline = time.monotonic() + peers.timeout_s()
     while True:
         if _poll(store, keys, 0.5):  # polled, not store.wait: its timeouts log a C++ warning each

@@ -49,7 +49,7 @@ def _env_world() -> int | None:
     return world
 
 
-def _attempt_store(world: int, timeout: timedelta | None):
+def _attempt_store(world: int, timeout: timedelta | None) -> dist.Store:
     """torchrun's store, with keys of this restart attempt only. torchrun (2.13) keeps one store
     across `--max-restarts` attempts and its env:// rendezvous does not prefix them, so a
     restarted rank could read a dead process's gloo address and fail to connect (measured:
@@ -71,15 +71,14 @@ def init(backend: str | None = None, timeout: timedelta | None = None) -> tuple[
     dev = device_type()
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev == "cuda" else "gloo")
-        kw = {} if timeout is None else {"timeout": timeout}
         world = _env_world()
         if world is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(backend, store=_attempt_store(world, timeout), rank=int(os.environ["RANK"]),
-                                    world_size=world, **kw)
+                                    world_size=world, timeout=timeout)
         elif world is not None:
-            dist.init_process_group(backend, init_method="env://", **kw)
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             _own = dist.group.WORLD
     if dev == "cuda":
         local = os.environ.get("LOCAL_RANK")

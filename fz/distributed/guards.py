@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,14 +27,15 @@ def before_destroy(hook: Callable[[], None], order: int = 0) -> None:
             _hooks.append((order, hook))
             _hooks.sort(key=lambda oh: oh[0])
         for module in (dist, dist.distributed_c10d):
-            if not getattr(module.destroy_process_group, "_fz_guarded", False):
-                module.destroy_process_group = _guarded(module.destroy_process_group)
+            patched: Any = module  # a module attribute replaced: no static type says it may be
+            if not getattr(patched.destroy_process_group, "_fz_guarded", False):
+                patched.destroy_process_group = _guarded(patched.destroy_process_group)
 
 
-def _guarded(destroy):
+def _guarded(destroy: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(destroy)
-    def wrapper(group=None, *args, **kwargs):
-        err = None
+    def wrapper(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        err: BaseException | None = None
         if group is None or group is dist.GroupMember.WORLD:
             with _lock:
                 hooks = [h for _, h in _hooks]
@@ -46,5 +48,5 @@ def _guarded(destroy):
         if err is not None:
             raise err
         return out
-    wrapper._fz_guarded = True
+    wrapper.__dict__["_fz_guarded"] = True
     return wrapper

@@ -22,7 +22,9 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -39,6 +41,7 @@ _lock = threading.Lock()
 failed = False  # a PeerError was raised in this process: exit does not wait for collectives
 _first: PeerError | None = None  # that error: later failures repeat it without probing again
 EXITED = "finished its script"  # what a rank publishes as it exits or ends its group (arrival checks it too)
+T = TypeVar("T")
 
 
 def timeout_s() -> float:
@@ -56,7 +59,7 @@ def activity() -> str:
     return what if step is None else f"{what} at step {step}"
 
 
-def _store():
+def _store() -> dist.Store | None:
     try:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
@@ -64,7 +67,7 @@ def _store():
 
 
 class _Heartbeat(threading.Thread):
-    def __init__(self, store, rank: int):
+    def __init__(self, store: dist.Store, rank: int):
         super().__init__(name="fz-heartbeat", daemon=True)
         self.store, self.rank, self.stop = store, rank, threading.Event()
 
@@ -133,20 +136,24 @@ def _finish(how: str) -> None:
         return
     err = getattr(sys, "last_value", None)
     said = EXITED + how + ("" if err is None else f" after an error ({type(err).__name__}: {str(err)[:160]})")
-    _bounded(lambda: (beat.store.set(f"fz/doing/{beat.rank}", said), beat.store.set(f"fz/exited/{beat.rank}", "1")),
-             1.0)
+
+    def tell() -> None:
+        beat.store.set(f"fz/doing/{beat.rank}", said)
+        beat.store.set(f"fz/exited/{beat.rank}", "1")
+
+    _bounded(tell, 1.0)
 
 
-def _bounded(fn, seconds: float):
+def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
     """fn() in a thread, or None if it does not return within `seconds` (a stopped store host)."""
-    box: list = []
+    box: list[T | None] = []
     t = threading.Thread(target=lambda: box.append(_try(fn)), daemon=True)
     t.start()
     t.join(seconds)
     return box[0] if box else None
 
 
-def _try(fn):
+def _try(fn: Callable[[], T]) -> T | None:
     try:
         return fn()
     except Exception:  # noqa: BLE001 - an unreachable store is reported as such
@@ -162,7 +169,7 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
     store, me = beat.store, beat.rank
     _try(lambda: store.add(f"fz/left/{me}", 1))
 
-    def read():
+    def read() -> tuple[list[int], list[int]]:
         return ([store.add(f"fz/hb/{r}", 0) for r in range(world)],
                 [store.add(f"fz/left/{r}", 0) + store.add(f"fz/exited/{r}", 0) for r in range(world)])
 
@@ -175,7 +182,7 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
         return None, {}
     lost = [r for r in range(world) if r != me and first[0][r] == second[0][r] and not second[1][r]]
 
-    def doings():
+    def doings() -> dict[int, str]:
         keys = [f"fz/doing/{r}" for r in range(world)]
         return {r: store.get(k).decode() for r, k in enumerate(keys) if r != me and store.check([k])}
 
@@ -221,7 +228,7 @@ def _cause(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def waiting():
+def waiting() -> Iterator[None]:
     """Mark the main thread as waiting for other ranks (published by the heartbeat)."""
     global _waiting_since
     if threading.current_thread() is not threading.main_thread() or _waiting_since is not None:
@@ -248,7 +255,7 @@ def _is_comm_failure(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def translated():
+def translated() -> Iterator[None]:
     """Collectives fz does not wait for itself (DCP's): a lost peer is a PeerError there too."""
     try:
         yield
@@ -260,7 +267,7 @@ def translated():
         raise peer_error(e) from e
 
 
-def wait_work(work) -> None:
+def wait_work(work: dist.Work) -> None:
     """`work.wait()` within the timeout; a failure is a PeerError (probed once per process)."""
     with waiting():
         try:
@@ -269,13 +276,13 @@ def wait_work(work) -> None:
             raise peer_error(e) from e
 
 
-def store_for(ranks) -> object | None:
+def store_for(ranks: Sequence[int]) -> dist.Store | None:
     """The store the heartbeat uses, when `ranks` are several processes of a running job."""
     beat = _beat
     return beat.store if len(ranks) > 1 and beat is not None and beat.is_alive() else None
 
 
-def published(ranks) -> dict[int, str]:
+def published(ranks: Iterable[int]) -> dict[int, str]:
     """What each of `ranks` last said it was doing (ranks that said nothing are left out)."""
     beat = _beat
     if beat is None:

@@ -20,7 +20,7 @@ from fz.launch.runner import NodeProcess, run_nodes
 _ELASTIC = ("max_restarts", "monitor_interval", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf")
 
 
-def add_command(sub) -> None:
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("run", help="launch a training script on this machine or many (torchrun underneath)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--nproc-per-node", "--nproc_per_node", "--num-gpus", "--num_gpus", dest="num_gpus", type=int,
@@ -67,11 +67,11 @@ def _local_slots(num_gpus: int) -> list[int]:
     return list(range(count or 1))
 
 
-def _torchrun_args(args) -> list[str]:
+def _torchrun_args(args: argparse.Namespace) -> list[str]:
     return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in _ELASTIC if getattr(args, n) is not None]
 
 
-def plan_nodes(args) -> list[NodeProcess]:
+def plan_nodes(args: argparse.Namespace) -> list[NodeProcess]:
     """The node commands `args` asks for (what --dry-run prints)."""
     env = envfile.node_env(os.environ)
     slurm = _slurm_nodes() if args.launcher in ("auto", "slurm") and not args.hostfile else []
@@ -114,7 +114,7 @@ def plan_nodes(args) -> list[NodeProcess]:
     return out
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.args and args.args[0] == "--":
         args.args = args.args[1:]
     nodes = plan_nodes(args)

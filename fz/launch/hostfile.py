@@ -78,9 +78,10 @@ def select(hosts: Hosts, include: str = "", exclude: str = "", num_nodes: int = 
     if (include or exclude) and (num_nodes >= 0 or num_gpus >= 0):
         raise ConfigError("--num-nodes/--num-gpus cannot be combined with --include/--exclude (DeepSpeed's rule): "
                           "name the slots with --include instead")
+    chosen: dict[str, list[int]]
     if include:
         named = _parse_filter(include, hosts, "--include")
-        chosen = {h: (named[h] if named[h] is not None else list(s)) for h, s in hosts.items() if h in named}
+        chosen = {h: (list(s) if (n := named[h]) is None else n) for h, s in hosts.items() if h in named}
     elif exclude:
         named = _parse_filter(exclude, hosts, "--exclude")
         chosen = {}

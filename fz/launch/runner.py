@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from types import FrameType
 
 GRACE_S = 30.0  # after the first failure (or a signal), how long the other nodes get to stop
 
@@ -39,7 +40,7 @@ def run_nodes(nodes: list[NodeProcess]) -> int:
     procs = [subprocess.Popen(n.argv, env=n.env, stdin=subprocess.PIPE if n.watch_stdin else None) for n in nodes]
     received: list[int] = []
 
-    def forward(signum, _frame):
+    def forward(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
         _stop(procs, signum)
 

@@ -82,7 +82,7 @@ class InitialValues:
 
     def __init__(self, model: nn.Module, seed: int, device: torch.device, init_fn: InitFn | None = None):
         self.model, self.seed, self.device, self.init_fn = model, seed, device, init_fn
-        self.tensors = dict(model.named_parameters(remove_duplicate=True))
+        self.tensors: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.tensors.update(model.named_buffers(remove_duplicate=True))
         self.unset: list[tuple[str, str, str]] = []  # (kind, canonical name, why)
 
@@ -135,8 +135,9 @@ class InitialValues:
             shell = nn.Module.__new__(type(original))
             shell.__dict__ = dict(original.__dict__)
             shell._modules = dict(original._modules, **{below.rsplit(".", 1)[-1]: current})
-            if _torch_private_init(shell) is not None:
-                _torch_private_init(shell)()
+            init = _torch_private_init(shell)
+            if init is not None:
+                init()
             current, below = shell, name
 
     def _model_init(self, twin: nn.Module, mname: str) -> None:
@@ -162,8 +163,9 @@ class InitialValues:
         parts = name.split(".") if name else []
         for k in range(len(parts), -1, -1):
             owner = self.model.get_submodule(".".join(parts[:k]))
-            if callable(getattr(owner, "_init_weights", None)) and hasattr(owner, "config"):
-                return owner._init_weights
+            init = getattr(owner, "_init_weights", None)
+            if callable(init) and hasattr(owner, "config"):
+                return init
         return None
 
     def _materialize(self, module: nn.Module, mname: str, full_names: list[str]) -> dict[str, Tensor]:
@@ -176,6 +178,7 @@ class InitialValues:
         for n, leaf, v in zip(full_names, leaves, values):
             unset = still_filled(v)
             if sentinel(v) is None:
+                assert again is not None, "made above for every value without a sentinel"
                 unset &= still_filled(self._leaf(again, leaf), True)
             if bool(unset.any()):
                 self.unset.append(("parameter" if leaf in module._parameters else "buffer", n,
@@ -184,13 +187,18 @@ class InitialValues:
 
     @staticmethod
     def _leaf(twin: nn.Module, leaf: str) -> Tensor:
-        t = twin._parameters.get(leaf)
-        return (twin._buffers.get(leaf) if t is None else t).detach()
+        t: Tensor | None = twin._parameters.get(leaf)
+        if t is None:
+            t = twin._buffers.get(leaf)
+        if t is None:
+            raise ConfigError(f"{type(twin).__name__}.{leaf} is None after its reset_parameters() / init_fn")
+        return t.detach()
 
     def _why(self, module: nn.Module, unset: Tensor) -> str:
         part = "" if bool(unset.all()) else f"{int(unset.sum())} of {unset.numel()} elements "
-        if _own_init(module) is not None:
-            return f"{part}not set by {type(module).__name__}.{_own_init(module).__name__}()" + (
+        init = _own_init(module)
+        if init is not None:
+            return f"{part}not set by {type(module).__name__}.{init.__name__}()" + (
                 " or init_fn" if self.init_fn else ""
             )
         return f"{part}not set: {type(module).__name__} has no reset_parameters()" + (

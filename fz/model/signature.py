@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -22,7 +23,7 @@ from torch import Tensor
 PER_RANK = {"provenance"}  # Spec fields allowed to differ between ranks
 
 
-def _stable(value) -> str:
+def _stable(value: Any) -> str:
     """repr without memory addresses (functions and closures compare by name) and without the
     fields a value declares per rank (`per_rank_fields`: an offload policy's path, as each rank
     may use a local disk of its own)."""
@@ -36,7 +37,7 @@ def _digest(text: str) -> Tensor:
     return torch.tensor(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True))
 
 
-def signature(spec, model: nn.Module) -> dict[str, Tensor]:
+def signature(spec: Any, model: nn.Module) -> dict[str, Tensor]:
     """{label: int64 digest}: the same labels on every rank (same fz), equal digests when equal."""
     out = {f"Spec.{f.name}": _digest(_stable(getattr(spec, f.name)))
            for f in dataclasses.fields(spec) if f.name not in PER_RANK}

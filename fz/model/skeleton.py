@@ -218,6 +218,6 @@ def _take_hf_checkpointing(block: nn.Module) -> bool:
     found = False
     for m in block.modules():
         if getattr(m, "gradient_checkpointing", False) is True:
-            m.gradient_checkpointing = False
+            m.gradient_checkpointing = False  # type: ignore[assignment]  # torch: Module.__setattr__ typed Tensor | Module
             found = True
     return found

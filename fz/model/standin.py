@@ -11,7 +11,9 @@ is the exception: its tensors were the root's, which the model may use directly
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 import torch.nn as nn
 
@@ -55,13 +57,13 @@ class _Reads:
     def _wrap(self, key: Any, value: Any) -> Any:
         return _Peek(value, f"{self._where()}.{key}", self._unit()) if isinstance(value, nn.Module) else value
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         target = self._target()
         if isinstance(target, nn.ModuleDict):
             return iter(target)  # keys, as ModuleDict does
         if not hasattr(type(target), "__iter__"):
             raise TypeError(f"{type(target).__name__} {self._where()!r} is not iterable")
-        return iter([self._wrap(i, m) for i, m in enumerate(target)])
+        return iter([self._wrap(i, m) for i, m in enumerate(cast(Iterable[Any], target))])  # has __iter__
 
     def __len__(self) -> int:
         return len(self._target())  # type: ignore[arg-type]
@@ -148,15 +150,15 @@ class _UnitCall(_Reads, nn.Module):
         return f"fz block {self._unit_name!r}: {type(self._inner).__name__}"
 
 
-def running(runner: Any):
+def running(runner: Any) -> AbstractContextManager[Any]:
     """Context: unit calls go to `runner.call_unit(index, args, kwargs)`."""
     token = _RUNNER.set(runner)
 
     class _Ctx:
-        def __enter__(self):
+        def __enter__(self) -> Any:
             return runner
 
-        def __exit__(self, *exc):
+        def __exit__(self, *exc: object) -> None:
             _RUNNER.reset(token)
 
     return _Ctx()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
@@ -123,10 +124,9 @@ def memory_report(state: State) -> MemoryReport:
                         pinned_bytes())
 
 
-def device_peak(device) -> int:
+def device_peak(device: torch.device) -> int:
     """Peak bytes the caching allocator handed out on `device` (torch.cuda.max_memory_allocated;
     0 off CUDA, where host and device are one memory: the process's peak RSS says it)."""
-    import torch
     if device.type != "cuda":
         return 0
     return torch.cuda.max_memory_allocated(device)

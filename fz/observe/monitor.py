@@ -38,6 +38,7 @@ from fz.errors import ConfigError
 from fz.observe.memory import memory_report
 from fz.observe.progress import Bar
 from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
+from fz.spec import Spec
 from fz.state import State
 
 _MB = 2**20
@@ -52,7 +53,7 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def batch_counts(batch: Any) -> tuple:
+def batch_counts(batch: Any) -> tuple[int, int | None]:
     """(rows, tokens) of this rank's batch: the leading dimension, and the elements of its first
     integer tensor (token ids; None if it has none)."""
     leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor) and x.dim()]
@@ -85,14 +86,14 @@ class Monitor:
         self._reset(time.perf_counter())
 
     @classmethod
-    def from_spec(cls, spec, total_steps: int | None = None, **kw: Any) -> Monitor:
+    def from_spec(cls, spec: Spec, total_steps: int | None = None, **kw: Any) -> Monitor:
         """A Monitor for a Spec read from a DeepSpeed config: its tensorboard, csv_monitor and
         steps_per_print (recorded as monitor.* in the Spec's provenance) give log_dir, csv_dir
         and log_every; keywords given here win. A Spec written in code has none: defaults."""
         return cls(total_steps=total_steps, **{**cls.settings_of(spec), **kw})
 
     @staticmethod
-    def settings_of(spec) -> dict[str, Any]:
+    def settings_of(spec: Spec) -> dict[str, Any]:
         """{log_dir, log_every, csv_dir: value} that `spec`'s DeepSpeed config set (none for a Spec
         written in code)."""
         prov = getattr(spec, "provenance", None)
@@ -105,7 +106,8 @@ class Monitor:
         return [str(w.path) for w in self.writers]
 
     def _reset(self, now: float) -> None:
-        self.t0, self.steps, self.loss, self.rows, self.tokens = now, 0, 0.0, 0, 0
+        self.t0, self.steps, self.loss, self.rows = now, 0, 0.0, 0
+        self.tokens: int | None = 0  # None once a batch without token ids came
 
     def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: int | None = None) -> None:
         """Account one step (this rank's `batch` gives samples and tokens; `tokens=` overrides)."""
@@ -140,7 +142,7 @@ class Monitor:
                 scalars["perf/tokens_per_s"] = self.tokens / took
         if self.memory:
             scalars.update(self._memory(state))
-        if self.rank == 0:
+        if self.bar is not None:  # rank 0
             self.log(scalars, step, _console=False)
             self.bar.show(step, _brief(scalars))
             if not self.bar.enabled:
@@ -168,7 +170,7 @@ class Monitor:
             return
         for w in self.writers:
             w.write(scalars, step)
-        if _console:
+        if _console and self.bar is not None:  # made on rank 0
             self.bar.write(f"step {step}  " + "  ".join(f"{k} {v:.4g}" for k, v in scalars.items()))
 
     def close(self) -> None:

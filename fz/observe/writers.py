@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
+from typing import TextIO
 
 PathLike = str | Path
 
@@ -50,11 +51,13 @@ class CsvWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self.file: object | None = open(path / "scalars.csv", "w", newline="", encoding="utf-8")
+        self.file: TextIO | None = open(path / "scalars.csv", "w", newline="", encoding="utf-8")
         self.rows = csv.writer(self.file)
         self.rows.writerow(["step", "tag", "value"])
 
     def write(self, scalars: dict[str, float], step: int) -> None:
+        if self.file is None:
+            raise ValueError(f"I/O operation on closed file: {self.path / 'scalars.csv'} (the writer was closed)")
         self.rows.writerows([step, tag, repr(float(value))] for tag, value in scalars.items())
         self.file.flush()
 

@@ -20,11 +20,13 @@ global norm and the clip all run on the host, beside the optimizer.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from fz.offload.transfer import PinnedPool, Transfer
+from fz.sharding.buckets import Bucket
 
 MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds its device buffer until done
 
@@ -83,7 +85,7 @@ class HostGrads:
         self.lent.clear()
 
 
-def host_grad_bytes(buckets, shards: int) -> int:
+def host_grad_bytes(buckets: Sequence[Bucket], shards: int) -> int:
     """Bytes of the step's fp32 host gradient buffers (what `HostGrads.acc` holds at the update):
     this rank's shard of each trainable bucket whose gradient or optimizer state is sharded over
     several ranks, the whole bucket otherwise. memory_report and fz.estimate both count this."""

@@ -80,7 +80,8 @@ def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: list[list[Tensor]]
     """Write one bucket's optimizer parts into a new file; the DiskTensors that now hold them."""
     sizes = [[_round(t.numel() * t.element_size(), PART_ALIGN) for t in ts] for ts in parts]
     groups = group_slots([sum(s) for s in sizes], int(policy.buffer_mb * 2**20), b)
-    offsets, total = [], 0
+    offsets: list[list[int]] = []
+    total = 0
     for lo, hi in groups:
         for i in range(lo, hi):
             offsets.append([])
@@ -88,7 +89,7 @@ def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: list[list[Tensor]]
                 offsets[-1].append(total)
                 total += n
         total = _round(total, ALIGN)
-    store = store_for(policy.path, policy.direct_io)
+    store = store_for(policy.disk_path, policy.direct_io)
     blob = store.new_blob(f"opt-rank{plan.rank}-b{b.index}", total)
     blob.group_bytes = int(policy.buffer_mb * 2**20)
     out = []
@@ -209,7 +210,7 @@ def check_room_at_init(policy: Offload, plan, optimizer, mixed: bool) -> None:
             tree = optimizer.init(dict(zip((s.name for s in b.slots), views)))
             need += sum(t.numel() * 4 for t in pytree.tree_leaves(tree) if isinstance(t, Tensor) and t.is_meta)
             need += opt_meta.numel() * 4 if mixed else 0
-    check_directory(policy.path, 2 * need)
+    check_directory(policy.disk_path, 2 * need)
 
 
 def _check_room(policy: Offload, state, by_param) -> None:
@@ -229,12 +230,12 @@ def _check_room(policy: Offload, state, by_param) -> None:
         if policy.params == "disk" and b.sharded_param and not isinstance(local, DiskTensor):
             need += local.numel() * local.element_size()
     if need:
-        check_directory(policy.path, 2 * need)
+        check_directory(policy.disk_path, 2 * need)
 
 
 def param_to_disk(policy: Offload, plan, b: Bucket, local: Tensor) -> DiskTensor:
     """A bucket's parameter shard written to a new file (one contiguous file per rank and bucket)."""
-    store = store_for(policy.path, policy.direct_io)
+    store = store_for(policy.disk_path, policy.direct_io)
     blob = store.new_blob(f"param-rank{plan.rank}-b{b.index}", local.numel() * local.element_size())
     d = DiskTensor(blob, ((0, blob.nbytes),), local.shape, local.dtype, plan.device)
     d.store(local)

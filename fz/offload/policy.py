@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from fz.errors import ConfigError
 
@@ -63,6 +64,13 @@ class Offload:
             raise ConfigError(f"fz.offload: io_threads={self.io_threads!r} must be an integer >= 1")
 
     @property
+    def disk_path(self) -> str:
+        """`path`, which the disk tier has (checked when the policy is made)."""
+        if self.path is None:
+            raise ConfigError("fz.offload: the disk tier needs a path (fz.offload.nvme(path=...))")
+        return self.path
+
+    @property
     def active(self) -> bool:
         return self.optimizer != "device" or self.params != "device"
 
@@ -76,12 +84,12 @@ class Offload:
             raise ConfigError("fz.offload: offloading the optimizer needs ZeRO stage 1, 2 or 3 (as DeepSpeed's "
                               "offload_optimizer): at stage 0 every rank would stream the whole optimizer state")
 
-    def __call__(self, state):
+    def __call__(self, state: Any) -> Any:  # fz.State (a layer above) -> fz.State
         """`state` with its leaves moved to this policy's tiers (a new state; the old one is unchanged)."""
         from fz.offload.move import apply_policy
         return apply_policy(self, state)
 
-    def replace(self, **changes) -> Offload:
+    def replace(self, **changes: Any) -> Offload:
         return dataclasses.replace(self, **changes)
 
 

@@ -23,6 +23,7 @@ exactly as it would be on a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,6 +61,7 @@ class Transfer:
             dst.copy_(src)
             return
         stream = copy_stream(cuda)
+        assert stream is not None  # a CUDA device has one
         stream.wait_stream(torch.cuda.current_stream(cuda))
         if before_copy is not None:
             before_copy(stream)
@@ -158,7 +160,7 @@ def pinned_copy(t: Tensor) -> Tensor:
     return _SLABS.setdefault(True, Slabs(pin=True)).copy(t)
 
 
-def pool_for(policy) -> PinnedPool:
+def pool_for(policy: Any) -> PinnedPool:  # an Offload (whose module imports this one)
     """The process's pool for an offload policy's pinning settings (shared by its states)."""
     mb = getattr(policy, "max_pinned_mb", None)
     key = (bool(policy.pin_memory), None if mb is None else int(mb * 2**20))

@@ -15,7 +15,8 @@ per step for all parameters together. The column statistic is replicated on ever
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,7 +27,8 @@ from fz.optim.transforms import LR
 
 
 class AdafactorState(NamedTuple):
-    count: Tensor  # 0-d int64: updates applied
+    # 0-d int64: updates applied
+    count: Tensor  # type: ignore[assignment]  # optax's name (checkpoints use it) shadows tuple.count
     lr: Tensor  # 0-d float64: the lr of the last update
     v_rows: Params  # >= 2-D params: mean of g^2 over the last dim, shape p.shape[:-1] (this rank's rows)
     v_cols: Params  # >= 2-D params: mean of g^2 over dim -2, shape p.shape[:-2] + (cols,) (whole, replicated)
@@ -67,7 +69,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
                               row, col, var)
 
     def update(updates: Params, state: AdafactorState, params: Params | None = None, *, donate: bool = False,
-               shard_sum=None, **extra):
+               shard_sum: Callable[[Params], Params] | None = None, **extra: Any) -> tuple[Params, AdafactorState]:
         if params is None:
             raise ConfigError("adafactor needs params (its step size is relative to RMS(p))")
         mine = lambda tree: dict(zip(tree, owned(list(tree.values()), donate)))  # noqa: E731

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ class _FusedAdamW(GradientTransformation):
     eps: float
     weight_decay: float
 
-    def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, **extra) -> tuple:
+    def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, **extra: Any) -> tuple:
         keys = list(grads)
         tensors = [*(params[k] for k in keys), *(grads[k] for k in keys)]
         if not tensors or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):

@@ -42,7 +42,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: Params, state: tuple, params: Params | None = None, **extra: Any):
+    def update(updates: Params, state: tuple, params: Params | None = None, **extra: Any) -> tuple[Params, tuple]:
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **extra)

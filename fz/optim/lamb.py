@@ -12,7 +12,8 @@ The norms are whole-parameter statistics: both squared sums go through one
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,7 +24,8 @@ from fz.optim.transforms import LR, _chunks, scale_by_learning_rate
 
 
 class LambState(NamedTuple):
-    count: Tensor  # 0-d int64: updates applied
+    # 0-d int64: updates applied
+    count: Tensor  # type: ignore[assignment]  # optax's name (checkpoints use it) shadows tuple.count
     mu: Params
     nu: Params
 
@@ -38,7 +40,7 @@ def scale_by_lamb(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_
         return LambState(torch.zeros((), dtype=torch.int64), zeros(), zeros())
 
     def update(updates: Params, state: LambState, params: Params | None = None, *, donate: bool = False,
-               shard_sum=None, **extra):
+               shard_sum: Callable[[Params], Params] | None = None, **extra: Any) -> tuple[Params, LambState]:
         if params is None:
             raise ConfigError("lamb needs params (the trust ratio uses ||p||)")
         count = state.count + 1

@@ -6,7 +6,7 @@ Purely elementwise, so Shard(0) row shards need no communication.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,7 +26,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return LionState({k: torch.zeros_like(p) for k, p in params.items()})
 
     def update(updates: Params, state: LionState, params: Params | None = None, *, donate: bool = False,
-               **extra):
+               **extra: Any) -> tuple[Params, LionState]:
         keys = list(updates)
         g = owned([updates[k] for k in keys], donate)
         m = owned([state.mu[k] for k in keys], donate)

@@ -2,31 +2,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fz.optim.base import GradientTransformation, Params, global_norm, lr_at, owned
+from fz.optim.base import GradientTransformation, NormSq, Params, global_norm, lr_at, owned
 
 LR = float | Callable[[int], float]
 
 
 class CountState(NamedTuple):
-    count: Tensor  # 0-d int64 on the CPU: how many updates have been applied
+    # 0-d int64 on the CPU: how many updates have been applied
+    count: Tensor  # type: ignore[assignment]  # optax's name (checkpoints use it) shadows tuple.count
 
 
 def _count0() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _lists(updates: Params, *trees: Params):
+def _lists(updates: Params, *trees: Params) -> tuple[list[str], list[Tensor], list[list[Tensor]]]:
     keys = list(updates)
     return keys, [updates[k] for k in keys], [[t[k] for k in keys] for t in trees]
 
 
-def _chunks(tensors, max_numel: int = 1 << 22):
+def _chunks(tensors: Sequence[Tensor], max_numel: int = 1 << 22) -> Iterator[tuple[int, int]]:
     """[lo, hi) index ranges of at most ~max_numel elements: bounds an update's scratch memory."""
     lo, size = 0, 0
     for i, t in enumerate(tensors):
@@ -39,7 +40,7 @@ def _chunks(tensors, max_numel: int = 1 << 22):
 
 
 class AdamState(NamedTuple):
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # optax's name (checkpoints use it) shadows tuple.count
     mu: Params
     nu: Params
 
@@ -56,7 +57,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return AdamState(_count0(), zeros(), zeros())
 
     def update(updates: Params, state: AdamState, params: Params | None = None, *, donate: bool = False,
-               **extra):
+               **extra: Any) -> tuple[Params, AdamState]:
         count = state.count + 1
         t = int(count)
         keys, g, (m, v) = _lists(updates, state.mu, state.nu)
@@ -87,7 +88,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         return ()
 
     def update(updates: Params, state: tuple, params: Params | None = None, *, donate: bool = False,
-               **extra):
+               **extra: Any) -> tuple[Params, tuple]:
         if weight_decay:
             if params is None:
                 raise ValueError("add_decayed_weights needs params")
@@ -101,7 +102,8 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 
 
 class LearningRateState(NamedTuple):
-    count: Tensor  # 0-d int64: how many updates have been applied
+    # 0-d int64: how many updates have been applied
+    count: Tensor  # type: ignore[assignment]  # optax's name (checkpoints use it) shadows tuple.count
     lr: Tensor  # 0-d float64: the lr of the last update (before the first: the lr it will use)
 
 
@@ -119,7 +121,7 @@ def scale_by_learning_rate(lr: LR) -> GradientTransformation:
         return LearningRateState(_count0(), _lr0(lr_at(lr, 0)))
 
     def update(updates: Params, state: LearningRateState, params: Params | None = None, *,
-               donate: bool = False, **extra):
+               donate: bool = False, **extra: Any) -> tuple[Params, LearningRateState]:
         value = lr_at(lr, int(state.count))
         keys = list(updates)
         u = owned([updates[k] for k in keys], donate)
@@ -145,7 +147,7 @@ def current_lr(opt_state: Any) -> float:
 
 def _find_lr(tree: Any) -> Tensor | None:
     if isinstance(tree, tuple) and hasattr(tree, "_fields") and "lr" in tree._fields:
-        value = tree.lr
+        value = tree[tree._fields.index("lr")]
         if isinstance(value, Tensor) and value.numel() == 1:
             return value
     children = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
@@ -167,7 +169,7 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState({k: torch.zeros_like(p) for k, p in params.items()})
 
     def update(updates: Params, state: TraceState, params: Params | None = None, *, donate: bool = False,
-               **extra):
+               **extra: Any) -> tuple[Params, TraceState]:
         keys, g, (buf,) = _lists(updates, state.trace)
         g, buf = owned(g, donate), owned(buf, donate)
         torch._foreach_mul_(buf, momentum)
@@ -181,7 +183,7 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def scale_to_max_norm(tensors, norm: Tensor, max_norm: float) -> None:
+def scale_to_max_norm(tensors: list[Tensor], norm: Tensor, max_norm: float) -> None:
     """Scale `tensors` in place so that their norm `norm` becomes at most `max_norm` (torch's clip_grad_norm_)."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(tensors, coef)
@@ -194,7 +196,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return ()
 
     def update(updates: Params, state: tuple, params: Params | None = None, *, donate: bool = False,
-               norm_sq=None, **extra):
+               norm_sq: NormSq | None = None, **extra: Any) -> tuple[Params, tuple]:
         keys = list(updates)
         u = owned([updates[k] for k in keys], donate)
         scale_to_max_norm(u, global_norm(updates, norm_sq), max_norm)

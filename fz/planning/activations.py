@@ -72,7 +72,8 @@ def default_batch(micro_batch: int, seq_len: int) -> Tensor:
     return torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
 
-def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: str, loss_fn=None) -> Trace:
+def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: str,
+          loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> Trace:
     """Run one forward of `model` on `batch` (shapes only: real or meta tensors) with fake tensors."""
     dtype = PRECISIONS[precision]
     saved: dict[str, dict[int, int]] = {u: {} for u in unit_names}
@@ -86,13 +87,13 @@ def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: 
             saved[current[0]][id(base)] = _nbytes(base)
         return t
 
-    def enter(name: str):
-        def hook(module, args, kwargs):
+    def enter(name: str) -> Callable[[nn.Module, tuple, dict[str, Any]], None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
             inputs[name] = sum(_nbytes(_base(a)) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Tensor))
             current[0] = name
         return hook
 
-    def leave(module, args, output):
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
         current[0] = ""
 
     handles = []

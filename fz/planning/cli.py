@@ -19,9 +19,15 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fz.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from fz.planning.counts import Counts
+    from fz.spec import Spec
 
 GB = 2**30
 
@@ -36,6 +42,8 @@ def load(ref: str) -> Callable[..., Any]:
             raise ConfigError(f"{ref!r}: no file {where}")
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
         spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"{ref!r}: {where} cannot be imported as a module")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
@@ -45,7 +53,7 @@ def load(ref: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
-def build(ref: str):
+def build(ref: str) -> nn.Module:
     import torch
     with torch.device("meta"):
         model = load(ref)()
@@ -54,7 +62,7 @@ def build(ref: str):
     return model
 
 
-def _target(args: argparse.Namespace):
+def _target(args: argparse.Namespace) -> nn.Module | Counts:
     from fz.planning.counts import Counts
     if args.model:
         return build(args.model)
@@ -64,7 +72,7 @@ def _target(args: argparse.Namespace):
     return Counts(int(args.params), int(args.largest_layer))
 
 
-def _spec(args: argparse.Namespace):
+def _spec(args: argparse.Namespace) -> Spec:
     from fz.spec import Spec
     return Spec(loss_fn=load(args.loss_fn) if args.loss_fn else None)
 
@@ -95,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `fz estimate` and `fz plan` on the `fz` command's subparsers."""
     e = sub.add_parser("estimate", help="memory per GPU / CPU / disk for every stage and offload (DeepSpeed's table)")
     e.add_argument("--gpus-per-node", "--num-gpus", type=int, default=1)

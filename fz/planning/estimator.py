@@ -11,21 +11,24 @@ gradients as the optimizer reads them (fp32), and activations traced from one mi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz.errors import ConfigError
 from fz.model.leaves import fetches_root
 from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
 from fz.offload.move import PART_ALIGN
+from fz.offload.policy import Offload
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
-from fz.sharding.buckets import make_buckets
+from fz.sharding.buckets import Bucket, make_buckets
 from fz.sharding.opt_state import _param_key, is_placed_leaf
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
@@ -165,13 +168,14 @@ class Estimate:
         return "\n".join(lines)
 
 
-def _rank_plan(buckets, world: int, shards: int, rank: int = 0) -> ShardPlan:
+def _rank_plan(buckets: Sequence[Bucket], world: int, shards: int, rank: int = 0) -> ShardPlan:
     """A plan without a process group: enough for the layout helpers (rank 0 of shard group 0)."""
-    return ShardPlan(None, torch.device("cpu"), tuple(buckets), rank, tuple(range(world)), rank,
+    no_mesh = cast(DeviceMesh, None)  # no process group: the layout helpers never read the mesh
+    return ShardPlan(no_mesh, torch.device("cpu"), tuple(buckets), rank, tuple(range(world)), rank,
                      tuple(range(shards)), world // shards, None, None)
 
 
-def _opt_bytes(spec: Spec, plan: ShardPlan, b, mixed: bool, el_dtype: torch.dtype) -> tuple[int, int]:
+def _opt_bytes(spec: Spec, plan: ShardPlan, b: Bucket, mixed: bool, el_dtype: torch.dtype) -> tuple[int, int]:
     """Bytes of the optimizer state memory_report counts (leaves placed like their parameter),
     and the largest parameter's part on the disk tier (its master rows and leaves, aligned as
     fz/offload/move.py writes them: one part must fit one I/O buffer)."""
@@ -279,7 +283,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     )
 
 
-def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> tuple[int, int]:
+def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int) -> tuple[int, int]:
     """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
     the units in flight: the running one and, over several ranks, the `prefetch` ones after it
     in call order (taken as the model's order; all of a unit's buckets at once); the units
@@ -306,7 +310,7 @@ def _gather(spec: Spec, buckets, el: int, counts: ModelCounts, shards: int) -> t
     return (held + window + summed) * el, summed * el
 
 
-def _reduce(spec: Spec, buckets, shards: int, el: int, host_grads: bool) -> int:
+def _reduce(spec: Spec, buckets: Sequence[Bucket], shards: int, el: int, host_grads: bool) -> int:
     """Gradient buffers of the buckets being reduced (at most MAX_INFLIGHT at once), in the reduce
     dtype: a packed full bucket and its shard when sharded, the bucket's full gradient otherwise
     (autograd sums its parameters' gradients into one bucket-sized buffer). With gradients going
@@ -326,7 +330,7 @@ def _reduce(spec: Spec, buckets, shards: int, el: int, host_grads: bool) -> int:
     return inflight * rb
 
 
-def _grads_update(buckets, el: int, mixed: bool, shards: int, spec: Spec) -> int:
+def _grads_update(buckets: Sequence[Bucket], el: int, mixed: bool, shards: int, spec: Spec) -> int:
     """Gradients as the update holds them (this rank's rows when the optimizer state is sharded):
     the last micro-batch's sum stays in the reduce dtype when that is wider (fp32); a narrower
     sum (one rank, or a low reduce_dtype) is copied to fp32 for the optimizer beside itself."""
@@ -337,7 +341,7 @@ def _grads_update(buckets, el: int, mixed: bool, shards: int, spec: Spec) -> int
     return n * (kept + (4 if mixed and kept < 4 else 0))
 
 
-def _accumulated(buckets, el: int, shards: int, spec: Spec) -> int:
+def _accumulated(buckets: Sequence[Bucket], el: int, shards: int, spec: Spec) -> int:
     """Replicated gradients (stages 0-1) are summed in full, in the parameters' dtype, from one
     micro-batch to the next and reduced in the last (fz/step/grads.py): with grad_accum > 1 they
     are alive through the later micro-batches' backward. Stage 2 reduce-scatters every
@@ -348,7 +352,7 @@ def _accumulated(buckets, el: int, shards: int, spec: Spec) -> int:
                and not (isinstance(b.place.grad, Shard) and shards > 1)) * el
 
 
-def _sync(buckets, el: int, shards: int) -> int:
+def _sync(buckets: Sequence[Bucket], el: int, shards: int) -> int:
     """Stages 1-2 over several ranks (fz/sharding/sync.py): each replicated, sharded-optimizer
     bucket's local rows (the all-gather's input) until its gather lands in the parameters' own
     storage; a bucket that padding makes larger than that storage, a whole gathered buffer."""
@@ -358,8 +362,8 @@ def _sync(buckets, el: int, shards: int) -> int:
     return sum(b.shard_numel + (b.padded_numel if b.padded_numel != b.full_numel else 0) for b in gathered) * el
 
 
-def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int, batch, micro_batch,
-                 seq_len) -> tuple[int | None, int | None, int | None]:
+def _activations(counts: ModelCounts, spec: Spec, buckets: Sequence[Bucket], el: int, shards: int, batch: Any,
+                 micro_batch: int | None, seq_len: int | None) -> tuple[int | None, int | None, int | None]:
     """(activations at the forward's end, at backward's first op, at the units' backward's worst point)."""
     if batch is None and micro_batch is None:
         return None, None, None
@@ -369,6 +373,7 @@ def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int,
     if batch is None:
         if seq_len is None:
             raise ConfigError("fz.estimate: micro_batch= needs seq_len= (or pass batch= with one micro-batch)")
+        assert micro_batch is not None  # batch or micro_batch: returned above otherwise
         batch = default_batch(micro_batch, seq_len)
     t = trace(counts.model, counts.unit_names, batch, spec.precision, spec.loss_fn)
     policy = spec.activation_checkpointing
@@ -383,7 +388,7 @@ def _activations(counts: ModelCounts, spec: Spec, buckets, el: int, shards: int,
                    grads_stay=not offloaded)
 
 
-def _update_loaded(policy, buckets, el: int) -> int:
+def _update_loaded(policy: Offload | None, buckets: Sequence[Bucket], el: int) -> int:
     """The disk tier's update loads one bucket's parameters at a time beside the I/O buffers."""
     if policy is None or policy.params != "disk":
         return 0

@@ -38,7 +38,8 @@ def rungs(base: Spec, nvme_path: str, activations: bool = True) -> list[tuple[st
         ("+ bf16 mixed precision", lambda s: s.replace(precision="bf16") if s.precision == "fp32" else s),
         ("ZeRO-3 + optimizer and parameter offload (NVMe)", lambda s: s.replace(offload=nvme(nvme_path, params=True))),
     ]
-    out, spec = [], base
+    out: list[tuple[str, Spec]] = []
+    spec = base
     for name, step in steps:
         if name.startswith("+ activation") and not activations:
             continue

@@ -60,7 +60,8 @@ def plan_budgets(nvme_path: str, device: float | None = None, host: float | None
     """The given budgets (bytes), this machine's for those not given. A given budget always wins,
     larger or smaller than what is here: the plan is for the machine the job runs on; where it
     exceeds this machine's, a note says so (the plan may not fit here)."""
-    here = {"device": gpu_memory(), "host": host_memory(), "disk": free_disk(nvme_path)}
+    gpu, ram, room = gpu_memory(), host_memory(), free_disk(nvme_path)
+    here = {"device": gpu, "host": ram, "disk": room}
     given = {"device": device, "host": host, "disk": disk}
     notes = []
     for kind, want in given.items():
@@ -69,8 +70,8 @@ def plan_budgets(nvme_path: str, device: float | None = None, host: float | None
             what = {"device": "GPU", "host": "RAM", "disk": f"free disk under {nvme_path}"}[kind]
             notes.append(f"{kind} budget {want / GB:.2f} GB given, this machine has {have / GB:.2f} GB ({what}): "
                          "the given one wins (a plan is for the machine the job runs on), so it may not fit here")
-    pick = lambda kind: int(given[kind]) if given[kind] is not None else here[kind]  # noqa: E731
-    return Budgets(pick("device"), pick("host"), pick("disk"), tuple(notes))
+    return Budgets(gpu if device is None else int(device), ram if host is None else int(host),
+                   room if disk is None else int(disk), tuple(notes))
 
 
 def local_devices() -> int:

@@ -1,10 +1,15 @@
 """Text for `fz plan`: each rung's verdict, the chosen Spec as Python, its DeepSpeed JSON."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fz.config.export import deepspeed_json
 from fz.offload.policy import Offload
 from fz.planning.machine import Budgets
 from fz.spec import Spec
+
+if TYPE_CHECKING:
+    from fz.planning.estimator import Estimate
 
 GB = 2**30
 SHOWN = ("stage", "precision", "activation_checkpointing", "micro_batch", "grad_accum", "clip_grad_norm",
@@ -33,7 +38,7 @@ def spec_python(spec: Spec) -> str:
 
 def plan_report(found: list, budgets: Budgets) -> str:
     """The budgets (and any note on them), each rung's needs and verdict, the chosen Spec."""
-    if budgets.device_is_host:
+    if budgets.device is None:  # device is host
         kind = f"{budgets.host / GB:.2f} GB memory (device = host: no device budget given and no GPU here)"
     else:
         kind = f"{budgets.device / GB:.2f} GB per device, {budgets.host / GB:.2f} GB per host"
@@ -56,10 +61,10 @@ def plan_report(found: list, budgets: Budgets) -> str:
     return "\n".join(lines)
 
 
-def _uses(e, budgets: Budgets) -> str:
+def _uses(e: Estimate, budgets: Budgets) -> str:
     """The chosen rung's needs against the whole budgets."""
     disk = f", disk {e.per_disk / GB:.2f} GB per node" if e.per_disk else ""
-    if budgets.device_is_host:
+    if budgets.device is None:  # device is host
         return f"uses {e.ranks_per_node * (e.per_device + e.per_rank_host) / GB:.2f} GB of " \
                f"{budgets.host / GB:.2f} GB memory{disk}"
     return f"uses device {e.per_device / GB:.2f} GB of {budgets.device / GB:.2f} GB, host " \

@@ -86,10 +86,11 @@ def make_buckets(params: Sequence[tuple[str, torch.Size, int, bool]], stage: int
     """
     buckets: list[Bucket] = []
     group: list[tuple[str, torch.Size]] = []
-    key = None
+    key: tuple[int, Placements, bool] | None = None
 
     def close() -> None:
         if group:
+            assert key is not None  # set with the group's first parameter
             unit, place, trainable = key
             slots, full, shard = [], 0, 0
             for name, shape in group:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, unpack
+from fz.sharding.settle import Handle
 from fz.storage.disk import DiskTensor, load
 
 _READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
@@ -71,7 +72,7 @@ class Gatherer:
 
     def __init__(self, comm: Comm, live: LiveCounter):
         self.comm, self.live = comm, live
-        self.inflight: dict[int, tuple[Tensor, object, int]] = {}  # bucket index -> (buffer, work, elements)
+        self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
 
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:

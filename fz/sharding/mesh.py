@@ -18,7 +18,7 @@ from fz.errors import ConfigError
 MESH_DIMS = ("replicate", "shard")
 
 
-def user_world_size():
+def user_world_size() -> int | None:
     """The world size torch.distributed was started with by the user; None if it was not
     (fz's own one-process group does not count)."""
     if not dist.is_available() or not dist.is_initialized() or distributed.implicit():

@@ -63,7 +63,8 @@ def checked_flats(state) -> tuple[list[Tensor], ParamSync | None, list[Tensor | 
     return flats, sync, masters
 
 
-def _pack(state, named: dict[str, Tensor], field: str, placement_of, views_of, dtype, buckets) -> dict[int, Tensor]:
+def _pack(state, named: dict[str, Tensor] | None, field: str, placement_of, views_of, dtype,
+          buckets) -> dict[int, DTensor]:
     plan = state.plan
     if not isinstance(named, dict):
         raise ConfigError(f"State.replace({field}=...) takes {{name: DTensor}}, got {type(named).__name__}")
@@ -71,7 +72,7 @@ def _pack(state, named: dict[str, Tensor], field: str, placement_of, views_of, d
     extra = sorted(set(named) - names)
     if extra:
         raise ConfigError(f"State.replace({field}=...): {extra[0]!r} is not one of this state's {field}")
-    out: dict[int, Tensor] = {}
+    out: dict[int, DTensor] = {}
     for b in buckets:
         placement = placement_of(b)
         flat = torch.zeros(plan.flat_shape(b, placement)[0] // (plan.shards if placement.is_shard() else 1),

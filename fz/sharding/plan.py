@@ -11,6 +11,7 @@ On a 2-D mesh every placement gains a leading Replicate() for the "replicate" di
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,8 @@ class ShardPlan:
             return local_rows_of_full(flat, b, self.shard_rank)
         return full_views(flat, b)
 
-    def named(self, flats, views_of, placement_of) -> dict[str, DTensor]:
+    def named(self, flats: Sequence[Tensor] | dict[int, Tensor], views_of: Callable[[Tensor, Bucket], list[Tensor]],
+              placement_of: Callable[[Bucket], Placement]) -> dict[str, DTensor]:
         """{name: DTensor view} of per-bucket storage (`flats`: bucket index -> local flat)."""
         out: dict[str, DTensor] = {}
         for b in self.buckets:

@@ -9,10 +9,12 @@ the mesh sees every rank's sums and all of them raise together) finds it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fz.compat import all_gather_single
 from fz.errors import ConfigError
+from fz.sharding.plan import ShardPlan
 from fz.sharding.settle import Handle
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -26,7 +28,7 @@ def checksum(t: Tensor) -> Tensor:
     return bits.sum(dtype=torch.int64)
 
 
-def _gather(local: Tensor, group, n: int) -> Tensor:
+def _gather(local: Tensor, group: dist.ProcessGroup | None, n: int) -> Tensor:
     out = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
     flat = local.reshape(-1)
     Handle([out, flat]).add(all_gather_single(out, flat, group=group, async_op=True)).wait()
@@ -38,7 +40,7 @@ _DIFFER = ("replicated tensor(s) differ between ranks, so each rank would train 
            "the meta device and let fz initialise it).")
 
 
-def check_replicated(plan, named: dict[str, Tensor], what: tuple[str, str] = _DIFFER) -> None:
+def check_replicated(plan: ShardPlan, named: dict[str, Tensor], what: tuple[str, str] = _DIFFER) -> None:
     """Raise a ConfigError naming each of `named` ({label: tensor}, replicated over the whole
     mesh) whose values differ between ranks, and the ranks that differ from the first.
     `what` is (what differs, how to fix it) for the message."""

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fz.distributed import peers
@@ -38,11 +39,12 @@ class Handle:
     def __init__(self, tensors: Sequence[Tensor], then: Callable[[], None] | None = None):
         self.tensors = list(tensors)
         self.keeper = torch._C.ScriptList(self.tensors) if self.tensors else None  # C++ references
-        self.counts = [t._use_count() for t in self.tensors]  # with the keeper's, before the launch
+        # with the keeper's, before the launch
+        self.counts = [t._use_count() for t in self.tensors]  # type: ignore[attr-defined]  # torch: private, no stub
         self.works: list = []
         self.then = then
 
-    def add(self, work) -> Handle:
+    def add(self, work: dist.Work | None) -> Handle:
         if work is not None:
             self.works.append(work)
         return self
@@ -77,7 +79,7 @@ class Handle:
 def _released(tensors: Sequence[Tensor], counts: Sequence[int]) -> None:
     deadline = None
     for t, n in zip(tensors, counts):
-        while t._use_count() > n:
+        while t._use_count() > n:  # type: ignore[attr-defined]  # torch: private, no stub
             if deadline is None:
                 deadline = time.monotonic() + _RELEASE_TIMEOUT
             elif time.monotonic() > deadline:

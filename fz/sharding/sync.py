@@ -35,6 +35,7 @@ from torch.distributed.tensor import Shard
 
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, local_rows_of_full, shard_views, unpack_into
+from fz.sharding.settle import Handle
 
 aten = torch.ops.aten
 # ops that only make a view (the result is still arriving) or read no data (nothing to wait for)
@@ -51,7 +52,7 @@ class ParamSync:
 
     def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[tuple[Bucket, Tensor, Tensor | None]]):
         self.comm, self.rank = comm, shard_rank
-        self.inflight: list[tuple[Bucket, Tensor, Tensor, tuple[object, Tensor]]] = []  # (b, flat, out, (work, input))
+        self.inflight: list[tuple[Bucket, Tensor, Tensor, tuple[Handle, Tensor]]] = []  # (b, flat, out, (work, input))
         self.waiting = {b.index for b, _, _ in todo}  # buckets not up to date yet
         for b, flat, mflat in todo:  # the bytes belong to the step that made the update
             comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
@@ -103,6 +104,10 @@ def rank_major_is_param_major(b: Bucket) -> bool:
 class Arriving(torch.Tensor):
     """A bucket's storage (or a view of it) whose values arrive with `sync`'s all-gather."""
 
+    _data: Tensor
+    _sync: ParamSync
+    _index: int
+
     @staticmethod
     def __new__(cls, data: Tensor, sync: ParamSync, index: int) -> Arriving:
         r = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(),
@@ -116,7 +121,7 @@ class Arriving(torch.Tensor):
         self._sync.wait(self._index)
         return self._data
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch: Tensor.__repr__(tensor_contents=) is untyped
         state = "arriving" if self._index in self._sync.waiting else "arrived"
         return f"Arriving(shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
+from fz.sharding.settle import Handle
+
+V = TypeVar("V", int, str)
 
 
 def batch_size(batch: Any) -> tuple[int, int]:
@@ -34,8 +37,8 @@ def batch_size(batch: Any) -> tuple[int, int]:
     return rows, sum(x.numel() for x in tensors)
 
 
-def _by_value(values: list[int], ranks: list[int], unit: str) -> str:
-    groups: dict[int, list[int]] = {}
+def _by_value(values: list[V], ranks: list[int], unit: str) -> str:
+    groups: dict[V, list[int]] = {}
     for r, v in zip(ranks, values):
         groups.setdefault(v, []).append(r)
     parts = []
@@ -64,8 +67,8 @@ class Agreement:
         if self.numel == 0:
             raise ConfigError(f"{what}: the batch is empty ({self.rows} rows and no elements): did this rank's data "
                               "run out?")
-        self.vec = None
-        self.work = None
+        self.vec: Tensor | None = None  # start()'s
+        self.work: Handle | None = None
         self.result: tuple[Tensor, float] | None = None  # finish()'s, once it ran
         self.bad_grads: list[int] = []  # per rank: index + 1 of its first non-finite gradient (0: none)
         self.bad_losses: list[int] = []  # per rank: 1 if its loss is non-finite
@@ -105,6 +108,8 @@ class Agreement:
 
     def _finish(self, comm) -> tuple[Tensor, float]:
         vec, n = self.vec, self.n
+        if vec is None:
+            raise RuntimeError("Agreement.finish() before start()")
         if n > 1:
             if self.work is not None:
                 work, self.work = self.work, None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -20,6 +21,7 @@ def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
             f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}"
         )
     size = sizes.pop()
+    assert size is not None  # ruled out above
     if size == 0:
         raise ConfigError("the batch is empty (0 rows): every rank needs grad_accum * micro_batch rows per step "
                           "(did this rank's data run out?)")
@@ -34,7 +36,7 @@ def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
             for i in range(n)]
 
 
-def on_device(batch: Any, device) -> Any:
+def on_device(batch: Any, device: torch.device) -> Any:
     """The batch's tensors on the compute device (as Hugging Face's Trainer and JAX's device_put
     do): a batch from a CPU data loader runs on the GPU; tensors already there are not copied."""
     if device.type == "cpu":

@@ -50,9 +50,10 @@ def _install() -> None:
             _mark()
             return plain_fn.forward(ctx, run_function, preserve_rng_state, *args)
 
-    setattr(cp, gen_name, generator)
-    cp.CheckpointFunction = CheckpointFunction
-    cp._fz_marks_blocks = True
+    patched: Any = cp  # module attributes replaced: no static type says they may be
+    setattr(patched, gen_name, generator)
+    patched.CheckpointFunction = CheckpointFunction
+    patched._fz_marks_blocks = True
 
 
 class checkpoint_seen:
@@ -80,7 +81,7 @@ class Bindings:
         for name, t in tensors.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            table: dict[str, Any] = owner._parameters if leaf in owner._parameters else owner._buffers  # any tensor
             if leaf in table:
                 slots.append((table, leaf, table[leaf]))
                 table[leaf] = t

@@ -50,6 +50,7 @@ class GradReducer:
 
     def _hook(self, b: Bucket, leaf: Tensor) -> None:
         if self._due(b):
+            assert leaf.grad is not None  # the hook runs once it is accumulated
             self._launch(b, leaf.grad)
             leaf.grad = None
 

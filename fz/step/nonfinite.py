@@ -61,7 +61,7 @@ def _describe(names: list[str], ranks: list[int], bad_grads: list[int], bad_loss
 class NonFinite:
     """One step's check: the local finding, then the verdict (skip or go on), or the error."""
 
-    def __init__(self, spec, plan, step: int, scaler: dict[str, Tensor] | None):
+    def __init__(self, spec, plan, step: int, scaler: dict[str, Tensor]):
         self.spec, self.plan, self.step, self.scaler = spec, plan, step, scaler
         self.names: list[str] = []
         self.first: Tensor | None = None
@@ -76,6 +76,7 @@ class NonFinite:
         """True (on every rank alike) when the update must not run; NonFiniteError under "raise".
         Unless the verdict is local, `agreement` must be finished first."""
         if agreement.result is None:  # a local verdict: every rank holds the same reduced gradients
+            assert self.first is not None, "check() comes first"
             if int(self.first) == 0:
                 return False
             agreement.finish(comm)  # the rare bad step waits, for every rank's losses in the message

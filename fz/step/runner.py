@@ -52,7 +52,8 @@ class Runner:
         # floating buffers of modules with parameters (BatchNorm's statistics) in the compute dtype,
         # one copy per step, written back after it (fz/model/skeleton.py: _buffer_kinds)
         self.cast = set(skel.cast_buffers) if compute_dtype != torch.float32 else set()
-        self.compute_dtype, self.cast_copies = compute_dtype, {}
+        self.compute_dtype = compute_dtype
+        self.cast_copies: dict[str, tuple[Tensor, int]] = {}  # buffer -> (its cast copy, the copy's version)
         self.order = list(order)  # units in forward call order, as the last step saw them (for prefetch)
         self.live = LiveCounter()
         self.sync = sync  # replicated buckets still being all-gathered from the last update
@@ -73,7 +74,7 @@ class Runner:
         self.root_tensors: dict[str, Tensor] = {}
         self.read_tensors: dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
         self.gatherer = Gatherer(comm, self.live)
-        self.saver = ParamSaver(self.gatherer, self._on_regather)
+        self.saver: ParamSaver | None = ParamSaver(self.gatherer, self._on_regather)  # None once disposed
         self.uses = GradUses(grad_sink) if grad_sink is not None else None
         self.backward_seen: set = set()
         self.in_unit = self.in_backward = False
@@ -109,8 +110,8 @@ class Runner:
         for k in range(1, self.prefetch + 2) if direction else (0,):
             j = pos + direction * k
             if 0 <= j < len(order):
-                if direction < 0 and (order[j] in self.kept or not (order[j] in self.saver.marked
-                                                                     or self.checkpointed[order[j]])):
+                if direction < 0 and (order[j] in self.kept or not (order[j] in self._saver.marked
+                                                                      or self.checkpointed[order[j]])):
                     continue  # still gathered since its forward, or its backward needs no parameter (an embedding)
                 for b in self.unit_buckets[order[j]]:
                     if b.sharded_param and k <= self.prefetch:
@@ -195,11 +196,11 @@ class Runner:
             return self._run_unit(index, args, kwargs)  # autograd saves the gathered tensors themselves
         self.in_unit = True
         try:
-            with saved_tensors_hooks(self.saver.pack, self.saver.unpack):
+            with saved_tensors_hooks(self._saver.pack, self._saver.unpack):
                 out = self._run_unit(index, args, kwargs)
         finally:
             self.in_unit = False
-        if self.order and index == self.order[-1] and index in self.saver.marked:
+        if self.order and index == self.order[-1] and index in self._saver.marked:
             self._prefetch_units(index, 0)  # its backward comes first: gather it while the head and loss run
         return out
 
@@ -219,6 +220,12 @@ class Runner:
                 loss.backward()
         finally:
             self.in_backward = False
+
+    @property
+    def _saver(self) -> ParamSaver:
+        if self.saver is None:
+            raise RuntimeError("fz: a step's Runner was used after dispose()")
+        return self.saver
 
     def dispose(self) -> None:
         """Break the runner's reference cycles (hooks -> runner) once the step is done."""
@@ -307,13 +314,15 @@ class BoundModel:
         return getattr(self._runner.skel.root, name)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._runner.skel.root[key]
+        root: Any = self._runner.skel.root  # indexable when the model is (nn.Sequential, ModuleList)
+        return root[key]
 
     def __iter__(self):
         return iter(self._runner.skel.root)
 
     def __len__(self) -> int:
-        return len(self._runner.skel.root)
+        root: Any = self._runner.skel.root  # sized when the model is
+        return len(root)
 
     def __bool__(self) -> bool:
         return True

@@ -15,6 +15,7 @@ offloaded state is the pool's buffers, whatever the model's size.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -133,10 +134,10 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
     by_path = [(p, x) for p, x in pytree.tree_flatten_with_path(local_opt)[0]]
     by_param: dict[str, list[DiskTensor]] = {}
     for path, x in by_path:
-        if isinstance(x, DiskTensor) and _param_key(path) is not None:
-            by_param.setdefault(_param_key(path), []).append(x)
+        if isinstance(x, DiskTensor) and (key := _param_key(path)) is not None:
+            by_param.setdefault(key, []).append(x)
     groups = _groups(plan, policy, flats, mflats, by_param)
-    store = store_for(policy.path, policy.direct_io)
+    store = store_for(policy.disk_path, policy.direct_io)
     io = store.io_pool(policy)
     new_blob = {}
     for g in groups:
@@ -147,7 +148,9 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
     params_mem: dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
     new_params: dict[int, Tensor] = {}
     results: list[Any] = []
-    free, writes, reads = list(io.buffers), deque(), {}
+    free = list(io.buffers)
+    writes: deque[tuple[Tensor, Future]] = deque()  # (buffer, its write)
+    reads: dict[int, tuple[Tensor, Future]] = {}  # group -> (buffer, its read)
 
     def take() -> Tensor | None:
         if not free and writes:
@@ -210,8 +213,12 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
 
     merged = {pytree.keystr(p): x for p, x in pytree.tree_flatten_with_path(merge_opt_states(results, every))[0]}
     new_opt = pytree.tree_map_with_path(lambda p, x: to_new_file(p, merged.get(pytree.keystr(p), x)), local_opt)
-    new_m = [None if m is None else DiskTensor(new_blob[i], m._extents, m.shape, m.dtype, m.device)
-             for i, m in enumerate(mflats)]
+
+    def moved(i: int, m: Tensor) -> DiskTensor:  # a master flat (on disk: _groups checked) in its new file
+        assert isinstance(m, DiskTensor)
+        return DiskTensor(new_blob[i], m._extents, m.shape, m.dtype, m.device)
+
+    new_m = [None if m is None else moved(i, m) for i, m in enumerate(mflats)]
     return new_opt, norm, new_m, [new_params.get(i, f) for i, f in enumerate(flats)]
 
 

@@ -11,6 +11,7 @@ Everything the step measured goes into the new state's `metrics`, never into sha
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,7 +79,9 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     given, offload, tier = state, _offload_of(state.spec), update_tier(state.spec)
     if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
         state = offload(state)
-    spec, plan = state.spec, state.plan
+    spec, plan, scaler = state.spec, state.plan, state.scaler
+    if scaler is None:
+        raise ConfigError("fz.train_step: state.scaler is None; a state from fz.init has one (keep it)")
     flats, sync, mflats = checked_flats(state)  # the leaves, exactly as given (ConfigError if one does not fit)
     local_opt = checked_opt_state(state.opt_state, plan)
     if not donate:  # a copy the step owns (reading the parameters waits for any still arriving)
@@ -94,8 +97,8 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     micro = micro_batches(on_device(batch, plan.device), spec.grad_accum, spec.micro_batch)
     agreement = Agreement(plan, state.step, batch, spec.weight_by_rows)
     comm = Comm(plan, spec.grad_reduce_dtype)
-    loss_fn = spec.loss_fn or default_loss
-    scale = float(state.scaler.get("scale", 1.0))
+    loss_fn: Callable[[Any, Any], Any] = spec.loss_fn or default_loss  # gets a BoundModel, as a module
+    scale = float(scaler.get("scale", 1.0))
 
     leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
     # optimizer state off the device: gradients follow it to the host as each bucket is reduced
@@ -135,7 +138,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
         grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / scale)
         reducer.dispose()
         del leaves, reducer
-        guard = NonFinite(spec, plan, int(state.step), state.scaler)
+        guard = NonFinite(spec, plan, int(state.step), scaler)
         # the loss all-reduce, with every rank's step, batch size, blocks called and non-finite finding
         agreement.start(comm, total / spec.grad_accum, guard.check(grads), calls)
         if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
@@ -152,11 +155,12 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
             except BaseException as e:
                 if donate and tier == "disk":
                     given.donate()
-                    e.add_note(
-                        "fz.train_step failed while streaming the offloaded optimizer state; the state "
-                        "it was given is consumed (donated; its in-memory parameters may be partly "
-                        "updated): restore the last checkpoint. With donate=False the input state stays whole."
-                    )
+                    if hasattr(e, "add_note"):  # Python >= 3.11
+                        e.add_note(
+                            "fz.train_step failed while streaming the offloaded optimizer state; the state "
+                            "it was given is consumed (donated; its in-memory parameters may be partly "
+                            "updated): restore the last checkpoint. With donate=False the input state stays whole."
+                        )
                 raise
             del inputs
             local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
@@ -171,9 +175,9 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
             if donate:  # its buffers took this update in place: no silent reuse
                 state.donate()
             raise
-    loss = agreement.result[0]
+    loss = agreement.finish(comm)[0]  # its result, kept from the first call
 
-    scaler = update_scaler(spec, state.scaler, overflow)
+    scaler = update_scaler(spec, scaler, overflow)
     opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
     new = state.replace(step=state.step + 1, rng=rng, scaler=scaler, opt_state=opt_state, buffers=buffers,
                         param_flats=_param_leaves(state, flats, new_sync, donate),

@@ -44,7 +44,7 @@ def unused_everywhere(comm: Comm, names: Sequence[str], used: set[str]) -> set[s
     return {n for n, f in zip(names, flags.tolist()) if f == 0}
 
 
-def _owner(path) -> Any:
+def _owner(path: Sequence[Any]) -> Any:
     return next((e.key for e in path if isinstance(e, pytree.MappingKey)), None)
 
 

@@ -55,7 +55,7 @@ class Updated:
 Updater = Callable[[Spec, Comm, ShardPlan, UpdateInputs], Updated]
 
 
-def _in_memory(run) -> Updater:
+def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
     """Device and host: the optimizer over `params` in place, the skipped parameters put back."""
     def update(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
         kept = snapshot(x.skip, x.params, x.local_opt) if x.skip else None

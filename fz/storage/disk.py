@@ -13,13 +13,17 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fz.storage.store import DiskStore
 
 aten = torch.ops.aten
 Extents = tuple[tuple[int, int], ...]  # (byte offset, byte length) in the blob, in order
@@ -34,7 +38,9 @@ _RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
 class Blob:
     """One raw file of the offload store; the file is removed when the last DiskTensor on it goes."""
 
-    def __init__(self, store, path: str, nbytes: int):
+    group_bytes: int  # optimizer-state blobs only: the bytes streamed as one group (fz/offload/move.py)
+
+    def __init__(self, store: DiskStore, path: str, nbytes: int):
         self.store, self.path, self.nbytes = store, path, nbytes
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
@@ -61,9 +67,10 @@ class Blob:
     def write(self, extents: Extents, data: Tensor) -> None:
         self._each(os.O_WRONLY, _pwrite_full, extents, data.reshape(-1).view(torch.uint8))
 
-    def _each(self, flags: int, io, extents: Extents, data: Tensor) -> None:
+    def _each(self, flags: int, io: Callable[[int, memoryview, int, str], None], extents: Extents,
+              data: Tensor) -> None:
         """`io` (a full pread or pwrite) of consecutive pieces of `data` at each extent."""
-        view, at = memoryview(data.numpy()), 0
+        view, at = data.numpy().data, 0
         fd = self._open(flags)
         try:
             for off, n in extents:
@@ -113,7 +120,8 @@ def _pwrite_full(fd: int, view: memoryview, off: int, path: str) -> None:
 
 def sub_extents(extents: Extents, start: int, length: int) -> Extents:
     """The byte range [start, start + length) of the concatenation of `extents`."""
-    out, at = [], 0
+    out: list[tuple[int, int]] = []
+    at = 0
     for off, n in extents:
         lo, hi = max(start, at), min(start + length, at + n)
         if lo < hi:
@@ -124,6 +132,9 @@ def sub_extents(extents: Extents, start: int, length: int) -> Extents:
 
 class DiskTensor(Tensor):
     """A contiguous tensor whose bytes are `extents` of `blob`; loads to `device` when read."""
+
+    _blob: Blob
+    _extents: Extents
 
     @staticmethod
     def __new__(cls, blob: Blob, extents: Extents, shape: Sequence[int], dtype: torch.dtype,
@@ -146,13 +157,13 @@ class DiskTensor(Tensor):
         data = values.detach().to("cpu", self.dtype).contiguous()
         self._blob.write(self._extents, data)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch: Tensor.__repr__(tensor_contents=) is untyped
         return f"DiskTensor(shape={tuple(self.shape)}, dtype={self.dtype}, file={self._blob.path!r})"
 
-    def __deepcopy__(self, memo) -> Tensor:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
         return self.clone()
 
-    def __reduce_ex__(self, proto):
+    def __reduce_ex__(self, proto: Any) -> Any:
         raise TypeError("a DiskTensor cannot be pickled; save the state with fz.save")
 
     def _sub(self, start_el: int, shape: Sequence[int]) -> DiskTensor:
@@ -161,7 +172,9 @@ class DiskTensor(Tensor):
         return DiskTensor(self._blob, ext, shape, self.dtype, self.device)
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(  # type: ignore[override]  # torch's classmethod idiom, as DTensor's
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+
         kwargs = kwargs or {}
         out = _metadata_op(func, args, kwargs)
         if out is not NotImplemented:
@@ -194,11 +207,11 @@ class DiskTensor(Tensor):
         return new
 
 
-def _as_list(x) -> list:
+def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _metadata_op(func, args, kwargs):
+def _metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """Views and shape-only ops, answered without reading the file (NotImplemented: not one of them)."""
     if func in _SHAPE_ONLY:
         fake = pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.device)

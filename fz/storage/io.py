@@ -44,7 +44,7 @@ class IOPool:
         except OSError as e:
             raise OSError(e.errno, f"offload file {blob.path}: {e.strerror}") from e
         try:
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data
             (_pwrite_full if write else _pread_full)(fd, view, offset, blob.path)
             if write and not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)

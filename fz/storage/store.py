@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import warnings
+from typing import Protocol
 
 from fz.errors import ConfigError
 from fz.storage.disk import Blob
@@ -22,6 +23,19 @@ from fz.storage.io import IOPool
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 _STORES: dict[tuple[str, int], DiskStore] = {}
 _counter = itertools.count()
+
+
+class IOSettings(Protocol):
+    """What an I/O pool is made from: fz.offload.Offload's fields (a layer above storage)."""
+
+    @property
+    def buffers(self) -> int: ...
+    @property
+    def buffer_mb(self) -> float: ...
+    @property
+    def io_threads(self) -> int: ...
+    @property
+    def pin_memory(self) -> bool: ...
 
 
 def check_directory(path: str, need_bytes: int) -> None:
@@ -98,7 +112,7 @@ class DiskStore:
         self._pools: dict[tuple, IOPool] = {}
         atexit.register(shutil.rmtree, self.dir, True)
 
-    def io_pool(self, policy) -> IOPool:
+    def io_pool(self, policy: IOSettings) -> IOPool:
         """The I/O threads and buffers for `policy` (made once, reused by every step)."""
         key = (policy.buffers, int(policy.buffer_mb * 2**20), policy.io_threads, policy.pin_memory)
         pool = self._pools.get(key)
@@ -122,7 +136,7 @@ def store_for(root: str, direct: bool) -> DiskStore:
     return _STORES[key]
 
 
-_warned = set()
+_warned: set[str] = set()
 
 
 def _direct_io_works(directory: str) -> bool:
