@@ -11,12 +11,13 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from helpers import CFG, CLIP, config_error, make_model, max_rel, params_rel, rank_batches, spec
 
 import fz
 import fz.step.train as train_module
 from fz.testing.gpt import lm_loss, synthetic_tokens
 from fz.testing.spawn import run_ranks
+
+from support.helpers import CFG, CLIP, config_error, make_model, max_rel, params_rel, rank_batches, spec
 
 WEIGHTED_ROWS = (3, 1)  # rank 0 and rank 1 rows per step with weight_by_rows=True
 STEPS = 3

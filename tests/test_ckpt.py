@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_hooks import arm
-from helpers import make_model, max_rel, rank_batches, reference, spec
 from torch.distributed.tensor import DTensor
 
 import fz
@@ -25,6 +23,9 @@ from fz.ckpt.safetensors_io import load_weights
 from fz.ckpt.tree import opt_leaves
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks
+
+from support.ckpt_hooks import arm
+from support.helpers import make_model, max_rel, rank_batches, reference, spec
 
 WORLD, SAVE_AT, MORE = 2, 6, 6
 STAGES = (0, 1, 2, 3)

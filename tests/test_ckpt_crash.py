@@ -35,16 +35,16 @@ def _model():
 
 
 def _spec():
-    from helpers import spec
+    from support.helpers import spec
     return spec(1, 1)
 
 
 def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool = False) -> None:
-    from ckpt_hooks import arm
-    from helpers import rank_batches
-
     import fz
     from fz.ckpt import save, wait_for_checkpoints
+
+    from support.ckpt_hooks import arm
+    from support.helpers import rank_batches
 
     data = rank_batches(1, 1, 4)
     state = fz.init(_model(), _spec())
@@ -72,10 +72,10 @@ def _async_then_exit(root: Path) -> None:
     """An async save still writing (held back 0.3 s) when the program ends: exit waits for it."""
     import atexit
 
-    from ckpt_hooks import arm
-
     import fz
     from fz.ckpt import save
+
+    from support.ckpt_hooks import arm
 
     arm("write_begin", "sleep=0.3")
     save(fz.init(_model(), _spec()), root, async_=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from helpers import CFG, make_model, spec, train_fz
 
 import fz
 from fz.ckpt import PartialRestoreWarning, restore, save
@@ -19,6 +18,8 @@ from fz.ckpt.safetensors_io import load_weights
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.testing.gpt import GPT, GPTConfig
+
+from support.helpers import CFG, make_model, spec, train_fz
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CFG, make_model, rank_batches, spec
 
 import fz
 from fz.sharding.sync import local_data
 from fz.testing.spawn import run_ranks
+
+from support.helpers import CFG, make_model, rank_batches, spec
 
 
 def _arriving(state) -> bool:

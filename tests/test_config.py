@@ -363,9 +363,9 @@ def test_activation_checkpointing_and_tensorboard():
 
 
 def _dist_config(rank, world):
-    from helpers import make_model, rank_batches
-
     from fz.testing.gpt import lm_loss
+
+    from support.helpers import make_model, rank_batches
     out = {}
     spec = fz.Spec.from_deepspeed(EXAMPLE)  # the world size comes from torch.distributed
     out["sizes"] = (spec.micro_batch, spec.grad_accum, spec.provenance["world_size"])

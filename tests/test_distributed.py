@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import train_fz
-
 from fz.testing.spawn import run_ranks
+
+from support.helpers import train_fz
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_NUM_THREADS="1")
@@ -21,7 +21,7 @@ SCRIPT = """
 import json, os
 import torch.distributed as dist
 import fz
-from helpers import train_fz
+from support.helpers import train_fz
 rank = int(os.environ["RANK"])
 state, losses = train_fz(rank, 2, 3, 1, steps=4)  # fz.init starts the group: no init_process_group here
 spec = fz.Spec.from_deepspeed({"train_micro_batch_size_per_gpu": 2})

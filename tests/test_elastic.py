@@ -1,7 +1,7 @@
 """Elastic restart under torchrun --max-restarts (the killed run through `fz run`): a run killed at a
 random step restarts from the latest checkpoint and ends with exactly the parameters of an uninterrupted run.
 
-tests/elastic_job.py resumes from the latest checkpoint; on its first attempt its
+tests/support/elastic_job.py resumes from the latest checkpoint; on its first attempt its
 rank 0 SIGKILLs itself before a step drawn at random; torchrun tears the job down and starts it
 again (`fz run` forwards --max-restarts to the same launcher).
 """
@@ -25,8 +25,8 @@ def torchrun(out: Path, kills: str, restarts: int, steps: int = STEPS, save_ever
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     start = ["torch.distributed.run", "--standalone"] if launcher == "torchrun" else ["fz", "run"]
     cmd = [sys.executable, "-m", *start, "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "--monitor-interval", "0.2", str(ROOT / "tests" / "elastic_job.py"),
-           str(out), str(steps), kills, str(save_every)]
+           "--max-restarts", str(restarts), "--monitor-interval", "0.2",
+           str(ROOT / "tests" / "support" / "elastic_job.py"), str(out), str(steps), kills, str(save_every)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

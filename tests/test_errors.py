@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import make_model, rank_batches, spec
 
 import fz
+
+from support.helpers import make_model, rank_batches, spec
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, rank_batches, spec
 
 import fz
+
+from support.helpers import make_model, rank_batches, spec
 
 HERE = Path(__file__).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
@@ -46,7 +47,7 @@ def test_a_failed_async_save_is_raised_by_the_next_fz_call(tmp_path):
 def test_a_failed_async_save_at_exit_makes_the_process_exit_non_zero(tmp_path):
     code = (
         "import torch, fz\n"
-        "from helpers import make_model, spec\n"
+        "from support.helpers import make_model, spec\n"
         "state = fz.init(make_model(), spec(0, 1))\n"
         f"fz.save(state, {str(tmp_path)!r}, async_=True, client_state={{'sparse': torch.eye(2).to_sparse()}})\n"
         "print('the program ends', flush=True)\n"
@@ -153,8 +154,8 @@ def test_only_frozen_triton_leak_reports_are_ignored():
 
 
 def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_path):
-    res = subprocess.run([sys.executable, str(HERE / "exit_jobs.py"), str(tmp_path), str(JOBS), str(PARALLEL)],
-                         env=ENV, capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, str(HERE / "support" / "exit_jobs.py"), str(tmp_path), str(JOBS),
+                          str(PARALLEL)], env=ENV, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     ranks = out["ranks"]
@@ -170,7 +171,7 @@ def test_destroying_the_process_group_right_after_an_async_save_lets_it_commit(t
     (no step_N.tmp), both ranks exit 0, and it restores; a failing save still exits non-zero."""
     code = (
         "import sys, torch, torch.distributed as dist, fz\n"
-        "from helpers import make_model, spec, rank_batches\n"
+        "from support.helpers import make_model, spec, rank_batches\n"
         "rank = int(sys.argv[1])\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rdzv', rank=rank, world_size=2)\n"
         "state = fz.init(make_model(), spec(3, 1))\n"

@@ -12,10 +12,11 @@ import weakref
 
 import pytest
 import torch
-from helpers import make_model, params_rel, rank_batches, spec
 
 import fz
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, params_rel, rank_batches, spec
 
 CASES = [(1, "cpu", "bf16", 1), (2, "cpu", "fp32", 2), (2, "nvme", "bf16", 1), (3, "cpu", "bf16", 2),
          (3, "cpu-params", "fp32", 1), (3, "nvme-params", "bf16", 2)]

@@ -20,7 +20,7 @@ ASYNC = """
 import atexit, tempfile
 import torch.distributed as dist
 import fz
-from helpers import make_model, spec
+from support.helpers import make_model, spec
 destroy = dist.destroy_process_group
 state = fz.init(make_model(), spec(0, 1))
 before = atexit._ncallbacks()
@@ -49,9 +49,9 @@ def test_an_async_save_installs_the_exit_guards():
 def test_messages_go_through_the_fz_logger_and_can_be_silenced(tmp_path, capsys):
     import logging
 
-    from helpers import make_model, spec
-
     import fz
+
+    from support.helpers import make_model, spec
 
     state = fz.init(make_model(), spec(0, 1))
     fz.save(state, tmp_path / "shown")

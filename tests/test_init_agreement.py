@@ -3,11 +3,12 @@ differs (before any collective depends on it), not at a hang or a size error lat
 from __future__ import annotations
 
 import pytest
-from helpers import CFG, config_error, make_model, spec
 
 import fz
 from fz.testing.gpt import GPTConfig
 from fz.testing.spawn import run_ranks
+
+from support.helpers import CFG, config_error, make_model, spec
 
 
 def _job(rank, world):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 from torch.distributed.device_mesh import init_device_mesh
 
 import fz
 from fz.ckpt.tree import opt_leaves
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 
 STEPS, GA, GROUP = 4, 2, 2
 TOL = 1e-5

@@ -6,12 +6,13 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
-from helpers import make_model, rank_batches, spec
 
 import fz
 from fz.ckpt import manifest
 from fz.cli import main
 from fz.errors import ConfigError
+
+from support.helpers import make_model, rank_batches, spec
 
 
 def test_an_empty_batch_says_it_is_empty():

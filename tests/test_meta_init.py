@@ -131,7 +131,7 @@ def _hf_meta_params(rank, world):
     """GPT-2 and Llama built on meta, initialised by fz at stage 3: full values and buffers."""
     import warnings
     warnings.filterwarnings("ignore")
-    from real_nets import hf_model
+    from support.real_nets import hf_model
     out = {}
     for name in ("gpt2", "llama"):
         with torch.device("meta"):
@@ -143,9 +143,9 @@ def _hf_meta_params(rank, world):
 
 def test_a_hugging_face_model_on_meta_gets_its_own_init_the_same_at_every_world_size():
     pytest.importorskip("transformers")
-    from real_nets import hf_model
-
     from fz.testing.spawn import run_ranks
+
+    from support.real_nets import hf_model
     one = _hf_meta_params(0, 1)
     two = run_ranks(2, _hf_meta_params, timeout=180)
     for name in ("gpt2", "llama"):

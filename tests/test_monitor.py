@@ -7,10 +7,11 @@ import io
 import re
 
 import pytest
-from helpers import CFG, MICRO, make_model, rank_batches, spec
 
 import fz
 from fz.testing.spawn import run_ranks
+
+from support.helpers import CFG, MICRO, make_model, rank_batches, spec
 
 STEPS, EVERY = 4, 2
 TRAIN = ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps")

@@ -15,11 +15,12 @@ import textwrap
 
 import pytest
 import torch
-from helpers import make_model, rank_batches, spec
 
 import fz
 from fz.storage.disk import load
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, rank_batches, spec
 
 STEPS = 3
 CASES = [(stage, kind, precision) for stage in (1, 2, 3) for kind in ("cpu", "nvme") for precision in ("fp32", "bf16")]

@@ -12,10 +12,11 @@ import time
 
 import pytest
 import torch
-from helpers import make_model, rank_batches, spec
 
 import fz
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, rank_batches, spec
 
 
 def _timed(fn):

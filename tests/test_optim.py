@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, max_rel, params_rel, rank_batches
 
 import fz
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, max_rel, params_rel, rank_batches
 
 STEPS = 6
 

@@ -11,11 +11,12 @@ import math
 
 import pytest
 import torch
-from helpers import make_model, max_rel, params_rel, rank_batches
 
 import fz
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, max_rel, params_rel, rank_batches
 
 STEPS = 10
 WARMUP = fz.optim.WarmupLR(warmup_min_lr=0.0, warmup_max_lr=3e-3, warmup_num_steps=4, warmup_type="linear")

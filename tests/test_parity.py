@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CFG, LR, STEPS, make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 
 import fz
 from fz.testing.gpt import GPTConfig, lm_loss
 from fz.testing.spawn import run_ranks
+
+from support.helpers import CFG, LR, STEPS, make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
 
 # Sizes that do not divide by 2 or 4: uneven shards, padded inside buckets
 UNEVEN = GPTConfig(vocab=67, seq=15, dim=30, heads=3, layers=2)

@@ -1,6 +1,6 @@
 """A rank that dies or stops: every other rank raises fz.PeerError naming it, within the timeout.
 
-Each trial starts a training job of `world` processes (tests/peer_jobs.py) with the store
+Each trial starts a training job of `world` processes (tests/support/peer_jobs.py) with the store
 hosted here, as torchrun's agent hosts it, so any rank can be the victim; once every rank
 has stepped, the victim gets SIGKILL or SIGSTOP at a random moment. Every survivor must exit
 with status 3 (fz.PeerError) naming the victim, within Spec.timeout_s plus the heartbeat
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fz.distributed import peers
 from fz.testing.spawn import free_port
 
-JOB = Path(__file__).with_name("peer_jobs.py")
+JOB = Path(__file__).parent / "support" / "peer_jobs.py"
 TIMEOUT_S = 3.0
 MARGIN_S = 10.0  # process exit and scheduling on 2 shared cores
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from real_nets import llama_3b
 
 import fz
 from fz.planning import machine
 from fz.planning.ladder import candidates
 from fz.planning.render import plan_report, spec_python
+
+from support.real_nets import llama_3b
 
 pytest.importorskip("transformers")
 
@@ -31,7 +32,7 @@ def test_cli_plans_for_the_device_given_on_a_cpu_machine(llama, capsys, tmp_path
     """`fz plan --device-gb 24 --host-gb 64`: separate budgets, each rejection names its budget, and
     the chosen plan's device bytes are fz.estimate's per_device for that Spec, within 24 GB."""
     from fz.cli import main
-    assert main(["plan", "--model", "tests/real_nets.py:llama_3b", "--device-gb", "24", "--host-gb", "64",
+    assert main(["plan", "--model", "tests/support/real_nets.py:llama_3b", "--device-gb", "24", "--host-gb", "64",
                  "--nvme-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "budget 24.00 GB per device, 64.00 GB per host" in out and "device = host" not in out

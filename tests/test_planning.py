@@ -5,13 +5,14 @@ import os
 
 import pytest
 import torch
-from peak_worker import measure, measure_plan
 
 import fz
 from fz.config.export import to_deepspeed
 from fz.planning.ladder import candidates
 from fz.testing.gpt import GPT, GPTConfig, lm_loss
 from fz.testing.spawn import run_ranks
+
+from support.peak_worker import measure, measure_plan
 
 SMALL = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=3)
 MID = {"vocab": 4096, "seq": 128, "dim": 512, "heads": 8, "layers": 8}  # 27M params: states dominate noise

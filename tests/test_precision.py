@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, max_rel, params_rel, rank_batches, reference, spec
 
 import fz
 from fz.sharding.comm import Comm
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, max_rel, params_rel, rank_batches, reference, spec
 
 STAGES = (0, 1, 2, 3)
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_rel
-from real_nets import (
+
+import fz
+from fz.ckpt.export import consolidate
+
+from support.helpers import max_rel
+from support.real_nets import (
     CheckpointsInside,
     MoE,
     Readers,
@@ -20,9 +24,6 @@ from real_nets import (
     routed,
     xent,
 )
-
-import fz
-from fz.ckpt.export import consolidate
 
 
 def _spec(stage: int, loss_fn, **kw) -> fz.Spec:

@@ -8,8 +8,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import max_rel
-from real_nets import (
+
+import fz
+from fz.testing.spawn import run_ranks
+
+from support.helpers import max_rel
+from support.real_nets import (
     CheckpointsInside,
     MoE,
     Readers,
@@ -25,9 +29,6 @@ from real_nets import (
     tokens,
     xent,
 )
-
-import fz
-from fz.testing.spawn import run_ranks
 
 pytest.importorskip("transformers")
 STAGES, HF, ROWS = (0, 1, 2, 3), ("gpt2", "llama", "bert", "t5"), 8

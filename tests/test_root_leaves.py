@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import max_rel, params_rel
-from real_nets import hf_loss, hf_model, mse, points, reference, tokens
 
 import fz
 from fz.model import standin
 from fz.testing.spawn import run_ranks
+
+from support.helpers import max_rel, params_rel
+from support.real_nets import hf_loss, hf_model, mse, points, reference, tokens
 
 VOCAB, DIM, SEQ, DEPTH, ROWS, STEPS = 512, 16, 8, 4, 4, 3
 HF = ("gpt2", "llama_tied", "t5", "bert")

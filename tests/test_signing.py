@@ -9,13 +9,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import make_model, rank_batches, spec
 
 import fz
 from fz.ckpt import manifest
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks
+
+from support.helpers import make_model, rank_batches, spec
 
 KEY = "k" * 32
 OTHER = b"o" * 32

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from helpers import LR, make_model, rank_batches, spec
 from torch.distributed.tensor import DTensor, Replicate
 
 import fz
 from fz.sharding.sync import local_data
 from fz.testing.spawn import run_ranks
+
+from support.helpers import LR, make_model, rank_batches, spec
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor", "isend", "irecv", "send", "recv", "barrier", "all_gather_object",

@@ -10,11 +10,12 @@ losses match a single-process run's.
 from __future__ import annotations
 
 import torch
-from helpers import rank_batches, spec
 
 import fz
 from fz.testing.gpt import GPT, GPTConfig
 from fz.testing.spawn import run_ranks
+
+from support.helpers import rank_batches, spec
 
 ODD = GPTConfig(vocab=63, seq=16, dim=32, heads=2, layers=2)  # 63 embedding rows over 2 ranks: padded
 

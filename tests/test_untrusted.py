@@ -14,12 +14,13 @@ import zlib
 
 import pytest
 import torch
-from helpers import make_model, rank_batches, spec
 
 import fz
 from fz.ckpt import manifest
 from fz.cli import main
 from fz.errors import ConfigError
+
+from support.helpers import make_model, rank_batches, spec
 
 
 class _Evil:

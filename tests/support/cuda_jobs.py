@@ -33,9 +33,9 @@ def cases():
 
 def losses(root: str) -> dict:
     """{case: the 3 losses, or the ConfigError's first line} on this process's device."""
-    from helpers import make_model, rank_batches, spec
-
     import fz
+
+    from support.helpers import make_model, rank_batches, spec
 
     batches = rank_batches(1, 1, STEPS)
     out = {}
@@ -58,10 +58,10 @@ def losses(root: str) -> dict:
 
 def gloo_world2(rank: int, world: int, stage: int) -> list:
     """Two ranks on the one GPU through gloo (NCCL refuses two ranks on one device)."""
-    from helpers import make_model, rank_batches, spec
-
     import fz
     import fz.distributed
+
+    from support.helpers import make_model, rank_batches, spec
 
     fz.distributed.init(backend="gloo")
     state = fz.init(make_model(), spec(stage, 1))
@@ -72,6 +72,6 @@ def gloo_world2(rank: int, world: int, stage: int) -> list:
     return [str(state.plan.device), out]
 
 
-if __name__ == "__main__":  # python cuda_jobs.py ROOT: the CPU reference's losses as JSON
+if __name__ == "__main__":  # python tests/support/cuda_jobs.py ROOT: the CPU reference's losses as JSON
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     print(json.dumps(losses(sys.argv[1])))

@@ -196,7 +196,7 @@ def hf_model(name: str, seed: int = 0) -> nn.Module:
 
 def llama_3b() -> nn.Module:
     """OpenLLaMA-3B's shape (3,426.5M parameters) on the meta device, for plans of a GPU job
-    (`fz plan --model tests/real_nets.py:llama_3b`); nothing is allocated or downloaded."""
+    (`fz plan --model tests/support/real_nets.py:llama_3b`); nothing is allocated or downloaded."""
     import transformers as tr
     with torch.device("meta"):
         return tr.LlamaForCausalLM(tr.LlamaConfig(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26,

@@ -1,4 +1,4 @@
-"""A rank of a training job that a test kills or stops: `python tests/peer_jobs.py TIMEOUT_S [CKPT_DIR]`.
+"""A rank of a training job that a test kills or stops: `python tests/support/peer_jobs.py TIMEOUT_S [CKPT_DIR]`.
 
 Started by tests/test_peers.py with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the
 job's store hosted by the test (as torchrun's agent hosts it), so any rank may be the victim.

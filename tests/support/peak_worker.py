@@ -98,6 +98,6 @@ def measure_plan(rank: int, world: int, cfg: dict) -> dict:
             "offload": off and (off.optimizer, off.params), "ac": spec.activation_checkpointing}
 
 
-if __name__ == "__main__":  # by hand: python tests/peak_worker.py WORLD '{"stage": 0, ...}'
+if __name__ == "__main__":  # by hand: python tests/support/peak_worker.py WORLD '{"stage": 0, ...}'
     from fz.testing.spawn import run_ranks
     print(json.dumps(run_ranks(int(sys.argv[1]), measure, json.loads(sys.argv[2]))))

@@ -1,5 +1,5 @@
 """A training script that survives restarts:
-`torchrun --max-restarts N tests/elastic_job.py OUT STEPS KILLS [SAVE_EVERY]`.
+`torchrun --max-restarts N tests/support/elastic_job.py OUT STEPS KILLS [SAVE_EVERY]`.
 
 It resumes from the latest checkpoint (if any) and saves every SAVE_EVERY (2) steps. KILLS is
 a comma-separated step per restart attempt (TORCHELASTIC_RESTART_COUNT): on attempt i, rank
