@@ -4,7 +4,7 @@
 It resumes from the latest checkpoint (if any) and saves every SAVE_EVERY (2) steps. KILLS is
 a comma-separated step per restart attempt (TORCHELASTIC_RESTART_COUNT): on attempt i, rank
 i % world SIGKILLs itself before step KILLS[i] (-1 or no entry: never). Rank 0 writes the
-final full parameters to OUT. tests/test_elastic.py (and the soak in tests/stress/) compare
+final full parameters to OUT. tests/multirank/test_elastic.py (and the soak in tests/stress/) compare
 a killed and restarted run with an uninterrupted one.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A rank of a training job that a test kills or stops: `python tests/support/peer_jobs.py TIMEOUT_S [CKPT_DIR]`.
 
-Started by tests/test_peers.py with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the
+Started by tests/multirank/test_peers.py with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the
 job's store hosted by the test (as torchrun's agent hosts it), so any rank may be the victim.
 It trains a small model until stopped, saving every few steps when CKPT_DIR is given, prints
 `ready` after its first step, and on fz.PeerError prints `PEERERROR <ranks> <step> <message>`

@@ -1,4 +1,4 @@
-"""Models as people write them, for tests/test_real_models*.py: parents that read, iterate and
+"""Models as people write them, for tests/*/test_real_models*.py: parents that read, iterate and
 unpack their blocks, checkpoints inside blocks, BatchNorm and dropout, and tiny Hugging Face
 models from configs (never downloaded weights), one of 3.4B parameters on the meta device for
 plans. Plus the single-process reference loop."""

@@ -128,7 +128,7 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     from fz.ckpt import manifest, restore, save
     from fz.ckpt.layout import read_latest
 
-    here = Path(__file__).parent  # the child imports the fz this process imported, not an installed one
+    here = Path(__file__).parents[1]  # tests/; the child imports the fz this process imported, not an installed one
     path = os.pathsep.join([str(here), str(Path(fz.__file__).parent.parent)])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
@@ -167,7 +167,7 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
     import torch._dynamo  # noqa: F401 - imported once here, not in every child (DTensor imports it lazily)
     import torch.distributed.checkpoint  # noqa: F401
 

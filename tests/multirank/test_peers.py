@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fz.distributed import peers
 from fz.testing.spawn import free_port
 
-JOB = Path(__file__).parent / "support" / "peer_jobs.py"
+JOB = Path(__file__).parents[1] / "support" / "peer_jobs.py"
 TIMEOUT_S = 3.0
 MARGIN_S = 10.0  # process exit and scheduling on 2 shared cores
 
@@ -34,7 +34,7 @@ def run_trial(world: int, sig: int, victim: int, seed: int, ckpt: str = "", stag
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", FZ_TEST_STAGE=str(stage),
                PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))

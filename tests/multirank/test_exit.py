@@ -18,9 +18,9 @@ import fz
 
 from support.helpers import make_model, rank_batches, spec
 
-HERE = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
-           PYTHONPATH=os.pathsep.join([str(HERE), str(Path(fz.__file__).parent.parent)]))
+           PYTHONPATH=os.pathsep.join([str(TESTS), str(Path(fz.__file__).parent.parent)]))
 SPARSE = {"sparse": torch.eye(2).to_sparse()}  # DCP cannot write it: the save fails in its thread
 
 
@@ -154,7 +154,7 @@ def test_only_frozen_triton_leak_reports_are_ignored():
 
 
 def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_path):
-    res = subprocess.run([sys.executable, str(HERE / "support" / "exit_jobs.py"), str(tmp_path), str(JOBS),
+    res = subprocess.run([sys.executable, str(TESTS / "support" / "exit_jobs.py"), str(tmp_path), str(JOBS),
                           str(PARALLEL)], env=ENV, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import fz
 from fz.config.explain import KEYS_HEADER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZERO3 = ROOT / "tests" / "data" / "ds_config_zero3.json"  # transformers' tests/deepspeed/ds_config_zero3.json
 OUTCOMES = ("mapped", "auto", "ignored", "unsupported")
 SECTIONS = {"zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "optimizer.params", "scheduler",

@@ -7,7 +7,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-FZ = Path(__file__).resolve().parents[1] / "fz"
+FZ = Path(__file__).resolve().parents[2] / "fz"
 
 LAYERS = [  # lowest first; a package may import its own layer and those below
     {"errors", "compat", "version", "precision", "rng", "background", "log"},

@@ -32,7 +32,7 @@ dist.destroy_process_group()
 
 
 def _run(code: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1].split()  # after fz.save's own lines

@@ -1,6 +1,6 @@
 """Real models as they are, one process: parents that read and iterate their blocks, checkpoints
 inside blocks, train/eval modes, buffers (BatchNorm in bf16, donation, export with strict=True).
-World 2 and the Hugging Face models: tests/test_real_models_dist.py."""
+World 2 and the Hugging Face models: tests/multirank/test_real_models_dist.py."""
 from __future__ import annotations
 
 import pytest

@@ -18,7 +18,7 @@ from fz.config import keys as K
 from fz.config.optimizer import OPTIMIZERS, SCHEDULES
 from fz.testing.spawn import run_ranks
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ds_config.json"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ds_config.json"
 AUTO = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, micro_batch=4, grad_accum=2, clip_grad_norm=1.0,
             total_steps=1000, warmup_steps=100)
 
