@@ -7,9 +7,9 @@ import torch
 
 import fz
 from fz.sharding.sync import local_data
-from fz.testing.spawn import run_ranks
 
 from support.helpers import CFG, make_model, rank_batches, spec
+from support.ranks import cached_runs
 
 
 def _arriving(state) -> bool:
@@ -80,14 +80,9 @@ def _runs(rank, world):
     return out
 
 
-_CACHE = {}
-
-
 @pytest.fixture(scope="module")
 def results():
-    if "r" not in _CACHE:
-        _CACHE["r"] = run_ranks(2, _runs, timeout=300)
-    return _CACHE["r"]
+    return cached_runs(2, _runs, timeout=300)
 
 
 def test_bytes_per_step_match_formula(results):

@@ -10,9 +10,9 @@ import torch
 
 import fz
 from fz.testing.gpt import GPTConfig, lm_loss
-from fz.testing.spawn import run_ranks
 
 from support.helpers import CFG, LR, STEPS, make_model, max_rel, params_rel, rank_batches, reference, spec, train_fz
+from support.ranks import cached_runs
 
 # Sizes that do not divide by 2 or 4: uneven shards, padded inside buckets
 UNEVEN = GPTConfig(vocab=67, seq=15, dim=30, heads=3, layers=2)
@@ -73,15 +73,10 @@ def _checks(rank: int, world: int):
     return out
 
 
-_CACHE = {}
-
-
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
 def world_results(request):
     world = request.param
-    if world not in _CACHE:
-        _CACHE[world] = [_checks(0, 1)] if world == 1 else run_ranks(world, _checks, timeout=400)
-    return world, _CACHE[world]
+    return world, cached_runs(world, _checks, timeout=400)
 
 
 def test_losses_and_params_match_reference(world_results):

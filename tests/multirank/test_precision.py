@@ -7,9 +7,9 @@ import torch
 import fz
 from fz.sharding.comm import Comm
 from fz.testing.gpt import lm_loss
-from fz.testing.spawn import run_ranks
 
 from support.helpers import make_model, max_rel, params_rel, rank_batches, reference, spec
+from support.ranks import cached_runs
 
 STAGES = (0, 1, 2, 3)
 
@@ -59,14 +59,9 @@ def _runs(rank, world):
     return out
 
 
-_CACHE = {}
-
-
 @pytest.fixture(scope="module")
 def results():
-    if "r" not in _CACHE:
-        _CACHE["r"] = run_ranks(2, _runs, timeout=400)
-    return _CACHE["r"]
+    return cached_runs(2, _runs, timeout=400)
 
 
 def test_low_precision_follows_fp32_reference(results):

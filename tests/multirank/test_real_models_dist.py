@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fz
-from fz.testing.spawn import run_ranks
 
 from support.helpers import max_rel
+from support.ranks import cached_runs
 from support.real_nets import (
     CheckpointsInside,
     MoE,
@@ -102,14 +102,9 @@ def _runs(rank, world):
     return out
 
 
-_CACHE = {}
-
-
 @pytest.fixture(scope="module")
 def results():
-    if "r" not in _CACHE:
-        _CACHE["r"] = run_ranks(2, _runs, timeout=400)
-    return _CACHE["r"]
+    return cached_runs(2, _runs, timeout=400)
 
 
 def test_every_model_follows_the_single_process_reference_at_every_stage(results):

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 import fz
 from fz.model import standin
-from fz.testing.spawn import run_ranks
 
 from support.helpers import max_rel, params_rel
+from support.ranks import cached_runs
 from support.real_nets import hf_loss, hf_model, mse, points, reference, tokens
 
 VOCAB, DIM, SEQ, DEPTH, ROWS, STEPS = 512, 16, 8, 4, 4, 3
@@ -169,16 +169,10 @@ def _runs(rank, world, path):
     return out
 
 
-_CACHE = {}
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
     world = request.param
-    if world not in _CACHE:
-        path = str(tmp_path_factory.mktemp("leaves"))
-        _CACHE[world] = [_runs(0, 1, path)] if world == 1 else run_ranks(world, _runs, path, timeout=400)
-    return world, _CACHE[world]
+    return world, cached_runs(world, _runs, str(tmp_path_factory.mktemp("leaves")), timeout=400)
 
 
 def test_the_root_leaves_are_units_and_the_roots_own_parameter_stays(runs):
