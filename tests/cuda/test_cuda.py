@@ -19,9 +19,9 @@ import fz
 import fz.offload.transfer as transfer
 from fz.testing.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
+from support import cuda_jobs
+
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-import cuda_jobs  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() "
@@ -34,8 +34,8 @@ TOL = {"fp32": 1e-4, "bf16": 3e-2}  # relative; other kernels (cuBLAS vs the CPU
 def cpu_reference(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cpu"))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="4")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "cuda_jobs.py"), root], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "..", "support", "cuda_jobs.py"), root], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -114,7 +114,7 @@ def test_no_gradient_stays_on_the_device_with_offload():
 
 
 def _run(spec, steps=3, seed=0):
-    from helpers import make_model, rank_batches
+    from support.helpers import make_model, rank_batches
     state = fz.init(make_model(seed), spec)
     out = []
     for b in rank_batches(1, 1, steps):
@@ -127,7 +127,7 @@ def _run(spec, steps=3, seed=0):
 def test_a_slow_copy_stream_changes_no_result(offload):
     """A long kernel queued on the copy stream before every transfer: a buffer read before its
     copy's event would hold stale or partial values, and the results would differ."""
-    from helpers import spec as make_spec
+    from support.helpers import spec as make_spec
     policy = fz.offload.cpu(params=offload == "params")
     sp = make_spec(3 if offload == "params" else 2, 1, precision="bf16", offload=policy)
     want = _run(sp)
@@ -143,13 +143,13 @@ def test_a_slow_copy_stream_changes_no_result(offload):
 
 
 def test_pinned_buffers_are_bounded_and_reported():
-    from helpers import spec as make_spec
+    from support.helpers import spec as make_spec
     transfer._POOLS.clear()
     _run(make_spec(2, 1, offload=fz.offload.cpu(max_pinned_mb=0.001)))
     assert transfer.pinned_bytes() <= 0.001 * 2**20
     _run(make_spec(2, 1, offload=fz.offload.cpu()))
     assert transfer.pinned_bytes() > 0
-    from helpers import make_model
+    from support.helpers import make_model
     state = fz.init(make_model(), make_spec(2, 1, offload=fz.offload.cpu()))
     assert fz.memory_report(state).pinned == transfer.pinned_bytes()
 
@@ -196,8 +196,8 @@ def test_world_2_on_one_gpu_through_gloo():
 
 def test_offloaded_state_is_pinned_at_its_exact_size():
     """Host state carved from slabs: pinned (copies overlap) and not rounded up tensor by tensor."""
-    from helpers import make_model
-    from helpers import spec as make_spec
+    from support.helpers import make_model
+    from support.helpers import spec as make_spec
     state = fz.init(make_model(), make_spec(3, 1, offload=fz.offload.cpu(params=True)))
     host = [f._local_tensor for f in state.param_flats if f._local_tensor.device.type == "cpu"]
     assert host and all(t.is_pinned() for t in host)

@@ -10,7 +10,8 @@ import random
 import signal
 
 import pytest
-from test_peers import check_trial
+
+from multirank.test_peers import check_trial
 
 pytestmark = pytest.mark.skipif(not os.environ.get("FZ_STRESS"), reason="stress test: set FZ_STRESS=1 to run it")
 CASES = [(w, s, t) for w in (2, 4) for s in (signal.SIGKILL, signal.SIGSTOP) for t in range(10)]

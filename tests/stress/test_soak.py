@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from test_elastic import torchrun
+
+from multirank.test_elastic import torchrun
 
 pytestmark = pytest.mark.skipif(not os.environ.get("FZ_STRESS"), reason="stress test: set FZ_STRESS=1 to run it")
 

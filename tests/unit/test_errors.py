@@ -1,0 +1,89 @@
+"""Bad input gets a ConfigError that names the cause."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fz
+
+from support.helpers import make_model, rank_batches, spec
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(stage=5), ["stage", "5", "0, 1, 2, 3"]),
+    (dict(grad_accum=0), ["grad_accum", "0", ">= 1"]),
+    (dict(precision="fp8"), ["precision", "fp8", "fp32, bf16, fp16"]),
+    (dict(clip_grad_norm=-1.0), ["clip_grad_norm"]),
+    (dict(live_buckets=1), ["live_buckets"]),
+])
+def test_bad_spec(kw, words):
+    with pytest.raises(fz.ConfigError) as e:
+        fz.Spec(**kw)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_batch_not_divisible_by_grad_accum():
+    state = fz.init(make_model(), spec(2, 2))
+    batch = rank_batches(1, 2, 1)[0][0][:3]  # 3 rows, grad_accum 2
+    with pytest.raises(fz.ConfigError, match=r"leading dimension 3 is not divisible by grad_accum=2"):
+        fz.train_step(state, batch)
+    # nothing was consumed: the state still trains
+    state, loss = fz.train_step(state, rank_batches(1, 2, 1)[0][0])
+    assert torch.isfinite(loss)
+
+
+def test_batch_size_inconsistent_with_micro_batch():
+    state = fz.init(make_model(), spec(0, 2, micro_batch=3))
+    with pytest.raises(fz.ConfigError, match=r"batch has 4 rows but grad_accum=2 x micro_batch=3 = 6"):
+        fz.train_step(state, rank_batches(1, 2, 1)[0][0])
+
+
+def test_inconsistent_batch_leading_dims():
+    state = fz.init(make_model(), fz.Spec(loss_fn=lambda m, b: m(b["x"]).mean()))
+    with pytest.raises(fz.ConfigError, match="same leading"):
+        fz.train_step(state, {"x": torch.zeros(4, 8, dtype=torch.long), "y": torch.zeros(3)})
+
+
+def test_model_without_parameters():
+    with pytest.raises(fz.ConfigError, match="no parameters"):
+        fz.init(nn.ReLU(), fz.Spec())
+
+
+def test_all_frozen_model():
+    model = make_model().requires_grad_(False)
+    with pytest.raises(fz.ConfigError, match="frozen"):
+        fz.init(model, fz.Spec())
+
+
+def test_loss_fn_returning_non_scalar():
+    state = fz.init(make_model(), fz.Spec(loss_fn=lambda m, b: m(b)))  # logits, not a loss
+    with pytest.raises(fz.ConfigError, match=r"loss_fn must return a scalar tensor; got \(4, 16, 64\)"):
+        fz.train_step(state, torch.zeros(4, 16, dtype=torch.long))
+
+
+def test_donated_state_refuses_reuse():
+    state = fz.init(make_model(), spec(0, 1))
+    batch = rank_batches(1, 1, 1)[0][0]
+    new, _ = fz.train_step(state, batch)
+    with pytest.raises(fz.ConfigError, match="donated"):
+        fz.train_step(state, batch)
+    kept, _ = fz.train_step(new, batch, donate=False)
+    fz.train_step(new, batch)  # donate=False left `new` usable
+    assert int(kept.step) == 2
+
+
+def test_meta_module_without_reset_parameters():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        m = Bare()
+    with pytest.raises(fz.ConfigError, match="reset_parameters"):
+        fz.init(m, fz.Spec())

@@ -1,0 +1,83 @@
+"""Messages say what happened: an empty batch, which checkpoint file could not be read, a full disk."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+import fz
+from fz.ckpt import manifest
+from fz.cli import main
+from fz.errors import ConfigError
+
+from support.helpers import make_model, rank_batches, spec
+
+
+def test_an_empty_batch_says_it_is_empty():
+    state = fz.init(make_model(), spec(0, 2))
+    empty = torch.zeros(0, 17, dtype=torch.long)
+    with pytest.raises(ConfigError, match=r"the batch is empty \(0 rows\)"):
+        fz.train_step(state, empty)
+    with pytest.raises(ConfigError, match=r"fz.eval_step: the batch is empty"):
+        fz.eval_step(state, empty)
+    with pytest.raises(ConfigError, match=r"the batch is empty \(4 rows and no elements\)"):
+        fz.train_step(state, {"tokens": torch.zeros(4, 0, dtype=torch.long)})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("msg")
+    state = fz.init(make_model(), spec(0, 1))
+    state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+    fz.save(state, root / "ck")
+    return root / "ck" / "step_1"
+
+
+def _garbled_copy(src, dst, name: str):
+    """A copy of checkpoint `src` whose file `name` is not what it should be, with a manifest that
+    agrees (as if it had been written that way): only reading the file can find it."""
+    shutil.copytree(src, dst)
+    (dst / name).write_bytes(b"{not json, not a pickle")
+    files = manifest.read(dst)
+    files.update(manifest.describe(dst, [name]))
+    manifest.write(dst, files)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["fz.json", "data_0.json", "index.json", "__0_0.distcp"])
+def test_every_unreadable_checkpoint_file_is_named(saved, tmp_path, name):
+    bad = _garbled_copy(saved, tmp_path / "step_1", name)
+    with pytest.raises(ConfigError) as e:
+        fz.restore(fz.init(make_model(), spec(0, 1)), bad)
+    assert f"checkpoint file {bad / name} is unreadable" in str(e.value), str(e.value)
+
+
+def test_fz_consolidate_names_an_unparsable_fz_json_without_a_traceback(saved, tmp_path, capsys):
+    bad = _garbled_copy(saved, tmp_path / "step_1", "fz.json")
+    assert main(["consolidate", str(bad), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"fz consolidate: error: checkpoint file {bad / 'fz.json'} is unreadable" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):
+    """torch.save on a full disk fails as "unexpected pos": the free space says why."""
+    state = fz.init(make_model(), spec(0, 1))
+
+    def torn(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", torn)
+    with pytest.raises(fz.CheckpointError) as roomy:
+        fz.save(state, tmp_path / "roomy")
+    assert "unexpected pos 704 vs 598" in str(roomy.value) and "disk is full" not in str(roomy.value)
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(fz.CheckpointError) as full:
+        fz.save(state, tmp_path / "full")
+    msg = str(full.value)
+    assert msg.startswith("the disk is full (1.0 MiB free of "), msg
+    assert str(tmp_path / "full" / "step_0.tmp") in msg and "unexpected pos 704 vs 598" in msg, msg
