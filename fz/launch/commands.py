@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from fz.launch.hostfile import Hosts
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+# ssh's defaults here: fail within ConnectTimeout when a host accepts TCP but never answers, and
+# notice a dead connection within ServerAliveInterval * ServerAliveCountMax. They follow the
+# user's --ssh-opts, and ssh takes the first value it is given, so the user's win.
+SSH_DEFAULTS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "ServerAliveInterval=15",
+                "-o", "ServerAliveCountMax=4")
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def remote_argv(job: Job, node_rank: int, host: str, launcher: str) -> list[str]
     line = shell_line(job, node_rank, host)
     if launcher == "pdsh":
         return ["pdsh", "-S", "-w", host, line]
-    return ["ssh", "-o", "BatchMode=yes", *job.ssh_opts, host, line]
+    return ["ssh", *job.ssh_opts, *SSH_DEFAULTS, host, line]
 
 
 def srun_argv(job: Job, nodes: list[str]) -> list[str]:

@@ -83,7 +83,8 @@ def test_dry_run_prints_each_nodes_exact_command(tmp_path, capsys, monkeypatch):
     through = [line for line in out if line.startswith("#   through ")]
     for rank, (host, devices) in enumerate([("worker-1", "0,1,2,3"), ("worker-2", "1,2,3"), ("worker-3", "2,3")]):
         c, t = cmds[rank], through[rank].split(": ", 1)[1]
-        assert t.startswith(f"ssh -o BatchMode=yes {host} ") or t.startswith(f"pdsh -S -w {host} "), t
+        assert t.startswith(f"ssh -o BatchMode=yes -o ConnectTimeout=30 -o ServerAliveInterval=15 "
+                            f"-o ServerAliveCountMax=4 {host} ") or t.startswith(f"pdsh -S -w {host} "), t
         assert c.startswith(f"cd {tmp_path} && ") and "'" not in c, c  # readable: no shell quoting layers
         assert f"CUDA_VISIBLE_DEVICES={devices} " in c and "NCCL_IB_DISABLE=1" in c, c
         assert f"--nnodes=3 --nproc-per-node={len(devices.split(','))} --node-rank={rank} " \
@@ -189,3 +190,77 @@ def test_exit_codes_and_signals_are_forwarded(tmp_path):
         for ln in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
         if "sleep.py" in ln and "pytest" not in ln
     ], "a node's process outlived the launcher"
+
+
+def test_ssh_to_a_host_that_never_answers_fails_within_connect_timeout_naming_it(tmp_path):
+    """A host that accepts TCP but never speaks ssh: the launcher ends within seconds (the user's
+    -o ConnectTimeout=2 before fz's default 30; ssh takes the first) with an error naming the host."""
+    if shutil.which("ssh") is None:
+        pytest.skip("ssh is not installed here (no ssh client on PATH)")
+    import threading
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    held: list[socket.socket] = []
+
+    def accept_and_sleep() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])  # never answers
+        except OSError:
+            pass
+
+    threading.Thread(target=accept_and_sleep, daemon=True).start()
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n")
+    start = time.monotonic()
+    try:
+        res = subprocess.run([sys.executable, "-m", "fz", "run", "--hostfile", "hosts", "--launcher", "ssh",
+                              "--ssh-port", str(listener.getsockname()[1]),
+                              "--ssh-opts=-o ConnectTimeout=2 -o StrictHostKeyChecking=no "
+                              "-o UserKnownHostsFile=/dev/null", "sleep.py"],
+                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    finally:
+        listener.close()
+        for c in held:
+            c.close()
+    assert time.monotonic() - start < 30, "the launcher waited for ssh far past ConnectTimeout"
+    assert res.returncode == 255, res.stderr[-2000:]
+    assert "fz run: ssh to 127.0.0.1 failed (exit 255): ssh could not connect" in res.stderr, res.stderr[-2000:]
+
+
+def test_sigkill_of_the_launcher_stops_torchrun_and_its_workers(tmp_path):
+    """Nothing fz run started outlives it, even when it is SIGKILLed: its children get SIGTERM
+    (PR_SET_PDEATHSIG) and torchrun stops its workers."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    (tmp_path / "sleep.py").write_text(
+        "import os, time\nopen(f'pids{os.environ[\"RANK\"]}', 'w').write(f'{os.getppid()} {os.getpid()}')\n"
+        "while True:\n    time.sleep(0.2)\n")
+    p = subprocess.Popen([sys.executable, "-m", "fz", "run", "--num_gpus", "2", "sleep.py"], cwd=tmp_path,
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pids{r}").exists() and (tmp_path / f"pids{r}").read_text() for r in (0, 1)):
+            assert time.monotonic() < deadline and p.poll() is None, "the two workers did not start"
+            time.sleep(0.1)
+        pids = {int(x) for r in (0, 1) for x in (tmp_path / f"pids{r}").read_text().split()}
+        assert len(pids) == 3, pids  # torchrun's agent and two workers
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while (alive := {q for q in pids if _alive(q)}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"these outlived the SIGKILLed launcher: {sorted(alive)}"
+    finally:
+        for q in pids:
+            if _alive(q):
+                os.kill(q, 9)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
