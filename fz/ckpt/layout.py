@@ -3,7 +3,9 @@
     <root>/step_<N>/        a committed checkpoint (renamed from step_<N>.tmp when complete)
     <root>/step_<N>.tmp/    being written; never read
     <root>/step_<N>.del/    being pruned; never read
-    <root>/latest           "step_<N>": the newest committed checkpoint (replaced atomically)
+    <root>/latest           "step_<N> manifest-crc32=<8 hex>": the newest committed checkpoint and
+                            the crc32 of its manifest.json (replaced atomically); a `latest` that
+                            holds only "step_<N>" (an older fz's) is read too
 
 A crash at any moment leaves `latest` naming a complete directory, because a directory is
 renamed into place only after every file in it is fsynced, and `latest` is replaced (write
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "fz.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_LATEST_RE = re.compile(r"^(step_\d+)(?: manifest-crc32=([0-9a-f]{8}))?$")
 LOW_FREE = 64 << 20  # bytes: a write that fails with less than this free is blamed on a full disk
 
 
@@ -103,14 +107,51 @@ def disk_full(path: PathLike, err: BaseException) -> ConfigError | None:
                        f"the filesystem holding {probe}): {cause}")
 
 
-def read_latest(root: Path) -> str | None:
+def manifest_crc(step_dir: Path) -> str | None:
+    """crc32 of a step's manifest.json (what `latest` records), None when it is missing."""
     try:
-        name = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
+        return f"{zlib.crc32((step_dir / MANIFEST).read_bytes()):08x}"
     except FileNotFoundError:
         return None
-    if not _STEP_RE.match(name):
-        raise CheckpointError(f"{root / LATEST} is corrupted: it holds {name[:40]!r}, not 'step_<N>'")
-    return name
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point `latest` at the committed step `name`, with its manifest's crc (atomically)."""
+    crc = manifest_crc(root / name)
+    replace_durable(root / LATEST, (name + (f" manifest-crc32={crc}" if crc else "") + "\n").encode())
+
+
+def read_latest(root: Path) -> str | None:
+    """The step `latest` names; a CheckpointError when it does not match the step's manifest."""
+    try:
+        text = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    m = _LATEST_RE.match(text)
+    if m is None:
+        raise CheckpointError(f"{root / LATEST} is corrupted: it holds {text[:60]!r}, not 'step_<N> "
+                              f"manifest-crc32=<crc>'; restore a step explicitly (step=N; committed steps: "
+                              f"{committed_steps(root) or 'none'})")
+    name, want = m.group(1), m.group(2)
+    if want is None:  # the old format: the name only
+        return name
+    got = manifest_crc(root / name)
+    if got == want:
+        return name
+    match = [s for s in committed_steps(root) if step_name(s) != name and manifest_crc(root / step_name(s)) == want]
+    if match:
+        raise CheckpointError(
+            f"{root / LATEST} says {name}, but the manifest checksum it records ({want}) is {step_name(match[0])}'s: "
+            f"it should say {step_name(match[0])} (the file was edited or damaged). Restore a step explicitly "
+            f"(step={match[0]}, or step={name.split('_', 1)[1]} for the one it names; `fz inspect --step N`), or "
+            f"write '{step_name(match[0])}' into {root / LATEST}")
+    if got is None and not (root / name).exists():
+        return name  # resolve() names the missing directory
+    raise CheckpointError(
+        f"{root / LATEST} says {name}, but it records manifest checksum {want} and {name}'s manifest has "
+        f"{got or 'none'}; no committed step has {want} (the file or {name} was changed). Restore a step "
+        f"explicitly (step=N; committed steps: {committed_steps(root) or 'none'}), or write the step to "
+        f"restore into {root / LATEST}")
 
 
 def committed_steps(root: Path) -> list[int]:

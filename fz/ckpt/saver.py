@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from fz.ckpt import layout, manifest, signing
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import INDEX, index_of
-from fz.ckpt.layout import LATEST, META, disk_full, fsync_path, read_latest, step_name, write_durable
+from fz.ckpt.layout import META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
 from fz.compat import FileSystemWriter
 from fz.errors import CheckpointError, ConfigError
@@ -176,7 +176,7 @@ class SaveJob:
             os.replace(final, old)
         os.replace(self.tmp, final)
         fsync_path(self.root)
-        layout.replace_durable(self.root / LATEST, final.name.encode())
+        layout.write_latest(self.root, final.name)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep_last is not None:

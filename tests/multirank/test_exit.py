@@ -163,7 +163,7 @@ def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_pa
     unclean = {k: v for k, v in ranks.items() if v[0] != "exit 0" or _stderr_of_a_clean_exit(v[1]).strip()}
     assert not unclean, unclean
     for job in range(JOBS):  # each job's checkpoints committed
-        assert (tmp_path / f"ckpt_{job}" / "latest").read_text() == "step_3"
+        assert (tmp_path / f"ckpt_{job}" / "latest").read_text().split()[0] == "step_3"
 
 
 def test_destroying_the_process_group_right_after_an_async_save_lets_it_commit(tmp_path):

@@ -3,6 +3,7 @@ the `fz consolidate` / `fz inspect` CLI with its memory bound, and load_weights.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fz
-from fz.ckpt import PartialRestoreWarning, restore, save
+from fz.ckpt import Checkpointer, PartialRestoreWarning, restore, save
 from fz.ckpt.safetensors_io import load_weights
 from fz.cli import main
 from fz.errors import ConfigError
@@ -121,23 +122,27 @@ def test_master_weights_are_the_source_of_truth(tmp_path):
     assert _equal_params(fz.full_params(mixed), {k: v.to(torch.bfloat16) for k, v in want.items()})
 
 
+def _latest(root) -> str:
+    return (root / "latest").read_text().split()[0]
+
+
 def test_keep_last_latest_and_resaving(tmp_path):
     state, _ = train_fz(0, 1, 1, 1, steps=1)
     for step in (2, 4, 6):
         save(state, tmp_path, step=step, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
-    assert (tmp_path / "latest").read_text() == "step_6"
+    assert _latest(tmp_path) == "step_6"
     with pytest.raises(ConfigError, match="already the latest"):
         save(state, tmp_path, step=6)
     save(state, tmp_path, step=4)  # a step `latest` does not name may be replaced; `latest` = the last save
-    assert (tmp_path / "latest").read_text() == "step_4"
+    assert _latest(tmp_path) == "step_4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
     with pytest.raises(ConfigError, match="neither JSON-able nor a tensor"):
         save(state, tmp_path, step=8, client_state={"bad": object()})
     assert not (tmp_path / "step_8").exists() and not (tmp_path / "step_8.tmp").exists()
     with pytest.raises(ConfigError, match="writing checkpoint .*step_8.tmp failed: rank 0: NotImplementedError"):
         save(state, tmp_path, step=8, client_state={"sparse": torch.eye(2).to_sparse()})  # DCP fails inside
-    assert not (tmp_path / "step_8.tmp").exists() and (tmp_path / "latest").read_text() == "step_4"
+    assert not (tmp_path / "step_8.tmp").exists() and _latest(tmp_path) == "step_4"
     assert int(restore(fz.init(make_model(), spec(1, 1)), tmp_path, step=4).step) == 1
 
 
@@ -226,3 +231,38 @@ def test_consolidate_cli_memory_output_and_load_weights(tmp_path, capsys):
     assert "FAILED" in out and "__0_0.distcp is truncated" in out, out
     assert main(["consolidate", str(tmp_path / "ck"), str(tmp_path / "x.safetensors")]) == 2
     assert "__0_0.distcp is truncated" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+
+
+def test_latest_records_its_manifest_checksum_and_one_changed_byte_is_caught(tmp_path):
+    """`latest` is "step_N manifest-crc32=..." (issue 27, item 8): edited from step_4 to step_2,
+    restore names what it says and what it should say; the old format ("step_N") still reads."""
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    for step in (2, 4):
+        save(state, tmp_path, step=step)
+    text = (tmp_path / "latest").read_text()
+    assert re.fullmatch(r"step_4 manifest-crc32=[0-9a-f]{8}\n", text), text
+    (tmp_path / "latest").write_text(text.replace("step_4", "step_2"))  # one changed byte
+    template = fz.init(make_model(), spec(1, 1))
+    with pytest.raises(fz.CheckpointError, match=re.escape(
+            f"{tmp_path / 'latest'} says step_2, but the manifest checksum it records (") +
+            r"[0-9a-f]{8}\) is step_4's: it should say step_4 \(the file was edited or damaged\)\. Restore a "
+            r"step explicitly \(step=4, or step=2 for the one it names"):
+        restore(template, tmp_path)
+    with pytest.raises(fz.CheckpointError, match=r"says step_2, .*it should say step_4"):
+        Checkpointer(tmp_path).latest_step()
+    assert int(restore(fz.init(make_model(), spec(1, 1)), tmp_path, step=4).step) == 1  # step= bypasses it
+    (tmp_path / "latest").write_text(text.replace("step_4 manifest-crc32=", "step_4 manifest-crc32=0"))
+    with pytest.raises(fz.CheckpointError, match=r"latest is corrupted: .*not 'step_<N> manifest-crc32=<crc>'"):
+        restore(fz.init(make_model(), spec(1, 1)), tmp_path)
+    crc = text.split("=")[1].strip()
+    (tmp_path / "latest").write_text(text.replace(crc, "%08x" % (int(crc, 16) ^ 1)))  # no step has that crc
+    with pytest.raises(fz.CheckpointError, match=r"latest says step_4, but it records manifest checksum "
+                                                 r"[0-9a-f]{8} and step_4's manifest has " + crc +
+                                                 r"; no committed step has"):
+        restore(fz.init(make_model(), spec(1, 1)), tmp_path)
+    for old in ("step_2", "step_4\n"):  # an older fz's `latest`: the name only
+        (tmp_path / "latest").write_text(old)
+        assert Checkpointer(tmp_path).latest_step() == int(old.strip()[5:])
+        restore(fz.init(make_model(), spec(1, 1)), tmp_path)
+    save(state, tmp_path, step=6)  # a save writes the new format again
+    assert (tmp_path / "latest").read_text().startswith("step_6 manifest-crc32=")
