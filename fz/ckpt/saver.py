@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from fz.ckpt import layout, manifest, signing
+from fz.ckpt import layout, manifest, signing, space
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.layout import META, disk_full, fsync_path, read_latest, step_name, write_durable
@@ -263,8 +263,8 @@ def prepare(state: State, root: Path, step: int, client_state: dict[str, Any] | 
         if client_per_rank:
             tensors.update(client_t)
             rank_json["client"] = client_json
-        if stage:
-            tensors = {k: _stage(t) for k, t in tensors.items()}
+        if stage:  # room for the disk tier's copy is checked first
+            tensors = space.staged(root / step_name(step), tensors, _stage)
         if rank == 0:
             _prepare_dir(root, step)
         spec = state.spec
