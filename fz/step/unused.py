@@ -31,8 +31,11 @@ class UsedParams:
             if t.requires_grad:
                 t.register_hook(partial(self._reached, name))
 
-    def _reached(self, name: str, grad: Tensor) -> None:
-        self.used.add(name)
+    def _reached(self, name: str, grad: Tensor | None) -> None:
+        # stage 3's tensors are outputs of one gather (an autograd Function per bucket): backward
+        # calls the hook of an output it did not reach with None, not a gradient
+        if grad is not None:
+            self.used.add(name)
 
 
 def unused_everywhere(comm: Comm, names: Sequence[str], used: set[str]) -> set[str]:
