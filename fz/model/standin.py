@@ -2,11 +2,12 @@
 
 A `_UnitCall` stands where a block was. Calling it asks the running step (`running`) for
 the block's parameters and runs the block; everything else a parent does with a block
-(read `layer.layer_idx`, iterate, index, `len`) reads the block itself. Only what fz holds
-apart, the block's own tensors and calls of its parts, is refused, with a ConfigError that
-names the block and says what to do. A leaf of the root taken out as a unit (fz/model/leaves.py)
-is the exception: its tensors were the root's, which the model may use directly
-(`F.linear(h, self.wte.weight)`), so a read gets them from the running step.
+(read `layer.layer_idx`, iterate, index, `len`, `isinstance`, `named_children()`, hooks) reads
+the block itself. Only what fz holds apart, the block's own tensors and calls of its parts,
+is refused, with a ConfigError that names the block and says what to do. A leaf of the root
+taken out as a unit (fz/model/leaves.py) is the exception: its tensors were the root's, which
+the model may use directly (`F.linear(h, self.wte.weight)`), so a read gets them from the
+running step.
 """
 from __future__ import annotations
 
@@ -145,6 +146,18 @@ class _UnitCall(_Reads, nn.Module):
         if runner is None:
             raise RuntimeError("fz skeleton called outside fz.train_step/eval_step/apply")
         return runner.call_unit(self._index, args, kwargs)
+
+    # A library that walks the model (Hugging Face's output recorders, installed on the first
+    # forward) finds the block where it was: the stand-in passes for the block's class, and its
+    # children are the block's, whose hooks run inside the block's call; a hook on the stand-in
+    # runs around the unit's call, with the block's arguments and output.
+    @property  # type: ignore[misc]  # isinstance(stand_in, BlockClass) reads __class__
+    def __class__(self) -> type:
+        inner = self.__dict__.get("_inner")
+        return _UnitCall if inner is None else type(inner)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        return self.__dict__["_inner"].named_children()
 
     def extra_repr(self) -> str:
         return f"fz block {self._unit_name!r}: {type(self._inner).__name__}"
