@@ -167,8 +167,8 @@ def tokens(step: int, rows: int, name: str) -> dict:
 
 
 def hf_model(name: str, seed: int = 0) -> nn.Module:
-    """GPT-2, Llama (untied, or tied: "llama_tied"), BERT, T5, ModernBERT from 2-layer configs with hidden size 32, no
-    dropout (so that a reference with another generator takes the same path)."""
+    """GPT-2, Llama (untied, or tied: "llama_tied"), Mixtral, BERT, T5, ModernBERT from 2-layer configs with hidden
+    size 32, no dropout (so that a reference with another generator takes the same path)."""
     import transformers as tr
     torch.manual_seed(seed)
     ids = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -179,6 +179,10 @@ def hf_model(name: str, seed: int = 0) -> nn.Module:
     elif name in ("llama", "llama_tied"):
         m = tr.LlamaForCausalLM(tr.LlamaConfig(num_key_value_heads=1, max_position_embeddings=16,
                                                tie_word_embeddings=name == "llama_tied", **small, **ids))
+    elif name == "mixtral":  # router logits in the loss (the load-balancing term): transformers records them by hooks
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+        m = tr.MixtralForCausalLM(tr.MixtralConfig(num_key_value_heads=1, max_position_embeddings=16, **moe, **small,
+                                                   **ids))
     elif name == "bert":
         m = tr.BertForMaskedLM(tr.BertConfig(max_position_embeddings=16, pad_token_id=0, hidden_dropout_prob=0.0,
                                              attention_probs_dropout_prob=0.0, **small))

@@ -11,17 +11,13 @@ import torch
 import fz
 
 from support.helpers import max_rel
-from support.real_nets import hf_loss, reference, tokens
+from support.real_nets import hf_loss, hf_model, reference, tokens
 
 tr = pytest.importorskip("transformers")
 
 
 def _mixtral():
-    torch.manual_seed(0)
-    return tr.MixtralForCausalLM(tr.MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=64, max_position_embeddings=16,
-        output_router_logits=True, router_aux_loss_coef=0.01))
+    return hf_model("mixtral")
 
 
 def _llama():
