@@ -170,7 +170,7 @@ def _read_world2(rank: int, world: int, root: str) -> dict:
     out["s3->1"] = _resharded(f"{root}/s3", 1, rank, world)
     # an fp32 checkpoint into a mixed-precision template: Shard(0) master, Replicate bf16 params
     mixed = restore(fz.init(make_model(1), spec(1, 1, precision="bf16")), f"{root}/s3")
-    out["master"] = ({n: m.full_tensor() for n, m in mixed.master.items()}, fz.full_params(mixed))
+    out["master"] = ({n: m.full_tensor() for n, m in mixed.master.items()}, fz.full_params(mixed, dtype="compute"))
     out["async"] = _snapshot(restore(fz.init(make_model(1), spec(3, 1)), f"{root}/async"))
     out["errors"] = {}
     for name in sorted(os.listdir(f"{root}/bad")):

@@ -103,7 +103,7 @@ def test_consolidated_holds_the_scalar(runs, tmp_path):
         consolidate(f"{root}/{name}", out, progress=False)
         tensors = load_file(str(out))
         assert tensors["logit_scale"].shape == ()
-        want = written[name]["logit_scale"]  # the fp32 master in the file; full_params's compute copy in bf16
+        want = written[name]["logit_scale"]  # the fp32 master, in the file as in full_params
         assert torch.equal(tensors["logit_scale"].to(want.dtype), want), name
         model = Scaled()
         model.load_state_dict(tensors, strict=True)
