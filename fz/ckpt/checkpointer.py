@@ -108,11 +108,12 @@ class Checkpointer:
 
     @classmethod
     def _for_functions(cls, root: PathLike, keep_last: int | None = None, async_: bool = False,
-                       groups: GroupCache | None = None, key: signing.Key = None) -> Checkpointer:
+                       groups: GroupCache | None = None, key: signing.Key = None,
+                       verbose: bool = True) -> Checkpointer:
         """One call of the function API: its messages say fz.save / fz.restore, and it shares
         one group with every other call (they never overlap: each first waits for all saves)."""
         _check_keep_last(keep_last, "fz.save")
-        self = cls(root, None, async_, key=key)
+        self = cls(root, None, async_, verbose, key=key)
         self.keep_last, self._who = keep_last, "fz."
         if groups is not None:
             self._groups = groups
@@ -334,7 +335,7 @@ _FUNCTION_GROUPS = GroupCache()
 
 def save(state: State, path: PathLike, *, step: int | None = None, client_state: dict[str, Any] | None = None,
          async_: bool = False, keep_last: int | None = None, client_state_per_rank: bool = False,
-         key: signing.Key = None) -> None:
+         key: signing.Key = None, verbose: bool = True) -> None:
     """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
 
     N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
@@ -345,16 +346,18 @@ def save(state: State, path: PathLike, *, step: int | None = None, client_state:
     background on a checkpoint-only process group; the next save or restore and
     interpreter exit wait for it. Call `wait_for_checkpoints()` before
     `dist.destroy_process_group()`, which would cut it off. `key` (else FZ_CKPT_KEY) signs it.
+    `verbose=False` leaves out the saved line.
     """
     state, path = arguments.state_and_path("fz.save", state, path)
     expect_state(state, "fz.save")
     wait_for_checkpoints()
-    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key)
+    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key, verbose)
     ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
 
 
 def restore(state: State, path: PathLike, *, step: int | None = None, strict: bool = True,
-            with_client_state: bool = False, key: signing.Key = None) -> State | tuple[State, dict[str, Any]]:
+            with_client_state: bool = False, key: signing.Key = None,
+            verbose: bool = True) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
 
     The state comes first, as in fz.save (fz/ckpt/arguments.py says why); fz 0.1's
@@ -362,12 +365,13 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     (missing, truncated or corrupted file) or one of another model raises ConfigError; with
     strict=False the tensors both share are loaded and the rest is reported as a
     PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a checkpoint that this key did not
-    sign is refused. `with_client_state=True` returns (state, client_state).
+    sign is refused. `with_client_state=True` returns (state, client_state); `verbose=False`
+    leaves out the restored line.
     """
     state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
     expect_state(state, "fz.restore")
     wait_for_checkpoints()
-    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key)
+    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
 
 

@@ -51,7 +51,9 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
 
     Names are the canonical parameter names, then the buffers of the model's state_dict (its
-    persistent ones: BatchNorm's statistics), so the file loads with `strict=True`; `dtype`
+    persistent ones: BatchNorm's statistics). A tied pair is written once, under its canonical
+    name (safetensors refuses shared storage): load the file with
+    `safetensors.torch.load_model(model, out, strict=True)`, which fills the tied names; `dtype`
     ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
     master weights when the run had them). With a `key` (or FZ_CKPT_KEY) the checkpoint must be
     signed with it, and is verified even with verify=False. Returns what it wrote (a Consolidated).

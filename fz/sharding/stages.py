@@ -17,8 +17,9 @@ What follows from them:
 - optimizer Replicate: all-reduce, every rank updates the whole parameter;
   optimizer Shard(0): reduce-scatter, each rank updates its rows, and a replicated
   parameter is all-gathered back after the update.
-Per-parameter override: at stage 3 a parameter under `persist_threshold` elements (or a
-0-d one) keeps stage 2's placements (DeepSpeed's stage3_param_persistence_threshold).
+Per-parameter override: at stage 3 a parameter under `persist_threshold` elements keeps
+stage 2's placements (DeepSpeed's stage3_param_persistence_threshold); a 0-d one keeps
+stage 0's in every stage (nothing to split, and DTensor has no Shard(0) of a scalar).
 """
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ STAGES: dict[int, Placements] = {
 
 def placements_for(stage: int, shape: torch.Size, persist_threshold: int) -> Placements:
     """The table's row for one parameter, after the per-parameter override."""
-    if stage == 3 and (len(shape) == 0 or math.prod(shape) < persist_threshold):
-        return STAGES[2]
     if len(shape) == 0:
-        return STAGES[0]  # a scalar cannot be split along dim 0
+        return STAGES[0]  # a scalar (CLIP's logit_scale) cannot be split along dim 0: in every stage
+    if stage == 3 and math.prod(shape) < persist_threshold:
+        return STAGES[2]
     return STAGES[stage]

@@ -31,9 +31,10 @@ V = TypeVar("V", int, str)
 
 
 def batch_size(batch: Any) -> tuple[int, int]:
-    """(rows, elements) of a batch: the first tensor's leading dimension, every tensor's numel."""
-    tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor)]
-    rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+    """(rows, elements) of a batch: the leading dimension of its first tensor that has one, and the
+    numel of those tensors (0-d tensors, such as `num_items_in_batch`, ride along uncounted)."""
+    tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor) and x.dim()]
+    rows = tensors[0].shape[0] if tensors else 1
     return rows, sum(x.numel() for x in tensors)
 
 

@@ -11,17 +11,21 @@ from fz.errors import ConfigError
 
 
 def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
+    """`batch` cut into `n` micro-batches along the leading dimension of its tensors. Leaves with
+    no batch dimension (0-d tensors such as transformers' `num_items_in_batch`, Python scalars,
+    strings) go to every micro-batch unchanged; the other tensors must agree on their rows."""
     leaves, spec = pytree.tree_flatten(batch)
-    tensors = [x for x in leaves if isinstance(x, Tensor)]
-    if not tensors:
-        raise ConfigError("the batch holds no tensors")
-    sizes = {x.shape[0] if x.dim() else None for x in tensors}
-    if len(sizes) != 1 or None in sizes:
+    rowed = [x for x in leaves if isinstance(x, Tensor) and x.dim()]
+    if not rowed:
+        raise ConfigError("the batch holds no tensor with a batch (leading) dimension: give it at least one "
+                          "tensor of shape (rows, ...); 0-d tensors and scalars only ride along")
+    sizes = {x.shape[0] for x in rowed}
+    if len(sizes) != 1:
         raise ConfigError(
-            f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(map(str, sizes))}"
+            f"every tensor in the batch needs the same leading (batch) dimension; got {sorted(sizes)}. "
+            "Give every tensor of the batch the same rows (0-d tensors and scalars are passed through as they are)"
         )
     size = sizes.pop()
-    assert size is not None  # ruled out above
     if size == 0:
         raise ConfigError("the batch is empty (0 rows): every rank needs grad_accum * micro_batch rows per step "
                           "(did this rank's data run out?)")
@@ -32,7 +36,8 @@ def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
     if micro is not None and m != micro:
         raise ConfigError(f"batch has {size} rows but grad_accum={n} x micro_batch={micro} = {n * micro} "
                           "(batch sizes are inconsistent with the spec)")
-    return [pytree.tree_unflatten([x.narrow(0, i * m, m) if isinstance(x, Tensor) else x for x in leaves], spec)
+    cut = [isinstance(x, Tensor) and x.dim() > 0 for x in leaves]
+    return [pytree.tree_unflatten([x.narrow(0, i * m, m) if c else x for x, c in zip(leaves, cut)], spec)
             for i in range(n)]
 
 
