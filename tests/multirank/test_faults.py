@@ -126,3 +126,14 @@ def test_a_rank_stuck_writing_its_checkpoint_part_is_named_with_the_limit(tmp_pa
     assert said in msg, msg
     assert "the limit that fired: 3 s" in msg, msg
     assert took < 3 + peers.PROBE + MARGIN_S, msg
+
+
+def test_a_rank_killed_in_an_async_save_is_a_peer_error_naming_it(tmp_path):
+    timeout_s = 3.0
+    out = run_job("kill_async", timeout_s, tmp_path, limit_s=60, ranks=(0,))
+    status, text = out[0]
+    assert status == 3, (status, text[-3000:])  # not gloo's raw "Connection reset by peer"
+    ranks, took, msg = peer_error(text)
+    assert ranks == "[1]", msg
+    assert "lost rank(s) [1]" in msg, msg
+    assert took < timeout_s + peers.PROBE + MARGIN_S, msg

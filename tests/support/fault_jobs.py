@@ -7,7 +7,8 @@ Modes:
 - `kill_save`: rank 1 SIGKILLs itself right before fz.save at step 2;
 - `kill_full_params`: rank 0 SIGKILLs itself right before fz.full_params at step 2;
 - `raise_fwd`: rank 0's loss_fn raises at step 2 (stage 3, mid-forward); rank 0 catches it and steps again;
-- `stuck_write`: rank 1's checkpoint write hangs (FZ_CKPT_TIMEOUT is small).
+- `stuck_write`: rank 1's checkpoint write hangs (FZ_CKPT_TIMEOUT is small);
+- `kill_async`: rank 1 SIGKILLs itself as its async save's write begins (in DCP's thread).
 Prints `ready` after the first step, `PEERERROR <ranks> <seconds since the fault> <message>` on
 fz.PeerError (exit 3), `REFUSED <message>` when raise_fwd's second step is refused (exit 0).
 """
@@ -50,6 +51,13 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == 2 and mode == "kill_full_params" and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == 2 and mode == "kill_async":
+                t0, saver = time.monotonic(), fz.Checkpointer(ckpt, async_=True, verbose=False)
+                if rank == 1:
+                    arm("write_begin", "kill")
+                saver.save(state)
+                saver.wait()
+                return 0
             if step == 2 and mode in ("kill_save", "kill_full_params", "stuck_write"):
                 t0 = time.monotonic()
                 if mode == "stuck_write" and rank == 1:
