@@ -67,8 +67,9 @@ def broke(what: str, err: BaseException) -> None:
     match, so every later fz call raises (a new collective would meet another rank's old one:
     gloo aborts the process on that mismatch) and exit does not wait for what is in flight."""
     global _broken, _doing, failed
-    if isinstance(err, PeerError) or _broken is not None or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+    if (isinstance(err, PeerError) or getattr(err, "agreed", False) or _broken is not None
+            or not dist.is_initialized() or dist.get_world_size() == 1):
+        return  # (`agreed`: an error every rank raises together, after the exchange that found it)
     failed = True
     said = f"{activity()} {FAILED_MID} ({type(err).__name__}: {str(err)[:160]})"
     _broken = (f"this process's state is unusable after a failed step: {said}, so the ranks' collectives no "
