@@ -11,7 +11,9 @@ publishes what the rank is doing. On a failure the survivor reads every counter 
 `PROBE` seconds apart: a rank whose counter did not move is lost (killed, stopped by
 SIGSTOP, or its whole process hung), unless it said it left after losing a peer itself, or
 it finished its script: a process that exits says so (`EXITED`) and is never called lost.
-A store that does not answer is said too (its host may be the lost one). Nothing here
+A store that does not answer names its host (rank 0 unless torchrun's agent hosts it): every
+store call has a deadline (fz/distributed/storecall.py). A step that raises in the middle of
+its collectives (`broke`) makes every later fz call of the process raise (`doing` checks). Nothing here
 runs on a step's path but a string assignment; the thread costs two store messages a beat.
 """
 from __future__ import annotations
@@ -101,8 +103,10 @@ class _Heartbeat(threading.Thread):
             waiting = "" if since is None else f" (waiting for other ranks for {time.monotonic() - since:.0f} s)"
             try:
                 call(lambda: self._beat(activity() + waiting))  # noqa: B023 - called before the loop goes on
-            except StoreDown:  # the store is gone (its host exited or froze): nothing left to tell
-                return
+            except StoreDown as e:
+                if not e.timed_out:  # the store is gone (its host exited): nothing left to tell
+                    return
+                # slow or frozen: beat again (a busy store host must not make this rank look lost)
             self.stop.wait(BEAT)
 
 

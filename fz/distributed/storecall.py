@@ -16,7 +16,9 @@ T = TypeVar("T")
 
 
 class StoreDown(RuntimeError):
-    """The job's store did not answer within STORE_S, or failed: its host is frozen or gone."""
+    """The job's store did not answer within STORE_S (`timed_out`), or failed: its host is frozen or gone."""
+
+    timed_out = False
 
 
 def call(fn: Callable[[], T], seconds: float = STORE_S) -> T:
@@ -34,7 +36,9 @@ def call(fn: Callable[[], T], seconds: float = STORE_S) -> T:
     t.start()
     t.join(seconds)
     if not box:
-        raise StoreDown(f"the job's store did not answer within {seconds:g} s")
+        down = StoreDown(f"the job's store did not answer within {seconds:g} s")
+        down.timed_out = True
+        raise down
     ok, value = box[0]
     if not ok:
         raise StoreDown(f"the job's store failed ({type(value).__name__}: {str(value)[:200]})") from value  # type: ignore[misc]
