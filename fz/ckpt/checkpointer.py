@@ -57,7 +57,8 @@ class _Pending:
 
     def _finish(self, job: saver.SaveJob, written: Future) -> None:
         try:
-            job.finish(written)
+            with peers.translated():  # a peer lost in DCP's or the commit's collectives is a PeerError
+                job.finish(written)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             self.error = e
             return

@@ -7,6 +7,9 @@ alone does not hang: it raises a ConfigError as soon as a missing rank is seen w
 a collective of something else (its heartbeat says so, fz/distributed/peers.py: the two ranks wait for
 each other), and at the latest after Spec.timeout_s, naming the missing ranks and what
 they are doing. Its key is taken back, so a later call on every rank pairs up again.
+A missing rank whose heartbeat stops for PROBE seconds (killed, stopped) is a PeerError
+naming it, within seconds; a store that fails or does not answer (its host, rank 0, died
+or froze) is a PeerError naming the host. Every store call has a deadline (peers.call).
 One store round trip per rank and call; nothing on a training step's path.
 """
 from __future__ import annotations
@@ -33,35 +36,56 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
     _calls[ident] += 1
     base = f"fz/call/{api}/{min(ranks)}-{len(ranks)}/{_calls[ident]}"
     keys = [f"{base}/{r}" for r in ranks]
-    store.set(f"{base}/{rank}", "1")  # stored as the bytes b"1"
-    with peers.waiting():
-        _wait_for_all(store, api, ident, base, keys, ranks, rank)
+    try:
+        peers.call(lambda: store.set(f"{base}/{rank}", "1"))  # stored as the bytes b"1"
+        with peers.waiting():
+            _wait_for_all(store, api, ident, base, keys, ranks, rank)
+    except peers.StoreDown as e:
+        raise peers.store_lost(f"{peers.activity()}: checking in for {api}", e) from e
 
 
 def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:
     """Whether every key exists within `seconds` (checked every few ms)."""
     end = time.monotonic() + seconds
-    while not store.check(keys):
+    while not peers.call(lambda: store.check(keys)):
         if time.monotonic() > end:
             return False
-        time.sleep(0.005)
+        time.sleep(0.01)
     return True
+
+
+def _lost(missing: list[int], seen: dict[int, tuple[int, float]]) -> list[int]:
+    """The missing ranks whose heartbeat counter did not move for PROBE seconds (`seen`: each
+    one's last counter and since when)."""
+    now, lost = time.monotonic(), []
+    for r, count in peers.beats(missing).items():
+        last = seen.get(r)
+        if last is None or last[0] != count:
+            seen[r] = (count, now)
+        elif now - last[1] >= peers.PROBE:
+            lost.append(r)
+    return lost
 
 
 def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]], base: str, keys: list[str],
                   ranks: Sequence[int], rank: int) -> None:
     deadline = time.monotonic() + peers.timeout_s()
+    seen: dict[int, tuple[int, float]] = {}
     while True:
         if _poll(store, keys, 0.5):  # polled, not store.wait: its timeouts log a C++ warning each
             return
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        missing = [r for r, k in zip(ranks, keys) if not peers.call(lambda k=k: store.check([k]))]  # type: ignore[misc]
         if not missing:
             return
         doings = peers.published(missing)
+        lost = [r for r in _lost(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
+        if lost:
+            _calls[ident] -= 1
+            raise peers.lost_error(f"{peers.activity()}: {api} waited for rank(s) {lost} to call it too", lost)
         stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
         exited = {r: d for r, d in doings.items() if d.startswith(peers.EXITED)}
         if stuck or exited or time.monotonic() > deadline:
-            store.delete_key(f"{base}/{rank}")
+            peers.call(lambda: store.delete_key(f"{base}/{rank}"))
             _calls[ident] -= 1
             shown = "; ".join(f"rank {r}: {doings.get(r, 'no activity published')}" for r in missing)
             why = ("are waiting for the others elsewhere" if stuck else "finished their script without calling it"

@@ -11,7 +11,9 @@ publishes what the rank is doing. On a failure the survivor reads every counter 
 `PROBE` seconds apart: a rank whose counter did not move is lost (killed, stopped by
 SIGSTOP, or its whole process hung), unless it said it left after losing a peer itself, or
 it finished its script: a process that exits says so (`EXITED`) and is never called lost.
-A store that does not answer is said too (its host may be the lost one). Nothing here
+A store that does not answer names its host (rank 0 unless torchrun's agent hosts it): every
+store call has a deadline (fz/distributed/storecall.py). A step that raises in the middle of
+its collectives (`broke`) makes every later fz call of the process raise (`doing` checks). Nothing here
 runs on a step's path but a string assignment; the thread costs two store messages a beat.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from fz.distributed import guards
+from fz.distributed.storecall import StoreDown, call, store_host
 from fz.errors import PeerError
 
 BEAT = 0.5  # s between heartbeats
@@ -40,6 +43,7 @@ _beat: _Heartbeat | None = None
 _lock = threading.Lock()
 failed = False  # a PeerError was raised in this process: exit does not wait for collectives
 _first: PeerError | None = None  # that error: later failures repeat it without probing again
+_broken: str | None = None  # a step raised in the middle of its collectives: this process's state is unusable
 EXITED = "finished its script"  # what a rank publishes as it exits or ends its group (arrival checks it too)
 T = TypeVar("T")
 
@@ -49,9 +53,31 @@ def timeout_s() -> float:
 
 
 def doing(what: str, step: int | None = None) -> None:
-    """Record what this rank is doing (named by PeerErrors here and on the other ranks)."""
+    """Record what this rank is doing (named by PeerErrors here and on the other ranks). Every
+    collective fz call starts here: after a step failed mid-collective it raises instead."""
     global _doing
+    if _broken is not None:
+        raise PeerError(f"{what}: {_broken}", (), step)
     _doing = (what, step)
+
+
+FAILED_MID = "failed in the middle of its collectives"
+
+
+def broke(what: str, err: BaseException) -> None:
+    """`what` raised `err` out of its collectives (world > 1): the ranks' collectives no longer
+    match, so every later fz call raises (a new collective would meet another rank's old one:
+    gloo aborts the process on that mismatch) and exit does not wait for what is in flight."""
+    global _broken, _doing, failed
+    if (isinstance(err, PeerError) or getattr(err, "agreed", False) or _broken is not None
+            or not dist.is_initialized() or dist.get_world_size() == 1):
+        return  # (`agreed`: an error every rank raises together, after the exchange that found it)
+    failed = True
+    said = f"{activity()} {FAILED_MID} ({type(err).__name__}: {str(err)[:160]})"
+    _broken = (f"this process's state is unusable after a failed step: {said}, so the ranks' collectives no "
+               "longer match and no fz call can go on. End the job and restart it from the last checkpoint "
+               "(fz.restore); catching an exception of a step and going on is not possible")
+    _doing = (said, None)
 
 
 def activity() -> str:
@@ -73,14 +99,20 @@ class _Heartbeat(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
+            since = _waiting_since
+            waiting = "" if since is None else f" (waiting for other ranks for {time.monotonic() - since:.0f} s)"
             try:
-                self.store.add(f"fz/hb/{self.rank}", 1)
-                since = _waiting_since
-                waiting = "" if since is None else f" (waiting for other ranks for {time.monotonic() - since:.0f} s)"
-                self.store.set(f"fz/doing/{self.rank}", activity() + waiting)
-            except Exception:  # noqa: BLE001 - the store is gone (its host exited): nothing left to tell
-                return
+                call(lambda: self._beat(activity() + waiting))  # noqa: B023 - called before the loop goes on
+            except StoreDown as e:
+                if not e.timed_out:  # the store is gone (its host exited): nothing left to tell
+                    return
+                # slow or frozen: beat again (a busy store host must not make this rank look lost)
             self.stop.wait(BEAT)
+
+
+    def _beat(self, said: str) -> None:
+        self.store.add(f"fz/hb/{self.rank}", 1)
+        self.store.set(f"fz/doing/{self.rank}", said)
 
 
 def stop_heartbeat(timeout: float = 2.0) -> None:
@@ -109,7 +141,8 @@ def configure(timeout: float) -> None:
         if _beat is not None:
             _beat.stop.set()
         _beat = _Heartbeat(store, dist.get_rank())
-        _try(lambda: store.delete_key(f"fz/exited/{dist.get_rank()}"))  # a group started again: not done
+        rank = dist.get_rank()
+        _bounded(lambda: store.delete_key(f"fz/exited/{rank}"), PROBE)  # a group started again: not done
         _beat.start()
     _install_stop()
 
@@ -153,6 +186,28 @@ def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
     return box[0] if box else None
 
 
+def lost_error(what: str, lost: Sequence[int]) -> PeerError:
+    """The PeerError for ranks seen lost outside a collective (arrival's check-in)."""
+    global failed, _first
+    failed = True
+    _first = PeerError(f"{what}: lost rank(s) {list(lost)}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)",
+                       tuple(lost), _doing[1])
+    return _first
+
+
+def store_lost(what: str, err: BaseException, step: int | None = None) -> PeerError:
+    """A store call that failed or froze as the PeerError naming the store's host."""
+    global failed, _first
+    host, ranks = store_host()
+    me = dist.get_rank() if dist.is_initialized() else -1
+    ranks = tuple(r for r in ranks if r != me)
+    failed = True
+    _first = PeerError(f"{what}: the job's store, hosted by {host}, does not answer ({err}): lost rank(s) "
+                       f"{list(ranks)} (killed, stopped or hung; the store's host)" if ranks else
+                       f"{what}: the job's store, hosted by {host}, does not answer ({err})", ranks, step)
+    return _first
+
+
 def _try(fn: Callable[[], T]) -> T | None:
     try:
         return fn()
@@ -167,7 +222,7 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
     if beat is None:
         return None, {}
     store, me = beat.store, beat.rank
-    _try(lambda: store.add(f"fz/left/{me}", 1))
+    _bounded(lambda: store.add(f"fz/left/{me}", 1), PROBE)
 
     def read() -> tuple[list[int], list[int]]:
         return ([store.add(f"fz/hb/{r}", 0) for r in range(world)],
@@ -198,23 +253,44 @@ def peer_error(err: BaseException) -> PeerError:
     step = _doing[1]
     world = dist.get_world_size() if dist.is_initialized() else 1
     lost, doings = probe(world)
-    exited = sorted(r for r, d in doings.items() if d.startswith(EXITED))
     if lost is None:
-        who = ("the job's store does not answer, so the lost rank cannot be told (its host, rank 0 or the launcher, "
-               "may be gone)")
-    elif exited and not lost:
+        down = StoreDown(f"no answer within {PROBE:g} s")
+        return store_lost(f"{activity()}: a collective failed ({_cause(err)})", down, step)
+    exited = sorted(r for r, d in doings.items() if d.startswith(EXITED))
+    limit = _limit(err)
+    broken = sorted(r for r, d in doings.items() if FAILED_MID in d)
+    same = sorted(r for r, d in doings.items() if d == activity())  # in this call still, not waiting: working
+    if exited and not lost:
         who = (f"rank(s) {exited} {doings[exited[0]]} while this rank waited for them in a collective: every rank "
                "must call the same fz functions (a call under `if rank == 0:` runs on one rank only)")
     elif lost:
         who = f"lost rank(s) {lost}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)"
+    elif broken:
+        who = f"rank(s) {broken}: {doings[broken[0]]}; this job must restart from its last checkpoint"
+    elif same and ("save" in activity() or "restore" in activity()):
+        who = (f"rank(s) {same} did not finish writing or reading their part of the checkpoint within the limit "
+               f"({limit:g} s; FZ_CKPT_TIMEOUT sets it for checkpoints): a slow or stuck disk or filesystem")
+    elif same:
+        who = f"rank(s) {same} did not finish their part of {activity()} within the limit ({limit:g} s)"
     else:
         others = "; ".join(f"rank {r}: {d}" for r, d in sorted(doings.items()))
         who = ("every rank still answers, so they are not in the same collective: every rank must call the "
                f"same fz functions in the same order ({others or 'no activity published'})")
     cause = _cause(err)
+    fired = f"the limit that fired: {limit:g} s; " if _timed_out(err) else ""
     _first = PeerError(f"{activity()}: a collective failed: {who}. The underlying error: {cause}. "
-                       f"(Spec.timeout_s={_timeout_s:g} bounds every wait.)", lost or (), step)
+                       f"({fired}Spec.timeout_s={_timeout_s:g} bounds every wait.)", lost or (), step)
     return _first
+
+
+def _timed_out(err: BaseException) -> bool:
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+def _limit(err: BaseException) -> float:
+    """The limit that fired: gloo's message says it ("Timed out waiting 20000ms"), else Spec.timeout_s."""
+    m = re.search(r"(\d+)\s*ms\b", str(err))
+    return int(m.group(1)) / 1000 if m else _timeout_s
 
 
 def _cause(err: BaseException) -> str:
@@ -223,7 +299,7 @@ def _cause(err: BaseException) -> str:
     if "reset by peer" in text or "Connection closed" in text or "Broken pipe" in text:
         return "a peer's connection closed (gloo: connection reset or closed by peer)"
     if "timed out" in text.lower():
-        return f"no answer within {_timeout_s:g} s ({text.splitlines()[0][-120:]})"
+        return f"no answer within {_limit(err):g} s ({text.splitlines()[0][-120:]})"
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
@@ -287,7 +363,17 @@ def published(ranks: Iterable[int]) -> dict[int, str]:
     beat = _beat
     if beat is None:
         return {}
-    return {r: beat.store.get(f"fz/doing/{r}").decode() for r in ranks if beat.store.check([f"fz/doing/{r}"])}
+    store = beat.store
+    return call(lambda: {r: store.get(f"fz/doing/{r}").decode() for r in ranks if store.check([f"fz/doing/{r}"])})
+
+
+def beats(ranks: Iterable[int]) -> dict[int, int]:
+    """Each rank's heartbeat counter (StoreDown if the store does not answer)."""
+    beat = _beat
+    if beat is None:
+        return {}
+    store = beat.store
+    return call(lambda: {r: store.add(f"fz/hb/{r}", 0) for r in ranks})
 
 
 def stuck_for(doing_text: str) -> float:

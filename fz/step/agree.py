@@ -104,7 +104,11 @@ class Agreement:
         ConfigError on every rank if the ranks' steps or (unless weighted) batch sizes differ.
         Calling it again returns the same result."""
         if self.result is None:
-            self.result = self._finish(comm)
+            try:
+                self.result = self._finish(comm)
+            except ConfigError as e:
+                e.agreed = True  # type: ignore[attr-defined]  # every rank raises it: their collectives still match
+                raise
         return self.result
 
     def _finish(self, comm) -> tuple[Tensor, float]:

@@ -125,6 +125,9 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
                 total += loss.detach()
                 if sync is not None:  # parameters no forward used
                     sync.finish()
+        except BaseException as e:
+            peers.broke("fz.train_step", e)  # its collectives no longer match the other ranks'
+            raise
         finally:
             reducer.close()
         rng = rng_now()
@@ -238,6 +241,10 @@ def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.
     with torch.no_grad(), rng_forked(state.rng, state.plan.device), _autocast(state):
         try:
             return fn(runner, comm, *args, **kwargs)
+        except BaseException as e:
+            if collective:  # a call of one rank alone (stages 0-2's apply) has no collectives to break
+                peers.broke(what, e)
+            raise
         finally:
             runner.release()
 
