@@ -123,8 +123,8 @@ class Slabs:
     A slab lives as long as any tensor carved from it. This object keeps the `OPEN_SLABS` with
     the most room left and puts each tensor in the one it fills best; a tensor bigger than
     `SLAB_BYTES` gets a slab of its own rounded size, whose rest later tensors fill. On a 2.8B
-    GPT's host state (bf16 params, fp32 masters and Adam moments) that wastes 5% against
-    the allocator's 37%."""
+    GPT's host state (bf16 params, fp32 masters and Adam moments) that wastes 4% against
+    the allocator's 38%."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -141,14 +141,14 @@ class Slabs:
         else:
             entry = [torch.empty(max(SLAB_BYTES, rounded(size)), dtype=torch.uint8, pin_memory=self.pin), 0]
             self.slab_bytes += entry[0].numel()
-            self.open = sorted(self.open + [entry], key=lambda o: o[1] + size * (o is entry) - o[0].numel())
-            self.open = self.open[:OPEN_SLABS]
+            self.open.append(entry)
         slab, used = entry
         entry[1] += size
+        self.open = sorted(self.open, key=lambda o: o[1] - o[0].numel())[:OPEN_SLABS]  # most room first
         return slab[used:used + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
-_SLABS: dict[bool, Slabs] = {}
+_SLABS: Slabs | None = None  # the process's pinned slabs, made at the first pinned copy
 
 
 def pinned_copy(t: Tensor) -> Tensor:
@@ -157,7 +157,10 @@ def pinned_copy(t: Tensor) -> Tensor:
         return t
     if not torch.cuda.is_available():
         return t.to("cpu")
-    return _SLABS.setdefault(True, Slabs(pin=True)).copy(t)
+    global _SLABS
+    if _SLABS is None:
+        _SLABS = Slabs(pin=True)
+    return _SLABS.copy(t)
 
 
 def pool_for(policy: Any) -> PinnedPool:  # an Offload (whose module imports this one)

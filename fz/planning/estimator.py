@@ -145,27 +145,9 @@ class Estimate:
         return self.ranks_per_node * sum(self.tiers["disk"].values())
 
     def __str__(self) -> str:
-        """Each total, then the terms it is the sum of (every term, so the lines add up)."""
-        gb = lambda x: f"{x / 2**30:8.2f} GB"  # noqa: E731
-
-        def block(title: str, total: int, terms: list[tuple[str, int]]) -> list[str]:
-            return [f"  {title:<44}{gb(total)}", *(f"    {k:<42}{gb(v)}" for k, v in terms if v)]
-
-        when, device = self.device_peak()
-        disk = [(k, v) for k, v in self.tiers["disk"].items()]
-        n = self.ranks_per_node
-        lines = [f"fz estimate: {self.num_params / 1e6:,.1f}M params, ZeRO stage {self.stage}, {self.precision}, "
-                 f"{self.nodes} node(s) x {n} rank(s)",
-                 *block("model states per rank (as fz.memory_report)", self.model_states,
-                        [("params", self.params), ("grads", self.grads), ("master", self.master),
-                         ("optimizer", self.optimizer)]),
-                 *block(f"per device, at its peak ({when})", self.per_device, device),
-                 *block("per rank on the host", self.per_rank_host, self.host_terms()),
-                 f"  {f'per host ({n} rank(s) x the line above)':<44}{gb(self.per_host)}"]
-        if self.per_disk:
-            lines += [*block("on disk per rank", self.per_disk // n, disk),
-                      f"  {f'on disk per node ({n} rank(s))':<44}{gb(self.per_disk)}"]
-        return "\n".join(lines)
+        """Each total, then the terms it is the sum of (fz/planning/render.py)."""
+        from fz.planning.render import estimate_text
+        return estimate_text(self)
 
 
 def _rank_plan(buckets: Sequence[Bucket], world: int, shards: int, rank: int = 0) -> ShardPlan:
