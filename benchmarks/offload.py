@@ -17,6 +17,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +54,11 @@ def headline_model(params: float = 2.5e9, seq: int = 128, dim: int = 3072):
     return GPT(gpt_config(int(params), seq, dim)[0])
 
 
+_TOTALS_LOCK = threading.Lock()
+
+
 def _timed(obj, name: str, totals: dict) -> None:
-    """Wrap obj.name to add its wall time to totals[name] (the time split of a step)."""
+    """Wrap obj.name to add its wall time to totals[name] (the time split of a step; I/O threads too)."""
     fn = getattr(obj, name)
 
     def wrapper(*a, **k):
@@ -62,7 +66,8 @@ def _timed(obj, name: str, totals: dict) -> None:
         try:
             return fn(*a, **k)
         finally:
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+            with _TOTALS_LOCK:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
     setattr(obj, name, wrapper)
 
 
@@ -91,8 +96,12 @@ def worker(args) -> None:
     t_init = time.perf_counter()
     if engine.startswith("fz"):
         import fz
-        import fz.step.train as train
+        import fz.step.updaters as updaters
         import fz.storage.disk as disk
+        try:
+            import fz.storage.checksum as checksum
+        except ImportError:  # before the hashes existed
+            checksum = None
         path = os.path.join(args.dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
         kind = engine.split("-", 1)[1] if "-" in engine else ""
@@ -105,8 +114,10 @@ def worker(args) -> None:
         spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0, precision=args.precision,
                        loss_fn=lm_loss, offload=policy)
         box = {"s": fz.init(model, spec)}
-        _timed(train, "disk_update", totals)
+        _timed(updaters, "disk_update", totals)
         _timed(disk.DiskTensor, "load", totals)
+        if hasattr(checksum, "_hash"):  # the block hashes of fz/storage/checksum.py, in every I/O thread
+            _timed(checksum, "_hash", totals)
 
         def step(batch):
             box["s"], loss = fz.train_step(box["s"], batch)
@@ -207,23 +218,24 @@ def main() -> None:
     moved = {}
     for e, r in results.items():
         if "error" in r:
-            rows.append([e, f"FAILED: {r['error']}"] + [""] * 7)
+            rows.append([e, f"FAILED: {r['error']}"] + [""] * 8)
             continue
         disk = r.get("tiers", {}).get("disk", {})
         on_disk = sum(disk.values())
         param_disk = disk.get("params", 0)
         moved[e] = 2 * on_disk + 2 * param_disk  # opt read + written; params read twice (forward, backward)
         step = median(r["times"][args.warmup:])
-        split = {k: median(s.get(k, 0.0) for s in r["splits"][args.warmup:]) for k in ("disk_update", "load")}
+        split = {k: median(s.get(k, 0.0) for s in r["splits"][args.warmup:]) for k in ("disk_update", "load", "_hash")}
         rows.append([e, f"{1e3 * step:.0f}", f"{r['rss_mb']:.0f}", f"{r['rss_mb'] - r['base_mb']:.0f}",
                      f"{on_disk / 2**20:.0f}", f"{moved[e] / 2**20:.0f}", f"{1e3 * split['disk_update']:.0f}",
-                     f"{1e3 * split['load']:.0f}", f"{r['init_s']:.1f}", " ".join(f"{x:.3f}" for x in r["loss"])])
+                     f"{1e3 * split['load']:.0f}", f"{1e3 * split['_hash']:.0f} ({100 * split['_hash'] / step:.1f}%)",
+                     f"{r['init_s']:.1f}", " ".join(f"{x:.3f}" for x in r["loss"])])
     meta = next((r for r in results.values() if "params" in r), {})
     print(f"\nGPT {meta.get('params', 0) / 1e6:.0f}M params, {args.precision}, world 2, micro-batch "
           f"{args.micro_batch} x seq {args.seq}/rank, median of steps {args.warmup}-{args.steps - 1}; "
           f"load average at end {load_average()}\n")
     print(markdown(["engine", "step ms", "peak RSS MB/rank", "over base MB", "on disk MiB/rank", "moved MiB/step/rank",
-                    "optimizer+I/O ms", "param reads ms", "init s", "losses"], rows))
+                    "optimizer+I/O ms", "param reads ms", "hashing ms (of step)", "init s", "losses"], rows))
     if not args.headline:
         size = max(256, int(max(moved.values(), default=0) / 2 / 2**20))
         dd, tier = dd_bandwidth(args.dir, size), tier_bandwidth(args.dir, size, args.buffer_mb)

@@ -5,7 +5,7 @@
 """
 from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, CheckpointInfo, Consolidated, load_weights, restore, save, wait_for_checkpoints
-from fz.errors import CheckpointError, ConfigError, NonFiniteError, PeerError
+from fz.errors import CheckpointError, ConfigError, NonFiniteError, OffloadError, PeerError
 from fz.init_state import init
 from fz.observe.comm_report import CommReport, comm_report
 from fz.observe.full_params import full_params
@@ -19,7 +19,7 @@ from fz.version import __version__
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Checkpointer", "CommReport", "ConfigError", "Consolidated", "LossScale",
-    "MemoryReport", "Monitor", "NonFiniteError", "PeerError", "Spec", "State", "__version__",
+    "MemoryReport", "Monitor", "NonFiniteError", "OffloadError", "PeerError", "Spec", "State", "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
     "full_params", "init", "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step",
     "wait_for_checkpoints",

@@ -22,6 +22,12 @@ def suggest(name: str, valid: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+class OffloadError(OSError):
+    """An offload file that does not read back as it was written (a block's checksum differs, or the
+    file is short): named with the byte range. The state holding it is unusable; the job restores
+    from its last checkpoint, which lives in other files and is untouched."""
+
+
 class NonFiniteError(FloatingPointError):
     """A NaN or inf reached the gradients under Spec(nonfinite="raise"): raised on every rank, naming
     the step and the first offending parameter; the state given to the step is left unchanged."""

@@ -160,4 +160,13 @@ def _tiers(state: State, grads: int) -> dict[str, dict[str, int]]:
     out["device"]["buffers"] = sum(_bytes(b) for b in state.buffers.values())
     if policy is not None and "disk" in (policy.optimizer, policy.params):
         out["host"]["io_buffers"] = policy.buffers * int(policy.buffer_mb * 2**20)
+        blobs = {id(t._blob): t._blob for t in _disk_leaves(state)}
+        out["host"]["checksums"] = sum(b.sums.table_bytes for b in blobs.values())  # fz/storage/checksum.py
     return out
+
+
+def _disk_leaves(state: State) -> list:
+    from fz.storage.disk import DiskTensor
+    leaves = [f._local_tensor for f in state.param_flats] + [f._local_tensor for f in state.master_flats.values()]
+    leaves += [x._local_tensor for x in pytree.tree_leaves(state.opt_state) if isinstance(x, DTensor)]
+    return [t for t in leaves if isinstance(t, DiskTensor)]

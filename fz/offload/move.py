@@ -55,11 +55,12 @@ def master_slot_views(b: Bucket, mflat: Tensor) -> list[Tensor]:
     return [mflat[s.full_offset:s.full_offset + s.numel] for s in b.slots]
 
 
-def group_slots(part_bytes: list[int], buffer_bytes: int, bucket: Bucket) -> list[tuple[int, int]]:
-    """[lo, hi) slot ranges whose parts fit one buffer, in order."""
+def group_slots(part_bytes: list[int], buffer_bytes: int, bucket: Bucket | None) -> list[tuple[int, int]]:
+    """[lo, hi) slot ranges whose parts fit one buffer, in order (a part larger than one buffer is a
+    ConfigError naming it; with no bucket, as for an estimate, it gets a group of its own)."""
     groups, lo, size = [], 0, 0
     for i, n in enumerate(part_bytes):
-        if n > buffer_bytes:
+        if n > buffer_bytes and bucket is not None:
             raise ConfigError(f"fz.offload: the optimizer state of {bucket.slots[i].name!r} is {n:,} bytes on this "
                               f"rank, more than one I/O buffer ({buffer_bytes:,} bytes); raise buffer_mb")
         if size and size + n > buffer_bytes:
@@ -68,6 +69,15 @@ def group_slots(part_bytes: list[int], buffer_bytes: int, bucket: Bucket) -> lis
         size += n
     groups.append((lo, len(part_bytes)))
     return groups
+
+
+def opt_file_bytes(part_bytes: list[int], buffer_bytes: int, bucket: Bucket | None = None) -> int:
+    """Size of a bucket's optimizer file (each slot's aligned parts): its groups in order, each
+    starting at an ALIGN boundary, as write_opt_bucket lays them out."""
+    total = 0
+    for lo, hi in group_slots(part_bytes, buffer_bytes, bucket):
+        total = _round(total + sum(part_bytes[lo:hi]), ALIGN)
+    return total
 
 
 def _slot_parts(plan, b: Bucket, mflat: Tensor | None, by_param) -> list[list[Tensor]]:
@@ -81,16 +91,17 @@ def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: list[list[Tensor]]
     sizes = [[_round(t.numel() * t.element_size(), PART_ALIGN) for t in ts] for ts in parts]
     groups = group_slots([sum(s) for s in sizes], int(policy.buffer_mb * 2**20), b)
     offsets: list[list[int]] = []
-    total = 0
+    at = 0
     for lo, hi in groups:
         for i in range(lo, hi):
             offsets.append([])
             for n in sizes[i]:
-                offsets[-1].append(total)
-                total += n
-        total = _round(total, ALIGN)
+                offsets[-1].append(at)
+                at += n
+        at = _round(at, ALIGN)
     store = store_for(policy.disk_path, policy.direct_io)
-    blob = store.new_blob(f"opt-rank{plan.rank}-b{b.index}", total)
+    blob = store.new_blob(f"opt-rank{plan.rank}-b{b.index}", opt_file_bytes([sum(s) for s in sizes],
+                                                                            int(policy.buffer_mb * 2**20), b))
     blob.group_bytes = int(policy.buffer_mb * 2**20)
     out = []
     for ts, offs in zip(parts, offsets):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard
 from fz.errors import ConfigError
 from fz.model.leaves import fetches_root
 from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
-from fz.offload.move import PART_ALIGN
+from fz.offload.move import PART_ALIGN, opt_file_bytes
 from fz.offload.policy import Offload
 from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
@@ -34,6 +34,7 @@ from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.step.grads import MAX_INFLIGHT
 from fz.step.runner import _wants_checkpoint, keep_budget
+from fz.storage.checksum import table_bytes
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -157,9 +158,9 @@ def _rank_plan(buckets: Sequence[Bucket], world: int, shards: int, rank: int = 0
                      tuple(range(shards)), world // shards, None, None)
 
 
-def _opt_bytes(spec: Spec, plan: ShardPlan, b: Bucket, mixed: bool, el_dtype: torch.dtype) -> tuple[int, int]:
+def _opt_bytes(spec: Spec, plan: ShardPlan, b: Bucket, mixed: bool, el_dtype: torch.dtype) -> tuple[int, list[int]]:
     """Bytes of the optimizer state memory_report counts (leaves placed like their parameter),
-    and the largest parameter's part on the disk tier (its master rows and leaves, aligned as
+    and each parameter's part on the disk tier (its master rows and leaves, aligned as
     fz/offload/move.py writes them: one part must fit one I/O buffer)."""
     flat = torch.empty(b.shard_numel if b.sharded_param else b.full_numel, dtype=el_dtype, device="meta")
     mflat = torch.empty(b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel, device="meta") \
@@ -175,7 +176,7 @@ def _opt_bytes(spec: Spec, plan: ShardPlan, b: Bucket, mixed: bool, el_dtype: to
                 is_placed_leaf(path, leaf, views[key].shape, sharded):
             total += leaf.numel() * leaf.element_size()
             parts[key] += _aligned(leaf.numel() * leaf.element_size())
-    return total, max(parts.values(), default=0)
+    return total, list(parts.values())
 
 
 def _aligned(n: int) -> int:
@@ -212,19 +213,22 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     el = torch.empty((), dtype=dtype).element_size()
     policy = spec.offload if spec.offload is not None and spec.offload.active else None
     tiers = {t: dict.fromkeys(KINDS, 0) for t in ("device", "host", "disk")}
-    params = grads = master = opt = largest_part = 0
+    params = grads = master = opt = largest_part = sums = 0
     for b in buckets:
         p = (b.shard_numel if b.sharded_param else b.full_numel) * el
         tier = policy.params if policy else "device"
         tiers["device" if tier == "disk" and not b.sharded_param else tier]["params"] += p
         params += p
+        sums += table_bytes(p) if tier == "disk" and b.sharded_param else 0  # the file's checksums
         if not b.trainable:
             continue
         grads += (b.shard_numel if isinstance(b.place.grad, Shard) and shards > 1 else b.full_numel) * el
         m = (b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel) * 4 if mixed else 0
-        o, part = _opt_bytes(spec, plan, b, mixed, dtype)
-        largest_part = max(largest_part, part)
+        o, parts = _opt_bytes(spec, plan, b, mixed, dtype)
+        largest_part = max([largest_part, *parts])
         tier = policy.optimizer if policy else "device"
+        if policy and tier == "disk":
+            sums += table_bytes(opt_file_bytes(parts, int(policy.buffer_mb * 2**20)))
         tiers[tier]["master"] += m
         tiers[tier]["moments"] += o
         master, opt = master + m, opt + o
@@ -237,6 +241,8 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     io = policy.buffers * int(policy.buffer_mb * 2**20) if policy and "disk" in (policy.optimizer, policy.params) else 0
     if io:
         tiers["host"]["io_buffers"] = io
+    if sums:
+        tiers["host"]["checksums"] = sums
     gather, summed = _gather(spec, buckets, el, counts, shards)
     return Estimate(
         world_size,

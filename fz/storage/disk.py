@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
+from fz.storage.checksum import BlockSums
 
 if TYPE_CHECKING:
     from fz.storage.store import DiskStore
@@ -51,6 +52,7 @@ class Blob:
             os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
+        self.sums = BlockSums(path, nbytes)  # every read is checked against what was written
         self._finalizer = weakref.finalize(self, _unlink, path)
 
     def remove_now(self) -> None:
@@ -61,20 +63,26 @@ class Blob:
     def read(self, extents: Extents) -> Tensor:
         """The bytes of `extents`, concatenated, as a new uint8 tensor (buffered I/O)."""
         out = torch.empty(sum(n for _, n in extents), dtype=torch.uint8)
-        self._each(os.O_RDONLY, _pread_full, extents, out)
+        self._each(False, extents, out)
         return out
 
     def write(self, extents: Extents, data: Tensor) -> None:
-        self._each(os.O_WRONLY, _pwrite_full, extents, data.reshape(-1).view(torch.uint8))
+        self._each(True, extents, data.reshape(-1).view(torch.uint8))
 
-    def _each(self, flags: int, io: Callable[[int, memoryview, int, str], None], extents: Extents,
-              data: Tensor) -> None:
-        """`io` (a full pread or pwrite) of consecutive pieces of `data` at each extent."""
+    def io(self, fd: int, view: memoryview, off: int, write: bool) -> None:
+        """All of `view` written at, or read from, byte `off` of this file through `fd`, checksummed."""
+        if write:
+            self.sums.write(fd, view, off, _pwrite_full)
+        else:
+            self.sums.read(fd, view, off, _pread_full)
+
+    def _each(self, write: bool, extents: Extents, data: Tensor) -> None:
+        """Consecutive pieces of `data` written to, or read from, each extent."""
         view, at = data.numpy().data, 0
-        fd = self._open(flags)
+        fd = self._open(os.O_WRONLY if write else os.O_RDONLY)
         try:
             for off, n in extents:
-                io(fd, view[at:at + n], off, self.path)
+                self.io(fd, view[at:at + n], off, write)
                 at += n
         finally:
             os.close(fd)
@@ -222,6 +230,8 @@ def _metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     if func in _SAME:
         return DiskTensor(t._blob, t._extents, t.shape, t.dtype, t.device)
+    if func is aten.is_pinned.default:  # DCP asks of every tensor it saves: not a reason to read the file
+        return False
     if func in _RESHAPE:
         shape = torch.empty(t.shape, device="meta").view(args[1]).shape
         return t._sub(0, shape)

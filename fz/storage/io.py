@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from fz.storage.disk import Blob, _pread_full, _pwrite_full
+from fz.storage.disk import Blob
 
 
 def _buffer(nbytes: int, pin: bool) -> Tensor:
@@ -45,7 +45,7 @@ class IOPool:
             raise OSError(e.errno, f"offload file {blob.path}: {e.strerror}") from e
         try:
             view = buf.numpy().data
-            (_pwrite_full if write else _pread_full)(fd, view, offset, blob.path)
+            blob.io(fd, view, offset, write)
             if write and not self.direct and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
         finally:
