@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine with torch preinstalled and no network (the project's lent H100):
-# install what it lacks from .whl/ (torchdata; DeepSpeed and its needs for the comparison),
+# install what it lacks from .whl/ (torchdata and xxhash, cp312 manylinux; DeepSpeed and its needs for the comparison),
 # then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
 # `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py). Logs go to $OUT (default /tmp/fz-gpu).
 set -uo pipefail
