@@ -1,0 +1,336 @@
+"""`fz.hf.Trainer`: Hugging Face's Trainer, training on fz.
+
+    from fz.hf import Trainer, TrainingArguments    # instead of: from transformers import ...
+    args = TrainingArguments("out", deepspeed="ds_config.json", per_device_train_batch_size=8, ...)
+    Trainer(model=model, args=args, train_dataset=ds, eval_dataset=ev).train()
+
+The ZeRO setup comes from `args.deepspeed` (a JSON path or dict, its "auto" values filled
+from the arguments as transformers fills them) or from `spec=fz.Spec(...)`; with neither,
+stage 0. Everything else is transformers' own Trainer: the arguments, the callbacks and
+their control flow (logging, evaluation and save steps), the log history, TensorBoard,
+`evaluate` and `predict` with `compute_metrics`. What fz replaces is the inner loop: the
+model's parameters and the optimizer live in an fz State (`trainer.fz_state`), each update
+is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.apply`.
+
+- Data: `fz.data.loader` reads the training set (shuffled per epoch with `data_seed` or
+  `seed`; "sequential" sampling reads it in order), so a resumed run continues at the
+  exact next sample, at any world size. An epoch's last incomplete step is dropped.
+- Loss: `compute_loss` (a subclass's override too) on each micro-batch; fz averages the
+  micro-batches and the ranks, as DeepSpeed does. transformers instead weights by tokens
+  (`num_items_in_batch`): equal for batches of equal length, not for padded ones.
+- Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the
+  model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints):
+  `trainer.save_model()` writes a `from_pretrained` folder, `fz consolidate` a file.
+- After `train()`, `trainer.model` holds the trained weights (copied in bucket by bucket).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from typing import Any, cast
+
+import torch
+import transformers
+from torch import nn
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, speed_metrics
+
+import fz
+from fz.errors import ConfigError
+from fz.hf.arguments import spec_from_args, unsupported
+from fz.hf.training_args import TrainingArguments, as_fz_arguments
+
+log = logging.getLogger(__name__)
+FZ_DIR = "fz"  # fz's checkpoint inside a checkpoint-N folder
+
+
+class _Evaluated(nn.Module):
+    """What `_wrap_model` returns: not the user's model, so Accelerate does not prepare (wrap,
+    move) it; `prediction_step` runs fz.apply on the State instead of calling it."""
+
+    trainer: Trainer
+
+    def __init__(self, trainer: Trainer):
+        super().__init__()
+        object.__setattr__(self, "trainer", trainer)  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return fz.apply(self.trainer.fz_ready(), *args, **kwargs)
+
+
+class Trainer(transformers.Trainer):
+    """transformers.Trainer on fz; `spec=` an fz.Spec instead of `args.deepspeed`."""
+
+    def __init__(self, *args: Any, spec: fz.Spec | None = None, **kwargs: Any):
+        given = args[1] if len(args) > 1 else kwargs.get("args")
+        if given is not None:
+            converted = as_fz_arguments(given)
+            if len(args) > 1:
+                args = (args[0], converted, *args[2:])
+            else:
+                kwargs["args"] = converted
+        elif "model_init" not in kwargs:
+            kwargs["args"] = TrainingArguments(output_dir="trainer_output")
+        super().__init__(*args, **kwargs)
+        self._refuse(kwargs)
+        self.fz_spec = spec
+        self.fz_state: fz.State | None = None
+        self._loader: Any = None
+
+    # ---------------------------------------------------------------- setup
+    def _refuse(self, kwargs: dict[str, Any]) -> None:
+        """Trainer features fz does not run, named at construction (never a silent fallback)."""
+        problems = []
+        if self.model_init is not None:
+            problems.append("model_init= (hyperparameter search): build the model and pass model=")
+        if any(o is not None for o in kwargs.get("optimizers", (None, None))) or \
+                kwargs.get("optimizer_cls_and_kwargs") is not None:
+            problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
+                            "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
+        if self.args.load_best_model_at_end:
+            problems.append("load_best_model_at_end=True")
+        if self.args.label_smoothing_factor:
+            problems.append(f"label_smoothing_factor={self.args.label_smoothing_factor}")
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            problems.append(f"train_sampling_strategy={self.args.train_sampling_strategy!r} (fz reads the data in "
+                            "random or sequential order)")
+        try:
+            unsupported(self.args, self.model)
+        except ConfigError as e:
+            problems.append(str(e))
+        if problems:
+            raise ConfigError("fz.hf.Trainer does not support: " + "; ".join(problems))
+
+    def _max_steps(self) -> tuple[int, int | None]:
+        """(optimizer steps to train, steps per epoch) as transformers counts them from the
+        arguments, with fz's full steps (micro batch x accumulation x ranks)."""
+        args = self.args
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
+        data = self.train_dataset
+        per_epoch = len(data) // per_step if data is not None and hasattr(data, "__len__") else None
+        if args.max_steps > 0:
+            return args.max_steps, per_epoch
+        if not per_epoch:
+            raise ConfigError("fz.hf.Trainer: set max_steps (the training set has no length, or fewer samples than "
+                              f"one step of {per_step})")
+        return math.ceil(args.num_train_epochs * per_epoch), per_epoch
+
+    def _loss(self, model: Any, batch: Any) -> torch.Tensor:
+        return cast(torch.Tensor, self.compute_loss(model, batch))
+
+    def fz_ready(self) -> fz.State:
+        """The State, made on first use (before training too: evaluate() may come first)."""
+        if self.fz_state is None:
+            model = self._model()
+            spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec)
+            self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss))
+        return self.fz_state
+
+    def _model(self) -> nn.Module:
+        if self.model is None:
+            raise ConfigError("fz.hf.Trainer needs model=")
+        return self.model
+
+    def _train_loader(self) -> Any:
+        data = self.train_dataset
+        if data is None:
+            raise ConfigError("fz.hf.Trainer.train() needs a train_dataset")
+        if data.__class__.__module__.startswith("datasets"):
+            data = self._remove_unused_columns(data, description="training")
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return fz.data.loader(data, self.fz_ready(), micro_batch=self.args.per_device_train_batch_size,
+                              shuffle=self.args.train_sampling_strategy == "random" and hasattr(data, "__len__"),
+                              seed=seed, num_workers=self.args.dataloader_num_workers, collate_fn=collate)
+
+    # ---------------------------------------------------------------- the loop
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Nothing here: the loop restores fz's checkpoint (weights, optimizer, data position) itself."""
+
+    def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
+                             resume_from_checkpoint: str | None = None, trial: Any = None,
+                             ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
+        args = self.args
+        max_steps, per_epoch = self._max_steps()
+        epochs = math.ceil(max_steps / per_epoch) if per_epoch else args.num_train_epochs
+        every = [*self.callback_handler.callbacks, self.control]
+        stateful: Any = [cb for cb in every if isinstance(cb, ExportableState)]
+        self.state = TrainerState(stateful_callbacks=stateful)
+        self.state.train_batch_size = self._train_batch_size
+        self.state.compute_steps(args, max_steps)
+        state = self.fz_ready()
+        if resume_from_checkpoint is not None:
+            state = self._resume(state, resume_from_checkpoint)
+        self.state.init_training_references(self, max_steps, epochs, trial)
+        self.fz_state = state
+        self._loader = self._train_loader()
+        self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader
+        start, first = time.time(), self.state.global_step
+        self._fz_losses: list[float] = []
+        total_loss = 0.0
+        log.info("fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s",
+                 max_steps, args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+                 args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
+                 state.spec.explain().splitlines()[0] if hasattr(state.spec, "explain") else "")
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start:
+            self.evaluate(ignore_keys=ignore_keys_for_eval)
+        new_epoch = True
+        for batch in self._loader:
+            if self.state.global_step >= max_steps or self.control.should_training_stop:
+                break
+            if new_epoch:
+                self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+                new_epoch = False
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            self.fz_state, loss = fz.train_step(self.fz_state, batch)
+            value = float(loss)
+            self._fz_losses.append(value)
+            total_loss += value
+            self.state.global_step += 1
+            self.state.epoch = self.state.global_step / per_epoch if per_epoch else 0.0
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            self._log_save_evaluate(trial, ignore_keys_for_eval)
+            if per_epoch and self.state.global_step % per_epoch == 0:
+                new_epoch = True
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._log_save_evaluate(trial, ignore_keys_for_eval)
+        steps = self.state.global_step - first
+        metrics = speed_metrics("train", start, num_samples=steps * self._samples_per_step(), num_steps=steps)
+        metrics["train_loss"] = total_loss / max(steps, 1)
+        self.store_flos()
+        metrics["total_flos"] = self.state.total_flos
+        self.log(metrics)
+        self._copy_weights_into_model()
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self.is_in_train = False
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _samples_per_step(self) -> int:
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps * max(1, a.world_size)
+
+    def _log_save_evaluate(self, trial: Any, ignore_keys: list[str] | None) -> None:
+        if self.control.should_log and self._fz_losses:
+            metrics = self.fz_state.metrics if self.fz_state is not None else {}
+            logs = {"loss": sum(self._fz_losses) / len(self._fz_losses)}
+            norm = float(metrics.get("grad_norm", math.nan))
+            if not math.isnan(norm):
+                logs["grad_norm"] = norm
+            if metrics.get("lr") is not None:
+                logs["learning_rate"] = float(metrics["lr"])
+            self._fz_losses.clear()
+            self.store_flos()
+            self.log(logs)
+        if self.control.should_evaluate:
+            self.evaluate(ignore_keys=ignore_keys)
+        if self.control.should_save:
+            self._save_checkpoint(None, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """`checkpoint-N/`: fz's checkpoint of the State with the data position, the trainer
+        state, config and tokenizer; older ones rotated out as save_total_limit says."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = self._loader.attach(self.fz_state) if self._loader is not None else self.fz_ready()
+        fz.save(state, os.path.join(folder, FZ_DIR), verbose=False)
+        if not self.args.should_save:
+            return
+        callbacks: Any = self.state.stateful_callbacks  # {class name: state, or a list of them}
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                saved = callbacks.get(name)
+                if isinstance(saved, list):
+                    saved.append(cb.state())
+                else:
+                    callbacks[name] = cb.state()
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(folder)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(folder)
+        self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+        self._rotate(run_dir)
+
+    def _rotate(self, run_dir: str) -> None:
+        limit = self.args.save_total_limit
+        if not limit or limit <= 0:
+            return
+        found = []
+        for name in os.listdir(run_dir):
+            m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+            if m and os.path.isdir(os.path.join(run_dir, name, FZ_DIR)):
+                found.append((int(m.group(1)), os.path.join(run_dir, name)))
+        for _, path in sorted(found)[:-limit]:
+            log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _resume(self, state: fz.State, checkpoint: str | bool) -> fz.State:
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is None:
+                raise ConfigError(f"fz.hf.Trainer: no checkpoint-N folder in {self.args.output_dir} to resume from")
+        ckpt = os.path.join(str(checkpoint), FZ_DIR)
+        if not os.path.isdir(ckpt):
+            raise ConfigError(f"fz.hf.Trainer: {checkpoint} holds no fz checkpoint ({FZ_DIR}/); it was not written by "
+                              "fz.hf.Trainer")
+        restored = fz.restore(state, ckpt, verbose=False)
+        assert isinstance(restored, fz.State)
+        path = os.path.join(str(checkpoint), "trainer_state.json")
+        if os.path.isfile(path):
+            self.state = TrainerState.load_from_json(path)
+            self._load_callback_state()
+        self.state.global_step = int(restored.step)
+        return restored
+
+    # ---------------------------------------------------------------- evaluation and the model
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        return _Evaluated(self)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """(loss, logits, labels) of one batch, from `fz.apply` on the State (every rank takes part)."""
+        inputs = self._prepare_inputs(inputs)
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        if ignore_keys is None:
+            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
+        with torch.no_grad():
+            out = fz.apply(self.fz_ready(), **inputs)
+        loss = None
+        if has_labels:
+            loss = (out["loss"] if isinstance(out, dict) else out[0]).detach().mean()
+        if prediction_loss_only:
+            return loss, None, None
+        if isinstance(out, dict):
+            logits = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
+        else:
+            logits = tuple(out[1:] if has_labels else out)
+        labels = tuple(inputs.get(k) for k in self.label_names) if has_labels else None
+        return (loss, logits[0] if len(logits) == 1 else logits,
+                labels[0] if labels is not None and len(labels) == 1 else labels)
+
+    def _copy_weights_into_model(self) -> None:
+        """The trained weights into `self.model` (in its dtype), so it is usable after train()."""
+        if self.fz_state is None:
+            return
+        own = self._model().state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in fz.full_params(self.fz_state).items():
+                if name in own:
+                    own[name].data.copy_(value.to(own[name].dtype))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A folder `from_pretrained` loads: config, sharded safetensors and their index, the
+        tokenizer; gathered from the State one bucket at a time. Every rank calls it."""
+        if self.fz_state is None:
+            return super().save_model(output_dir, _internal_call)
+        from fz.hf.export import save_pretrained
+        save_pretrained(self.fz_state, self.model, output_dir or self.args.output_dir,
+                        processing_class=self.processing_class)

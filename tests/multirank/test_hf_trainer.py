@@ -1,0 +1,69 @@
+"""fz.hf.Trainer (issue 23): a Trainer script written for DeepSpeed trains on fz with one import
+changed, and matches transformers' own Trainer.
+
+One world-2 run trains a tiny GPT-2 at ZeRO-3 from a DeepSpeed dict (DeepSpeed is not
+installed), saving checkpoint-3 and evaluating every 3 steps, then resumes from checkpoint-3
+in a new Trainer; one world-1 run makes transformers' reference (same global batch: 4 rows x
+2 accumulation steps) and resumes the world-2 checkpoint at world 1.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from fz.testing.spawn import run_ranks  # noqa: E402
+
+from support.hf_trainer_jobs import reference_and_resume, train_save_resume  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("hf_trainer") / "out")
+    fz2 = run_ranks(2, train_save_resume, out, timeout=300)
+    ref = run_ranks(1, reference_and_resume, out, timeout=300)[0]
+    return fz2, ref
+
+
+def test_losses_equal_transformers_trainer(runs):
+    fz2, ref = runs
+    assert len(ref["losses"]) == 6
+    for r in fz2:
+        assert r["world"][0] == 2
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+        assert r["train_loss"] == pytest.approx(sum(ref["losses"]) / 6, rel=1e-5)
+
+
+def test_evaluate_equals_a_single_process_evaluation(runs):
+    fz2, ref = runs
+    for r in fz2:
+        assert r["metrics"]["eval_loss"] == pytest.approx(ref["metrics"]["eval_loss"], rel=1e-5)
+        assert r["metrics"]["eval_accuracy"] == pytest.approx(ref["metrics"]["eval_accuracy"], abs=1e-9)
+        assert r["pred_shape"] == (8, 16, 100) and "test_loss" in r["pred_metrics"]
+
+
+def test_logs_reach_callbacks_with_loss_lr_grad_norm_epoch(runs):
+    fz2, ref = runs
+    steps = [log for log in fz2[0]["logs"] if "loss" in log]
+    assert len(steps) == 6
+    assert all({"loss", "learning_rate", "grad_norm", "epoch"} <= set(log) for log in steps)
+    assert [s["learning_rate"] for s in steps] == pytest.approx(ref["lrs"], abs=1e-12)  # warmup 2, then linear
+    assert [s["epoch"] for s in steps] == pytest.approx([i / 8 for i in range(1, 7)])
+    assert sum("eval_loss" in log for log in fz2[0]["logs"]) == 3  # steps 3 and 6, and evaluate()
+
+
+def test_checkpoint_folders_and_resume_bit_identical(runs):
+    fz2, ref = runs
+    r0 = fz2[0]
+    assert {"checkpoint-3", "checkpoint-6"} <= set(r0["listing"])
+    assert {"fz", "trainer_state.json", "config.json"} <= set(r0["ckpt3"])
+    assert r0["state_json_step"] == 3
+    for r in fz2:  # world 2 -> 2: the resumed steps 4-6 are the uninterrupted run's, bit for bit
+        assert r["resumed"][-3:] == r["losses"][-3:]
+        assert len(r["resumed"]) == 6  # the checkpoint's log history, then the new steps
+    assert ref["resumed"][-3:] == pytest.approx(r0["losses"][-3:], rel=1e-6)  # world 2 -> 1
+
+
+def test_model_holds_the_trained_weights_after_train(runs):
+    assert all(r["model_matches_state"] for r in runs[0])

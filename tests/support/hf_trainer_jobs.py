@@ -1,0 +1,112 @@
+"""Rank functions for tests/multirank/test_hf_trainer.py: a seed-002 style Trainer script on a
+tiny GPT-2 (built from a config, no download) and a token data set made here."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+SEQ, VOCAB = 16, 100
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
+
+
+class Tokens(torch.utils.data.Dataset):
+    """`n` rows of random token ids; labels = inputs (the model shifts them)."""
+
+    def __init__(self, n: int = 64, seed: int = 0):
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def accuracy(pred: Any) -> dict[str, float]:
+    """compute_metrics: next-token accuracy of the argmax."""
+    logits, labels = pred.predictions, pred.label_ids
+    return {"accuracy": float((np.argmax(logits[:, :-1], -1) == labels[:, 1:]).mean())}
+
+
+def arguments(out: str, fz_args: bool, **kw: Any) -> Any:
+    import transformers
+
+    import fz.hf
+    cls = fz.hf.TrainingArguments if fz_args else transformers.TrainingArguments
+    settings = dict(output_dir=out, per_device_train_batch_size=4, max_steps=6, logging_steps=1, learning_rate=1e-3,
+                    warmup_steps=2, use_cpu=True, report_to=[], train_sampling_strategy="sequential", seed=0,
+                    disable_tqdm=True, save_strategy="no", per_device_eval_batch_size=4)
+    settings.update(kw)
+    return cls(**settings)
+
+
+def losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
+    """fz.hf.Trainer at ZeRO-3 from a DeepSpeed dict: 6 steps saving every 3, evaluate, predict;
+    then a new Trainer resumed from checkpoint-3."""
+    import fz.hf
+    args = arguments(out, True, deepspeed=ZERO3, save_strategy="steps", save_steps=3, eval_strategy="steps",
+                     eval_steps=3)
+    seen: list[dict[str, Any]] = []
+
+    class Record(__import__("transformers").TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            seen.append(dict(logs or {}))
+
+    trainer = fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(16, seed=1),
+                            compute_metrics=accuracy, callbacks=[Record()])
+    result = trainer.train()
+    metrics = trainer.evaluate()
+    pred = trainer.predict(Tokens(8, seed=2))
+    sd = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    full = fz_full(trainer)
+    resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3), train_dataset=Tokens())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    listing = sorted(os.listdir(out)) if rank == 0 else []
+    ckpt3 = sorted(os.listdir(os.path.join(out, "checkpoint-3"))) if rank == 0 else []
+    state_json = json.load(open(os.path.join(out, "checkpoint-3", "trainer_state.json"))) if rank == 0 else {}
+    return {"losses": losses(trainer), "resumed": losses(resumed), "train_loss": result.training_loss,
+            "metrics": metrics, "pred_shape": tuple(pred.predictions.shape), "pred_metrics": pred.metrics,
+            "logs": seen, "listing": listing, "ckpt3": ckpt3, "state_json_step": state_json.get("global_step"),
+            "model_matches_state": all(torch.equal(sd[k], full[k]) for k in full if k in sd),
+            "world": (args.world_size, args.process_index)}
+
+
+def fz_full(trainer: Any) -> dict[str, torch.Tensor]:
+    import fz
+    return fz.full_params(trainer.fz_state)
+
+
+def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
+    """World 1: transformers' own Trainer on the same global batch (4 x 2 accumulation), its
+    evaluation, and fz.hf.Trainer resumed at world 1 from the world-2 run's checkpoint-3."""
+    import transformers
+
+    import fz.hf
+    ref = transformers.Trainer(model=gpt2(), args=arguments(out + "-ref", False, gradient_accumulation_steps=2),
+                               train_dataset=Tokens(), eval_dataset=Tokens(16, seed=1), compute_metrics=accuracy)
+    ref.train()
+    metrics = ref.evaluate()
+    resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3, gradient_accumulation_steps=2),
+                            train_dataset=Tokens())
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    lrs = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+    return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed)}
