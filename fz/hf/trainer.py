@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 FZ_DIR = "fz"  # fz's checkpoint inside a checkpoint-N folder
 
 
+def _sampling(args: Any) -> str:
+    """The training data order transformers would use ("group_by_length" was a flag before 5.0)."""
+    if getattr(args, "group_by_length", False):
+        return "group_by_length"
+    return str(getattr(args, "train_sampling_strategy", "random"))
+
+
 class _Evaluated(nn.Module):
     """What `_wrap_model` returns: not the user's model, so Accelerate does not prepare (wrap,
     move) it; `prediction_step` runs fz.apply on the State instead of calling it."""
@@ -95,9 +102,9 @@ class Trainer(transformers.Trainer):
             problems.append("load_best_model_at_end=True")
         if self.args.label_smoothing_factor:
             problems.append(f"label_smoothing_factor={self.args.label_smoothing_factor}")
-        if self.args.train_sampling_strategy not in ("random", "sequential"):
-            problems.append(f"train_sampling_strategy={self.args.train_sampling_strategy!r} (fz reads the data in "
-                            "random or sequential order)")
+        if _sampling(self.args) not in ("random", "sequential"):
+            problems.append(f"train_sampling_strategy={_sampling(self.args)!r} (fz reads the data in random or "
+                            "sequential order)")
         try:
             unsupported(self.args, self.model)
         except ConfigError as e:
@@ -144,7 +151,7 @@ class Trainer(transformers.Trainer):
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         return fz.data.loader(data, self.fz_ready(), micro_batch=self.args.per_device_train_batch_size,
-                              shuffle=self.args.train_sampling_strategy == "random" and hasattr(data, "__len__"),
+                              shuffle=_sampling(self.args) == "random" and hasattr(data, "__len__"),
                               seed=seed, num_workers=self.args.dataloader_num_workers, collate_fn=collate)
 
     # ---------------------------------------------------------------- the loop
@@ -177,7 +184,7 @@ class Trainer(transformers.Trainer):
                  args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
                  state.spec.explain().splitlines()[0] if hasattr(state.spec, "explain") else "")
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        if args.eval_on_start:
+        if getattr(args, "eval_on_start", False):
             self.evaluate(ignore_keys=ignore_keys_for_eval)
         new_epoch = True
         for batch in self._loader:

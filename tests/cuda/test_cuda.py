@@ -202,3 +202,22 @@ def test_offloaded_state_is_pinned_at_its_exact_size():
     host = [f._local_tensor for f in state.param_flats if f._local_tensor.device.type == "cpu"]
     assert host and all(t.is_pinned() for t in host)
     assert len({t.untyped_storage().data_ptr() for t in host}) < len(host)
+
+
+def test_hf_trainer_on_cuda_equals_transformers_trainer(tmp_path):
+    """fz.hf.Trainer at ZeRO-3 on the GPU (world 1) against transformers' own Trainer on the same GPU."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import transformers
+
+    import fz.hf
+
+    from support.hf_trainer_jobs import ZERO3, Tokens, arguments, gpt2, losses
+    ref = transformers.Trainer(model=gpt2(), args=arguments(str(tmp_path / "ref"), False, use_cpu=False),
+                               train_dataset=Tokens())
+    ref.train()
+    ours = fz.hf.Trainer(model=gpt2(), args=arguments(str(tmp_path / "fz"), True, use_cpu=False, deepspeed=ZERO3),
+                         train_dataset=Tokens())
+    ours.train()
+    assert ours.fz_state.plan.device.type == "cuda"
+    assert losses(ours) == pytest.approx(losses(ref), rel=TOL["fp32"])

@@ -94,3 +94,30 @@ def test_hf_causal_lm_exports_weights_from_pretrained_loads(tmp_path):
     out = torchrun(tmp_path, "hf_causal_lm.py", "--ci")
     falls(out)
     assert "from_pretrained: same logits as fz" in out
+
+
+def test_hf_trainer_script_runs_under_fz_run_with_transformers_own_zero3_config(tmp_path):
+    """examples/hf_trainer.py (HfArgumentParser, `--deepspeed` with transformers' ds_config_zero3.json:
+    ZeRO-3 with CPU offload of parameters and optimizer, "auto" everywhere) under `fz run
+    --num_gpus 2`; its save_model folder loads with from_pretrained and gives the eval loss it printed."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import GPT2LMHeadModel
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fz", "run", "--num_gpus", "2", str(REPO / "examples" / "hf_trainer.py"),
+           "--deepspeed", str(REPO / "tests" / "data" / "ds_config_zero3.json"), "--output_dir", str(out_dir),
+           "--max_steps", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--logging_steps", "4",
+           "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    printed = float(re.search(r"^eval_loss ([\d.]+)", run.stdout, re.M).group(1))
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from hf_trainer import Windows
+    finally:
+        sys.path.pop(0)
+    model = GPT2LMHeadModel.from_pretrained(out_dir).eval()
+    rows = Windows(64, slice(-32, None)).rows
+    with torch.no_grad():
+        assert model(input_ids=rows, labels=rows).loss.item() == pytest.approx(printed, abs=1e-4)

@@ -67,3 +67,10 @@ def test_checkpoint_folders_and_resume_bit_identical(runs):
 
 def test_model_holds_the_trained_weights_after_train(runs):
     assert all(r["model_matches_state"] for r in runs[0])
+
+
+def test_save_total_limit_rotates_and_resume_true_takes_the_last(runs):
+    _, ref = runs
+    assert [k for k in ref["kept"] if k.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"]
+    assert ref["resumed_steps"] == [1, 2, 3, 4, 5, 6, 7, 8]  # 1-6 from checkpoint-6's history, then 7 and 8
+    assert ref["tensorboard_files"] >= 1  # report_to="tensorboard": transformers' own callback wrote scalars

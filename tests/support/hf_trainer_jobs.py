@@ -109,4 +109,14 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
                             train_dataset=Tokens())
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
     lrs = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
-    return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed)}
+    rotated = fz.hf.Trainer(model=gpt2(), args=arguments(out + "-rot", True, save_strategy="steps", save_steps=2,
+                                                         save_total_limit=2, report_to=["tensorboard"]),
+                            train_dataset=Tokens())
+    rotated.train()
+    kept = sorted(os.listdir(out + "-rot"))
+    longer = fz.hf.Trainer(model=gpt2(), args=arguments(out + "-rot", True, max_steps=8), train_dataset=Tokens())
+    longer.train(resume_from_checkpoint=True)
+    steps = [h["step"] for h in longer.state.log_history if "loss" in h]
+    events = [f for _, _, fs in os.walk(out + "-rot") for f in fs if f.startswith("events.out.tfevents")]
+    return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed), "kept": kept,
+            "resumed_steps": steps, "tensorboard_files": len(events)}
