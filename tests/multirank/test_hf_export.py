@@ -26,11 +26,23 @@ from support.real_nets import hf_loss, hf_model, tokens
 pytest.importorskip("transformers")
 ROWS, LIMIT = 4, 40_000  # bytes per shard: GPT-2 and Llama here are ~100-150 KB in fp32
 CASES = [("gpt2", 0, "fp32"), ("gpt2", 3, "fp32"), ("llama_tied", 3, "fp32"), ("llama_tied", 0, "fp32"),
-         ("llama", 3, "bf16")]
+         ("llama", 3, "bf16"), ("mixtral", 3, "fp32")]  # Mixtral: transformers 5's fused experts
 
 
 def _rows(batch: dict, rank: int, world: int) -> dict:
     return {k: v.chunk(world)[rank] for k, v in batch.items()}
+
+
+def _tokenizer():
+    """A word-level tokenizer made here (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "a": 3, "b": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
 def _trained(name: str, stage: int, precision: str, rank: int, world: int):
@@ -51,7 +63,7 @@ def _logits(model, name: str) -> torch.Tensor:
 def _loaded(out: Path, name: str, full: dict, dtype: torch.dtype) -> dict:
     """What rank 0 checks of a written folder: it loads, its logits, its index, its tensors."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     ref = hf_model(name)
@@ -71,7 +83,8 @@ def _loaded(out: Path, name: str, full: dict, dtype: torch.dtype) -> dict:
             "stored": stored, "keys": set(loaded.state_dict()),
             "tied": loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight if tied else None,
             "config": json.loads((out / "config.json").read_text()),
-            "generation": (out / "generation_config.json").exists(), "hidden": [p.name for p in out.glob(".*")]}
+            "generation": (out / "generation_config.json").exists(), "hidden": [p.name for p in out.glob(".*")],
+            "tokens": AutoTokenizer.from_pretrained(out)("a b c").input_ids if name == "gpt2" else None}
 
 
 class _Peak:
@@ -151,7 +164,8 @@ def _checks(rank: int, world: int, tmp: str) -> dict:
         model, state = _trained(name, stage, precision, rank, world)
         where = Path(tmp) / f"w{world}-{name}-{stage}-{precision}"
         with _Peak() as peak:
-            info = save_pretrained(state, model, where, max_shard_size=LIMIT if stage else "40KB")
+            info = save_pretrained(state, model, where, max_shard_size=LIMIT if stage else "40KB",
+                                   processing_class=_tokenizer() if name == "gpt2" else None)
         bf16 = precision == "bf16"
         full = fz.full_params(state, "compute" if bf16 else None)
         res = {"info": info, "live": peak.most_live, "largest": peak.largest,
@@ -188,6 +202,7 @@ def test_from_pretrained_gives_the_logits_of_full_params(results):
         assert r["config"]["dtype"] == ("bfloat16" if case[2] == "bf16" else "float32"), case
         assert r["generation"] and r["hidden"] == [], case
         assert all(equal for _, equal in r["stored"].values()), case
+        assert r["tokens"] == ([3, 4, 0] if case[0] == "gpt2" else None), case  # the tokenizer given is saved
 
 
 def test_index_maps_every_tensor_to_its_shard(results):
@@ -210,7 +225,7 @@ def test_tied_weights_are_written_once_and_tied_on_load(results):
     world, ranks = results
     for case in CASES:
         r = ranks[0][case]
-        tied = case[0] != "llama"
+        tied = case[0] in ("gpt2", "llama_tied")
         assert r["tied"] is (True if tied else None), case
         head = "lm_head.weight"
         assert (head in r["index"]["weight_map"]) is (not tied), case
