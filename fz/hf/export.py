@@ -97,13 +97,15 @@ def save_pretrained(state: State, model: nn.Module, out: str | os.PathLike[str],
     if not hasattr(config, "save_pretrained"):
         raise ConfigError(f"fz.hf.save_pretrained: the model ({type(model).__name__}) is not a transformers "
                           "PreTrainedModel (it has no config with save_pretrained)")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"fz.hf.save_pretrained(dtype={dtype!r}): give None (the precision the run computes in) "
+                          "or a floating torch.dtype such as torch.float32 (the fp32 master weights)")
     limit = _shard_size(max_shard_size)
     entries = _entries(state, model, dtype)
     shards = _split(entries, limit)
     names = _filenames(len(shards))
-    written = entries[0].dtype if entries else torch.float32
-    floating = [e.dtype for e in entries if e.dtype.is_floating_point]
-    written = floating[0] if floating else written
+    # what config.json's dtype says, as transformers' model.dtype: the first floating tensor's
+    written = next((e.dtype for e in entries if e.dtype.is_floating_point), torch.float32)
     writer = state.plan.rank == state.plan.ranks[0]
     group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(state.plan.ranks) > 1 else None
     what = f"fz.hf.save_pretrained to {out}"

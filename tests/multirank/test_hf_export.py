@@ -257,3 +257,28 @@ def test_a_failure_on_either_rank_is_raised_on_both_and_nothing_half_written_loa
     assert not any(f.startswith(".") for f in kept["files"])
     after = ranks[0]["after"]  # the state is still usable: the next export succeeds
     assert after["err"] is None and torch.equal(after["logits"], ranks[0]["want"])
+
+
+def test_fp32_masters_of_a_bf16_run_in_one_file_and_argument_errors(tmp_path):
+    """One process: dtype=torch.float32 writes the masters (zero_to_fp32's weights); under the
+    shard size, one model.safetensors and no index, as transformers writes; bad arguments name the cause."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    warnings.filterwarnings("ignore")
+    model, state = _trained("llama", 0, "bf16", 0, 1)
+    info = save_pretrained(state, model, tmp_path / "fp32", dtype=torch.float32)
+    assert info.files == ("model.safetensors",) and info.dtype == "float32"
+    assert sorted(p.name for p in (tmp_path / "fp32").iterdir()) == ["config.json", "generation_config.json",
+                                                                     "model.safetensors"]
+    full = fz.full_params(state)  # the fp32 masters
+    stored = load_file(tmp_path / "fp32" / "model.safetensors")
+    assert stored.keys() == full.keys() and all(torch.equal(stored[n], full[n]) for n in full)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").dtype == torch.float32
+    for kw, words in (({"max_shard_size": "lots"}, "max_shard_size='lots'"), ({"max_shard_size": 0}, "positive"),
+                      ({"dtype": torch.int8}, "floating torch.dtype")):
+        with pytest.raises(fz.ConfigError, match=words):
+            save_pretrained(state, model, tmp_path / "bad", **kw)
+    with pytest.raises(fz.ConfigError, match="not a transformers PreTrainedModel"):
+        save_pretrained(state, torch.nn.Linear(2, 2), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
