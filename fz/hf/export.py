@@ -4,7 +4,10 @@
 What `transformers`' own `save_pretrained` writes: config.json, generation_config.json (a
 model that can generate), the weights as safetensors shards `model-00001-of-0000N.safetensors`
 with `model.safetensors.index.json` (one file, `model.safetensors`, when it all fits in one
-shard), and the tokenizer or processor if one is given.
+shard), and the tokenizer or processor if one is given. Names are those transformers' save
+writes: tied names once, and transformers 5's load-time conversions reversed tensor by tensor
+(Mixtral's experts, fused in memory, saved one by one), so that transformers 4 and other
+readers of hub checkpoints read the folder too.
 
 Bounded memory: every name, dtype and shape is known from the state's plan before anything
 is gathered, so each shard's safetensors header is written first and the parameters then
@@ -26,6 +29,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +65,9 @@ class Exported:
 
 @dataclass(frozen=True)
 class _Entry:
-    name: str  # the name in the file (a state_dict name)
+    name: str  # the name in the file (transformers' saved name)
     source: str  # the canonical name `gathered` yields it under
+    key: str  # the state_dict name it comes from (`name` itself, unless transformers converts it on save)
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -101,7 +106,7 @@ def save_pretrained(state: State, model: nn.Module, out: str | os.PathLike[str],
         raise ConfigError(f"fz.hf.save_pretrained(dtype={dtype!r}): give None (the precision the run computes in) "
                           "or a floating torch.dtype such as torch.float32 (the fp32 master weights)")
     limit = _shard_size(max_shard_size)
-    entries = _entries(state, model, dtype)
+    entries, convert = _entries(state, model, dtype)
     shards = _split(entries, limit)
     names = _filenames(len(shards))
     # what config.json's dtype says, as transformers' model.dtype: the first floating tensor's
@@ -117,7 +122,7 @@ def save_pretrained(state: State, model: nn.Module, out: str | os.PathLike[str],
             raise err
 
     out = Path(out)
-    job = _Job(out, entries, shards, names) if writer else None
+    job = _Job(out, entries, shards, names, convert) if writer else None
     err = None
     try:
         try:
@@ -184,8 +189,22 @@ def _kept(names: list[str], patterns: list[str]) -> list[str]:
     return [n for n in names if n not in drop]
 
 
-def _entries(state: State, model: nn.Module, dtype: torch.dtype | None) -> list[_Entry]:
-    """Every tensor of the files, in the order `gathered` yields them: (file name, source, dtype, shape)."""
+Convert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+
+
+def _converter(model: Any) -> Convert | None:
+    """transformers 5's reversal of its load-time weight conversions (Mixtral's experts fused in
+    memory are split again on save), as its save_pretrained applies by default; None before 5."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    return lambda named: revert_weight_conversion(model, named)
+
+
+def _entries(state: State, model: nn.Module, dtype: torch.dtype | None) -> tuple[list[_Entry], Convert | None]:
+    """Every tensor of the files, in the order `gathered` yields their sources, and the conversion
+    that turns a state_dict tensor into the saved ones (None: written as they are)."""
     aliases = state.skeleton.aliases
     missing = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in aliases]
     if missing:
@@ -200,14 +219,23 @@ def _entries(state: State, model: nn.Module, dtype: torch.dtype | None) -> list[
         (s.name, source_dtype(state, b, dtype is None), tuple(s.shape)) for b in state.plan.buckets for s in b.slots]
     sources += [(n, state.buffers[n].dtype, tuple(state.buffers[n].shape))
                 for n in state.skeleton.persistent if n in state.buffers]
-    out = []
+    kept = []
     for src, dt, shape in sources:
         dt = dtype if dtype is not None and dt.is_floating_point else dt
         names = names_of.get(src, [src])
-        for n in _kept(names, patterns) if len(names) > 1 else names:
-            if n not in ignored:
-                out.append(_Entry(n, src, dt, shape))
-    return out
+        kept += [_Entry(n, src, n, dt, shape) for n in (_kept(names, patterns) if len(names) > 1 else names)
+                 if n not in ignored]
+    convert = _converter(model)
+    if convert is None:
+        return kept, None
+    try:  # on the meta device: the saved names, dtypes and shapes, before anything is gathered
+        out = [_Entry(k, e.source, e.key, t.dtype, tuple(t.shape)) for e in kept
+               for k, t in convert({e.key: torch.empty(e.shape, dtype=e.dtype, device="meta")}).items()]
+    except Exception:  # noqa: BLE001 - a conversion that needs several tensors at once: transformers 5's own names
+        return kept, None
+    if len({e.name for e in out}) != len(out):
+        return kept, None
+    return out, convert
 
 
 def _parameters(state: State) -> int:
@@ -236,11 +264,12 @@ def _filenames(n: int) -> list[str]:
 class _Job:
     """The writing rank's side: the shard writers in a hidden folder, then the move into place."""
 
-    def __init__(self, out: Path, entries: list[_Entry], shards: list[list[_Entry]], names: list[str]):
-        self.out, self.entries, self.shards, self.names = out, entries, shards, names
+    def __init__(self, out: Path, entries: list[_Entry], shards: list[list[_Entry]], names: list[str],
+                 convert: Convert | None):
+        self.out, self.entries, self.shards, self.names, self.convert = out, entries, shards, names, convert
         self.tmp = out / f"{_TMP}{os.getpid()}"
         self.writers: list[StreamWriter] = []
-        self.where: dict[str, list[tuple[StreamWriter, _Entry]]] = {}
+        self.where: dict[str, dict[str, list[tuple[StreamWriter, _Entry]]]] = {}  # source -> key -> its files
         self.err: BaseException | None = None
 
     def start(self) -> None:
@@ -252,15 +281,18 @@ class _Job:
             w = StreamWriter(self.tmp / name, [(e.name, e.dtype, e.shape) for e in shard], {"format": "pt"})
             self.writers.append(w)
             for e in shard:
-                self.where.setdefault(e.source, []).append((w, e))
+                self.where.setdefault(e.source, {}).setdefault(e.key, []).append((w, e))
 
     def put(self, source: str, t: Tensor) -> None:
         """Write tensor `source` under each of its names (after a failure: skip, and keep gathering)."""
         if self.err is not None:
             return
         try:
-            for w, e in self.where.get(source, []):
-                w.write(e.name, t.detach().to("cpu", e.dtype))
+            for key, places in self.where.get(source, {}).items():
+                t = t.detach().to("cpu", places[0][1].dtype)
+                saved = self.convert({key: t}) if self.convert is not None else {key: t}
+                for w, e in places:
+                    w.write(e.name, saved[e.name])
         except Exception as e:  # noqa: BLE001 - raised on every rank at the next agreement
             self.err = e
 
