@@ -57,6 +57,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
     master weights when the run had them). With a `key` (or FZ_CKPT_KEY) the checkpoint must be
     signed with it, and is verified even with verify=False. Returns what it wrote (a Consolidated).
+    (From a live state, a Hugging Face model folder with sharded files: fz.hf.save_pretrained.)
     """
     d = resolve(ckpt, step)
     key = signing.resolve(key)

@@ -1,6 +1,8 @@
 """fz for Hugging Face users (the `hf` extra): `Trainer` and `TrainingArguments`, drop-in for
-transformers' own, training on fz (`from fz.hf import Trainer, TrainingArguments`)."""
+transformers' own, training on fz (`from fz.hf import Trainer, TrainingArguments`), and
+`save_pretrained`, a live State as a model folder that `from_pretrained` loads."""
+from fz.hf.export import Exported, save_pretrained
 from fz.hf.trainer import Trainer
 from fz.hf.training_args import TrainingArguments
 
-__all__ = ["Trainer", "TrainingArguments"]
+__all__ = ["Exported", "Trainer", "TrainingArguments", "save_pretrained"]

@@ -5,6 +5,8 @@ A collective API: every rank of the mesh calls it (stage 3 all-gathers within th
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
@@ -32,28 +34,62 @@ def full_params(state: State, dtype: torch.dtype | str | None = None) -> dict[st
     copy the forward computes with (bf16 in a bf16 run). A torch.dtype casts the default's
     floating tensors to it (e.g. torch.bfloat16 for a bf16 export of the fp32 masters).
     """
-    expect_state(state, "fz.full_params")
+    out = dict(iter_full_params(state, dtype))
+    return _with_aliases(out, state.skeleton.aliases)
+
+
+def iter_full_params(state: State, dtype: torch.dtype | str | None = None) -> Iterator[tuple[str, Tensor]]:
+    """`full_params` one tensor at a time, gathering one bucket at a time: peak memory is one
+    bucket whole, not the model. Canonical names only (a tied alias is not repeated), in bucket
+    order, then the persistent buffers. Each tensor is new (it shares no storage with the state).
+    A collective: every rank iterates to the end, in step."""
     cast, compute = _dtype_arg(dtype)
+    for name, t in gathered(state, compute, "fz.full_params", copy=True):
+        yield name, t.to(cast) if cast is not None and t.is_floating_point() else t
+
+
+def source_dtype(state: State, b: Bucket, compute: bool) -> torch.dtype:
+    """The dtype `gathered` yields bucket `b`'s tensors in (before any cast)."""
+    return state.spec.compute_dtype if compute or b.index not in state.master_flats else torch.float32
+
+
+def gathered(state: State, compute: bool, api: str, *, copy: bool = False,
+             agree: Callable[[BaseException | None], None] | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(canonical name, full tensor) of every parameter, one bucket gathered at a time, then the
+    persistent buffers. Without `copy`, a tensor may be a view of the state's own storage (an
+    unsharded bucket, a buffer): read it, never write it, and drop it before the next one to keep
+    memory at one bucket; with `copy` every tensor is new (it shares no storage with the state).
+
+    `compute`: the parameters as the forward uses them; else the fp32 masters where there are.
+    `agree(err)` runs on every rank before each bucket's collective with this rank's error in
+    reading its part (a disk-tier shard), or None; it must raise on every rank if any rank
+    failed, so that no rank is left alone in the gather (default: raise this rank's error)."""
+    expect_state(state, api)
     plan = state.plan
-    peers.doing("fz.full_params", int(state.step))
-    arrive("fz.full_params", plan.ranks, plan.rank)  # one rank alone fails fast, not a hang
+    peers.doing(api, int(state.step))
+    arrive(api, plan.ranks, plan.rank)  # one rank alone fails fast, not a hang
     flats, sync, mflats = checked_flats(state)
     if sync is not None:
         sync.finish()
     comm = Comm(plan)
-    out: dict[str, Tensor] = {}
     for b, flat, mflat in zip(plan.buckets, flats, mflats):
-        if mflat is None or compute:
-            tensors = _whole(comm, load(flat), b, b.sharded_param)  # a shard on the disk tier: read now
-        else:
-            tensors = _whole(comm, load(mflat).to(plan.device), b, isinstance(b.place.opt, Shard))
-        out.update(zip((s.name for s in b.slots), tensors))
-    out.update((n, state.buffers[n].clone()) for n in state.skeleton.persistent if n in state.buffers)
-    if cast is not None:
-        out = {n: t.to(cast) if t.is_floating_point() else t for n, t in out.items()}
-    return _with_aliases(out, state.skeleton.aliases)
-
-
+        err: BaseException | None = None
+        local, sharded = flat, False
+        try:
+            if mflat is None or compute:
+                local, sharded = load(flat), b.sharded_param  # a shard on the disk tier: read now
+            else:
+                local, sharded = load(mflat).to(plan.device), isinstance(b.place.opt, Shard)
+        except Exception as e:  # noqa: BLE001 - shared through `agree`, then raised on every rank
+            err = e
+        if agree is not None:
+            agree(err)
+        elif err is not None:
+            raise err
+        yield from zip((s.name for s in b.slots), _whole(comm, local, b, sharded, copy))
+    for n in state.skeleton.persistent:
+        if n in state.buffers:
+            yield n, state.buffers[n].clone() if copy else state.buffers[n]
 def _dtype_arg(dtype: torch.dtype | str | None) -> tuple[torch.dtype | None, bool]:
     """(the dtype to cast to, whether the compute copy is asked for)."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -64,12 +100,12 @@ def _dtype_arg(dtype: torch.dtype | str | None) -> tuple[torch.dtype | None, boo
                       "'compute' (the copy the forward uses) or a torch.dtype such as torch.bfloat16")
 
 
-def _whole(comm: Comm, flat: Tensor, b: Bucket, sharded: bool) -> list[Tensor]:
-    """Each parameter of bucket `b` whole, from its storage `flat` (this rank's rows if `sharded`)."""
-    if not sharded:
-        return [t.clone() for t in full_views(flat, b)]
-    if comm.world == 1:
-        return [t.clone() for t in unpack(flat, b)]
+def _whole(comm: Comm, flat: Tensor, b: Bucket, sharded: bool, copy: bool) -> list[Tensor]:
+    """Each parameter of bucket `b` whole, from its storage `flat` (this rank's rows if `sharded`);
+    views of `flat` unless `copy` (a gathered bucket is new storage either way)."""
+    if not sharded or comm.world == 1:
+        views = full_views(flat, b) if not sharded else unpack(flat, b)
+        return [t.clone() for t in views] if copy else views
     full = torch.empty(b.padded_numel, dtype=flat.dtype, device=flat.device)
     comm.all_gather(full, flat)
     return unpack(full, b)
