@@ -352,3 +352,34 @@ def test_fastchats_config_loads_with_a_warning(tmp_path):
     assert (spec.stage, spec.micro_batch, spec.grad_accum, spec.precision, spec.clip_grad_norm) == (
         3, filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"], "bf16",
         filled["gradient_clipping"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_spec_trains_as_the_trainers_loop(stage, tmp_path):
+    """fz.train_step with the Spec == the Trainer's inner loop (clip, AdamW on its two groups, linear schedule)
+    on a tiny GPT-2, one process: the decay mask holds on fz's own parameter names, at stage 3 too."""
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    theirs_model = copy.deepcopy(model)
+    args = make_args(tmp_path, optim="adamw_torch", weight_decay=0.5, learning_rate=1e-2, warmup_steps=1,
+                     per_device_train_batch_size=4, max_grad_norm=0.5)
+    spec = spec_from_args(args, model, max_steps=5, spec=fz.Spec(stage=stage, loss_fn=lambda m, b: m(**b).loss))
+    state = fz.init(model, spec)
+    theirs = _trainer_optimizer(args, theirs_model)
+    sched = transformers.get_scheduler("linear", theirs, num_warmup_steps=1, num_training_steps=5)
+    torch.manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 64, (4, 8))
+        state, loss = fz.train_step(state, {"input_ids": ids, "labels": ids})
+        want = theirs_model(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), 0.5)
+        theirs.step()
+        sched.step()
+        theirs.zero_grad()
+        assert float(loss) == pytest.approx(float(want.detach()), rel=1e-5)
+    full = fz.full_params(state)
+    for n, p in theirs_model.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=1e-4, atol=1e-5, msg=n)
