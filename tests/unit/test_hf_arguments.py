@@ -151,6 +151,11 @@ def test_explain_names_the_training_arguments(tmp_path):
                  "TrainingArguments.adam_beta1/adam_beta2=(0.9, 0.999)", "max_steps=20", "TrainingArguments.seed"):
         assert note in text, note
     assert not re.search(r"\b(keyword|micro_batch=|lr=5e-05)", text) and "had no use for" not in text
+    seeded = quiet(spec_from_args, make_args(tmp_path, gradient_checkpointing=True, deepspeed={**cfg, "seed": 3}),
+                   Tiny(), max_steps=STEPS)
+    assert (seeded.seed, seeded.activation_checkpointing) == (3, True)  # the config's seed wins, as DeepSpeed's
+    assert re.search(r"^activation_checkpointing +args +TrainingArguments.gradient_checkpointing",
+                     seeded.explain(), re.M)
     plain = spec_from_args(make_args(tmp_path, gradient_checkpointing=True), Tiny(), max_steps=STEPS)
     rows = {ln.split()[0]: ln.split()[1:3] for ln in plain.explain().splitlines()[2:]}
     assert plain.explain().splitlines()[0] == "fz.Spec from TrainingArguments"
