@@ -4,8 +4,9 @@
 the values a Hugging Face Trainer passes); the world size comes from `world_size=` or
 torch.distributed (else 1). Other absent keys take fz's defaults (DeepSpeed's own for the
 optimizer's parameters). Top-level keys DeepSpeed does not know either are accepted and
-listed (`_comment`-style keys are comments), except near-misses of known keys, which are
-typos; `strict=True` refuses them and unsupported features. Everything read is recorded in
+listed (`_comment`-style keys are comments), except near-misses of known keys with a stated
+value, which are typos (one set to "auto" is warned); `strict=True` refuses them and
+unsupported features. Everything read is recorded in
 `spec.provenance`; `spec.explain()` prints it.
 """
 from __future__ import annotations
@@ -256,7 +257,9 @@ def _monitor(r: Reader, cfg: dict[str, Any], path: str, field: str) -> str | Non
 
 def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
     """Known keys are checked; DeepSpeed accepts unknown top-level keys, and so does fz (listed,
-    warned) unless strict or a near-miss of a known key (a typo); `_`-prefixed ones are comments."""
+    warned) unless strict or a near-miss of a known key (a typo); `_`-prefixed ones are comments.
+    A near-miss set to "auto" is warned, not refused: "auto" states no value, so the key cannot
+    change training (FastChat's `"micro_batch_size_per_gpu": "auto"`; DeepSpeed ignores it)."""
     known = K.TOP_USED | K.TOP_IGNORED | set(K.TOP_UNSUPPORTED)
     for k in cfg:
         if k in known:
@@ -264,6 +267,11 @@ def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
         close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=NEAR_MISS)
         if k.startswith("_"):
             r.mark(k, "ignored", "a comment")
+        elif close and not strict and isinstance(cfg[k], str) and cfg[k] == AUTO:
+            r.mark(k, "ignored", f'"auto" on a key DeepSpeed does not know (did you mean {close[0]!r}?)')
+            r.advice.append(f'{k}: unknown DeepSpeed key (did you mean {close[0]!r}?) set to "auto": ignored, as '
+                            "DeepSpeed and the Hugging Face Trainer ignore it; \"auto\" states no value, so it "
+                            "changes nothing (an unknown key with a stated value is an error)")
         elif close or strict:
             hint = f" (did you mean {close[0]!r}?)" if close else " (strict=True)"
             raise ConfigError(f"{k}: unknown DeepSpeed key{hint}")

@@ -21,7 +21,7 @@ class Provenance(Mapping[str, tuple[Any, str]]):
     def __init__(self, entries: dict[str, tuple[Any, str]], keys: dict[str, str],
                  outcomes: dict[str, tuple[str, str]] | None = None, unused_auto: Sequence[str] = (),
                  origin: str = "a dict", objects: dict[str, Any] | None = None,
-                 order: dict[str, int] | None = None):
+                 order: dict[str, int] | None = None, kind: str = "DeepSpeed config"):
         self._entries = dict(entries)
         self.objects = dict(objects or {})  # name -> the object in the Spec, where the entry is a description
         self.ds_keys = dict(keys)  # name -> the DeepSpeed key it came from (not `keys`: Mapping's method)
@@ -30,6 +30,7 @@ class Provenance(Mapping[str, tuple[Any, str]]):
             sorted((outcomes or {}).items(), key=lambda kv: rank.get(kv[0], len(rank))))
         self.unused_auto: list[str] = list(unused_auto)
         self.origin = origin
+        self.kind = kind  # what the values were read from: explain's header ("TrainingArguments" from fz.hf)
 
     @property
     def ignored(self) -> list[str]:
@@ -92,10 +93,11 @@ def explain(spec: Any) -> str:
                 rows.append((f"  {name}", source, prov.ds_keys.get(name, ""), _show(value)))
     width = max(len(r[0]) for r in rows) + 2
     kwidth = max(len(r[2]) for r in rows) + 2 if prov is not None else 0
-    head = "fz.Spec" + (f" from DeepSpeed config {prov.origin}" if prov is not None else "")
-    lines = [head, f"{'field':<{width}}{'source':<9}{'DeepSpeed key' if kwidth else '':<{kwidth}}value"]
+    head = "fz.Spec" + (f" from {prov.kind} {prov.origin}".rstrip() if prov is not None else "")
+    column = "DeepSpeed key" if prov is None or prov.kind == "DeepSpeed config" else "from"
+    lines = [head, f"{'field':<{width}}{'source':<9}{column if kwidth else '':<{kwidth}}value"]
     lines += [f"{n:<{width}}{s:<9}{k:<{kwidth}}{v}" for n, s, k, v in rows]
-    if prov is not None:
+    if prov is not None and (prov.outcomes or prov.kind == "DeepSpeed config"):
         kw = max((len(p) for p in prov.outcomes), default=0) + 2
         lines.append(KEYS_HEADER)
         lines += [f"  {p:<{kw}}{o:<13}{note}".rstrip() for p, (o, note) in prov.outcomes.items()]

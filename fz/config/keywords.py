@@ -24,15 +24,26 @@ TRAINER = {  # keyword -> what the Trainer fills "auto" with
     "total_steps": "max_steps (or the steps the epochs make)",
     "warmup_steps": "warmup_steps (or warmup_ratio * total_steps, rounded up)",
     "hidden_size": "model.config.hidden_size",
+    "optimizer": "optim (Trainer.create_optimizer): lr -> transformation, without an optimizer section",
+    "schedule": "lr_scheduler_type (Trainer.create_scheduler): lr -> schedule, without a scheduler section",
 }
 AUTO_NAMES = tuple(TRAINER)
+
+
+def _builder(path: str, v: Any) -> Any:
+    """`optimizer=` / `schedule=`: a callable of the optimizer's lr (fz.hf passes the Trainer's)."""
+    if not callable(v):
+        raise ConfigError(f"{path}: must be a callable taking the optimizer's lr, got {type(v).__name__}")
+    return v
+
+
 CHECKS: dict[str, Check] = {
     "lr": number(0.0), "betas": betas, "eps": number(0.0), "weight_decay": number(0.0),
     "micro_batch": COUNT, "grad_accum": COUNT,
     "clip_grad_norm": optional(number(0.0)),  # 0 or None: off (the Trainer's max_grad_norm=0)
     "precision": choice(("fp32", "bf16", "fp16")),
     "total_steps": COUNT, "warmup_steps": integer(0, 2**62),  # 0: the Trainer's default
-    "hidden_size": COUNT, "world_size": COUNT,
+    "hidden_size": COUNT, "world_size": COUNT, "optimizer": _builder, "schedule": _builder,
 }
 _TRAINER_NAMES = {"learning_rate": "lr", "adam_epsilon": "eps", "per_device_train_batch_size": "micro_batch",
                   "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "clip_grad_norm",

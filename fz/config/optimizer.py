@@ -7,6 +7,8 @@ A scheduler becomes the optimizer's `lr=` schedule (fz.optim.schedules), with De
 step convention. Without an `optimizer` section the Hugging Face Trainer builds torch's
 AdamW from its arguments: so does fz, from the keywords (torch's defaults for the others);
 without a `scheduler` section, the Trainer's linear schedule from warmup_steps/total_steps.
+The keywords `optimizer=` / `schedule=` (callables of the lr; fz.hf builds them from
+TrainingArguments.optim / lr_scheduler_type) replace those two defaults.
 """
 from __future__ import annotations
 
@@ -61,6 +63,13 @@ class OptimizerConfig:
         self.values: dict[str, Any] = {}
         d = r.section("", cfg, "optimizer")
         self.from_section = bool(d)
+        self.builder: Any = MISSING if d else r.keyword("optimizer")  # a section wins, as in the Trainer
+        if not d and self.builder is not MISSING:  # the Trainer's optimizer, built by the caller from the lr
+            self.kind, self.source = "adamw", "auto"
+            self.lr = self.get({}, "lr", NONNEG, DEFAULT_LR["adamw"], auto="lr")
+            r.record("optimizer.type", Described(repr(self.builder)), "auto",
+                     "(no optimizer section: the keyword optimizer=)")
+            return
         if not d:  # the Trainer's torch AdamW from its arguments
             self.kind = "adamw"
             self._read({})
@@ -144,6 +153,12 @@ class OptimizerConfig:
     def build(self, lr: Any) -> tuple[optim.GradientTransformation, str]:
         """The transformation with `lr` (a number or a schedule), and how to write it in fz."""
         v, kind = self.values, self.kind
+        if self.builder is not MISSING:
+            try:
+                built = self.builder(lr)
+            except ValueError as e:  # ConfigError included
+                raise ConfigError(f"optimizer=: {e}") from None
+            return built, Described(f"{self.builder!r} with lr={lr!r}")
         fn: Callable[..., optim.GradientTransformation]
         if kind in ("adam", "adamw"):
             fn = optim.adamw if self.w_mode else optim.adam
@@ -239,8 +254,17 @@ def read_scheduler(r: Reader, cfg: dict[str, Any], opt_lr: float, has_betas: boo
 
 
 def _trainer_schedule(r: Reader, lr: float) -> Callable[[int], float] | None:
-    """No scheduler section: the Trainer's default ("linear") when warmup_steps / total_steps are given."""
+    """No scheduler section: `schedule=` (the Trainer's lr_scheduler_type, built by the caller), else the
+    Trainer's default ("linear") when warmup_steps / total_steps are given."""
     warmup, total = r.keyword("warmup_steps"), r.keyword("total_steps")
+    build = r.keyword("schedule")
+    if build is not MISSING:  # warmup / total steps are the builder's own (marked used above)
+        try:
+            schedule = build(lr)
+        except ValueError as e:  # ConfigError included
+            raise ConfigError(f"schedule=: {e}") from None
+        r.record("scheduler", schedule, "auto", "(no scheduler section: the keyword schedule=)")
+        return schedule
     if warmup is MISSING and total is MISSING:
         return None
     warmup, total = 0 if warmup is MISSING else warmup, None if total is MISSING else total

@@ -1,20 +1,331 @@
-"""TEMPORARY STUB (helper A replaces it)."""
+"""transformers.TrainingArguments -> fz.Spec: what fz.hf.Trainer trains with.
+
+`spec_from_args` makes the Spec: from `args.deepspeed` (a path, a JSON string or a dict)
+through `Spec.from_deepspeed`, its "auto" values filled exactly as transformers'
+HfTrainerDeepSpeedConfig fills them; from `spec=` (the ZeRO setup, the training settings from
+the arguments); or, with neither, stage 0 from the arguments. A config value that contradicts
+an argument is one ConfigError listing every mismatch (transformers' own list of checked keys).
+`unsupported` names, in one ConfigError, every setting fz cannot honour. No setting is
+dropped silently. What each TrainingArguments setting becomes:
+
+  setting                                      fz
+  -------------------------------------------  ---------------------------------------------------
+  per_device_train_batch_size                  Spec.micro_batch (train_micro_batch_size_per_gpu)
+  gradient_accumulation_steps                  Spec.grad_accum
+  max_grad_norm                                Spec.clip_grad_norm (0 / None: off)
+  learning_rate, adam_beta1/2, adam_epsilon,   the optimizer (fz.hf.optimizers); weight decay only
+    weight_decay                                 on get_decay_parameter_names, as the Trainer
+  optim                                        adamw_torch(_fused) -> adamw, adafactor, sgd (optim_args
+                                                 momentum / nesterov), lion_32bit -> lion; else error
+  lr_scheduler_type, lr_scheduler_kwargs,      linear, cosine (num_cycles), constant,
+    warmup_steps (a ratio when < 1)              constant_with_warmup, polynomial (lr_end, power);
+                                                 else error
+  bf16 / fp16                                  Spec.precision (fp16: GradScaler's dynamic scale)
+  seed                                         Spec.seed (a DeepSpeed config's "seed" wins)
+  gradient_checkpointing /                     Spec.activation_checkpointing=True (the kwargs are
+    activation_checkpointing (+ _kwargs)         torch.utils.checkpoint's mechanics: no effect)
+  deepspeed                                    Spec.from_deepspeed; its optimizer / scheduler sections
+                                                 win over optim / lr_scheduler_type, as in transformers
+  torch_compile(_backend, _mode)               error: fz compiles blocks itself (Spec(compile=...))
+  fsdp, fsdp_config, parallelism_config        error: fz is the sharding (stage 3); no TP / SP / CP
+  use_liger_kernel, liger_kernel_config        error: patches the model's kernels outside fz
+  neftune_noise_alpha                          error: a forward hook on the embeddings, not in fz
+  auto_find_batch_size                         error: retries on OOM with smaller batches, not in fz
+  optim_target_modules                         error: GaLore / APOLLO only
+  fp16_full_eval, bf16_full_eval               error: fz evaluates in Spec.precision
+  label_smoothing_factor != 0                  error: the loss is the model's own
+  debug (underflow_overflow, ...)              error: its hooks need the whole module
+  ddp_backend other than gloo / nccl           error: fz runs on gloo (CPU) and NCCL (CUDA)
+  deepspeed together with spec=                error: two ZeRO setups
+  a quantized or device_map-dispatched model   error
+  ddp_* (others), tf32, torch_empty_cache_steps,   accepted: tune DDP or the device, change no number
+    full_determinism, use_cpu, dataloader_*
+  logging / eval / save / hub / report_to ...  the Trainer's own (fz.hf.Trainer)
+  average_tokens_across_devices,               the Trainer's loss and sampler (fz.hf.Trainer)
+    train_sampling_strategy, accelerator_config,
+    data_seed, include_num_input_tokens_seen
+"""
 from __future__ import annotations
 
-import fz
+import dataclasses
+import logging
+import re
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from fz.config.deepspeed import load as load_deepspeed
+from fz.config.explain import Described, Provenance
+from fz.errors import ConfigError
+from fz.hf.optimizers import choice_errors, optimizer_from_args, schedule_from_args
+from fz.precision import LossScale
+from fz.spec import Spec
+
+__all__ = ["spec_from_args", "unsupported", "deepspeed_mismatches", "decay_parameter_names", "ARGUMENT"]
+log = logging.getLogger(__name__)
+GRAD_SCALER = LossScale(initial_scale_power=16, loss_scale_window=2000, hysteresis=1)  # torch.amp.GradScaler's
+ARGUMENT = {  # Spec.from_deepspeed keyword -> the TrainingArguments field (explain names it)
+    "lr": "TrainingArguments.learning_rate", "betas": "TrainingArguments.adam_beta1/adam_beta2",
+    "eps": "TrainingArguments.adam_epsilon", "weight_decay": "TrainingArguments.weight_decay",
+    "micro_batch": "TrainingArguments.per_device_train_batch_size",
+    "grad_accum": "TrainingArguments.gradient_accumulation_steps",
+    "clip_grad_norm": "TrainingArguments.max_grad_norm", "precision": "TrainingArguments.bf16/fp16",
+    "total_steps": "max_steps", "warmup_steps": "TrainingArguments.warmup_steps",
+    "hidden_size": "model.config.hidden_size", "optimizer": "TrainingArguments.optim",
+    "schedule": "TrainingArguments.lr_scheduler_type",
+}
+_NAMES = "|".join(ARGUMENT)
+_KEYWORD = re.compile(rf"(?:the )?keyword ({_NAMES})\b=?")  # "keyword lr", "the keyword optimizer="
+_ASSIGNED = re.compile(rf"\b({_NAMES})=")  # "lr=5e-05"
 
 
-def spec_from_args(args, model, *, max_steps, spec=None):
-    if spec is not None:
-        return spec
-    kw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-              weight_decay=args.weight_decay, micro_batch=args.per_device_train_batch_size,
-              grad_accum=args.gradient_accumulation_steps, clip_grad_norm=args.max_grad_norm,
-              precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", total_steps=max_steps,
-              warmup_steps=args.get_warmup_steps(max_steps))
-    cfg = args.deepspeed or {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
-    return fz.Spec.from_deepspeed(cfg, **kw).replace(seed=args.seed)
+def precision_of(args: Any) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
-def unsupported(args, model):
+
+def hidden_size_of(model: torch.nn.Module) -> int | None:
+    """model.config's hidden size as trainer_config_finalize finds it (the largest of hidden_sizes)."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        if c is None:
+            continue
+        if isinstance(getattr(c, "hidden_size", None), int):
+            return int(c.hidden_size)
+        if getattr(c, "hidden_sizes", None):
+            return int(max(c.hidden_sizes))
     return None
+
+
+def decay_parameter_names(model: torch.nn.Module) -> frozenset[str]:
+    """transformers.Trainer.get_decay_parameter_names: no biases, no LayerNorm / *norm weights."""
+    import transformers
+    # an instance method that reads nothing of the instance: transformers' own rule, whatever its version
+    return frozenset(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+
+
+def _lookup(cfg: dict[str, Any], path: str) -> tuple[bool, Any]:
+    """(found, value) for "a.b.c", as HfDeepSpeedConfig.find_config_node + get."""
+    *nodes, key = path.split(".")
+    for node in nodes:
+        cfg = cfg.get(node)  # type: ignore[assignment]
+        if not isinstance(cfg, dict):
+            return False, None
+    return key in cfg, cfg.get(key)
+
+
+def deepspeed_mismatches(cfg: dict[str, Any], args: Any, max_steps: int) -> list[str]:
+    """transformers' fill_match checks (trainer_config_process / _finalize): every stated value that
+    differs from its argument, one line each."""
+    world = int(args.world_size)
+    checks = [
+        ("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size"),
+        ("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps"),
+        ("train_batch_size", world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+         "world_size * per_device_train_batch_size * gradient_accumulation_steps"),
+        ("gradient_clipping", args.max_grad_norm, "max_grad_norm"),
+        ("optimizer.params.lr", args.learning_rate, "learning_rate"),
+        ("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1, adam_beta2"),
+        ("optimizer.params.eps", args.adam_epsilon, "adam_epsilon"),
+        ("optimizer.params.weight_decay", args.weight_decay, "weight_decay"),
+        ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate"),
+        ("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16 or fp16_full_eval"),
+        ("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16 or bf16_full_eval"),
+        ("scheduler.params.total_num_steps", max_steps, "max_steps (the Trainer's num_training_steps)"),
+        ("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(max_steps)),
+         "warmup_steps (at least 1, as transformers fills it)"),
+    ]
+    out = []
+    for path, want, name in checks:
+        found, value = _lookup(cfg, path)
+        if not found or value is None or value == "auto":
+            continue
+        if list(value) != list(want) if isinstance(value, (list, tuple)) else value != want:
+            out.append(f"- {path}={value!r} in the DeepSpeed config vs TrainingArguments {name}={want!r}")
+    return out
+
+
+def _keywords(cfg: dict[str, Any], args: Any, model: torch.nn.Module, max_steps: int, optimizer: Any,
+              schedule: Any) -> dict[str, Any]:
+    """The Spec.from_deepspeed keywords: the values transformers fills "auto" with."""
+    kw: dict[str, Any] = dict(
+        micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+        clip_grad_norm=args.max_grad_norm, lr=args.learning_rate, precision=precision_of(args),
+        total_steps=max_steps, warmup_steps=max(1, args.get_warmup_steps(max_steps)), world_size=args.world_size)
+    if cfg.get("optimizer"):  # DeepSpeed's optimizer, its "auto" from the arguments
+        kw.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    else:  # the Trainer's create_optimizer
+        kw["optimizer"] = optimizer
+    if not cfg.get("scheduler"):  # the Trainer's create_scheduler, on whichever optimizer
+        kw["schedule"] = schedule
+    hidden = hidden_size_of(model)
+    if hidden is not None:
+        kw["hidden_size"] = hidden
+    return kw
+
+
+def _named(text: str) -> str:
+    """A provenance note with Spec.from_deepspeed's keyword names as TrainingArguments fields."""
+    text = _KEYWORD.sub(lambda m: ARGUMENT[m.group(1)], text)
+    return _ASSIGNED.sub(lambda m: ARGUMENT[m.group(1)] + "=", text)
+
+
+def _with_arguments(spec: Spec, prov: Provenance, extra: dict[str, tuple[Any, str, str]]) -> Spec:
+    """`spec` with `extra` (field -> (value, source, where)) set and provenance naming arguments."""
+    entries = dict(prov.items())
+    keys = {k: _named(v) for k, v in prov.ds_keys.items()}
+    changes = {}
+    for field, (value, source, where) in extra.items():
+        changes[field] = value
+        entries[field], keys[field] = (value, source), where
+    outcomes = {p: (o, _named(note)) for p, (o, note) in prov.outcomes.items()}
+    # every argument is passed whatever the config holds: "keywords the config had no use for" would be noise
+    new = Provenance(entries, keys, outcomes, [], prov.origin, objects=prov.objects, kind=prov.kind)
+    return spec.replace(**changes, provenance=new)
+
+
+def _from_deepspeed(args: Any, model: torch.nn.Module, max_steps: int, optimizer: Any, schedule: Any) -> Spec:
+    cfg, _ = load_deepspeed(args.deepspeed)
+    mismatches = deepspeed_mismatches(cfg, args, max_steps)
+    if mismatches:
+        raise ConfigError("the DeepSpeed config contradicts TrainingArguments:\n" + "\n".join(mismatches)
+                          + '\n(set these DeepSpeed values to "auto", or make them equal)')
+    spec = Spec.from_deepspeed(args.deepspeed, **_keywords(cfg, args, model, max_steps, optimizer, schedule))
+    extra: dict[str, tuple[Any, str, str]] = {}
+    if "seed" not in cfg:
+        extra["seed"] = (int(args.seed), "args", "TrainingArguments.seed")
+    if _checkpointing(args) and spec.activation_checkpointing is False:
+        extra["activation_checkpointing"] = (True, "args", _checkpointing(args))
+    assert isinstance(spec.provenance, Provenance)
+    return _with_arguments(spec, spec.provenance, extra)
+
+
+def _checkpointing(args: Any) -> str:
+    """The argument that turns activation checkpointing on, or ""."""
+    for name in ("gradient_checkpointing", "activation_checkpointing"):
+        if getattr(args, name, None):
+            return f"TrainingArguments.{name}"
+    return ""
+
+
+def _default_optimizer(o: Any) -> bool:
+    """Whether `o` is Spec()'s own optimizer (fz.optim.adamw's defaults), i.e. not chosen by the user."""
+    want = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    return type(o) is type(Spec().optimizer) and all(getattr(o, k, None) == v for k, v in want.items())
+
+
+def _from_args(args: Any, spec: Spec | None, optimizer: Any, schedule: Any) -> Spec:
+    """Stage 0 (or `spec`'s ZeRO setup) with what the arguments decide."""
+    base = spec if spec is not None else Spec()
+    default = Spec()
+    lr_schedule = schedule(float(args.learning_rate))
+    try:
+        transform = optimizer(lr_schedule)
+    except ValueError as e:  # ConfigError included
+        raise ConfigError(f"TrainingArguments.optim={optimizer.optim!r}: {e}") from None
+    precision = precision_of(args)
+    values: dict[str, tuple[Any, str]] = {
+        "micro_batch": (int(args.per_device_train_batch_size), "per_device_train_batch_size"),
+        "grad_accum": (int(args.gradient_accumulation_steps), "gradient_accumulation_steps"),
+        "clip_grad_norm": (float(args.max_grad_norm) if args.max_grad_norm else None, "max_grad_norm"),
+        "precision": (precision, "bf16" if args.bf16 else "fp16" if args.fp16 else "bf16 / fp16"),
+        "seed": (int(args.seed), "seed"),
+    }
+    if precision == "fp16" and base.loss_scaling == default.loss_scaling:
+        values["loss_scaling"] = (GRAD_SCALER, "fp16 (torch.amp.GradScaler's dynamic scale)")
+    if _checkpointing(args) and base.activation_checkpointing is False:
+        values["activation_checkpointing"] = (True, _checkpointing(args).removeprefix("TrainingArguments."))
+    conflicts = [f"- spec.{f}={getattr(base, f)!r} vs TrainingArguments.{name}={v!r}"
+                 for f, (v, name) in values.items()
+                 if getattr(base, f) != getattr(default, f) and getattr(base, f) != v]
+    if spec is not None and not _default_optimizer(spec.optimizer):
+        conflicts.append("- spec.optimizer is set, but the Trainer builds the optimizer from TrainingArguments "
+                         "(optim, learning_rate, lr_scheduler_type, ...)")
+    if conflicts:
+        raise ConfigError("spec= contradicts TrainingArguments:\n" + "\n".join(conflicts)
+                          + "\n(leave these Spec fields at their defaults: the arguments set them)")
+    entries = {f: (v, "args") for f, (v, _) in values.items()}
+    keys = {f: f"TrainingArguments.{name}" for f, (_, name) in values.items()}
+    text = Described(f"{optimizer!r} with lr={lr_schedule!r}")
+    entries["optimizer"], keys["optimizer"] = (text, "args"), "TrainingArguments.optim / learning_rate / ..."
+    entries["scheduler"], keys["scheduler"] = (lr_schedule, "args"), "TrainingArguments.lr_scheduler_type"
+    for name, value, field in (("optimizer.lr", args.learning_rate, "learning_rate"),
+                               ("optimizer.betas", optimizer.betas, "adam_beta1/adam_beta2"),
+                               ("optimizer.eps", optimizer.eps, "adam_epsilon"),
+                               ("optimizer.weight_decay", optimizer.weight_decay, "weight_decay"),
+                               ("scheduler.warmup_steps", schedule.warmup_steps, "warmup_steps"),
+                               ("scheduler.total_steps", schedule.total_steps, "max_steps")):
+        entries[name] = (value, "args")
+        keys[name] = f"TrainingArguments.{field}" if field != "max_steps" else "max_steps (the Trainer's)"
+    prov = Provenance(entries, keys, origin="" if spec is None else "with spec=", objects={"optimizer": transform},
+                      kind="TrainingArguments")
+    return base.replace(**{f: v for f, (v, _) in values.items()}, optimizer=transform, provenance=prov)
+
+
+def spec_from_args(args: Any, model: torch.nn.Module, *, max_steps: int, spec: Spec | None = None,
+                   decay_names: Collection[str] | None = None) -> Spec:
+    """The Spec fz.hf.Trainer trains `model` with, `max_steps` optimizer steps (the Trainer's
+    num_training_steps). `decay_names`: the parameters weight decay applies to (default
+    transformers' get_decay_parameter_names; a Trainer passes its own method's answer)."""
+    if spec is not None and args.deepspeed:
+        raise ConfigError("TrainingArguments.deepspeed and spec= are both given: each is a whole ZeRO setup; "
+                          "pass one")
+    errors = choice_errors(args)
+    if errors:
+        raise ConfigError("TrainingArguments fz cannot honour:\n- " + "\n- ".join(errors))
+    names = frozenset(decay_names) if decay_names is not None else decay_parameter_names(model)
+    every = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = optimizer_from_args(args, None if every <= names else names)
+    schedule = schedule_from_args(args, max_steps)
+    if args.deepspeed:
+        return _from_deepspeed(args, model, max_steps, optimizer, schedule)
+    return _from_args(args, spec, optimizer, schedule)
+
+
+_UNSUPPORTED: list[tuple[str, str]] = [  # (field, why fz cannot honour it) when not at its default
+    ("torch_compile", "fz compiles blocks itself: pass spec=fz.Spec(compile=True) or a backend name"),
+    ("torch_compile_backend", "fz compiles blocks itself: spec=fz.Spec(compile='<backend>')"),
+    ("torch_compile_mode", "fz compiles blocks itself, in torch.compile's default mode"),
+    ("fsdp", "fz is the sharding: use a DeepSpeed config or spec=fz.Spec(stage=3)"),
+    ("fsdp_config", "fz is the sharding: use a DeepSpeed config or spec=fz.Spec(stage=3)"),
+    ("parallelism_config", "fz has no tensor, sequence or context parallelism"),
+    ("use_liger_kernel", "Liger patches the model's kernels; fz does not run them"),
+    ("liger_kernel_config", "Liger patches the model's kernels; fz does not run them"),
+    ("neftune_noise_alpha", "NEFTune's embedding noise hook is not in fz"),
+    ("auto_find_batch_size", "fz does not retry smaller batches on out-of-memory"),
+    ("optim_target_modules", "GaLore / APOLLO optimizers are not in fz"),
+    ("fp16_full_eval", "fz evaluates in the training precision (Spec.precision)"),
+    ("bf16_full_eval", "fz evaluates in the training precision (Spec.precision)"),
+    ("label_smoothing_factor", "fz.hf.Trainer takes the loss the model returns"),
+    ("debug", "its hooks watch whole modules; fz's stage 3 gathers them block by block"),
+]
+
+
+def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) -> None:
+    """One ConfigError naming every TrainingArguments setting (and model property) fz cannot honour;
+    None when there is none. The module docstring lists every decision."""
+    import transformers
+    defaults = transformers.TrainingArguments.__dataclass_fields__
+    problems = []
+    for field, why in _UNSUPPORTED:
+        if field not in defaults:
+            continue
+        value = getattr(args, field, None)
+        default = defaults[field].default
+        off = value in (None, False, 0, 0.0, "", [], {}) or (default is not dataclasses.MISSING and value == default)
+        if not off:
+            problems.append(f"{field}={value!r}: {why}")
+    backend = getattr(args, "ddp_backend", None)
+    if backend not in (None, "gloo", "nccl"):
+        problems.append(f"ddp_backend={backend!r}: fz runs on gloo (CPU) and NCCL (CUDA)")
+    if spec is not None and args.deepspeed:
+        problems.append("deepspeed= together with spec=: two ZeRO setups; pass one")
+    problems += choice_errors(args)
+    if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
+        problems.append("the model is quantized: fz trains full-precision parameters")
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        problems.append(f"the model is dispatched over {len(devices)} devices (device_map): fz places it itself")
+    if problems:
+        raise ConfigError("fz.hf.Trainer cannot honour these settings (remove them or set them to their "
+                          "defaults):\n- " + "\n- ".join(problems))

@@ -7,6 +7,10 @@ the estimate is row (x) col / mean(row). Others keep a full running mean of g^2.
 update g / sqrt(v) is divided by max(1, RMS(update) / d) and scaled by alpha; weight
 decay multiplies p by (1 - lr * weight_decay).
 
+transformers' Adafactor with scale_parameter=False, relative_step=False (what the Trainer's
+optim="adafactor" builds) is the same algorithm with alpha = lr: `capped_lr=False` (rho = lr)
+and `scale_by_rms=False` (no RMS(p) factor).
+
 Sharding: a rank holds rows [r*chunk, ...) of each parameter. RMS(p), RMS(update), the
 element count, and for 2-D parameters the column sums of g^2 (a column runs over ALL
 rows) and the mean of the row statistic go through `sum_across_shards`: two collectives
@@ -45,8 +49,12 @@ def _rows_across_shards(p: Tensor) -> bool:
 
 
 def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float] = (None, 1e-3),
-              d: float = 1.0, weight_decay: float = 0.0) -> GradientTransformation:
-    """torch.optim.Adafactor (foreach=False, maximize=False), sharding-aware; eps1 None = dtype eps."""
+              d: float = 1.0, weight_decay: float = 0.0, *, capped_lr: bool = True,
+              scale_by_rms: bool = True) -> GradientTransformation:
+    """torch.optim.Adafactor (foreach=False, maximize=False), sharding-aware; eps1 None = dtype eps.
+
+    capped_lr=False, scale_by_rms=False: the step size is lr itself (transformers' Adafactor with
+    scale_parameter=False, relative_step=False)."""
     eps1_arg, eps2 = eps
     if not beta2_decay <= 0:
         raise ConfigError(f"adafactor beta2_decay={beta2_decay!r}: must be <= 0")
@@ -77,7 +85,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
         lr_t = lr_at(lr, int(state.count))
         t = float(state.count + 1)
         beta2_t = t ** beta2_decay
-        rho = min(lr_t, 1 / math.sqrt(t))
+        rho = min(lr_t, 1 / math.sqrt(t)) if capped_lr else lr_t
 
         # Round 1: per parameter [sum p^2, local rows, (2-D: column sums of g^2, sum of row stat)].
         stats: dict[str, Tensor] = {}
@@ -98,7 +106,8 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
             p, s = params[k], stats[k]
             eps1 = torch.finfo(p.dtype).eps if eps1_arg is None else eps1_arg
             numel[k] = int(round(float(s[1]))) * (math.prod(p.shape[1:]) if p.dim() else 1)
-            alpha[k] = max(eps2, math.sqrt(float(s[0])) / math.sqrt(max(numel[k], 1))) * rho
+            rms = math.sqrt(float(s[0])) / math.sqrt(max(numel[k], 1))
+            alpha[k] = max(eps2, rms) * rho if scale_by_rms else rho
             if _factored(p):
                 if _rows_across_shards(p):
                     rows = float(s[1])

@@ -209,6 +209,44 @@ def test_near_misses_of_known_keys_are_typos(key, known):
         fz.Spec.from_deepspeed({key: 1})
 
 
+FASTCHAT_S3 = {  # FastChat's playground/deepspeed_config_s3.json as the issue quotes it: one misspelt "auto" key
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "micro_batch_size_per_gpu": "auto",  # DeepSpeed and the Trainer ignore it
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+}
+
+
+def test_a_misspelt_key_set_to_auto_warns_naming_the_likely_key():
+    kw = dict(micro_batch=4, grad_accum=2, clip_grad_norm=1.0, precision="bf16", world_size=1)
+    with pytest.warns(DeepSpeedConfigWarning, match=r"micro_batch_size_per_gpu: unknown DeepSpeed key \(did you "
+                      r"mean 'train_micro_batch_size_per_gpu'\?\) set to \"auto\": ignored") as record:
+        spec = fz.Spec.from_deepspeed(FASTCHAT_S3, **kw)
+    assert len(record) == 1
+    assert (spec.stage, spec.micro_batch, spec.grad_accum, spec.precision) == (3, 4, 2, "bf16")
+    row = next(ln for ln in spec.explain().splitlines() if ln.strip().startswith("micro_batch_size_per_gpu"))
+    assert row.split()[1] == "ignored" and "train_micro_batch_size_per_gpu" in row
+    with pytest.raises(fz.ConfigError, match=r"^micro_batch_size_per_gpu: unknown DeepSpeed key \(did you mean "
+                       r"'train_micro_batch_size_per_gpu'\?\)$"):  # a stated value would change training
+        fz.Spec.from_deepspeed({**FASTCHAT_S3, "micro_batch_size_per_gpu": 4}, **kw)
+    with pytest.raises(fz.ConfigError, match=r"micro_batch_size_per_gpu: unknown DeepSpeed key"):
+        fz.Spec.from_deepspeed(FASTCHAT_S3, strict=True, **kw)
+
+
+def test_optimizer_and_schedule_keywords_replace_the_trainer_defaults():
+    spec = load({}, lr=0.1, optimizer=lambda lr: fz.optim.sgd(lr=lr), schedule=lambda lr: fz.optim.constant(lr / 2),
+                warmup_steps=3, total_steps=9)
+    assert spec.provenance.unused_auto == []
+    assert spec.provenance["scheduler"] == (fz.optim.constant(0.05), "auto")
+    assert_same_updates(updates(spec.optimizer), torch_updates(lambda p: torch.optim.SGD(p, lr=0.05)))
+    section = load({"optimizer": {"type": "SGD", "params": {"lr": 0.5}}}, optimizer=lambda lr: fz.optim.adamw(lr))
+    assert section.provenance["optimizer"][0].startswith("fz.optim.sgd")  # a section wins, as in the Trainer
+    with pytest.raises(fz.ConfigError, match=r"^optimizer: must be a callable taking the optimizer's lr"):
+        fz.Spec.from_deepspeed({}, optimizer="adamw")
+
+
 # --- features that change training but fz lacks: one loud warning at load -----------------------------------
 
 FEATURES = {

@@ -1,0 +1,390 @@
+"""fz.hf.arguments (issue 23): TrainingArguments -> fz.Spec, against transformers' own code.
+
+The "auto" fill is compared with transformers' HfTrainerDeepSpeedConfig on the same arguments
+(deepspeed is not installed here, so TrainingArguments(deepspeed=...) refuses to build: the
+tests set `args.deepspeed` after construction, and build HfTrainerDeepSpeedConfig on
+accelerate's HfDeepSpeedConfig, the base it has when deepspeed is installed). Optimizers are
+compared update by update with the torch optimizer Trainer.create_optimizer builds, schedules
+step by step with transformers.get_scheduler. Single process, CPU; bf16=True / fp16=True with
+use_cpu=True are accepted by TrainingArguments 5.x (nothing runs in half precision here).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+accelerate_ds = pytest.importorskip("accelerate.utils.deepspeed")
+
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig  # noqa: E402
+
+import fz  # noqa: E402
+from fz.config import DeepSpeedConfigWarning  # noqa: E402
+from fz.hf.arguments import spec_from_args, unsupported  # noqa: E402
+from fz.hf.optimizers import OPTIMIZERS, SCHEDULES  # noqa: E402
+
+ZERO3 = Path(__file__).resolve().parents[1] / "data" / "ds_config_zero3.json"
+STEPS = 20
+
+
+class Tiny(torch.nn.Module):
+    """Named like a transformers model: a LayerNorm, biases, and a config with hidden_size."""
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.config = transformers.PretrainedConfig(hidden_size=hidden)
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.ln_f = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, 3, bias=False)
+
+
+def make_args(tmp_path, **kw):
+    deepspeed = kw.pop("deepspeed", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+    args.deepspeed = deepspeed  # TrainingArguments(deepspeed=...) needs deepspeed installed
+    return args
+
+
+def hf_fill(cfg, args, model, steps):
+    """transformers' own fill: trainer_config_process + trainer_config_finalize; the filled dict."""
+    class Fill(HfTrainerDeepSpeedConfig, accelerate_ds.HfDeepSpeedConfig):
+        pass
+    hf = Fill.__new__(Fill)
+    accelerate_ds.HfDeepSpeedConfig.__init__(hf, copy.deepcopy(cfg))
+    hf._dtype, hf.mismatches = None, []
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, model, steps)
+    return hf.config
+
+
+def quiet(fn, *a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepSpeedConfigWarning)
+        return fn(*a, **kw)
+
+
+# --- every "auto" key, as transformers fills it ---------------------------------------------------------------
+
+AUTO_TOP = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto"}
+SECTIONS = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+}
+CONFIGS = {
+    "zero3_transformers_test": (json.loads(ZERO3.read_text()), dict(fp16=True)),
+    "stage2_bf16_sections": ({**AUTO_TOP, **SECTIONS, "bf16": {"enabled": "auto"},
+                              "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, dict(bf16=True)),
+    "stage3_fp32_no_sections": ({**AUTO_TOP, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                                 "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                       "stage3_prefetch_bucket_size": "auto",
+                                                       "stage3_param_persistence_threshold": "auto"}}, {}),
+    "stage2_fp16_optimizer_only": ({**AUTO_TOP, "optimizer": SECTIONS["optimizer"], "fp16": {"enabled": "auto"},
+                                    "zero_optimization": {"stage": 2}}, dict(fp16=True)),
+    "stage3_scheduler_only": ({**AUTO_TOP, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3}}, dict(warmup_steps=0.25)),
+}
+FIELDS = ("stage", "micro_batch", "grad_accum", "clip_grad_norm", "precision", "bucket_mb", "persist_threshold",
+          "prefetch", "live_buckets", "offload", "loss_scaling")
+
+
+def updates(transform, steps=3):
+    torch.manual_seed(0)
+    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    state, out = transform.init(p), []
+    for _ in range(steps):
+        u, state = transform.update({k: torch.randn_like(v) for k, v in p.items()}, state, p)
+        out.append({k: v.clone() for k, v in u.items()})
+        fz.optim.apply_updates(p, u)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_auto_key_is_filled_as_transformers_fills_it(name, tmp_path):
+    cfg, extra = CONFIGS[name]
+    args = make_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5,
+                     learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.1,
+                     warmup_steps=extra.pop("warmup_steps", 3), seed=7, deepspeed=cfg, **extra)
+    model = Tiny()
+    filled = hf_fill(cfg, args, model, STEPS)
+    spec = quiet(spec_from_args, args, model, max_steps=STEPS)
+    ref = quiet(fz.Spec.from_deepspeed, filled, world_size=1)  # the filled config, nothing left to fill
+    assert {f: getattr(spec, f) for f in FIELDS} == {f: getattr(ref, f) for f in FIELDS}
+    prov = spec.provenance
+    names = {"train_micro_batch_size_per_gpu": "micro_batch", "gradient_accumulation_steps": "grad_accum",
+             "train_batch_size": "train_batch_size", "gradient_clipping": "clip_grad_norm"}
+    for key, field in names.items():
+        if cfg.get(key) == "auto":
+            assert prov[field][0] == filled[key], key
+    for section in ("optimizer", "scheduler"):
+        for key, value in cfg.get(section, {}).get("params", {}).items():
+            if value == "auto":
+                assert prov[f"{section}.{key}"][0] == pytest.approx(filled[section]["params"][key]), key
+    for section in ("fp16", "bf16"):
+        if cfg.get(section, {}).get("enabled") == "auto":
+            assert (spec.precision == section) is filled[section]["enabled"]
+    if "scheduler" in cfg:  # DeepSpeed's schedule from the filled values, step by step
+        lr, want = prov["scheduler"][0], ref.provenance["scheduler"][0]
+        assert [lr(k) for k in range(STEPS)] == [want(k) for k in range(STEPS)]
+    if "optimizer" in cfg and "scheduler" in cfg:  # (without a scheduler section: the Trainer's, tested below)
+        torch.testing.assert_close(updates(spec.optimizer), updates(ref.optimizer), rtol=0, atol=0)
+    assert spec.seed == 7  # no "seed" key: TrainingArguments.seed
+
+
+def test_explain_names_the_training_arguments(tmp_path):
+    cfg = CONFIGS["stage2_bf16_sections"][0]
+    spec = quiet(spec_from_args, make_args(tmp_path, bf16=True, per_device_train_batch_size=4, deepspeed=cfg),
+                 Tiny(), max_steps=STEPS)
+    text = spec.explain()
+    for note in ("TrainingArguments.per_device_train_batch_size=4", "TrainingArguments.learning_rate=5e-05",
+                 "TrainingArguments.max_grad_norm=1.0", "TrainingArguments.bf16/fp16='bf16'",
+                 "TrainingArguments.adam_beta1/adam_beta2=(0.9, 0.999)", "max_steps=20", "TrainingArguments.seed"):
+        assert note in text, note
+    assert not re.search(r"\b(keyword|micro_batch=|lr=5e-05)", text) and "had no use for" not in text
+    seeded = quiet(spec_from_args, make_args(tmp_path, gradient_checkpointing=True, deepspeed={**cfg, "seed": 3}),
+                   Tiny(), max_steps=STEPS)
+    assert (seeded.seed, seeded.activation_checkpointing) == (3, True)  # the config's seed wins, as DeepSpeed's
+    assert re.search(r"^activation_checkpointing +args +TrainingArguments.gradient_checkpointing",
+                     seeded.explain(), re.M)
+    plain = spec_from_args(make_args(tmp_path, gradient_checkpointing=True), Tiny(), max_steps=STEPS)
+    rows = {ln.split()[0]: ln.split()[1:3] for ln in plain.explain().splitlines()[2:]}
+    assert plain.explain().splitlines()[0] == "fz.Spec from TrainingArguments"
+    assert rows["micro_batch"] == ["args", "TrainingArguments.per_device_train_batch_size"]
+    assert rows["activation_checkpointing"] == ["args", "TrainingArguments.gradient_checkpointing"]
+    assert rows["optimizer.lr"] == ["args", "TrainingArguments.learning_rate"]
+    assert rows["seed"] == ["args", "TrainingArguments.seed"] and plain.seed == 42
+    assert (plain.stage, plain.activation_checkpointing, plain.clip_grad_norm) == (0, True, 1.0)
+
+
+# --- mismatches: one error listing each, the keys transformers checks -----------------------------------------
+
+def test_every_mismatch_in_one_error_as_transformers_lists_them(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 64,
+           "gradient_clipping": 2.0, "fp16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                     "weight_decay": 0.1}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 7,
+                                                             "total_num_steps": 99}}}
+    args = make_args(tmp_path, per_device_train_batch_size=8, deepspeed=cfg)
+    with pytest.raises(ValueError) as theirs:
+        hf_fill(cfg, args, Tiny(), STEPS)
+    keys = re.findall(r"^- ds (\S+?)=", str(theirs.value), re.M)
+    assert len(keys) == 12
+    with pytest.raises(fz.ConfigError) as ours:
+        spec_from_args(args, Tiny(), max_steps=STEPS)
+    assert re.findall(r"^- (\S+?)=", str(ours.value), re.M) == keys
+    assert "- train_micro_batch_size_per_gpu=2 in the DeepSpeed config vs TrainingArguments " \
+           "per_device_train_batch_size=8" in str(ours.value)
+
+
+# --- optim: the update Trainer.create_optimizer's torch optimizer makes -----------------------------------------
+
+def _trainer_optimizer(args, model):
+    """Trainer.create_optimizer, without a Trainer: its groups, its class and kwargs."""
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    cls, kw = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return cls(groups, **kw)
+
+
+class _Lion(torch.optim.Optimizer):
+    """bitsandbytes' Lion (optim="lion_32bit"; bitsandbytes is not installed here): decoupled decay, sign update."""
+
+    def __init__(self, groups, lr, betas):
+        super().__init__(groups, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+def _lion_reference(args, model):
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    return _Lion(groups, args.learning_rate, (args.adam_beta1, args.adam_beta2))
+
+
+@pytest.mark.parametrize("optim, extra", [("adamw_torch", {}), ("adamw_torch_fused", {}), ("sgd", {}),
+                                          ("sgd", {"optim_args": "momentum=0.9,nesterov=true"}),
+                                          ("adafactor", {}), ("lion_32bit", {"learning_rate": 1e-3})])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_optimizer_updates_equal_the_trainers(optim, extra, weight_decay, tmp_path):
+    args = make_args(tmp_path, optim=optim, weight_decay=weight_decay, warmup_steps=2, **extra)
+    torch.manual_seed(0)
+    model = Tiny()
+    theirs_model = copy.deepcopy(model)
+    spec = spec_from_args(args, model, max_steps=8)
+    theirs = (_lion_reference if optim == "lion_32bit" else _trainer_optimizer)(args, theirs_model)
+    sched = transformers.get_scheduler("linear", theirs, num_warmup_steps=2, num_training_steps=8)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = spec.optimizer.init(params)
+    for _ in range(6):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for n, p in theirs_model.named_parameters():
+            p.grad = grads[n].clone()
+        theirs.step()
+        sched.step()
+        u, state = spec.optimizer.update(grads, state, params)
+        fz.optim.apply_updates(params, u)
+        for n, p in theirs_model.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    decays = spec.provenance["optimizer"][0]
+    assert f"optim={optim!r}" in decays and (("get_decay_parameter_names" in decays) == (weight_decay > 0))
+
+
+def test_weight_decay_skips_biases_and_norms(tmp_path):
+    """Only get_decay_parameter_names decay (lin.weight, head.weight): zero gradients show it."""
+    args = make_args(tmp_path, optim="adamw_torch", weight_decay=0.5, learning_rate=0.1, lr_scheduler_type="constant")
+    model = Tiny()
+    spec = spec_from_args(args, model, max_steps=4)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    u, _ = spec.optimizer.update({n: torch.zeros_like(p) for n, p in params.items()},
+                                 spec.optimizer.init(params), params)
+    moved = {n for n, t in u.items() if t.abs().sum() > 0}
+    assert moved == {"lin.weight", "head.weight"}
+
+
+# --- lr_scheduler_type: the lr of each step equals transformers.get_scheduler's ------------------------------
+
+@pytest.mark.parametrize("kind, kwargs", [("linear", {}), ("cosine", {}), ("cosine", {"num_cycles": 1.5}),
+                                          ("constant", {}), ("constant_with_warmup", {}), ("polynomial", {}),
+                                          ("polynomial", {"power": 2.0, "lr_end": 1e-5})])
+@pytest.mark.parametrize("warmup", [0, 5, 0.2])
+def test_schedules_equal_get_scheduler(kind, kwargs, warmup, tmp_path):
+    args = make_args(tmp_path, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, warmup_steps=warmup,
+                     learning_rate=2e-3)
+    total = 16
+    spec = spec_from_args(args, Tiny(), max_steps=total)
+    schedule = spec.provenance["scheduler"][0]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    theirs = transformers.get_scheduler(kind, opt, num_warmup_steps=args.get_warmup_steps(total),
+                                        num_training_steps=total, scheduler_specific_kwargs=kwargs)
+    for k in range(STEPS + 4):  # past the end too
+        assert schedule(k) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-18), k
+        opt.step()
+        theirs.step()
+    assert set(SCHEDULES) == {"linear", "cosine", "constant", "constant_with_warmup", "polynomial"}
+
+
+def test_a_deepspeed_optimizer_runs_the_trainers_schedule(tmp_path):
+    """An optimizer section without a scheduler section: the Trainer's lr_scheduler_type on it."""
+    cfg = {"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}
+    args = make_args(tmp_path, lr_scheduler_type="cosine", warmup_steps=3, learning_rate=0.1, deepspeed=cfg)
+    spec = quiet(spec_from_args, args, Tiny(), max_steps=10)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    theirs = transformers.get_scheduler("cosine", opt, num_warmup_steps=3, num_training_steps=10)
+    schedule = spec.provenance["scheduler"][0]
+    for k in range(12):
+        assert schedule(k) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-18)
+        opt.step()
+        theirs.step()
+    assert spec.provenance["optimizer"][0].startswith("fz.optim.sgd")  # the section's optimizer, not optim=
+
+
+# --- spec= and the settings fz cannot honour -------------------------------------------------------------------
+
+def test_spec_is_the_zero_setup_and_the_arguments_the_training(tmp_path):
+    args = make_args(tmp_path, per_device_train_batch_size=4, bf16=True)
+    spec = spec_from_args(args, Tiny(), max_steps=5, spec=fz.Spec(stage=3, bucket_mb=1.0))
+    assert (spec.stage, spec.bucket_mb, spec.micro_batch, spec.precision) == (3, 1.0, 4, "bf16")
+    with pytest.raises(fz.ConfigError, match=r"(?s)spec.micro_batch=2 vs TrainingArguments.per_device_train_batch"
+                                             r"_size=4.*spec.precision='fp16' vs .*spec.optimizer is set"):
+        spec_from_args(args, Tiny(), max_steps=5,
+                       spec=fz.Spec(micro_batch=2, precision="fp16", optimizer=fz.optim.sgd(lr=0.1)))
+    args.deepspeed = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(fz.ConfigError, match="TrainingArguments.deepspeed and spec= are both given"):
+        spec_from_args(args, Tiny(), max_steps=5, spec=fz.Spec(stage=3))
+
+
+def test_unsupported_names_every_setting_at_once(tmp_path):
+    unsupported(make_args(tmp_path), Tiny())  # the defaults: nothing
+    args = make_args(tmp_path)
+    bad = dict(torch_compile=True, fsdp="full_shard", use_liger_kernel=True, neftune_noise_alpha=5.0,
+               auto_find_batch_size=True, fp16_full_eval=True, label_smoothing_factor=0.1, ddp_backend="ccl",
+               optim="adagrad", lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 3},
+               deepspeed={"zero_optimization": {"stage": 2}})
+    for k, v in bad.items():
+        setattr(args, k, v)  # as they are after TrainingArguments' own checks (some need packages absent here)
+    with pytest.raises(fz.ConfigError) as e:
+        unsupported(args, Tiny(), spec=fz.Spec(stage=3))
+    text = str(e.value)
+    for k in bad:
+        assert re.search(rf"^- {k}[=:]", text, re.M) or (k == "deepspeed" and "deepspeed= together with spec=" in
+                                                          text), k
+    assert "supported: adafactor, adamw" in text and "lion_32bit, sgd" in text
+    assert sorted(OPTIMIZERS) == ["adafactor", "adamw", "adamw_hf", "adamw_torch", "adamw_torch_fused", "lion",
+                                  "lion_32bit", "sgd"]
+    with pytest.raises(fz.ConfigError, match=r"optim='adagrad': fz has no such optimizer"):
+        spec_from_args(args, Tiny(), max_steps=5)
+
+
+# --- FastChat's config: a misspelt "auto" key warns ----------------------------------------------------------
+
+FASTCHAT_S3 = {
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "micro_batch_size_per_gpu": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+}
+
+
+def test_fastchats_config_loads_with_a_warning(tmp_path):
+    args = make_args(tmp_path, bf16=True, per_device_train_batch_size=2, gradient_accumulation_steps=16,
+                     deepspeed=FASTCHAT_S3)
+    with pytest.warns(DeepSpeedConfigWarning, match=r"micro_batch_size_per_gpu: .*'train_micro_batch_size_per_gpu'"):
+        spec = spec_from_args(args, Tiny(), max_steps=STEPS)
+    filled = hf_fill(FASTCHAT_S3, args, Tiny(), STEPS)
+    assert filled["micro_batch_size_per_gpu"] == "auto"  # transformers leaves it too
+    assert (spec.stage, spec.micro_batch, spec.grad_accum, spec.precision, spec.clip_grad_norm) == (
+        3, filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"], "bf16",
+        filled["gradient_clipping"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_spec_trains_as_the_trainers_loop(stage, tmp_path):
+    """fz.train_step with the Spec == the Trainer's inner loop (clip, AdamW on its two groups, linear schedule)
+    on a tiny GPT-2, one process: the decay mask holds on fz's own parameter names, at stage 3 too."""
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    theirs_model = copy.deepcopy(model)
+    args = make_args(tmp_path, optim="adamw_torch", weight_decay=0.5, learning_rate=1e-2, warmup_steps=1,
+                     per_device_train_batch_size=4, max_grad_norm=0.5)
+    spec = spec_from_args(args, model, max_steps=5, spec=fz.Spec(stage=stage, loss_fn=lambda m, b: m(**b).loss))
+    state = fz.init(model, spec)
+    theirs = _trainer_optimizer(args, theirs_model)
+    sched = transformers.get_scheduler("linear", theirs, num_warmup_steps=1, num_training_steps=5)
+    torch.manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 64, (4, 8))
+        state, loss = fz.train_step(state, {"input_ids": ids, "labels": ids})
+        want = theirs_model(input_ids=ids, labels=ids).loss
+        want.backward()
+        torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), 0.5)
+        theirs.step()
+        sched.step()
+        theirs.zero_grad()
+        assert float(loss) == pytest.approx(float(want.detach()), rel=1e-5)
+    full = fz.full_params(state)
+    for n, p in theirs_model.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=1e-4, atol=1e-5, msg=n)
