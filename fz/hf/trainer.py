@@ -42,7 +42,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 import fz
 from fz.errors import ConfigError
 from fz.hf.arguments import spec_from_args, unsupported
+from fz.hf.export import save_pretrained
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
+from fz.observe.full_params import iter_full_params
 
 log = logging.getLogger(__name__)
 FZ_DIR = "fz"  # fz's checkpoint inside a checkpoint-N folder
@@ -83,9 +85,9 @@ class Trainer(transformers.Trainer):
         elif "model_init" not in kwargs:
             kwargs["args"] = TrainingArguments(output_dir="trainer_output")
         super().__init__(*args, **kwargs)
-        self._refuse(kwargs)
         self.fz_spec = spec
         self.fz_state: fz.State | None = None
+        self._refuse(kwargs)
         self._loader: Any = None
 
     # ---------------------------------------------------------------- setup
@@ -100,13 +102,11 @@ class Trainer(transformers.Trainer):
                             "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
         if self.args.load_best_model_at_end:
             problems.append("load_best_model_at_end=True")
-        if self.args.label_smoothing_factor:
-            problems.append(f"label_smoothing_factor={self.args.label_smoothing_factor}")
         if _sampling(self.args) not in ("random", "sequential"):
             problems.append(f"train_sampling_strategy={_sampling(self.args)!r} (fz reads the data in random or "
                             "sequential order)")
         try:
-            unsupported(self.args, self.model)
+            unsupported(self.args, self._model(), spec=self.fz_spec)
         except ConfigError as e:
             problems.append(str(e))
         if problems:
@@ -133,9 +133,19 @@ class Trainer(transformers.Trainer):
         """The State, made on first use (before training too: evaluate() may come first)."""
         if self.fz_state is None:
             model = self._model()
-            spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec)
+            spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec,
+                                  decay_names=self.get_decay_parameter_names(model))
+            self._one_checkpointing(spec)
             self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss))
         return self.fz_state
+
+    def _one_checkpointing(self, spec: fz.Spec) -> None:
+        """fz checkpoints the blocks itself when the Spec says so (gradient_checkpointing=True):
+        transformers' own checkpointing, which Trainer.train() switches on, would recompute
+        each block a second time inside fz's."""
+        model = self._model()
+        if spec.activation_checkpointing and getattr(model, "is_gradient_checkpointing", False):
+            getattr(model, "gradient_checkpointing_disable")()
 
     def _model(self) -> nn.Module:
         if self.model is None:
@@ -170,6 +180,7 @@ class Trainer(transformers.Trainer):
         self.state.train_batch_size = self._train_batch_size
         self.state.compute_steps(args, max_steps)
         state = self.fz_ready()
+        self._one_checkpointing(state.spec)
         if resume_from_checkpoint is not None:
             state = self._resume(state, resume_from_checkpoint)
         self.state.init_training_references(self, max_steps, epochs, trial)
@@ -329,7 +340,7 @@ class Trainer(transformers.Trainer):
             return
         own = self._model().state_dict(keep_vars=True)
         with torch.no_grad():
-            for name, value in fz.full_params(self.fz_state).items():
+            for name, value in iter_full_params(self.fz_state):  # one bucket gathered at a time
                 if name in own:
                     own[name].data.copy_(value.to(own[name].dtype))
 
@@ -338,6 +349,5 @@ class Trainer(transformers.Trainer):
         tokenizer; gathered from the State one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
-        from fz.hf.export import save_pretrained
-        save_pretrained(self.fz_state, self.model, output_dir or self.args.output_dir,
+        save_pretrained(self.fz_state, self._model(), output_dir or str(self.args.output_dir),
                         processing_class=self.processing_class)
