@@ -145,7 +145,7 @@ class Trainer(transformers.Trainer):
         each block a second time inside fz's."""
         model = self._model()
         if spec.activation_checkpointing and getattr(model, "is_gradient_checkpointing", False):
-            getattr(model, "gradient_checkpointing_disable")()
+            cast(Any, model).gradient_checkpointing_disable()
 
     def _model(self) -> nn.Module:
         if self.model is None:
