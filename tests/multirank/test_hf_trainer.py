@@ -74,3 +74,12 @@ def test_save_total_limit_rotates_and_resume_true_takes_the_last(runs):
     assert [k for k in ref["kept"] if k.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"]
     assert ref["resumed_steps"] == [1, 2, 3, 4, 5, 6, 7, 8]  # 1-6 from checkpoint-6's history, then 7 and 8
     assert ref["tensorboard_files"] >= 1  # report_to="tensorboard": transformers' own callback wrote scalars
+
+
+def test_seed_002_snippet_adafactor_checkpointing_accumulation(runs):
+    """Seed 002's arguments (adafactor, gradient_checkpointing, accumulation, a DeepSpeed file) at
+    world 2 against transformers' Trainer at world 1 with the same global batch."""
+    fz2, ref = runs
+    assert len(ref["seed_002"]) == 6
+    for r in fz2:
+        assert r["seed_002"] == pytest.approx(ref["seed_002"], rel=1e-5, abs=1e-6)

@@ -80,6 +80,7 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     full = fz_full(trainer)
     resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3), train_dataset=Tokens())
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    seed = seed_002(out + "-seed002")
     listing = sorted(os.listdir(out)) if rank == 0 else []
     ckpt3 = sorted(os.listdir(os.path.join(out, "checkpoint-3"))) if rank == 0 else []
     state_json = json.load(open(os.path.join(out, "checkpoint-3", "trainer_state.json"))) if rank == 0 else {}
@@ -87,7 +88,26 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
             "metrics": metrics, "pred_shape": tuple(pred.predictions.shape), "pred_metrics": pred.metrics,
             "logs": seen, "listing": listing, "ckpt3": ckpt3, "state_json_step": state_json.get("global_step"),
             "model_matches_state": all(torch.equal(sd[k], full[k]) for k in full if k in sd),
-            "world": (args.world_size, args.process_index)}
+            "world": (args.world_size, args.process_index), "seed_002": seed}
+
+
+SEED_002 = dict(per_device_train_batch_size=2, gradient_checkpointing=True, optim="adafactor", logging_steps=1,
+                learning_rate=1e-3)  # seed 002's TrainingArguments, on a scale that runs here
+
+
+def seed_002(out: str) -> list[float]:
+    """Seed 002's Trainer snippet with `from fz.hf import Trainer`: ZeRO-3 from a DeepSpeed file,
+    adafactor, gradient checkpointing, 2 accumulation steps (global batch 8 at world 2)."""
+    import fz.hf
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "zero_train.json")
+    with open(path, "w") as f:
+        json.dump(ZERO3, f)
+    args = arguments(out, True, deepspeed=path, gradient_accumulation_steps=2, **SEED_002)
+    trainer = fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens())
+    trainer.train()
+    assert trainer.fz_state is not None and trainer.fz_state.spec.activation_checkpointing
+    return losses(trainer)
 
 
 def fz_full(trainer: Any) -> dict[str, torch.Tensor]:
@@ -109,6 +129,9 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
                             train_dataset=Tokens())
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
     lrs = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+    seed_args = arguments(out + "-seed002-ref", False, gradient_accumulation_steps=4, **SEED_002)
+    seed_ref = transformers.Trainer(model=gpt2(), args=seed_args, train_dataset=Tokens())
+    seed_ref.train()
     rotated = fz.hf.Trainer(model=gpt2(), args=arguments(out + "-rot", True, save_strategy="steps", save_steps=2,
                                                          save_total_limit=2, report_to=["tensorboard"]),
                             train_dataset=Tokens())
@@ -119,4 +142,4 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     steps = [h["step"] for h in longer.state.log_history if "loss" in h]
     events = [f for _, _, fs in os.walk(out + "-rot") for f in fs if f.startswith("events.out.tfevents")]
     return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed), "kept": kept,
-            "resumed_steps": steps, "tensorboard_files": len(events)}
+            "resumed_steps": steps, "tensorboard_files": len(events), "seed_002": losses(seed_ref)}
