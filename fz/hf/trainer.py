@@ -121,6 +121,8 @@ class Trainer(transformers.Trainer):
         per_epoch = len(data) // per_step if data is not None and hasattr(data, "__len__") else None
         if args.max_steps > 0:
             return args.max_steps, per_epoch
+        if data is None:  # evaluate() or predict() only: the schedule is never used
+            return 1, None
         if not per_epoch:
             raise ConfigError("fz.hf.Trainer: set max_steps (the training set has no length, or fewer samples than "
                               f"one step of {per_step})")

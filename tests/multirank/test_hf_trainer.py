@@ -43,6 +43,11 @@ def test_evaluate_equals_a_single_process_evaluation(runs):
         assert r["pred_shape"] == (8, 16, 100) and "test_loss" in r["pred_metrics"]
 
 
+def test_evaluate_without_training_and_without_a_train_dataset(runs):
+    ref, ours = runs[1]["eval_only"]
+    assert ours == pytest.approx(ref, rel=1e-6)
+
+
 def test_logs_reach_callbacks_with_loss_lr_grad_norm_epoch(runs):
     fz2, ref = runs
     steps = [log for log in fz2[0]["logs"] if "loss" in log]

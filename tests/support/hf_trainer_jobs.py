@@ -123,6 +123,10 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     import fz.hf
     ref = transformers.Trainer(model=gpt2(), args=arguments(out + "-ref", False, gradient_accumulation_steps=2),
                                train_dataset=Tokens(), eval_dataset=Tokens(16, seed=1), compute_metrics=accuracy)
+    untrained = transformers.Trainer(model=gpt2(), args=arguments(out + "-ref0", False),
+                                     eval_dataset=Tokens(16, seed=1)).evaluate()["eval_loss"]
+    untrained_fz = fz.hf.Trainer(model=gpt2(), args=arguments(out + "-fz0", True),
+                                 eval_dataset=Tokens(16, seed=1)).evaluate()["eval_loss"]
     ref.train()
     metrics = ref.evaluate()
     resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3, gradient_accumulation_steps=2),
@@ -142,4 +146,5 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     steps = [h["step"] for h in longer.state.log_history if "loss" in h]
     events = [f for _, _, fs in os.walk(out + "-rot") for f in fs if f.startswith("events.out.tfevents")]
     return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed), "kept": kept,
-            "resumed_steps": steps, "tensorboard_files": len(events), "seed_002": losses(seed_ref)}
+            "resumed_steps": steps, "tensorboard_files": len(events), "seed_002": losses(seed_ref),
+            "eval_only": (untrained, untrained_fz)}
