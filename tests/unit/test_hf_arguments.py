@@ -388,3 +388,21 @@ def test_the_spec_trains_as_the_trainers_loop(stage, tmp_path):
     full = fz.full_params(state)
     for n, p in theirs_model.named_parameters():
         torch.testing.assert_close(full[n], p.detach(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_the_trainer_names_every_setting_it_cannot_honour_at_construction(tmp_path):
+    """One error from fz.hf.Trainer(...), before any training: the Trainer's own refusals and
+    the arguments' together, each with its reason."""
+    pytest.importorskip("accelerate")
+    import fz.hf
+
+    from support.hf_trainer_jobs import Tokens, arguments, gpt2
+    args = arguments(str(tmp_path), True, torch_compile=True, load_best_model_at_end=True, eval_strategy="steps",
+                     save_strategy="steps", neftune_noise_alpha=5.0, optim="adamw_8bit")
+    with pytest.raises(fz.ConfigError) as e:
+        fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "fz.hf.Trainer cannot honour these settings (remove them or set them to their defaults):"
+    named = [line.split(":")[0] for line in lines[1:]]
+    assert named == ["- load_best_model_at_end=True", "- torch_compile=True", "- torch_compile_backend='inductor'",
+                     "- neftune_noise_alpha=5.0", "- optim='adamw_8bit'"], lines
