@@ -1,6 +1,7 @@
 """`fz.init`: a model and a Spec in, the sharded training State out."""
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -10,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz.background import raise_background_failures
+from fz.ckpt.pretrained import fill, resolve
 from fz.distributed import peers
 from fz.errors import ConfigError
 from fz.model.leaves import fetches_root
@@ -31,7 +33,8 @@ from fz.step.metrics import initial_metrics
 from fz.step.scaler import init_scaler
 
 
-def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> State:
+def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
+         weights: str | os.PathLike[str] | None = None) -> State:
     """Shard `model`'s parameters as `spec` says and create the optimizer state.
 
     `model` is not modified. Built on the meta device, it is initialised module by module
@@ -67,6 +70,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
     plan = ShardPlan.build(mesh, device, tuple(buckets))
     check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     comm = Comm(plan)
+    source = None
+    if weights is not None:  # names and shapes checked before anything is allocated or written
+        source = resolve(weights, plan, skel, dict(model.named_buffers(remove_duplicate=True)), strict=True)
 
     disk_policy = spec.offload if spec.offload is not None and spec.offload.optimizer == "disk" else None
     if spec.offload is not None:
@@ -79,7 +85,8 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
     pin = spec.offload is not None and spec.offload.pin_memory
     storages, on_disk = [], []
     for b in buckets:
-        flat, mflat = _bucket_storage(model, plan, comm, b, spec, values)
+        flat, mflat = (_bucket_storage(model, plan, comm, b, spec, values) if source is None
+                       else _zero_storage(plan, b, spec))
         if host_params and b.sharded_param:
             flat = host_tree(flat, pin)
         if host_opt and mflat is not None:
@@ -97,7 +104,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
     buffers = values(buffer_names)
     values.check()  # nothing meta init left unset
     replicated = {f"parameter {s.name!r}": v for b, (p, _) in zip(buckets, storages) if not b.sharded_param
-                  for s, v in zip(b.slots, full_views(p, b))}
+                  for s, v in zip(b.slots, full_views(p, b))} if source is None else {}  # else: all read one file
     check_replicated(plan, dict(replicated, **{f"buffer {n!r}": t for n, t in buffers.items()}))
 
     if disk_policy is not None:
@@ -122,12 +129,26 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None) -> Sta
     state = State(step=torch.zeros((), dtype=torch.int64), param_flats=param_flats, master_flats=master_flats,
                   opt_state=opt_state, scaler=scaler, rng=rng, buffers=buffers, data={}, metrics=metrics,
                   skeleton=skel, spec=spec, plan=plan)
-    return spec.offload(state) if spec.offload is not None and spec.offload.active else state
+    state = spec.offload(state) if spec.offload is not None and spec.offload.active else state
+    if source is not None:
+        fill(state, *source)
+    return state
 
 
 _DISAGREE = ("thing(s) differ between ranks (the spec or the model): every rank must build the same model "
              "and pass the same Spec", "Build the model and the Spec the same way on every rank (only an offload "
              "path may differ).")
+
+
+def _zero_storage(plan: ShardPlan, b: Bucket, spec: Spec) -> tuple[Tensor, Tensor | None]:
+    """A bucket's storage laid out as `_bucket_storage` lays it out, zeroed (padding rows stay
+    zero): the values come from a weights file, so the model's init is never run."""
+    n = b.shard_numel if b.sharded_param else b.full_numel
+    param = torch.zeros(n, dtype=spec.compute_dtype, device=plan.device)
+    if spec.precision == "fp32" or not b.trainable:
+        return param, None
+    m = b.shard_numel if isinstance(b.place.opt, Shard) else b.full_numel
+    return param, torch.zeros(m, dtype=torch.float32, device=plan.device)
 
 
 def _bucket_storage(model: nn.Module, plan: ShardPlan, comm: Comm, b: Bucket, spec: Spec,

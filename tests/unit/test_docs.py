@@ -26,7 +26,8 @@ EXPECT = {
     "README.md": (["step 50  loss"], []),
     "docs/model.md": (["step 200  loss", "epoch=1, index=2304"], []),  # the resumed loader's position, as it says
     "docs/checkpoints.md": (["fz: saved checkpoints/run/step_30"], ["model.safetensors"]),
-    "docs/huggingface.md": (["'eval_loss'", "TrainingArguments.learning_rate"], ["out/model.safetensors"]),
+    "docs/huggingface.md": (["'eval_loss'", "TrainingArguments.learning_rate", "the logits of from_pretrained: True"],
+                            ["out/model.safetensors"]),
 }
 # The pages that show an fz command's output (a one-line bash block, then a text block), and which commands.
 SHOWN = {"docs/planning.md": [["estimate"]]}

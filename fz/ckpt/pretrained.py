@@ -1,0 +1,148 @@
+"""`fz.load_weights`: a state's parameters from a safetensors file or a Hugging Face folder,
+each rank reading only its rows, straight into the tier the state keeps them in.
+
+Every tensor is written where it lives: the device, host memory, or (a DiskTensor of the
+NVMe tier) its file, through the DiskTensor's own `copy_`, one slice at a time, so no bucket
+is ever materialised whole. A rank reads the elements it holds of each parameter (its Shard(0)
+rows; the whole tensor where it is replicated), in chunks of at most `weights.CHUNK_BYTES`,
+and copies each chunk into the compute-dtype parameter and the fp32 master weights (cast from
+the file's dtype: a bf16 file gives fp32 masters equal to its values). The memory a load adds
+to the state's is therefore one chunk and its cast, whatever the model's size; a tensor that
+transformers converts at load time (Mixtral's fused experts) is the exception: it is built
+whole from its sources (about twice that tensor), as transformers builds it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Shard
+
+from fz.ckpt.names import Match, match
+from fz.ckpt.weights import Entry, WeightFiles, read, read_all
+from fz.errors import CheckpointError
+from fz.model.skeleton import Skeleton
+from fz.sharding.plan import ShardPlan
+from fz.state import State, block_until_ready, expect_state
+
+Place = tuple[Tensor, int, int]  # a flat (1-D) local view, and the [lo, hi) elements of the tensor it holds
+
+
+def targets_of(plan: ShardPlan, skeleton: Skeleton, buffers: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    """{canonical name: shape} of what a weights file fills: every parameter, and the buffers of
+    the state_dict (persistent ones, e.g. BatchNorm's statistics)."""
+    out = {s.name: tuple(s.shape) for b in plan.buckets for s in b.slots}
+    out.update((n, tuple(buffers[n].shape)) for n in skeleton.persistent if n in buffers)
+    return out
+
+
+def resolve(path: str | os.PathLike[str], plan: ShardPlan, skeleton: Skeleton, buffers: Mapping[str, Tensor],
+            strict: bool) -> tuple[WeightFiles, Match]:
+    """Read the headers and pair names (nothing else is read): a CheckpointError naming the
+    differences when `strict`, else a warning and the tensors both have. Needs only the state's
+    plan, skeleton and buffers' shapes, so fz.init checks a folder before it allocates a state."""
+    files = WeightFiles(path)
+    m = match(files.entries, targets_of(plan, skeleton, buffers), skeleton.aliases, skeleton.root)
+    problems = m.problems
+    if problems:
+        msg = (f"weights {path} do not match this model ({len(problems)} differences): " + "; ".join(problems[:8])
+               + ("; ..." if len(problems) > 8 else ""))
+        if strict:
+            raise CheckpointError(msg)
+        warnings.warn(msg, stacklevel=3)
+        bad = {p.split(": ", 1)[1].split(" ")[0] for p in problems if p.startswith("shape mismatch")}
+        m.direct = {c: k for c, k in m.direct.items() if k not in bad}
+        m.groups = [g for g in m.groups if not any(n in bad for n in g.outputs)]
+    return files, m
+
+
+def _places(state: State) -> dict[str, list[Place]]:
+    """Where each canonical name's values go on this rank: the parameter's local view, the fp32
+    master's (mixed precision), and a persistent buffer; with the elements each holds."""
+    plan = state.plan
+    out: dict[str, list[Place]] = {}
+
+    def add(views: list[Tensor], b, sharded: bool) -> None:
+        for s, v in zip(b.slots, views):
+            start, stop = s.local_rows(plan.shard_rank) if sharded else (0, s.rows)
+            out.setdefault(s.name, []).append((v.reshape(-1), start * s.row_numel, stop * s.row_numel))
+
+    for b, flat in zip(plan.buckets, state.param_flats):
+        add(plan.param_locals(flat._local_tensor, b), b, b.sharded_param)
+        m = state.master_flats.get(b.index)
+        if m is not None and state.spec.precision != "fp32":
+            add(plan.master_locals(m._local_tensor, b), b, isinstance(b.place.opt, Shard))
+    for n in state.skeleton.persistent:
+        if n in state.buffers:
+            t = state.buffers[n]
+            out.setdefault(n, []).append((t.view(-1), 0, t.numel()))
+    return out
+
+
+def _put(places: list[Place], at: int, chunk: Tensor) -> None:
+    """Copy elements [at, at + len(chunk)) of a tensor into each place that holds some of them."""
+    end = at + chunk.numel()
+    for view, lo, hi in places:
+        a, z = max(at, lo), min(end, hi)
+        if a < z:
+            view[a - lo:z - lo].copy_(chunk[a - at:z - at])
+
+
+def _stream(places: list[Place], e: Entry, lo: int, hi: int) -> None:
+    for at, chunk in read(e, lo, hi):
+        _put(places, at, chunk)
+
+
+def _span(places: list[Place]) -> tuple[int, int]:
+    spans = [(lo, hi) for _, lo, hi in places if hi > lo]
+    return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (0, 0)
+
+
+def fill(state: State, files: WeightFiles, m: Match) -> None:
+    """Write the matched tensors into `state`'s storage, where it lives (in place)."""
+    places = _places(state)
+    entries = files.entries
+    with torch.no_grad():
+        for c, key in sorted(m.direct.items(), key=lambda kv: (str(entries[kv[1]].file), entries[kv[1]].begin)):
+            lo, hi = _span(places[c])
+            _guarded(key, entries[key], lambda e=entries[key], lo=lo, hi=hi, p=places[c]: _stream(p, e, lo, hi))
+        for g in m.groups:
+            converted = g.realize(state.skeleton.root, lambda k: _guarded(k, entries[k], lambda: read_all(entries[k])))
+            for name, c in g.outputs.items():
+                t = converted.pop(name).reshape(-1)
+                lo, hi = _span(places[c])
+                _put(places[c], lo, t[lo:hi])
+                del t
+
+
+def _guarded(key: str, e: Entry, fn):
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged file or a failing tier, named
+        raise CheckpointError(f"cannot load {key!r} from weights file {e.file} ({type(err).__name__}: {err})") from err
+
+
+def load_weights(state: State, path: str | os.PathLike[str], *, strict: bool = True) -> State:
+    """Fill the parameters (and fp32 master weights) and the state_dict's buffers from a
+    safetensors file, or a Hugging Face folder (`model.safetensors.index.json` and its shards,
+    or `model.safetensors`).
+
+    Names are the model's state_dict names (fz.full_params's keys, the HF convention); a tied
+    parameter is found under any of its names; a transformers model's load-time conversions
+    (renames, Mixtral's fused experts) are applied as `from_pretrained` applies them. Each rank
+    reads only the rows it holds, into the tier the state keeps them in (device, host, or the
+    NVMe files), one bounded chunk at a time. The optimizer state is kept. Missing, unexpected
+    or mis-shaped tensors are a CheckpointError (a ConfigError) naming them, before anything is
+    read (strict=False: a warning, and the tensors both have are loaded). Pickled weights are
+    never read. Returns the state (filled in place).
+    """
+    expect_state(state, "fz.load_weights")
+    state = block_until_ready(state)
+    files, m = resolve(path, state.plan, state.skeleton, state.buffers, strict)
+    fill(state, files, m)
+    return state

@@ -1,0 +1,186 @@
+"""A safetensors weights source, read without unpickling and without mapping whole files.
+
+`WeightFiles(path)` takes a `.safetensors` file, or a Hugging Face model folder: with
+`model.safetensors.index.json` its `weight_map` says which shard holds each tensor; without
+one, the folder's `*.safetensors` files are read (`model.safetensors` alone, as
+`save_pretrained` writes a model that fits one shard). Only each file's header is parsed
+(8 bytes of length, then JSON: nothing is unpickled); a folder holding only pickled weights
+(`pytorch_model.bin`, `*.pt`, ...) is refused, never opened, because loading a pickle can run
+code.
+
+Values are read with `os.pread` into a buffer of one bounded chunk (`read`), never through
+`safe_open`'s memory map: pages of a mapped file that were touched count in the process's
+resident memory until the file is closed, so mapping each shard would grow the RSS by the
+whole shard even though every rank reads only its rows.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fz.errors import CheckpointError
+
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+_FROM = {v: k for k, v in DTYPES.items()}
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+CHUNK_BYTES = 16 << 20  # one read's buffer: a tensor larger than this is read in pieces
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a file: its dtype, shape, and where its bytes are."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _header(f: Path) -> dict[str, Entry]:
+    """The tensors of one safetensors file, from its header (checked against the file's size)."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"weights file {f} is not a safetensors file (no valid header: a pickled "
+                                      "checkpoint renamed, or a truncated file)")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise CheckpointError(f"weights file {f} cannot be read ({e.strerror or e})") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"weights file {f} is not a safetensors file (its header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"weights file {f} is not a safetensors file (its header is not a JSON object)")
+    out = {}
+    data = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = _FROM[info["dtype"]], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"weights file {f}: tensor {name!r} has a header entry fz cannot read "
+                                  f"({info!r}: {type(e).__name__} {e})") from e
+        if hi - lo != math.prod(shape) * dtype.itemsize or lo < 0 or data + hi > size:
+            raise CheckpointError(f"weights file {f} is damaged: tensor {name!r} of shape {shape} {dtype} needs bytes "
+                                  f"{lo}..{hi} of {size - data} (truncated, or the header does not match the data)")
+        out[name] = Entry(f, dtype, shape, data + lo)
+    return out
+
+
+def _refuse_pickles(folder: Path) -> None:
+    found = sorted(p.name for pattern in _PICKLES for p in folder.glob(pattern))
+    if found:
+        raise CheckpointError(
+            f"{folder} holds pickled weights ({', '.join(found[:3])}) and no safetensors: not read: a pickle can run "
+            "code. Convert it to safetensors with transformers, in a process you trust with that code: "
+            "`AutoModelForCausalLM.from_pretrained(folder, use_safetensors=False).save_pretrained(out)` "
+            "(or the Hugging Face Hub's safetensors convert space)")
+    raise CheckpointError(f"{folder} holds no weights: no {INDEX}, no *.safetensors file")
+
+
+class WeightFiles:
+    """Every tensor of a safetensors file or an HF folder, by name: {name: Entry}."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = p = Path(path)
+        self.entries: dict[str, Entry] = {}
+        if p.is_dir():
+            if (p / INDEX).is_file():
+                self.entries = self._indexed(p)
+                return
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                _refuse_pickles(p)
+        elif p.is_file():
+            files = [p]
+        else:
+            raise CheckpointError(f"weights {p} do not exist")
+        for f in files:
+            for name, e in _header(f).items():
+                if name in self.entries:
+                    raise CheckpointError(f"weights {p}: tensor {name!r} is in both {self.entries[name].file.name} and "
+                                          f"{f.name}")
+                self.entries[name] = e
+
+    @staticmethod
+    def _indexed(folder: Path) -> dict[str, Entry]:
+        """The index's weight_map, each shard's header read once; every file it names must exist
+        inside the folder and hold the tensors it is said to."""
+        try:
+            weight_map = json.loads((folder / INDEX).read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{folder / INDEX} is not a safetensors index ({type(e).__name__}: {e})") from e
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(str(file), []).append(name)
+        entries: dict[str, Entry] = {}
+        for file, names in by_file.items():
+            f = folder / file
+            if Path(file).name != file or not file.endswith(".safetensors"):
+                raise CheckpointError(f"{folder / INDEX} names {file!r} for {names[0]!r}: not a .safetensors file in "
+                                      "the folder")
+            if not f.is_file():
+                raise CheckpointError(f"{folder / INDEX} names {file} (for {len(names)} tensors, e.g. {names[0]!r}), "
+                                      f"which does not exist in {folder}: a shard is missing (an interrupted "
+                                      "download?)")
+            header = _header(f)
+            absent = [n for n in names if n not in header]
+            if absent:
+                raise CheckpointError(f"{folder / INDEX} puts {len(absent)} tensors in {file} that it does not hold "
+                                      f"(e.g. {absent[0]!r}): the index and the shards do not match")
+            entries.update((n, header[n]) for n in names)
+        return entries
+
+
+def read(e: Entry, lo: int, hi: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Tensor]]:
+    """Elements [lo, hi) of the flattened tensor `e` in the file's dtype, as (first element,
+    1-D chunk) pieces of at most `chunk_bytes` (at least one element): the only memory a read holds."""
+    step = max(1, chunk_bytes // e.dtype.itemsize)
+    try:
+        fd = os.open(e.file, os.O_RDONLY)
+    except OSError as err:
+        raise CheckpointError(f"weights file {e.file} cannot be opened ({err.strerror})") from err
+    try:
+        at = lo
+        while at < hi:
+            n = min(step, hi - at)
+            buf = torch.empty(n * e.dtype.itemsize, dtype=torch.uint8)
+            view, off, done = buf.numpy().data, e.begin + at * e.dtype.itemsize, 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], off + done)
+                if got <= 0:
+                    raise CheckpointError(f"weights file {e.file} ends early at byte {off + done} (truncated?)")
+                done += got
+            yield at, buf.view(e.dtype)
+            at += n
+    finally:
+        os.close(fd)
+
+
+def read_all(e: Entry) -> Tensor:
+    """The whole tensor `e` (for conversions that need it whole, and for buffers)."""
+    out = torch.empty(e.shape, dtype=e.dtype)
+    flat = out.view(-1)
+    for at, chunk in read(e, 0, e.numel):
+        flat[at:at + chunk.numel()].copy_(chunk)
+    return out
