@@ -1,6 +1,7 @@
 """The `fz` command (also `python -m fz`): offline tools on checkpoints (one process, no torch.distributed).
 
     fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file
+    fz consolidate CKPT OUT_DIR --hf                     a folder from_pretrained loads
     fz inspect CKPT                                      step, world, stage, sizes, verification
     fz --version                                         fz's version, and torch's
     fz estimate ... / fz plan ...                        memory estimates and plans (fz/planning/cli.py)
@@ -23,7 +24,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     from fz.ckpt.export import consolidate
 
     info = consolidate(args.ckpt, args.out, dtype=args.dtype, step=args.step, verify=not args.no_verify,
-                       progress=True if args.progress else None)
+                       progress=True if args.progress else None, hf=args.hf, max_shard_size=args.max_shard_size)
     print(f"wrote {info.out}: {info.tensors} tensors from {info.checkpoint} ({_mb(info.bytes)} read)")
     return 0
 
@@ -79,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     c = sub.add_parser("consolidate", help="write the full parameters of a checkpoint to one safetensors file")
     c.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")
-    c.add_argument("out", help="output .safetensors file")
+    c.add_argument("out", help="output .safetensors file (with --hf: a folder)")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast (default: as stored)")
+    c.add_argument("--hf", action="store_true", help="write a Hugging Face folder that from_pretrained loads: "
+                   "sharded safetensors, their index, and the config/tokenizer files found beside the checkpoint")
+    c.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per shard file (default 5GB)")
     c.set_defaults(fn=_consolidate)
     i = sub.add_parser("inspect", help="show what a checkpoint holds and verify its manifest")
     i.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")

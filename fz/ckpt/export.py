@@ -1,16 +1,19 @@
 """Offline tools on a checkpoint directory, one process and no torch.distributed:
-`consolidate` (full weights to one safetensors file) and `inspect` (what is in it).
+`consolidate` (full weights to one safetensors file, or a Hugging Face folder) and `inspect`
+(what is in it).
 
 consolidate streams each stored chunk (cast if asked) into its place in the output and
 drops it: peak host memory stays near the largest chunk (plus its cast copy), not the model.
 """
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fz.ckpt import manifest, signing
+from fz.ckpt import hf_folder, manifest, signing
 from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
@@ -47,20 +50,27 @@ def _verify(d: Path, progress: bool | None, key: bytes | None) -> None:
 
 
 def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step: int | None = None,
-                verify: bool = True, progress: bool | None = None, key: signing.Key = None) -> Consolidated:
-    """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`.
+                verify: bool = True, progress: bool | None = None, key: signing.Key = None, hf: bool = False,
+                max_shard_size: int | str = "5GB") -> Consolidated:
+    """Write the full parameters of checkpoint `ckpt` to the safetensors file `out`, or with
+    `hf=True` to the folder `out` as Hugging Face lays one out (shards of at most
+    `max_shard_size` and their index, or one `model.safetensors`; the config and tokenizer
+    files found beside the checkpoint, as a Trainer's checkpoint-N/ keeps them), which
+    `from_pretrained` loads.
 
     Names are the canonical parameter names, then the buffers of the model's state_dict (its
     persistent ones: BatchNorm's statistics). A tied pair is written once, under its canonical
     name (safetensors refuses shared storage): load the file with
-    `safetensors.torch.load_model(model, out, strict=True)`, which fills the tied names; `dtype`
-    ("bf16", "fp16", "fp32") casts the floating tensors, None keeps the stored dtype (fp32
-    master weights when the run had them). With a `key` (or FZ_CKPT_KEY) the checkpoint must be
-    signed with it, and is verified even with verify=False. Returns what it wrote (a Consolidated).
-    (From a live state, a Hugging Face model folder with sharded files: fz.hf.save_pretrained.)
+    `safetensors.torch.load_model(model, out, strict=True)`, which fills the tied names
+    (`from_pretrained` ties them itself); `dtype` ("bf16", "fp16", "fp32") casts the floating
+    tensors, None keeps the stored dtype (fp32 master weights when the run had them). With a
+    `key` (or FZ_CKPT_KEY) the checkpoint must be signed with it, and is verified even with
+    verify=False. Returns what it wrote (a Consolidated).
+    (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
     """
     d = resolve(ckpt, step)
     key = signing.resolve(key)
+    limit = hf_folder.shard_size(max_shard_size) if hf else 0
     if verify or key is not None:
         _verify(d, progress, key)
     meta = read_json(d / META)
@@ -75,11 +85,36 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
         stored = reader.meta[k].properties.dtype
         return cast if cast is not None and stored.is_floating_point else stored
 
-    entries = [(_name(k), out_dtype(k), tuple(reader.meta[k].size)) for k in names]
-    header = {"format": "pt", "fz_step": str(meta.get("step")), "fz_checkpoint": str(d.resolve())}
-    writer = StreamWriter(out, entries, header)
+    sizes = {k: reader.meta[k].size.numel() * out_dtype(k).itemsize for k in names}
     total = sum(reader.meta[k].size.numel() * reader.meta[k].properties.dtype.itemsize for k in names)
+    header = {"format": "pt", "fz_step": str(meta.get("step")), "fz_checkpoint": str(d.resolve())}
+    target = Path(out)
+    tmp = hf_folder.staging(target) if hf else None
+    groups = hf_folder.shards([(k, sizes[k]) for k in names], limit) if hf else [names]
+    paths = [tmp / f for f in hf_folder.filenames(len(groups))] if tmp is not None else [target]
     bar = Progress(total, "consolidate", enabled=progress)
+    try:
+        for path, group in zip(paths, groups):
+            _write(reader, path, group, out_dtype, cast, header, bar)
+        if tmp is not None:
+            weight_map = {_name(k): p.name for p, group in zip(paths, groups) for k in group}
+            hf_folder.commit(tmp, target, weight_map, sum(sizes.values()), hf_folder.side_files(d))
+    except BaseException as e:
+        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
+        raise
+    finally:
+        bar.close()
+    return Consolidated(checkpoint=str(d), out=str(out), tensors=len(names), bytes=total, chunks=reader.chunks)
+
+
+def _write(reader: CheckpointReader, path: Path, keys: list[str], out_dtype: Callable[[str], torch.dtype],
+           cast: torch.dtype | None, header: dict[str, str], bar: Progress) -> None:
+    """One safetensors file of `keys`, each stored chunk streamed (cast if asked) into its place."""
+    writer = StreamWriter(path, [(_name(k), out_dtype(k), tuple(reader.meta[k].size)) for k in keys], header)
 
     def put(name: str, offsets, chunk: torch.Tensor) -> None:
         nbytes = chunk.numel() * chunk.element_size()
@@ -89,19 +124,12 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
         bar.update(nbytes)
 
     try:
-        for k in names:
+        for k in keys:
             reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))  # type: ignore[misc]  # noqa: B008 - binds this k
         writer.close()
-    except BaseException as e:
-        # before abort
-        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)
+    except BaseException:
         writer.abort()
-        if full is not None:
-            raise full from e
         raise
-    finally:
-        bar.close()
-    return Consolidated(checkpoint=str(d), out=str(out), tensors=len(names), bytes=total, chunks=reader.chunks)
 
 
 def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,

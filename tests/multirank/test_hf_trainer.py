@@ -19,8 +19,12 @@ from support.hf_trainer_jobs import reference_and_resume, train_save_resume  # n
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("hf_trainer") / "out")
+def out(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf_trainer") / "out")
+
+
+@pytest.fixture(scope="module")
+def runs(out):
     fz2 = run_ranks(2, train_save_resume, out, timeout=300)
     ref = run_ranks(1, reference_and_resume, out, timeout=300)[0]
     return fz2, ref
@@ -88,3 +92,27 @@ def test_seed_002_snippet_adafactor_checkpointing_accumulation(runs):
     assert len(ref["seed_002"]) == 6
     for r in fz2:
         assert r["seed_002"] == pytest.approx(ref["seed_002"], rel=1e-5, abs=1e-6)
+
+
+def test_save_model_and_consolidate_hf_of_a_checkpoint_load_alike(runs, out, tmp_path):
+    """trainer.save_model (from the live state) and `fz consolidate checkpoint-6/fz DIR --hf` (from the
+    checkpoint, offline, in shards) give folders from_pretrained loads with identical logits."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import GPT2LMHeadModel
+    hf_dir = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "fz", "consolidate", f"{out}/checkpoint-6/fz", str(hf_dir), "--hf",
+                           "--max-shard-size", "40KB"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and all((hf_dir / f).exists() for f in files)
+    assert (hf_dir / "config.json").exists() and not list(hf_dir.glob(".fz-consolidate-*"))
+    ids = torch.arange(32).view(2, 16) % 100
+    with torch.no_grad():
+        a = GPT2LMHeadModel.from_pretrained(f"{out}/final").eval()(input_ids=ids).logits
+        b = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(input_ids=ids).logits
+    assert torch.equal(a, b)

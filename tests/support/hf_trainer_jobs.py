@@ -76,6 +76,7 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     result = trainer.train()
     metrics = trainer.evaluate()
     pred = trainer.predict(Tokens(8, seed=2))
+    trainer.save_model(os.path.join(out, "final"))  # every rank; the folder from_pretrained loads
     sd = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     full = fz_full(trainer)
     resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3), train_dataset=Tokens())

@@ -1,0 +1,102 @@
+"""The layout of a Hugging Face model folder, for `fz consolidate --hf`: weights in safetensors
+shards of at most `max_shard_size` with `model.safetensors.index.json` (or one
+`model.safetensors`), beside the config and tokenizer files a Trainer checkpoint keeps.
+
+The folder is written under a temporary name inside `out` and its files moved into place,
+the weights' entry point (the index, or `model.safetensors`) last: a failure leaves no
+folder that `from_pretrained` would load half of.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from fz.errors import ConfigError
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# Files a Trainer's checkpoint-N folder (or a from_pretrained folder) keeps beside the weights
+_SIDE = re.compile(r"^(config|generation_config|tokenizer(_config)?|special_tokens_map|added_tokens|"
+                   r"preprocessor_config|processor_config|chat_template)\.(json|jinja)$|^(vocab|merges)\.\w+$|"
+                   r"\.model$")
+
+
+def shard_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB" / "500MB" / "2GiB" (transformers' units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if m is None:
+            raise ConfigError(f"max_shard_size={size!r}: give bytes as an int or a string such as '5GB' or '500MB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if n <= 0:
+        raise ConfigError(f"max_shard_size={size!r}: must be a positive number of bytes")
+    return n
+
+
+def shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Names in order, cut into files of at most `limit` bytes (a larger tensor gets a file of its own)."""
+    out: list[list[str]] = [[]]
+    used = 0
+    for name, n in sizes:
+        if out[-1] and used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(name)
+        used += n
+    return out
+
+
+def filenames(count: int) -> list[str]:
+    if count == 1:
+        return [WEIGHTS]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def side_files(step_dir: Path) -> list[Path]:
+    """Config and tokenizer files beside the checkpoint: in the folder holding its root (a
+    Trainer's checkpoint-N/) or in the root itself."""
+    for where in (step_dir.parent.parent, step_dir.parent):
+        found = sorted(p for p in where.iterdir() if p.is_file() and _SIDE.search(p.name))
+        if any(p.name == "config.json" for p in found):
+            return found
+    return []
+
+
+def staging(out: Path) -> Path:
+    """An empty temporary folder inside `out` (made if missing; earlier leftovers removed)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"fz consolidate --hf: {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(".fz-consolidate-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = out / f".fz-consolidate-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(tmp: Path, out: Path, weight_map: dict[str, str], total: int, extra: list[Path]) -> list[str]:
+    """Move the shards and side files into `out`, then write the index (or move the single
+    file) last; stale weight files of an earlier export go. Returns the weights' file names."""
+    files = sorted(set(weight_map.values()))
+    for old in [*out.glob("model-*-of-*.safetensors"), out / WEIGHTS, out / INDEX]:
+        if old.exists():
+            old.unlink()
+    for src in extra:
+        shutil.copy2(src, out / src.name)
+    for name in files:
+        if name != WEIGHTS:
+            os.replace(tmp / name, out / name)
+    if files == [WEIGHTS]:
+        os.replace(tmp / WEIGHTS, out / WEIGHTS)
+    else:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp / INDEX, out / INDEX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return [*files, *([] if files == [WEIGHTS] else [INDEX])]
