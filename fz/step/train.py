@@ -37,6 +37,7 @@ from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.residency import Residency, ResidentRunner
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
 from fz.step.unused import UsedParams, unused_everywhere
@@ -222,9 +223,11 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 
 def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.apply", collective: bool = True,
-             **kwargs: Any) -> Any:
+             residency: Callable[[Comm], Residency] | None = None, **kwargs: Any) -> Any:
     """Run `fn` on a Runner over the state's parameters. A `collective` call checks in first, so
-    one called on one rank only fails in seconds, naming the fix, instead of hanging."""
+    one called on one rank only fails in seconds, naming the fix, instead of hanging. With
+    `residency` (the plan, decided once the ranks have checked in: it may agree over `comm`)
+    the runner keeps the plan's units gathered until `fn` returns."""
     if collective:
         arrive(what, state.plan.ranks, state.plan.rank)
     peers.doing(what, int(state.step))
@@ -236,8 +239,13 @@ def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.
     state.skeleton.set_mode(train)
     # in train mode modules update buffers in place: they get copies, the state keeps its own
     buffers = {n: t.clone() for n, t in state.buffers.items()} if train else state.buffers
-    runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec,
-                    state.metrics["order"].tolist(), backward=False)
+    order = state.metrics["order"].tolist()
+    chosen = residency(comm) if residency is not None else None
+    if chosen is None:
+        runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec, order, backward=False)
+    else:
+        runner = ResidentRunner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec, order,
+                                backward=False, resident=chosen.resident)
     with torch.no_grad(), rng_forked(state.rng, state.plan.device), _autocast(state):
         try:
             return fn(runner, comm, *args, **kwargs)
@@ -246,7 +254,10 @@ def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.
                 peers.broke(what, e)
             raise
         finally:
-            runner.release()
+            if chosen is not None:
+                runner.dispose()  # drops the held units
+            else:
+                runner.release()
 
 
 def eval_step(state: State, batch: Any) -> Tensor:
