@@ -30,12 +30,10 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.log import logger
 from fz.sharding.comm import Comm
 from fz.state import State, expect_state
 from fz.step.batches import on_device
-from fz.step.residency import Residency, choose
-from fz.step.runner import unit_buckets
+from fz.step.residency import deciding
 from fz.step.train import _forward
 
 
@@ -65,22 +63,6 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
     plan = state.plan
     sharded = any(b.sharded_param for b in plan.buckets)
     input_ids, attention_mask = on_device((input_ids, attention_mask), plan.device)
-    log = logger("generate")
-
-    def decide(comm: Comm) -> Residency:
-        room = budget
-        if residency == "auto" and sharded and comm.world > 1:  # every rank keeps the same units
-            from fz.step.residency import free_bytes
-            mine = torch.tensor(float(free_bytes(plan.device) if budget is None else budget), dtype=torch.float64,
-                                device=plan.device)
-            torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MIN, group=comm.group)
-            room = float(mine)
-        chosen = choose(state, residency, state.metrics["order"].tolist(),
-                        unit_buckets(state.skeleton, plan.buckets), state.spec.prefetch, room, "fz.generate")
-        if comm.rank == 0:
-            log.info("%s", chosen.describe("fz.generate"))
-        return chosen
-
     def run(runner, comm: Comm) -> Tensor:
         if seed is not None:
             torch.manual_seed(seed)
@@ -89,7 +71,8 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
             make: Any = root.generate  # GenerationMixin.generate, checked above
             return make(input_ids, attention_mask=attention_mask, synced_gpus=lockstep, **generation_kwargs)
 
-    return _forward(state, run, what="fz.generate", collective=sharded, residency=decide)
+    return _forward(state, run, what="fz.generate", collective=sharded,
+                    residency=deciding(state, residency, budget, "fz.generate"))
 
 
 class _redirected:

@@ -12,25 +12,30 @@ gather until the call ends:
 - "stream": none (every forward gathers every unit, from host or disk if offloaded).
 
 "auto" chooses from a memory budget the way `fz.plan` does (the budget less a 20% margin, the
-largest plan that fits): the bytes this rank already holds on the device, plus the resident
-units' full parameters in the compute dtype, plus the working set of streaming (the widest
-streamed unit, once running and `prefetch` times in flight). At stages 0-2 nothing is gathered
+largest plan that fits): by default the budget is what is free now on this rank's device (GPU
+memory, or the host's available memory shared by the node's ranks), so what the state already
+holds is counted by not being free; the plan needs the resident units' full parameters in the
+compute dtype plus the working set of streaming (the widest streamed unit, once running and
+`prefetch` times in flight). At stages 0-2 nothing is gathered
 (every rank holds every parameter), so every plan is the same and there is nothing to choose.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fz.errors import ConfigError
+from fz.log import logger
 from fz.sharding.buckets import Bucket
+from fz.sharding.comm import Comm
 from fz.state import State
-from fz.step.runner import Runner
+from fz.step.runner import Runner, unit_buckets
 
 MARGIN = 0.2  # fz.plan's default: the share of the budget kept free (allocator slack, activations)
 
@@ -160,3 +165,25 @@ class ResidentRunner(Runner):
     def dispose(self) -> None:
         self.held = {}
         super().dispose()
+
+
+def deciding(state: State, want: str | int, budget: float | None, api: str) -> Callable[[Comm], Residency]:
+    """The plan for one call of `api`, decided once its ranks have checked in: with "auto" at stage 3
+    the ranks of a shard group agree on the smallest budget (so all keep the same units and their
+    all-gathers pair up). The plan is logged once per call, by the group's first rank."""
+    sharded = any(b.sharded_param for b in state.plan.buckets)
+
+    def decide(comm: Comm) -> Residency:
+        room = budget
+        if want == "auto" and sharded and comm.world > 1:
+            mine = torch.tensor(float(free_bytes(state.plan.device) if budget is None else budget),
+                                dtype=torch.float64, device=state.plan.device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=comm.group)
+            room = float(mine)
+        chosen = choose(state, want, state.metrics["order"].tolist(), unit_buckets(state.skeleton, state.plan.buckets),
+                        state.spec.prefetch, room, api)
+        if comm.rank == 0:
+            logger("residency").info("%s", chosen.describe(api))
+        return chosen
+
+    return decide

@@ -3,13 +3,16 @@ model token for token (tiny Llama and GPT-2, stages 0 and 3, each residency plan
 prompts of different lengths, a different count of new tokens per rank, an eos); "gather" gathers
 each bucket once per call, "stream" once per forward, and a rank that finished first keeps pace;
 sampling with a seed is the same on every rank and equals HF's; generating between train steps
-changes nothing; a call on one rank only fails fast at stage 3 and is local at stage 0."""
+changes nothing; a call on one rank only fails fast at stage 3 and is local at stage 0; fz.evaluate
+gathers once for many batches; bad arguments are clear ConfigErrors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from support.generate_jobs import PLANS, all_checks
+import fz
+
+from support.generate_jobs import PLANS, all_checks, prompts, tiny
 from support.ranks import cached_runs
 
 pytest.importorskip("transformers")
@@ -68,3 +71,28 @@ def test_generate_on_one_rank_fails_fast_at_stage_3_and_is_local_at_stage_0(runs
     msg, _, got = res[0]["one_rank"][0]
     assert msg == "" and got is not None and got.shape[1] == 8
     assert res[0]["one_rank"][0, "loss"] == res[1]["one_rank"][0, "loss"]  # and they went on together
+
+
+def test_evaluate_gathers_once_for_many_batches_and_equals_eval_step(runs):
+    _, res = runs
+    for r in res:
+        e = r["evaluation"]
+        n = e["buckets"]
+        assert all(e["gather"][0]) and all(e["stream"][0]) and all(e["auto"][0])
+        assert e["gather"][1] == e["auto"][1] == n and e["stream"][1] == 3 * n
+        assert e["eval_step"] and e["apply"]
+
+
+def test_bad_arguments_are_clear_config_errors():
+    state = fz.init(tiny("llama"), fz.Spec(stage=3))
+    ids, mask = prompts(0)
+    with pytest.raises(fz.ConfigError, match=r"residency='all': give 'auto' \(chosen from the memory budget\)"):
+        fz.generate(state, ids, mask, residency="all", max_new_tokens=2)
+    with pytest.raises(fz.ConfigError, match="do not pass synced_gpus: fz keeps the ranks of a stage-3 state in lockstep"):
+        fz.generate(state, ids, mask, synced_gpus=True, max_new_tokens=2)
+    with pytest.raises(fz.ConfigError, match=r"residency=-1: give 'auto'"):
+        fz.evaluate(state, [{"input_ids": ids, "labels": ids}], residency=-1)
+    from fz.testing.gpt import GPT, GPTConfig
+    gpt = fz.init(GPT(GPTConfig()), fz.Spec(stage=0))
+    with pytest.raises(fz.ConfigError, match="needs a model with Hugging Face's generate\\(\\) .*GPT has none"):
+        fz.generate(gpt, ids)

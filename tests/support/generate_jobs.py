@@ -117,9 +117,30 @@ def mid_training(rank: int, world: int) -> dict:
                 if i == 1 and with_generate:
                     fz.generate(state, ids, mask, max_new_tokens=4, do_sample=True, seed=1)
                     fz.generate(state, ids, mask, max_new_tokens=4, residency="gather")
+                    fz.evaluate(state, [{"input_ids": mine, "labels": mine}] * 2, residency="gather")
             runs.append((losses, {k: v.clone() for k, v in fz.full_params(state).items()}))
         (a, pa), (b, pb) = runs
         out[stage] = (a == b, all(torch.equal(pa[k], pb[k]) for k in pa), a)
+    return out
+
+
+def evaluation(rank: int, world: int) -> dict:
+    """fz.evaluate over 3 batches equals eval_step on each, gathering each bucket once ("gather")
+    or per batch ("stream"); eval_step and apply with a plan equal them without."""
+    warnings.filterwarnings("ignore")
+    count, out = _gathers(), {}
+    g = torch.Generator().manual_seed(20 + rank)
+    batches = [{"input_ids": b, "labels": b} for b in torch.randint(3, 64, (3, 2, 8), generator=g)]
+    state = fz.init(tiny("llama"), fz.Spec(stage=3))
+    out["buckets"] = sum(b.sharded_param for b in state.plan.buckets)
+    want = [fz.eval_step(state, b) for b in batches]
+    for plan in ("gather", "stream", "auto"):
+        count[0] = 0
+        got = fz.evaluate(state, batches, residency=plan)
+        out[plan] = ([torch.equal(a, b) for a, b in zip(got, want)], count[0])
+    out["eval_step"] = torch.equal(fz.eval_step(state, batches[0], residency="gather"), want[0])
+    x = batches[0]["input_ids"]
+    out["apply"] = torch.equal(fz.apply(state, x, residency="stream").logits, fz.apply(state, x).logits)
     return out
 
 
@@ -145,4 +166,5 @@ def one_rank(rank: int, world: int) -> dict:
 
 def all_checks(rank: int, world: int) -> dict:
     return {"greedy": greedy(rank, world), "sampling": sampling(rank, world),
-            "mid_training": mid_training(rank, world), "one_rank": one_rank(rank, world) if world > 1 else {}}
+            "mid_training": mid_training(rank, world),
+            "evaluation": evaluation(rank, world), "one_rank": one_rank(rank, world) if world > 1 else {}}
