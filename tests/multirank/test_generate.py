@@ -88,7 +88,7 @@ def test_bad_arguments_are_clear_config_errors():
     ids, mask = prompts(0)
     with pytest.raises(fz.ConfigError, match=r"residency='all': give 'auto' \(chosen from the memory budget\)"):
         fz.generate(state, ids, mask, residency="all", max_new_tokens=2)
-    with pytest.raises(fz.ConfigError, match="do not pass synced_gpus: fz keeps the ranks of a stage-3 state in lockstep"):
+    with pytest.raises(fz.ConfigError, match="do not pass synced_gpus: fz keeps the ranks of a stage-3 state"):
         fz.generate(state, ids, mask, synced_gpus=True, max_new_tokens=2)
     with pytest.raises(fz.ConfigError, match=r"residency=-1: give 'auto'"):
         fz.evaluate(state, [{"input_ids": ids, "labels": ids}], residency=-1)
