@@ -63,6 +63,7 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
     plan = state.plan
     sharded = any(b.sharded_param for b in plan.buckets)
     input_ids, attention_mask = on_device((input_ids, attention_mask), plan.device)
+
     def run(runner, comm: Comm) -> Tensor:
         if seed is not None:
             torch.manual_seed(seed)
