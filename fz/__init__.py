@@ -14,13 +14,14 @@ from fz.observe.monitor import Monitor
 from fz.planning import estimate, estimate_table, plan
 from fz.spec import LossScale, Spec
 from fz.state import State, block_until_ready
-from fz.step.train import apply, eval_step, train_step
+from fz.step.generate import generate
+from fz.step.train import apply, eval_step, evaluate, train_step
 from fz.version import __version__
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Checkpointer", "CommReport", "ConfigError", "Consolidated", "LossScale",
     "MemoryReport", "Monitor", "NonFiniteError", "OffloadError", "PeerError", "Spec", "State", "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
-    "full_params", "init", "load_weights", "memory_report", "offload", "optim", "plan", "restore", "save", "train_step",
-    "wait_for_checkpoints",
+    "evaluate", "full_params", "generate", "init", "load_weights", "memory_report", "offload", "optim", "plan",
+    "restore", "save", "train_step", "wait_for_checkpoints",
 ]

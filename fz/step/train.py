@@ -11,7 +11,7 @@ Everything the step measured goes into the new state's `metrics`, never into sha
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.residency import Residency, ResidentRunner, deciding
 from fz.step.runner import BoundModel, Runner, default_loss
 from fz.step.scaler import update_scaler
 from fz.step.unused import UsedParams, unused_everywhere
@@ -222,9 +223,11 @@ def _master_leaves(state: State, mflats, donate: bool):
 
 
 def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.apply", collective: bool = True,
-             **kwargs: Any) -> Any:
+             residency: Callable[[Comm], Residency] | None = None, **kwargs: Any) -> Any:
     """Run `fn` on a Runner over the state's parameters. A `collective` call checks in first, so
-    one called on one rank only fails in seconds, naming the fix, instead of hanging."""
+    one called on one rank only fails in seconds, naming the fix, instead of hanging. With
+    `residency` (the plan, decided once the ranks have checked in: it may agree over `comm`)
+    the runner keeps the plan's units gathered until `fn` returns."""
     if collective:
         arrive(what, state.plan.ranks, state.plan.rank)
     peers.doing(what, int(state.step))
@@ -236,8 +239,13 @@ def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.
     state.skeleton.set_mode(train)
     # in train mode modules update buffers in place: they get copies, the state keeps its own
     buffers = {n: t.clone() for n, t in state.buffers.items()} if train else state.buffers
-    runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec,
-                    state.metrics["order"].tolist(), backward=False)
+    order = state.metrics["order"].tolist()
+    chosen = residency(comm) if residency is not None else None
+    if chosen is None:
+        runner = Runner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec, order, backward=False)
+    else:
+        runner = ResidentRunner(state.skeleton, state.plan, comm, list(flats), buffers, state.spec, order,
+                                backward=False, resident=chosen.resident)
     with torch.no_grad(), rng_forked(state.rng, state.plan.device), _autocast(state):
         try:
             return fn(runner, comm, *args, **kwargs)
@@ -246,26 +254,44 @@ def _forward(state: State, fn, *args: Any, train: bool = False, what: str = "fz.
                 peers.broke(what, e)
             raise
         finally:
-            runner.release()
+            if chosen is not None:
+                runner.dispose()  # drops the held units
+            else:
+                runner.release()
 
 
-def eval_step(state: State, batch: Any) -> Tensor:
+def eval_step(state: State, batch: Any, *, residency: str | int | None = None,
+              budget: float | None = None) -> Tensor:
     """The loss on this rank's `batch`, averaged over ranks, with the model in eval mode (dropout
-    off, BatchNorm on its running statistics); no state changes."""
-    expect_state(state, "fz.eval_step")
+    off, BatchNorm on its running statistics); no state changes. `residency` (and `budget`): a
+    plan as fz.generate takes it (fz/step/residency.py); None gathers each unit per call, as
+    training does. For many batches with the model gathered once, see `evaluate`."""
+    return evaluate(state, [batch], residency=residency, budget=budget, what="fz.eval_step")[0]
+
+
+def evaluate(state: State, batches: Iterable[Any], *, residency: str | int | None = "auto",
+             budget: float | None = None, what: str = "fz.evaluate") -> list[Tensor]:
+    """`[fz.eval_step(state, b) for b in batches]` in one call, so that the residency plan holds
+    across batches: with "gather" (or "auto" when it fits) stage 3 gathers each unit once for all
+    of them ("gather once, evaluate many"). A collective: every rank passes as many batches."""
+    expect_state(state, what)
     loss_fn = state.spec.loss_fn or default_loss
 
-    batch = on_device(batch, state.plan.device)
-
     def run(runner, comm):
-        agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, "fz.eval_step")
-        loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
-        return agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype)
+        out = []
+        for batch in batches:
+            batch = on_device(batch, state.plan.device)
+            agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, what)
+            loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
+            out.append(agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype))
+            runner.release()  # streamed units dropped; the held ones stay
+        return out
 
-    return _forward(state, run, what="fz.eval_step")  # the loss is averaged over ranks: collective
+    plan = None if residency is None else deciding(state, residency, budget, what)
+    return _forward(state, run, what=what, residency=plan)  # the loss is averaged over ranks: collective
 
 
-def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
+def apply(state: State, *args: Any, train: bool = False, residency: str | int | None = None, **kwargs: Any) -> Any:
     """The model's own forward output on `args` (stage 3 gathers block by block), in eval mode;
     `train=True` runs it in train mode (dropout from the state's generator, BatchNorm on batch
     statistics) without changing the state's buffers.
@@ -275,4 +301,5 @@ def apply(state: State, *args: Any, train: bool = False, **kwargs: Any) -> Any:
     expect_state(state, "fz.apply")
     args, kwargs = on_device((args, kwargs), state.plan.device)
     sharded = any(b.sharded_param for b in state.plan.buckets)
-    return _forward(state, lambda r, comm: r(*args, **kwargs), train=train, collective=sharded)
+    plan = None if residency is None else deciding(state, residency, None, "fz.apply")
+    return _forward(state, lambda r, comm: r(*args, **kwargs), train=train, collective=sharded, residency=plan)

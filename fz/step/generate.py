@@ -1,0 +1,115 @@
+"""`fz.generate`: Hugging Face's own `generate()` on the state's weights, with a residency plan.
+
+Why HF's `generate` and not a loop of fz's own: users compare against `model.generate` token
+for token, and it carries years of details (logits processors, stopping criteria, caches,
+left padding, position ids, special tokens) that a second loop would have to repeat and would
+drift from. What fz changes is only where the weights come from. The model's root forward is
+redirected, for the call, to a Runner over the state's parameters (the same one `fz.apply`
+uses), so every forward of the decode loop runs the skeleton's blocks functionally on the
+state's tensors: nothing is copied into a module, the state is not touched, and training can
+continue after it.
+
+The Runner is a `ResidentRunner` (fz/step/residency.py): units the residency plan holds are
+gathered on their first call and kept until `generate` returns ("gather once, decode many"),
+the others are gathered per forward with prefetch. After each forward the Runner releases
+what it does not hold, so streaming keeps memory at a few units.
+
+Lockstep: at stage 3 every forward gathers, so the ranks of a shard group must run the same
+number of forwards. HF's `synced_gpus=True` does exactly that (a finished rank keeps running
+forwards until every rank is done), but its check all-reduces over the default group; fz
+replaces that check, for the call, by one over the state's shard group, and turns it on
+itself: the user sets no flag. At stages 0-2 there are no collectives and a rank may call
+`generate` alone.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fz.errors import ConfigError
+from fz.sharding.comm import Comm
+from fz.state import State, expect_state
+from fz.step.batches import on_device
+from fz.step.residency import deciding
+from fz.step.train import _forward
+
+
+def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+             residency: str | int = "auto", budget: float | None = None, seed: int | None = None,
+             **generation_kwargs: Any) -> Tensor:
+    """Token ids, as the model's own `generate(input_ids, attention_mask, **generation_kwargs)`
+    returns them, computed with the state's current weights (in eval mode); the state is unchanged.
+
+    `residency`: "auto" (chosen from `budget` bytes per rank, default what is free now), "gather"
+    (the whole model gathered once per call), "stream" (every unit gathered per forward) or k,
+    the first k units kept. The plan is logged once per call. `seed`: sampling's generator is
+    seeded with it (the same on every rank); without it, the state's generator is used. Either
+    way the caller's generators are left as they were.
+
+    At stage 3 this is a collective: every rank of the state's shard group calls it (prompts
+    may differ per rank, lengths too); a rank whose sequences end first keeps running forwards
+    until all have. At stages 0-2 it is local."""
+    expect_state(state, "fz.generate")
+    root = state.skeleton.root
+    if not callable(getattr(type(root), "generate", None)):
+        raise ConfigError(f"fz.generate needs a model with Hugging Face's generate() (a GenerationMixin such as "
+                          f"LlamaForCausalLM); {type(root).__name__} has none: call fz.apply in a loop of your own")
+    if "synced_gpus" in generation_kwargs:
+        raise ConfigError("fz.generate: do not pass synced_gpus: fz keeps the ranks of a stage-3 state in lockstep "
+                          "itself (a rank that finished keeps running forwards until every rank has)")
+    plan = state.plan
+    sharded = any(b.sharded_param for b in plan.buckets)
+    input_ids, attention_mask = on_device((input_ids, attention_mask), plan.device)
+
+    def run(runner, comm: Comm) -> Tensor:
+        if seed is not None:
+            torch.manual_seed(seed)
+        lockstep = sharded and comm.world > 1
+        with _redirected(root, runner, comm if lockstep else None):
+            make: Any = root.generate  # GenerationMixin.generate, checked above
+            return make(input_ids, attention_mask=attention_mask, synced_gpus=lockstep, **generation_kwargs)
+
+    return _forward(state, run, what="fz.generate", collective=sharded,
+                    residency=deciding(state, residency, budget, "fz.generate"))
+
+
+class _redirected:
+    """For one call: the root's forward runs on `runner` (each forward then releases what the
+    runner does not hold), and HF's end-of-loop check agrees over `comm`'s group."""
+
+    def __init__(self, root: torch.nn.Module, runner: Any, comm: Comm | None):
+        self.root, self.runner, self.comm = root, runner, comm
+
+    def __enter__(self) -> None:
+        root, runner, inside = self.root, self.runner, [False]
+        unbound = type(root).forward
+
+        @functools.wraps(root.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if inside[0]:  # the runner calling the root itself
+                return unbound(root, *args, **kwargs)
+            inside[0] = True
+            try:
+                return runner(*args, **kwargs)
+            finally:
+                inside[0] = False
+                runner.release()  # streamed units dropped; the call order kept for the next prefetch
+
+        object.__setattr__(root, "forward", forward)
+        if self.comm is not None:
+            object.__setattr__(root, "_has_unfinished_sequences", functools.partial(_unfinished, self.comm))
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in ("forward", "_has_unfinished_sequences"):
+            self.root.__dict__.pop(name, None)
+
+
+def _unfinished(comm: Comm, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
+    """HF's `_has_unfinished_sequences` with synced_gpus, over the shard group: True while any
+    rank of it has a sequence still going."""
+    flag = torch.tensor(0.0 if this_peer_finished else 1.0, device=comm.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=comm.group)
+    return bool(flag.item() > 0)
