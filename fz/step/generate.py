@@ -68,7 +68,7 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
         if seed is not None:
             torch.manual_seed(seed)
         lockstep = sharded and comm.world > 1
-        with _redirected(root, runner, comm if lockstep else None):
+        with _redirected(root, runner, comm if lockstep else None, plan.device, state.spec.compute_dtype):
             make: Any = root.generate  # GenerationMixin.generate, checked above
             return make(input_ids, attention_mask=attention_mask, synced_gpus=lockstep, **generation_kwargs)
 
@@ -80,11 +80,18 @@ class _redirected:
     """For one call: the root's forward runs on `runner` (each forward then releases what the
     runner does not hold), and HF's end-of-loop check agrees over `comm`'s group."""
 
-    def __init__(self, root: torch.nn.Module, runner: Any, comm: Comm | None):
+    def __init__(self, root: torch.nn.Module, runner: Any, comm: Comm | None, device: torch.device,
+                 dtype: torch.dtype):
         self.root, self.runner, self.comm = root, runner, comm
+        self.probe = None
+        if next(root.parameters(), None) is None:  # a skeleton with no parameters of its own (built on meta):
+            # HF's generate reads model.device / model.dtype from the first parameter
+            self.probe = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
 
     def __enter__(self) -> None:
         root, runner, inside = self.root, self.runner, [False]
+        if self.probe is not None:
+            root.register_parameter("_fz_device_probe", self.probe)
         unbound = type(root).forward
 
         @functools.wraps(root.forward)
@@ -105,6 +112,7 @@ class _redirected:
     def __exit__(self, *exc: Any) -> None:
         for name in ("forward", "_has_unfinished_sequences"):
             self.root.__dict__.pop(name, None)
+        self.root._parameters.pop("_fz_device_probe", None)
 
 
 def _unfinished(comm: Comm, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
