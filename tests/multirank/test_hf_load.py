@@ -201,7 +201,7 @@ def test_tied_names_in_either_form(folders, tmp_path):
 # -- resident memory -------------------------------------------------------------------------
 
 
-def test_peak_rss_of_a_load_is_bounded_by_the_largest_tensor(tmp_path):
+def test_peak_rss_of_a_load_and_a_write_back_is_bounded_by_the_largest_tensor(tmp_path):
     """40 tensors of 8 MiB (320 MiB, 5 shards) into stage 3 with parameters on NVMe, in a fresh
     process: what the load adds to the resident memory (VmHWM, reset just before) stays under 3x
     the largest tensor + 24 MiB (the read chunk, its copy into the tier, and the allocator's and
@@ -220,5 +220,10 @@ def test_peak_rss_of_a_load_is_bounded_by_the_largest_tensor(tmp_path):
     assert got["load"] < bound, (got["load"] / mib, bound / mib)
     assert got["init"] < bound + 4 * 25 * mib, (got["init"] / mib, (bound + 100 * mib) / mib)
     assert got["equal"], got
+    # writing back: `fz consolidate --hf` streams stored chunks (the load's bound); save_pretrained from the
+    # live state (a 330 MiB Llama) gathers one 25 MiB bucket at a time and writes it: two buckets on top
+    assert got["consolidate_hf"] < bound, (got["consolidate_hf"] / mib, bound / mib)
+    assert got["save_pretrained"] < bound + 2 * 25 * mib, (got["save_pretrained"] / mib, (bound + 50 * mib) / mib)
     print(f"peak RSS added by load_weights: {got['load'] / mib:.1f} MiB (bound {bound / mib:.0f} MiB); "
-          f"by fz.init(weights=): {got['init'] / mib:.1f} MiB")
+          f"by fz.init(weights=): {got['init'] / mib:.1f} MiB; by save_pretrained: "
+          f"{got['save_pretrained'] / mib:.1f} MiB; by consolidate --hf: {got['consolidate_hf'] / mib:.1f} MiB")
