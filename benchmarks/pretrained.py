@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     ids = fz.generate(state, prompt, max_new_tokens=args.new_tokens, do_sample=False, residency="stream")
     phase("generate", t0)
     t0 = time.perf_counter()
-    fz.hf.save_pretrained(state, model, out)
+    fz.hf.save_pretrained(state, out)
     phase("export", t0)
     disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tier) for f in fs)
     result = {"phases": phases, "rss_mb": rss, "losses": losses, "step_s": step_s, "tier_bytes": disk,

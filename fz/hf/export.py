@@ -76,14 +76,16 @@ class _Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def save_pretrained(state: State, model: nn.Module, out: str | os.PathLike[str], *,
+def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Module | None = None,
                     max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
                     processing_class: Any = None) -> Exported:
-    """Write `state`'s weights with `model`'s config as a transformers model folder `out`.
+    """Write `state`'s weights with its model's config as a transformers model folder `out`
+    (the state first, then where, as fz.save).
 
-    A collective: every rank of the state calls it, with the same arguments. `model` is the
+    A collective: every rank of the state calls it, with the same arguments. `model`: the
     transformers model the state was made from (its config, generation config and tied-weight
-    declarations are read; its tensors are not). `max_shard_size`: bytes per shard file, an int
+    declarations are read; its tensors are not); by default the state's own copy of its
+    structure. `max_shard_size`: bytes per shard file, an int
     or a string such as "5GB" or "500MB" (transformers' units). `processing_class`: a tokenizer
     or processor, saved alongside with its own `save_pretrained`.
 
@@ -98,6 +100,8 @@ def save_pretrained(state: State, model: nn.Module, out: str | os.PathLike[str],
     `_tied_weights_keys` declare are dropped (from_pretrained ties them again). Returns an Exported.
     """
     expect_state(state, "fz.hf.save_pretrained")
+    if model is None:
+        model = state.skeleton.root
     config = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
         raise ConfigError(f"fz.hf.save_pretrained: the model ({type(model).__name__}) is not a transformers "

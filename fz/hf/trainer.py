@@ -352,5 +352,5 @@ class Trainer(transformers.Trainer):
         tokenizer; gathered from the State one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
-        save_pretrained(self.fz_state, self._model(), output_dir or str(self.args.output_dir),
+        save_pretrained(self.fz_state, output_dir or str(self.args.output_dir), model=self._model(),
                         processing_class=self.processing_class)

@@ -145,7 +145,7 @@ def _failure(state, model, out: Path, rank: int, world: int, who: int, what: str
         undo = (_failing(StreamWriter, "write", 2, OSError("injected write error")) if what == "write" else
                 _failing(fp, "load", 1, OSError("injected read error")))
     try:
-        save_pretrained(state, model, out, max_shard_size=LIMIT)
+        save_pretrained(state, out, model=model, max_shard_size=LIMIT)
         err = None
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         err = f"{type(e).__name__}: {e}"
@@ -169,7 +169,7 @@ def _checks(rank: int, world: int, tmp: str) -> dict:
         model, state = _trained(name, stage, precision, rank, world)
         where = Path(tmp) / f"w{world}-{name}-{stage}-{precision}"
         with _Peak() as peak:
-            info = save_pretrained(state, model, where, max_shard_size=LIMIT if stage else "40KB",
+            info = save_pretrained(state, where, model=model, max_shard_size=LIMIT if stage else "40KB",
                                    processing_class=_tokenizer() if name == "gpt2" else None)
         bf16 = precision == "bf16"
         full = fz.full_params(state, "compute" if bf16 else None)
@@ -183,7 +183,7 @@ def _checks(rank: int, world: int, tmp: str) -> dict:
         base = Path(tmp) / "fail"
         out["write"] = _failure(state, model, base / "fresh", rank, world, 0, "write")
         out["read"] = _failure(state, model, base / "read", rank, world, 1, "read")
-        save_pretrained(state, model, base / "kept", max_shard_size=LIMIT)
+        save_pretrained(state, base / "kept", model=model, max_shard_size=LIMIT)
         out["kept"] = _failure(state, model, base / "kept", rank, world, 0, "write")
         out["after"] = _failure(state, model, base / "after", rank, world, -1, "none")
         ref = hf_model("gpt2")
@@ -271,7 +271,7 @@ def test_fp32_masters_of_a_bf16_run_in_one_file_and_argument_errors(tmp_path):
 
     warnings.filterwarnings("ignore")
     model, state = _trained("llama", 0, "bf16", 0, 1)
-    info = save_pretrained(state, model, tmp_path / "fp32", dtype=torch.float32)
+    info = save_pretrained(state, tmp_path / "fp32", dtype=torch.float32)  # the model: the state's own
     assert info.files == ("model.safetensors",) and info.dtype == "float32"
     assert sorted(p.name for p in (tmp_path / "fp32").iterdir()) == ["config.json", "generation_config.json",
                                                                      "model.safetensors"]
@@ -282,7 +282,7 @@ def test_fp32_masters_of_a_bf16_run_in_one_file_and_argument_errors(tmp_path):
     for kw, words in (({"max_shard_size": "lots"}, "max_shard_size='lots'"), ({"max_shard_size": 0}, "positive"),
                       ({"dtype": torch.int8}, "floating torch.dtype")):
         with pytest.raises(fz.ConfigError, match=words):
-            save_pretrained(state, model, tmp_path / "bad", **kw)
+            save_pretrained(state, tmp_path / "bad", model=model, **kw)
     with pytest.raises(fz.ConfigError, match="not a transformers PreTrainedModel"):
-        save_pretrained(state, torch.nn.Linear(2, 2), tmp_path / "bad")
+        save_pretrained(state, tmp_path / "bad", model=torch.nn.Linear(2, 2))
     assert not (tmp_path / "bad").exists()

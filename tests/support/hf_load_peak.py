@@ -79,7 +79,7 @@ def _save_pretrained_peak(root: Path) -> int:
                                                                                          params=True))
     state = fz.init(llama, spec)
     base = reset_peak()
-    save_pretrained(state, llama, root / "exported", max_shard_size=64 * 2**20)
+    save_pretrained(state, root / "exported", max_shard_size=64 * 2**20)
     return status("VmHWM") - base
 
 
