@@ -34,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--buffer-mb", type=float, default=512.0, help="the NVMe tier's I/O buffers (3 of them); one "
+                   "parameter's optimizer rows must fit one (the embedding's: 0.49 GB per rank here)")
     p.add_argument("--timeout", type=float, default=3000.0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -110,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
         return m(input_ids=batch, labels=batch).loss
 
     spec = fz.Spec(stage=3, precision="bf16", optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0,
-                   loss_fn=loss_fn, offload=fz.offload.nvme(tier, params=True, buffer_mb=256, buffers=4, prefetch=2))
+                   loss_fn=loss_fn, offload=fz.offload.nvme(tier, params=True, buffer_mb=args.buffer_mb, buffers=3,
+                                                          prefetch=2))
     t0 = time.perf_counter()
     state = fz.init(model, spec, weights=folder)
     phase("load", t0)
