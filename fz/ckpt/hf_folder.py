@@ -12,10 +12,13 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from fz.errors import ConfigError
 
+T = TypeVar("T")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -26,7 +29,8 @@ _SIDE = re.compile(r"^(config|generation_config|tokenizer(_config)?|special_toke
 
 
 def shard_size(size: int | str) -> int:
-    """Bytes from an int or a string such as "5GB" / "500MB" / "2GiB" (transformers' units)."""
+    """Bytes from an int or a string such as "5GB" / "500MB" / "2GiB" (transformers' units:
+    GB = 10**9, GiB = 2**30, and "5Gb" in bits, as `convert_file_size_to_int` reads them)."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     else:
@@ -34,14 +38,17 @@ def shard_size(size: int | str) -> int:
         if m is None:
             raise ConfigError(f"max_shard_size={size!r}: give bytes as an int or a string such as '5GB' or '500MB'")
         n = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+        if re.search(r"[KMGT]b\s*$", str(size)):  # a lower-case b after a decimal unit: bits
+            n //= 8
     if n <= 0:
         raise ConfigError(f"max_shard_size={size!r}: must be a positive number of bytes")
     return n
 
 
-def shards(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
-    """Names in order, cut into files of at most `limit` bytes (a larger tensor gets a file of its own)."""
-    out: list[list[str]] = [[]]
+def shards(sizes: Sequence[tuple[T, int]], limit: int) -> list[list[T]]:
+    """Items (names, entries) in order, cut into files of at most `limit` bytes (a larger tensor
+    gets a file of its own), as huggingface_hub's split_torch_state_dict_into_shards does."""
+    out: list[list[T]] = [[]]
     used = 0
     for name, n in sizes:
         if out[-1] and used + n > limit:

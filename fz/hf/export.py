@@ -38,13 +38,14 @@ import torch
 from torch import Tensor, nn
 
 from fz.ckpt.group import GroupCache, exchange, state_ranks
+from fz.ckpt.hf_folder import INDEX, WEIGHTS, filenames, shard_size
+from fz.ckpt.hf_folder import shards as cut
 from fz.ckpt.layout import disk_full, fsync_path
 from fz.ckpt.safetensors_io import StreamWriter
 from fz.errors import ConfigError
 from fz.observe.full_params import gathered, source_dtype
 from fz.state import State, expect_state
 
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _TMP = ".fz-export-"
 _GROUPS = GroupCache()  # the gloo groups errors are shared over (never the training group)
@@ -109,10 +110,10 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"fz.hf.save_pretrained(dtype={dtype!r}): give None (the precision the run computes in) "
                           "or a floating torch.dtype such as torch.float32 (the fp32 master weights)")
-    limit = _shard_size(max_shard_size)
+    limit = shard_size(max_shard_size)
     entries, convert = _entries(state, model, dtype)
-    shards = _split(entries, limit)
-    names = _filenames(len(shards))
+    shards = cut([(e, e.nbytes) for e in entries], limit)
+    names = filenames(len(shards))
     # what config.json's dtype says, as transformers' model.dtype: the first floating tensor's
     written = next((e.dtype for e in entries if e.dtype.is_floating_point), torch.float32)
     writer = state.plan.rank == state.plan.ranks[0]
@@ -157,18 +158,6 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
     return Exported(out=str(out), files=(*names, *([INDEX] if len(names) > 1 else [])), shards=len(names),
                     tensors=len(entries),
                     bytes=sum(e.nbytes for e in entries), dtype=str(written).removeprefix("torch."))
-
-
-def _shard_size(size: int | str) -> int:
-    from transformers.utils.hub import convert_file_size_to_int
-
-    try:
-        n = convert_file_size_to_int(size)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"max_shard_size={size!r}: give bytes as an int or a string such as '5GB' or '500MB'") from e
-    if not isinstance(n, int) or n <= 0:
-        raise ConfigError(f"max_shard_size={size!r}: must be a positive number of bytes")
-    return n
 
 
 def _tied_patterns(model: nn.Module) -> list[str]:
@@ -245,24 +234,6 @@ def _entries(state: State, model: nn.Module, dtype: torch.dtype | None) -> tuple
 def _parameters(state: State) -> int:
     """transformers' num_parameters(): each parameter once (a tied pair counts once)."""
     return sum(s.numel for b in state.plan.buckets for s in b.slots)
-
-
-def _split(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
-    """Fill each shard up to `limit` bytes in order (a tensor larger than `limit` alone), as
-    huggingface_hub's split_torch_state_dict_into_shards does."""
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += e.nbytes
-    return shards
-
-
-def _filenames(n: int) -> list[str]:
-    return [WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 class _Job:

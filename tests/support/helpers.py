@@ -86,3 +86,17 @@ def config_error(fn) -> str:
     except fz.ConfigError as e:
         return str(e)
     return ""
+
+
+def transform_updates(transform, steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    """The updates an fz.optim transformation makes over `steps` steps on two small tensors with
+    seeded random gradients (compared against a torch optimizer's, or another transformation's)."""
+    import fz
+    torch.manual_seed(0)
+    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    state, out = transform.init(p), []
+    for _ in range(steps):
+        u, state = transform.update({k: torch.randn_like(v) for k, v in p.items()}, state, p)
+        out.append({k: v.clone() for k, v in u.items()})
+        fz.optim.apply_updates(p, u)
+    return out

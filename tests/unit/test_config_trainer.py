@@ -14,6 +14,8 @@ import torch
 import fz
 from fz.config import DeepSpeedConfigWarning
 
+from support.helpers import transform_updates as updates
+
 HF_AUTO = {  # the "auto" style of the transformers / accelerate templates
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
@@ -27,17 +29,6 @@ def load(cfg, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeepSpeedConfigWarning)
         return fz.Spec.from_deepspeed(cfg, **kw)
-
-
-def updates(transform, steps=3):
-    torch.manual_seed(0)
-    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    state, out = transform.init(p), []
-    for _ in range(steps):
-        u, state = transform.update({k: torch.randn_like(v) for k, v in p.items()}, state, p)
-        out.append({k: v.clone() for k, v in u.items()})
-        fz.optim.apply_updates(p, u)
-    return out
 
 
 def torch_updates(make_opt, steps=3, schedule=None):

@@ -29,6 +29,8 @@ from fz.config import DeepSpeedConfigWarning  # noqa: E402
 from fz.hf.arguments import spec_from_args, unsupported  # noqa: E402
 from fz.hf.optimizers import OPTIMIZERS, SCHEDULES  # noqa: E402
 
+from support.helpers import transform_updates as updates  # noqa: E402
+
 ZERO3 = Path(__file__).resolve().parents[1] / "data" / "ds_config_zero3.json"
 STEPS = 20
 
@@ -96,17 +98,6 @@ CONFIGS = {
 }
 FIELDS = ("stage", "micro_batch", "grad_accum", "clip_grad_norm", "precision", "bucket_mb", "persist_threshold",
           "prefetch", "live_buckets", "offload", "loss_scaling")
-
-
-def updates(transform, steps=3):
-    torch.manual_seed(0)
-    p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    state, out = transform.init(p), []
-    for _ in range(steps):
-        u, state = transform.update({k: torch.randn_like(v) for k, v in p.items()}, state, p)
-        out.append({k: v.clone() for k, v in u.items()})
-        fz.optim.apply_updates(p, u)
-    return out
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
