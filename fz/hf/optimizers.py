@@ -23,7 +23,7 @@ import torch
 from fz import optim
 from fz.errors import ConfigError
 from fz.optim import GradientTransformation
-from fz.optim.base import Params, lr_at, owned
+from fz.optim.base import Params, lr_at, masked, owned
 
 # TrainingArguments.optim -> the fz optimizer that computes the same update
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
@@ -82,20 +82,6 @@ def schedule_kwargs(args: Any) -> dict[str, Any]:
     if not isinstance(kw, Mapping):
         raise ConfigError(f"TrainingArguments.lr_scheduler_kwargs={kw!r}: must be a dict")
     return dict(kw)
-
-
-def masked(inner: GradientTransformation, names: frozenset[str]) -> GradientTransformation:
-    """`inner` on the parameters named in `names` only (optax.masked); the others pass through."""
-
-    def init(params: Params) -> Any:
-        return inner.init({k: v for k, v in params.items() if k in names})
-
-    def update(updates: Params, state: Any, params: Params | None = None, **extra: Any) -> tuple[Params, Any]:
-        sub = {k: u for k, u in updates.items() if k in names}
-        new, state = inner.update(sub, state, None if params is None else {k: params[k] for k in sub}, **extra)
-        return {**updates, **new}, state
-
-    return GradientTransformation(init, update)
 
 
 def decoupled_decay(lr: Any, weight_decay: float) -> GradientTransformation:

@@ -7,6 +7,7 @@ from fz.optim.base import (
     apply_updates,
     chain,
     global_norm,
+    masked,
     owned,
     sum_across_shards,
 )
@@ -34,7 +35,7 @@ from fz.optim.transforms import (
 )
 
 __all__ = [
-    "GradientTransformation", "chain", "apply_updates", "global_norm", "owned", "sum_across_shards",
+    "GradientTransformation", "chain", "apply_updates", "global_norm", "masked", "owned", "sum_across_shards",
     "adam", "adamw", "sgd", "lion", "lamb", "adafactor",
     "add_decayed_weights", "clip_by_global_norm", "scale_by_adam", "scale_by_lamb", "scale_by_lion",
     "scale_by_learning_rate", "scale_to_max_norm", "trace", "current_lr",

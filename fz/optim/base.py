@@ -90,3 +90,17 @@ def sum_across_shards(partial: Params, shard_sum: Callable[[Params], Params] | N
 def lr_at(lr: float | Callable[[int], float], count: int) -> float:
     """A learning rate is a number or a schedule: a function of the step count."""
     return float(lr(count)) if callable(lr) else float(lr)
+
+
+def masked(inner: GradientTransformation, names: frozenset[str]) -> GradientTransformation:
+    """`inner` on the parameters named in `names` only (optax.masked); the others pass through."""
+
+    def init(params: Params) -> Any:
+        return inner.init({k: v for k, v in params.items() if k in names})
+
+    def update(updates: Params, state: Any, params: Params | None = None, **extra: Any) -> tuple[Params, Any]:
+        sub = {k: u for k, u in updates.items() if k in names}
+        new, state = inner.update(sub, state, None if params is None else {k: params[k] for k in sub}, **extra)
+        return {**updates, **new}, state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,258 @@
+"""A train step's phases: open it, run each micro-batch's forward and backward, finish it.
+
+`train_step` runs them back to back. A caller that drives forward and backward itself
+(DeepSpeed's `engine(batch)`, `engine.backward(loss)`, `engine.step()`: fz/deepspeed/) opens
+a `StepInProgress` and calls the same phases, so its step is the same computation, bit for
+bit. The phases share nothing with the outside but the State they were given: the open step
+holds the gradients being reduced, the runner and the step's random state, and `finish`
+returns the new State.
+
+The random state: each phase runs with the generators set from the step's own state (the
+caller's restored between phases), so the draws are the ones a single `train_step` makes.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from fz.background import raise_background_failures
+from fz.distributed import peers
+from fz.errors import ConfigError
+from fz.offload.host_grads import HostGrads
+from fz.offload.transfer import pool_for
+from fz.optim.transforms import current_lr
+from fz.rng import forked as rng_forked
+from fz.sharding.comm import Comm
+from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
+from fz.sharding.pack import checked_flats
+from fz.sharding.sync import Arriving, start_param_sync
+from fz.state import State, expect_state
+from fz.step.agree import Agreement
+from fz.step.batches import scalar_loss
+from fz.step.buffers import sync_changed, versions
+from fz.step.grads import GradReducer
+from fz.step.metrics import step_metrics
+from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.runner import BoundModel, Runner
+from fz.step.scaler import update_scaler
+from fz.step.unused import UsedParams, unused_everywhere
+from fz.step.update import optimizer_inputs
+from fz.step.updaters import UPDATERS, UpdateInputs, update_tier
+from fz.storage.disk import DiskTensor
+
+
+def autocast(state: State):
+    dtype = state.spec.compute_dtype
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(state.plan.device.type, dtype=dtype)
+
+
+def _own(t: Tensor) -> Tensor:
+    """A copy the step may write into (a DiskTensor is never written: the step makes new files)."""
+    return t if isinstance(t, DiskTensor) else t.clone()
+
+
+def _clone_tree(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: _own(x) if isinstance(x, Tensor) else x, tree)
+
+
+def _offload_of(spec):
+    return spec.offload if spec.offload is not None and spec.offload.active else None
+
+
+class StepInProgress:
+    """One optimizer step, opened on `state` (donated unless `donate=False`) for a batch of this
+    rank's `batch` rows (its size is checked across ranks when the step finishes)."""
+
+    def __init__(self, state: State, batch: Any, *, donate: bool = True, what: str = "fz.train_step"):
+        expect_state(state, what)
+        peers.doing(what, int(state.step))
+        raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
+        self.what, self.donate = what, donate
+        self.given, offload, self.tier = state, _offload_of(state.spec), update_tier(state.spec)
+        if offload is not None:  # leaves put elsewhere (replace, tree_map) go back to the policy's tier
+            state = offload(state)
+        self.state = state
+        spec, plan, scaler = state.spec, state.plan, state.scaler
+        if scaler is None:
+            raise ConfigError(f"{what}: state.scaler is None; a state from fz.init has one (keep it)")
+        self.scaler = scaler
+        flats, sync, mflats = checked_flats(state)  # the leaves, exactly as given (ConfigError if one does not fit)
+        local_opt = checked_opt_state(state.opt_state, plan)
+        if not donate:  # a copy the step owns (reading the parameters waits for any still arriving)
+            if sync is not None:
+                sync.finish()
+                sync = None
+            flats = [_own(f) for f in flats]
+            mflats = [None if m is None else _own(m) for m in mflats]
+            local_opt = _clone_tree(local_opt)
+        self.flats, self.sync, self.mflats, self.local_opt = flats, sync, mflats, local_opt
+        # modules update them in place
+        self.buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}
+        self.before = versions(self.buffers)
+        self.agreement = Agreement(plan, state.step, batch, spec.weight_by_rows, what)
+        self.comm = Comm(plan, spec.grad_reduce_dtype)
+        self.scale = float(scaler.get("scale", 1.0))
+        self.leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
+        # optimizer state off the device: gradients follow it to the host as each bucket is reduced
+        self.host = (HostGrads(pool_for(offload), plan.device)
+                     if offload is not None and offload.optimizer != "device" else None)
+        self.reducer = GradReducer(plan, self.comm, self.leaves, self.host)
+        state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics
+        self.used = UsedParams() if spec.skip_unused else None
+        self.runner = Runner(state.skeleton, plan, self.comm, self.leaves, self.buffers, spec,
+                             state.metrics["order"].tolist(), grad_sink=self.reducer.reduce_gathered,
+                             sync=sync, used=self.used)
+        self.model = BoundModel(self.runner)
+        self.weight = self.scale * self.agreement.loss_weight / spec.grad_accum
+        self.total = torch.zeros((), device=plan.device)
+        self.calls: list[int] = []  # the blocks each forward called, in order (checked across ranks)
+        self.rng = state.rng
+        self.closed = False
+
+    @contextlib.contextmanager
+    def _phase(self) -> Iterator[None]:
+        """The step's generators for this phase; a failure breaks the step (its collectives no
+        longer match the other ranks') and closes it."""
+        if self.closed:
+            raise ConfigError(f"{self.what}: this step is already finished or broken; open a new one")
+        try:
+            with rng_forked(self.rng, self.state.plan.device) as now:
+                yield
+                self.rng = now()
+        except BaseException as e:
+            self.abort(e)
+            raise
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(model, *args, **kwargs)` on the step's parameters (stage 3 gathers block by block),
+        under the compute dtype's autocast; what it returns is the caller's (a loss, an output)."""
+        with self._phase(), autocast(self.state):
+            return fn(self.model, *args, **kwargs)
+
+    def backward(self, loss: Tensor, last: bool) -> None:
+        """Backpropagate one micro-batch's scalar `loss` (scaled by 1/grad_accum and the loss
+        scale); `last`: the step's last micro-batch, whose gradients are reduced for the update."""
+        with self._phase():
+            loss = scalar_loss(loss).float()
+            self.reducer.last = last
+            self.runner.backward(loss * self.weight)
+            self.calls += self.runner.called
+            self.runner.release()
+            self.reducer.end_micro_batch()
+            self.total += loss.detach()
+            if self.sync is not None:  # parameters no forward used
+                self.sync.finish()
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Give the step up: its reductions are closed; the state it was given stays donated."""
+        if self.closed:
+            return
+        self.closed = True
+        if error is not None:
+            peers.broke(self.what, error)
+        self.reducer.close()
+
+    def finish(self) -> tuple[State, Tensor]:
+        """The update: returns (new state, mean loss over all ranks)."""
+        if self.closed:
+            raise ConfigError(f"{self.what}: this step is already finished or broken; open a new one")
+        self.closed = True
+        self.reducer.close()
+        state, spec, plan, comm, reducer = self.state, self.state.spec, self.state.plan, self.comm, self.reducer
+        donate, agreement, buffers = self.donate, self.agreement, self.buffers
+        reducer.reduce_across_replicas()
+        sync_changed(comm, buffers, self.before, spec.buffer_sync, state.skeleton.running_stats)  # equal on every rank
+        order, live = self.runner.order, self.runner.live
+        self.runner.dispose()
+        del self.runner, self.model
+        flats, mflats, local_opt, used = self.flats, self.mflats, self.local_opt, self.used
+        with torch.no_grad():
+            grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / self.scale)
+            reducer.dispose()
+            del self.leaves, self.reducer, reducer
+            guard = NonFinite(spec, plan, int(state.step), self.scaler)
+            # the loss all-reduce, with every rank's step, batch size, blocks called and non-finite finding
+            agreement.start(comm, self.total / spec.grad_accum, guard.check(grads), self.calls)
+            if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
+                _, factor = agreement.finish(comm)
+                if factor != 1.0:
+                    torch._foreach_mul_(list(grads.values()), factor)
+            overflow = guard.skip(agreement, comm)
+            new_sync, norm = None, None
+            if not overflow:
+                skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
+                inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate)
+                try:
+                    up = UPDATERS[self.tier](spec, comm, plan, inputs)
+                except BaseException as e:
+                    if donate and self.tier == "disk":
+                        self.given.donate()
+                        if hasattr(e, "add_note"):  # Python >= 3.11
+                            e.add_note(
+                                f"{self.what} failed while streaming the offloaded optimizer state; the state "
+                                "it was given is consumed (donated; its in-memory parameters may be partly "
+                                "updated): restore the last checkpoint. With donate=False the input state stays whole."
+                            )
+                    raise
+                del inputs
+                local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
+                new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats) if up.cast else mflats)
+        del grads, params
+        if self.host is not None:
+            self.host.release()
+        if agreement.result is None:  # waited for while the optimizer ran
+            try:
+                agreement.finish(comm)
+            except ConfigError:
+                if donate:  # its buffers took this update in place: no silent reuse
+                    state.donate()
+                raise
+        loss = agreement.finish(comm)[0]  # its result, kept from the first call
+
+        scaler = update_scaler(spec, self.scaler, overflow)
+        opt_state = wrap_opt_state(local_opt, plan, reuse_map(state.opt_state) if donate else None)
+        new = state.replace(step=state.step + 1, rng=self.rng, scaler=scaler, opt_state=opt_state, buffers=buffers,
+                            param_flats=_param_leaves(state, flats, new_sync, donate),
+                            master_flats=_master_leaves(state, mflats, donate),
+                            metrics=step_metrics(order, comm, live, norm, _lr(opt_state), scaler))
+        if donate:
+            self.given.donate()
+            state.donate()
+        self.state = self.given = None  # type: ignore[assignment]  # the step holds no state once finished
+        return new, loss
+
+
+def _lr(opt_state: Any) -> float | None:
+    try:
+        return current_lr(opt_state)
+    except ValueError:
+        return None
+
+
+def _param_leaves(state: State, flats: list[Tensor], sync, donate: bool):
+    """The new state's parameter storage: the same DTensors where nothing changed, futures where
+    the bucket is still being all-gathered."""
+    plan, out = state.plan, []
+    for b, flat, old in zip(plan.buckets, flats, state.param_flats):
+        if sync is not None and b.index in sync.waiting:
+            out.append(plan.wrap_flat(Arriving(flat, sync, b.index), b, b.place.param))
+        elif donate and old._local_tensor is flat:
+            out.append(old)
+        else:
+            out.append(plan.wrap_flat(flat, b, b.place.param))
+    return tuple(out)
+
+
+def _master_leaves(state: State, mflats, donate: bool):
+    plan, out = state.plan, {}
+    for i, old in state.master_flats.items():
+        b = plan.buckets[i]
+        out[i] = old if donate and old._local_tensor is mflats[i] else plan.wrap_flat(mflats[i], b, b.place.opt)
+    return out
