@@ -319,7 +319,8 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     out["optimizer"], text = opt.build(schedule if schedule is not None else opt.lr)
     r.record("optimizer", text, opt.source, "optimizer" if opt.from_section else "(no optimizer section)")
     prov = Provenance(r.entries, r.keys, r.outcomes, [k for k in r.auto if k not in r.used_auto], origin,
-                      objects={"optimizer": out["optimizer"]}, order=_order(cfg))
+                      objects={"optimizer": out["optimizer"], "lr": schedule if schedule is not None else opt.lr},
+                      order=_order(cfg))
     try:
         spec = spec_cls(**out, provenance=prov)
     except ConfigError as e:

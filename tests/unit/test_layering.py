@@ -22,7 +22,7 @@ LAYERS = [  # lowest first; a package may import its own layer and those below
     {"ckpt", "observe", "data"},
     {"planning", "launch", "init_state"},
     {"__init__", "__main__", "cli", "testing"},  # the API
-    {"hf"},  # Hugging Face's Trainer on fz (the hf extra)
+    {"hf", "deepspeed"},  # the compatibility shells: Hugging Face's Trainer, DeepSpeed's engine
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -1,0 +1,160 @@
+"""`fz.import_deepspeed`: a DeepSpeed checkpoint (stage 0-3, fp32/fp16/bf16, or universal) into a state.
+
+The checkpoint is read by `DeepSpeedCheckpoint` (fz/ckpt/ds_checkpoint.py: its pickles parsed
+without running code) one parameter at a time, each rank reading only the elements it holds,
+in bounded chunks, straight into the tier the state keeps them in (fz/ckpt/pretrained.py's
+places). So memory is bounded by a chunk, never the model, and the checkpoint restores into
+any fz stage and world size. What comes across:
+- the fp32 master weights (and the compute-dtype parameters cast from them);
+- Adam's moments (`exp_avg`, `exp_avg_sq` -> the state's `mu`, `nu`) and its step, which
+  every count of the fz optimizer takes (so the lr schedule resumes where it was);
+- the step (global_steps), the skipped-step count, fp16's loss scale and the buffers;
+- client_state, returned beside the state.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fz.ckpt.pretrained import Place, _places, _put, _span
+from fz.errors import CheckpointError
+from fz.state import State, block_until_ready, expect_state
+
+_MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a DeepSpeed save dir (a `latest` naming a tag folder) or a tag folder."""
+    p = Path(path)
+    if (p / "latest").is_file() and not (p / "fz.json").exists():
+        tag = (p / "latest").read_text().strip()
+        return _is_tag_dir(p / tag)
+    return _is_tag_dir(p)
+
+
+def _is_tag_dir(p: Path) -> bool:
+    return p.is_dir() and (any(p.glob("*mp_rank_00_model_states.pt")) or (p / "zero").is_dir())
+
+
+def _walk(tree: Any) -> Iterator[Any]:
+    """Every node of an optimizer state (tuples, named tuples, lists, dicts), parents first."""
+    yield tree
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _walk(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _walk(x)
+
+
+def _adam_states(tree: Any) -> list[Any]:
+    """Every state of the optimizer chain that holds Adam's moments (`mu`, `nu`)."""
+    return [x for x in _walk(tree) if isinstance(x, tuple) and "mu" in getattr(x, "_fields", ()) and "nu" in x._fields]
+
+
+def _counts(tree: Any) -> list[Tensor]:
+    """The optimizer's step counts: its 0-d integer tensors (fz.optim keeps nothing else so)."""
+    return [x for x in _walk(tree) if isinstance(x, Tensor) and not isinstance(x, DTensor) and x.dim() == 0
+            and not x.is_floating_point() and x.dtype != torch.bool]
+
+
+def _moment_places(state: State) -> dict[str, dict[str, list[Place]]]:
+    """{moment kind: {canonical name: places}} of the state's Adam moments on this rank."""
+    plan, slots = state.plan, state.plan.slots()
+    out: dict[str, dict[str, list[Place]]] = {}
+    for adam in _adam_states(state.opt_state):
+        for kind, field in _MOMENTS.items():
+            for name, leaf in getattr(adam, field).items():
+                b, s = slots[name]
+                local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+                start, stop = s.local_rows(plan.shard_rank) if isinstance(b.place.opt, Shard) else (0, s.rows)
+                out.setdefault(kind, {}).setdefault(name, []).append(
+                    (local.reshape(-1), start * s.row_numel, stop * s.row_numel))
+    return out
+
+
+def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
+    """{fz canonical name: the DeepSpeed name holding its value}, and the differences."""
+    stored = {**ck.params, **ck.frozen}
+    by_canon: dict[str, list[str]] = {}
+    for name, canon in state.skeleton.aliases.items():
+        by_canon.setdefault(canon, []).append(name)
+    problems, pairs = [], {}
+    for canon, (_, s) in state.plan.slots().items():
+        names = [canon] + [n for n in by_canon.get(canon, []) if n != canon]
+        key = next((n for n in names if n in stored), None)
+        if key is None:
+            key = next((ck.shared[n] for n in names if n in ck.shared and ck.shared[n] in stored), None)
+        if key is None:
+            problems.append(f"missing: {canon}")
+            continue
+        if tuple(stored[key]) != tuple(s.shape):
+            problems.append(f"shape mismatch: {canon} is {tuple(s.shape)} here, {tuple(stored[key])} in the checkpoint")
+            continue
+        pairs[canon] = key
+    for key in sorted(set(stored) - set(pairs.values())):
+        if state.skeleton.aliases.get(key) not in pairs:
+            problems.append(f"unexpected: {key}")
+    return pairs, problems
+
+
+def _fill(places: list[Place], ck: Any, key: str, kind: str) -> None:
+    lo, hi = _span(places)
+    if hi > lo:
+        for at, chunk in ck.read(key, kind, lo, hi):
+            _put(places, at, chunk)
+
+
+def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | None = None,
+                     strict: bool = True) -> tuple[State, dict[str, Any]]:
+    """Load the DeepSpeed checkpoint at `path` (a save dir, whose `latest` names the tag, or a tag
+    folder; `tag` picks another) into the template `state`: weights, Adam's moments and step,
+    the step count, loss scale and buffers. Returns (state, client_state). Every rank calls it;
+    each reads only what it holds. Names or shapes that differ are a CheckpointError listing them
+    (strict=False: a warning, and the rest is loaded); so are moments the state's optimizer has
+    no place for. Pickled files are parsed, never run: a class outside DeepSpeed's is refused."""
+    from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
+
+    expect_state(state, "fz.import_deepspeed")
+    state = block_until_ready(state)
+    with DeepSpeedCheckpoint(path, tag) as ck:
+        pairs, problems = _pairs(ck, state)
+        moments = _moment_places(state)
+        if ck.moments and not moments:
+            problems.append(f"the checkpoint holds {', '.join(ck.moments)} but this state's optimizer keeps no "
+                            "Adam moments (fz.optim.adam/adamw)")
+        if problems:
+            msg = (f"DeepSpeed checkpoint {ck.path} does not match this state ({len(problems)} differences): "
+                   + "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else ""))
+            if strict:
+                raise CheckpointError(msg)
+            warnings.warn(msg, stacklevel=2)
+        places = _places(state)
+        with torch.no_grad():
+            for canon, key in pairs.items():
+                _fill(places[canon], ck, key, "fp32")
+                for kind in ck.moments:
+                    target = moments.get(kind, {}).get(canon)
+                    if target is not None and key in ck.params:
+                        _fill(target, ck, key, kind)
+            for name, value in ck.buffers.items():
+                canon = state.skeleton.aliases.get(name, name)
+                if canon in state.buffers and state.buffers[canon].shape == value.shape:
+                    state.buffers[canon].copy_(value)
+            if ck.optimizer_step is not None:
+                for count in _counts(state.opt_state):
+                    count.fill_(int(ck.optimizer_step))
+            scaler = dict(state.scaler or {})
+            if "skipped" in scaler:
+                scaler["skipped"] = torch.tensor(int(ck.skipped_steps), dtype=torch.int64)
+            if "scale" in scaler and ck.loss_scale is not None:
+                scaler["scale"] = torch.tensor(float(ck.loss_scale))
+        new = state.replace(step=torch.full_like(state.step, int(ck.global_steps)), scaler=scaler)
+        return new, dict(ck.client_state)

@@ -1,0 +1,271 @@
+"""DeepSpeed's engine, as a thin imperative shell over an fz State.
+
+    loss = engine(batch); engine.backward(loss); engine.step()
+
+is DeepSpeed's loop. The engine holds `engine.state` (an fz.State) and nothing of its own but
+counters: a forward in train mode opens a step (fz/step/phases.py: the phases of
+fz.train_step), backward backpropagates one micro-batch into it, and `step()` at the
+accumulation boundary finishes it, replacing `engine.state`. So the engine's step is
+fz.train_step's, bit for bit. In eval mode (or under no_grad) a forward is fz.apply.
+
+`engine.module` is the model given to initialize, with the trained weights: they are copied
+in when it is read after a step (at stage 3 gathered, so every rank reads it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import fz
+from fz.deepspeed.views import EngineOptimizer, EngineSchedule
+from fz.errors import ConfigError
+from fz.observe.full_params import iter_full_params
+from fz.step.batches import on_device
+from fz.step.phases import StepInProgress
+
+
+class DeepSpeedEngine:
+    """What `deepspeed.initialize` returns first. `engine.state` is the fz State."""
+
+    def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None, groups: int = 1,
+                 dataloader: Any = None, config: dict[str, Any] | None = None):
+        self.state = state
+        self.optimizer = EngineOptimizer(self, groups)
+        self.lr_scheduler = EngineSchedule(self)
+        self.training_dataloader = dataloader
+        self.config = dict(config or {})
+        self._model, self._schedule = model, schedule
+        self._step: StepInProgress | None = None
+        self._synced_step = int(state.step)  # the model holds the weights of this step
+        self._boundary: bool | None = None
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.training = True
+        self.losses: Tensor | None = None  # the last update's loss, averaged over ranks and micro-batches
+
+    # ------------------------------------------------------------ what DeepSpeed's engine tells
+    @property
+    def global_steps(self) -> int:
+        return int(self.state.step)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.state.scaler["skipped"]) if self.state.scaler and "skipped" in self.state.scaler else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self.state.plan.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.state.plan.ranks)
+
+    dp_world_size = world_size
+
+    @property
+    def local_rank(self) -> int:
+        import os
+        return int(os.environ.get("LOCAL_RANK", self.global_rank))
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.plan.device
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.state.spec.stage)
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.state.spec.grad_accum)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.state.spec.micro_batch or self.config.get("train_micro_batch_size_per_gpu", 1))
+
+    def train_batch_size(self) -> int:
+        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
+
+    def fp16_enabled(self) -> bool:
+        return self.state.spec.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.state.spec.precision == "bf16"
+
+    def get_lr(self) -> list[float]:
+        """The lr of the next update, per parameter group (as DeepSpeed's optimizer holds it)."""
+        return [self.lr_at(self._lr_count())] * self.optimizer.groups
+
+    def lr_at(self, count: int) -> float:
+        s = self._schedule
+        return float(s(count)) if callable(s) else float(s if s is not None else 0.0)
+
+    def _lr_count(self) -> int:
+        return self.global_steps - self.skipped_steps
+
+    def get_global_grad_norm(self) -> float | None:
+        norm = self.state.metrics.get("grad_norm")
+        return None if norm is None else float(norm)
+
+    @property
+    def loss_scale(self) -> float:
+        scaler = self.state.scaler or {}
+        return float(scaler["scale"]) if "scale" in scaler else 1.0
+
+    cur_scale = loss_scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary = bool(is_boundary)
+
+    def was_step_applied(self) -> bool:
+        return self._applied
+
+    _applied = False
+
+    # ------------------------------------------------------------ modes
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.training = bool(mode)
+        self._model.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        return self.train(False)
+
+    # ------------------------------------------------------------ the loop
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The model's forward on this rank's micro-batch. In train mode with grad enabled it is a
+        micro-batch of the open step; otherwise fz.apply (no state changes)."""
+        inputs, kwargs = on_device((inputs, kwargs), self.device)
+        if not (self.training and torch.is_grad_enabled()):
+            if self._step is not None:
+                raise ConfigError("engine forward in eval mode (or under no_grad) between a train-mode forward "
+                                  "and engine.step() at the accumulation boundary: finish the update first")
+            return fz.apply(self.state, *inputs, train=self.training, **kwargs)
+        if self._step is None:
+            self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward")
+        return self._step.forward(lambda model, a, k: model(*a, **k), inputs, kwargs)
+
+    def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
+        """Backpropagate this micro-batch's loss (divided by the accumulation steps, and scaled in
+        fp16); gradients are reduced as DeepSpeed's ZeRO stage reduces them."""
+        if self._step is None:
+            raise ConfigError("engine.backward(loss) needs a forward in train mode first (loss = engine(batch))")
+        if retain_graph:
+            raise ConfigError("engine.backward(retain_graph=True) is not supported by fz: each micro-batch's "
+                              "graph is freed as its gradients are reduced")
+        if not scale_wrt_gas:
+            loss = loss * self.gradient_accumulation_steps()
+        self._step.backward(loss, last=self.is_gradient_accumulation_boundary())
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At the accumulation boundary: the optimizer update (and the lr scheduler's step); else
+        only the micro-step count advances, as in DeepSpeed."""
+        self._applied = False
+        if self.is_gradient_accumulation_boundary():
+            if self._step is None:
+                raise ConfigError("engine.step() at the accumulation boundary without a backward: call "
+                                  "engine(batch) and engine.backward(loss) first")
+            step, self._step, skipped = self._step, None, self.skipped_steps
+            self.state, self.losses = step.finish()
+            self._applied = self.skipped_steps == skipped
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+        self._boundary = None
+
+    def zero_grad(self) -> None:
+        """Nothing to do: gradients live only inside a step."""
+
+    # ------------------------------------------------------------ the model
+    @property
+    def module(self) -> nn.Module:
+        """The model, holding the current weights (copied in after a step; at stage 3 gathered,
+        so every rank reads it, in step)."""
+        if self._synced_step != self.global_steps and self._step is None:
+            own = self._model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, value in iter_full_params(self.state):  # one bucket gathered at a time
+                    if name in own:
+                        own[name].data.copy_(value.to(own[name].dtype))
+            self._synced_step = self.global_steps
+        return self._model
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The model's attributes, as DeepSpeed's engine gives them (`engine.config`); a submodule or
+        parameter comes from `module` (current weights)."""
+        if name.startswith("_") or name in ("state",):
+            raise AttributeError(name)
+        value = getattr(self._model, name)
+        if isinstance(value, (nn.Module, nn.Parameter)):
+            return getattr(self.module, name)
+        return value
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str | Path, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        client_sd: dict[str, Any] | None = None) -> bool:
+        """`save_dir/<tag>` (default global_step<N>), an fz checkpoint with `client_state`; `latest`
+        names the tag. Every rank calls it. `client_sd` is DeepSpeed's tutorial's spelling of
+        `client_state` (seed 003), taken as the same."""
+        from fz.deepspeed.checkpoints import save
+        if client_sd is not None:
+            if client_state:
+                raise ConfigError("save_checkpoint: give client_state= or client_sd=, not both")
+            client_state = client_sd
+        if self._step is not None:
+            raise ConfigError("engine.save_checkpoint inside an accumulation window (between engine(batch) and the "
+                              "boundary's engine.step()): save after the update")
+        if exclude_frozen_parameters:
+            raise ConfigError("save_checkpoint(exclude_frozen_parameters=True) is not supported by fz: a checkpoint "
+                              "holds the whole state")
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        save(self.state, Path(save_dir), tag, dict(client_state or {}), self._counters(), save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | Path, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+        """(path, client_state) of `load_dir/<tag>` (default: the tag `latest` names), an fz or a
+        DeepSpeed checkpoint, restored into the engine's state at this world size and stage;
+        (None, None) when there is no `latest`, as DeepSpeed does."""
+        from fz.deepspeed.checkpoints import load
+        off = [k for k, v in (("load_module_strict", not load_module_strict),
+                              ("load_optimizer_states", not load_optimizer_states),
+                              ("load_lr_scheduler_states", not load_lr_scheduler_states),
+                              ("load_module_only", load_module_only), ("custom_load_fn", custom_load_fn)) if v]
+        if off:
+            raise ConfigError(f"engine.load_checkpoint: {', '.join(off)} other than the default is not supported by "
+                              "fz (it restores the whole state); for weights only use fz.load_weights")
+        if self._step is not None:
+            raise ConfigError("engine.load_checkpoint inside an accumulation window: load before engine(batch)")
+        got = load(self.state, Path(load_dir), None if tag is None else str(tag))
+        if got is None:
+            return None, None
+        self.state, path, client_state, counters = got
+        self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
+        self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
+        self._synced_step = -1
+        return str(path), client_state
+
+    def _counters(self) -> dict[str, int]:
+        return {"global_samples": self.global_samples, "micro_steps": self.micro_steps}

@@ -1,0 +1,166 @@
+"""`deepspeed.initialize`, `add_config_arguments`, `init_distributed`, as DeepSpeed's scripts call them.
+
+initialize reads the DeepSpeed config (`config=` / `config_params=`, or `args.deepspeed_config`)
+into an fz.Spec (fz/config: every key honoured or reported), the client's optimizer and lr
+scheduler into fz.optim (fz/deepspeed/optimizers.py), makes the State with fz.init, and
+returns DeepSpeed's four: (engine, optimizer, dataloader, lr_scheduler). The data loader is
+DeepSpeed's: a DistributedSampler (shuffled, seed 0, the same order every epoch) over this
+rank's micro-batches, so a script sees the batches it saw under DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import fz
+from fz.config.deepspeed import load as load_config
+from fz.config.warn import DeepSpeedConfigWarning
+from fz.deepspeed.engine import DeepSpeedEngine
+from fz.deepspeed.optimizers import ClientOptimizer, client_optimizer, client_schedule, parameter_groups
+from fz.errors import ConfigError
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line arguments: --deepspeed, --deepspeed_config (and the old --deepscale ones)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """Start the process group from the launcher's environment (fz run, deepspeed, torchrun)."""
+    fz.distributed.init(dist_backend)
+
+
+class EngineDataLoader:
+    """DeepSpeed's DeepSpeedDataLoader: this rank's micro-batches, in DistributedSampler's order."""
+
+    def __init__(self, dataset: Any, batch_size: int, rank: int, world: int,
+                 collate_fn: Callable | None, drop_last: bool):
+        self.dataset, self.batch_size, self.collate_fn, self.drop_last = dataset, batch_size, collate_fn, drop_last
+        self.data_sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank)
+        n = len(self.data_sampler)
+        self.len = n // batch_size if drop_last else -(-n // batch_size)
+        self.data: Any = None
+
+    def __iter__(self) -> EngineDataLoader:
+        self.data = iter(DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.data_sampler,
+                                    collate_fn=self.collate_fn, drop_last=self.drop_last))
+        return self
+
+    def __next__(self) -> Any:
+        if self.data is None:
+            iter(self)
+        return next(self.data)
+
+    def __len__(self) -> int:
+        return self.len
+
+
+def _config(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError("deepspeed.initialize: give config= or config_params=, not both")
+    config = config if config is not None else config_params
+    from_args = None
+    for key in ("deepspeed_config", "deepscale_config"):
+        if args is not None and getattr(args, key, None) is not None:
+            from_args = getattr(args, key)
+    if from_args is not None and config is not None:
+        raise ConfigError("deepspeed.initialize: a config in both args.deepspeed_config and config=; give one, "
+                          "as DeepSpeed requires")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError("deepspeed.initialize needs a DeepSpeed config: config= (a dict or a JSON path), or "
+                          "--deepspeed_config on the command line (deepspeed.add_config_arguments)")
+    return config
+
+
+def _drop(cfg: dict[str, Any], key: str, why: str) -> None:
+    if cfg.pop(key, None):
+        warnings.warn(f"deepspeed.initialize: the config's {key!r} section is not used: {why}, as in DeepSpeed",
+                      DeepSpeedConfigWarning, stacklevel=3)
+
+
+def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model: nn.Module) -> ClientOptimizer | None:
+    """Param groups given with a config optimizer (the "no decay for biases and norms" groups): the
+    config's Adam with their weight-decay mask; None when the groups change nothing."""
+    section = cfg.get("optimizer") or {}
+    params = dict(section.get("params") or {})
+    groups = parameter_groups(model_parameters, model, float(params.get("lr", 1e-3)))
+    if groups is None:
+        return None
+    wd = float(params.get("weight_decay", 0.0))
+    for g in groups.param_groups:
+        g.setdefault("weight_decay", wd)
+        g["betas"], g["eps"] = tuple(params.get("betas", (0.9, 0.999))), float(params.get("eps", 1e-8))
+    if len({float(g["weight_decay"]) for g in groups.param_groups}) == 1 and len(groups.param_groups[0]["params"]) \
+            == sum(1 for p in model.parameters() if p.requires_grad):
+        return None
+    kind = str(section.get("type", "adamw")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ConfigError(f"deepspeed.initialize(model_parameters=groups) with optimizer.type {kind!r}: fz reads "
+                          "parameter groups for Adam and AdamW; pass one group (model.parameters())")
+    built = client_optimizer(groups, model)
+    w_mode = kind == "adamw" or bool(params.get("adam_w_mode", True))
+    return ClientOptimizer("adamw" if w_mode else "adam", built.lr, built.betas, built.eps, built.weight_decay,
+                           built.decay, groups=built.groups)
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int | None = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None,
+               mesh_param: Any = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """(engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed's initialize returns
+    them; the engine's `state` is the fz.State its updates replace."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"deepspeed.initialize needs model= (an nn.Module), got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError("deepspeed.initialize(mpu=/mesh_param=): model (tensor/pipeline) parallelism is not "
+                          "supported by fz, which is data parallel (ZeRO)")
+    if dist_init_required is not False:
+        fz.distributed.init()
+    cfg, _ = load_config(_config(args, config, config_params))
+    cfg = dict(cfg)
+    auto: dict[str, Any] = {}
+    torch_opt = None
+    if optimizer is not None:
+        torch_opt = optimizer(model_parameters if model_parameters is not None else model.parameters()) \
+            if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        client = client_optimizer(torch_opt, model)
+        _drop(cfg, "optimizer", "initialize was given optimizer=, which wins")
+        auto.update(optimizer=client, lr=client.lr)
+    else:
+        grouped = _grouped(cfg, model_parameters, model)
+        if grouped is not None:
+            cfg.pop("optimizer", None)  # read into `grouped`, with the groups' mask
+            auto.update(optimizer=grouped, lr=grouped.lr)
+    if lr_scheduler is not None:
+        stand_in = torch_opt
+        if stand_in is None:
+            lr = float(auto.get("lr", ((cfg.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3)))
+            stand_in = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=lr)
+        client_lrs = client_schedule(lr_scheduler, stand_in)
+        _drop(cfg, "scheduler", "initialize was given lr_scheduler=, which wins")
+        auto["schedule"] = lambda lr: client_lrs
+    spec = fz.Spec.from_deepspeed(cfg, **auto)
+    state = fz.init(model, spec)
+    schedule = spec.provenance.objects.get("lr") if spec.provenance is not None else None
+    groups = auto["optimizer"].groups if isinstance(auto.get("optimizer"), ClientOptimizer) else 1
+    loader = None
+    if training_data is not None:
+        loader = EngineDataLoader(training_data, int(spec.micro_batch or 1), state.plan.rank, len(state.plan.ranks),
+                                  collate_fn, bool(cfg.get("dataloader_drop_last", False)))
+    engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg)
+    scheduled = lr_scheduler is not None or bool(cfg.get("scheduler"))
+    return engine, engine.optimizer, loader, engine.lr_scheduler if scheduled else None

@@ -1,0 +1,160 @@
+"""A client's torch optimizer and lr scheduler, as `deepspeed.initialize` takes them, in fz.optim.
+
+DeepSpeed steps the client's own `torch.optim` object. fz's optimizer is a pure transformation
+over sharded state, so the client's optimizer is read, not run: its class and hyperparameters
+become the fz.optim alias that computes the same update (AdamW, Adam, SGD), and its parameter
+groups become a weight-decay mask (the usual "no decay for biases and norms" groups). A
+setting fz cannot honour (per-group learning rates, amsgrad, ...) is a ConfigError naming it.
+
+A client's lr scheduler (any `torch.optim.lr_scheduler` object) becomes the lr schedule
+`lr(count)`: a private copy of it, bound to a stand-in optimizer, is stepped as far as a count
+asks (each value computed once), so every scheduler torch has gives exactly its own lrs.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fz import optim
+from fz.errors import ConfigError
+from fz.optim import GradientTransformation
+
+_KINDS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "FusedAdam": "adam", "DeepSpeedCPUAdam": "adam"}
+_SAME = ("lr", "betas", "eps", "momentum", "nesterov", "dampening")
+_OFF = ("amsgrad", "maximize", "differentiable")
+
+
+@dataclass(frozen=True)
+class ClientOptimizer:
+    """The fz optimizer a client's torch optimizer computes, as a function of the lr (a number or a
+    schedule): Spec.from_deepspeed's `optimizer=` keyword."""
+
+    kind: str  # adamw | adam | sgd
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decay: frozenset[str] | None = None  # the parameters weight decay applies to; None: all
+    momentum: float = 0.0
+    nesterov: bool = False
+    groups: int = 1
+
+    def __call__(self, lr: Any) -> GradientTransformation:
+        wd, names = self.weight_decay, self.decay
+        if not wd or names is None:
+            if self.kind == "adamw":
+                return optim.adamw(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd)
+            if self.kind == "adam":
+                return optim.adam(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd)
+            return optim.sgd(lr=lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=wd)
+        decay = optim.masked(optim.add_decayed_weights(wd), names)
+        if self.kind == "adamw":
+            return optim.chain(optim.scale_by_adam(*self.betas, self.eps), decay, optim.scale_by_learning_rate(lr))
+        if self.kind == "adam":
+            return optim.chain(decay, optim.scale_by_adam(*self.betas, self.eps), optim.scale_by_learning_rate(lr))
+        parts = [decay] + ([optim.trace(self.momentum, self.nesterov)] if self.momentum else [])
+        return optim.chain(*parts, optim.scale_by_learning_rate(lr))
+
+    def __repr__(self) -> str:
+        where = "" if self.decay is None or not self.weight_decay else f" on {len(self.decay)} parameters"
+        return f"the client's torch optimizer: fz.optim.{self.kind}(weight_decay={self.weight_decay}{where})"
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def client_optimizer(opt: Any, model: nn.Module) -> ClientOptimizer:
+    """`opt` (a torch optimizer over `model`'s parameters) as the fz optimizer with its update."""
+    kind = _KINDS.get(type(opt).__name__)
+    if kind is None or not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"deepspeed.initialize(optimizer=...): fz reads torch's {', '.join(sorted(_KINDS))} "
+                          f"(their hyperparameters become an fz.optim optimizer), not {type(opt).__name__}; "
+                          "or give the config an optimizer section")
+    if kind == "adam" and (opt.defaults.get("decoupled_weight_decay") or opt.defaults.get("adam_w_mode")):
+        kind = "adamw"
+    groups = opt.param_groups
+    first = groups[0]
+    for g in groups:
+        for key in _SAME:
+            if g.get(key) != first.get(key):
+                raise ConfigError(f"deepspeed.initialize(optimizer=...): its parameter groups have different {key} "
+                                  f"({first.get(key)!r} and {g.get(key)!r}); fz applies one {key} to every "
+                                  "parameter (groups may differ only in weight_decay, which becomes a mask)")
+        for key in _OFF:
+            if g.get(key):
+                raise ConfigError(f"deepspeed.initialize(optimizer=...): {key}=True is not supported by fz")
+        if kind == "sgd" and g.get("dampening"):
+            raise ConfigError("deepspeed.initialize(optimizer=SGD(...)): dampening must be 0 in fz")
+    decays = {float(g.get("weight_decay", 0.0)) for g in groups} - {0.0}
+    if len(decays) > 1:
+        raise ConfigError(f"deepspeed.initialize(optimizer=...): its groups use weight_decay {sorted(decays)}; fz "
+                          "applies one weight decay (and 0 to a group without it)")
+    wd = decays.pop() if decays else 0.0
+    names = _names(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    grouped = {names[id(p)]: float(g.get("weight_decay", 0.0)) for g in groups for p in g["params"] if id(p) in names}
+    missing = sorted(trainable - set(grouped))
+    if missing:
+        raise ConfigError(f"deepspeed.initialize(optimizer=...): {len(missing)} trainable parameters are in no "
+                          f"group of the optimizer ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); "
+                          "put them in a group, or set requires_grad=False to freeze them")
+    decay = frozenset(n for n, d in grouped.items() if d)
+    return ClientOptimizer(kind, float(first["lr"]), tuple(first.get("betas", (0.9, 0.999))),
+                           float(first.get("eps", 1e-8)), wd, None if decay >= trainable else decay,
+                           float(first.get("momentum", 0.0) or 0.0), bool(first.get("nesterov", False)), len(groups))
+
+
+def parameter_groups(model_parameters: Iterable[Any] | None, model: nn.Module, lr: float) -> Any:
+    """`model_parameters` as a stand-in torch AdamW (for reading its groups), or None if it is the
+    model's parameters in one group."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if not items or not isinstance(items[0], dict):
+        return None
+    return torch.optim.AdamW(items, lr=lr)
+
+
+class TorchSchedule:
+    """A torch lr scheduler as fz's `lr(count)`: the lr its optimizer's first group has after
+    `count` scheduler steps (DeepSpeed steps it once after each optimizer step)."""
+
+    def __init__(self, scheduler: Any):
+        opt = getattr(scheduler, "optimizer", None)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"deepspeed.initialize(lr_scheduler=...): {type(scheduler).__name__} has no torch "
+                              "optimizer; give a torch.optim.lr_scheduler object (or a callable of the optimizer)")
+        stand_in = torch.optim.SGD([{**{k: v for k, v in g.items() if k != "params"},
+                                     "params": [torch.zeros(1, requires_grad=True)]} for g in opt.param_groups])
+        self.shadow = copy.deepcopy(scheduler, memo={id(opt): stand_in})
+        self.opt = stand_in
+        self.lrs = [float(stand_in.param_groups[0]["lr"])]
+
+    def __call__(self, count: int) -> float:
+        while len(self.lrs) <= count:
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": it never steps one
+                warnings.simplefilter("ignore")
+                self.shadow.step()
+            self.lrs.append(float(self.opt.param_groups[0]["lr"]))
+        return self.lrs[count]
+
+    def __repr__(self) -> str:
+        return f"the client's {type(self.shadow).__name__}"
+
+
+def client_schedule(lr_scheduler: Any, torch_optimizer: Any) -> Callable[[int], float]:
+    """The schedule of the client's lr_scheduler: an object, or a callable DeepSpeed calls with the
+    optimizer (`torch_optimizer`: the client's, or a stand-in with the config's lr)."""
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        if torch_optimizer is None:
+            raise ConfigError("deepspeed.initialize(lr_scheduler=callable): fz calls it with a torch optimizer, so it "
+                              "needs optimizer= (a torch optimizer) or an optimizer section")
+        lr_scheduler = lr_scheduler(torch_optimizer)
+    return TorchSchedule(lr_scheduler)

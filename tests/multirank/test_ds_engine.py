@@ -1,0 +1,73 @@
+"""fz.deepspeed (issue 25): seed 003's DeepSpeed loop runs with `import fz.deepspeed as deepspeed`.
+
+One world-2 run trains the loop at ZeRO 0-3 (saving at step 2 with a client state), resumes
+each from its checkpoint in a new engine, and runs fz.train_step on the same batches. The
+losses, lrs and weights are compared with the same loop under DeepSpeed 0.19.8 (CPU, gloo),
+recorded in tests/data/deepspeed_seed003.json by `tests/support/ds_engine_jobs.py`; with
+FZ_DEEPSPEED_PYTHON (a python with DeepSpeed) the record is made anew and compared too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fz.testing.spawn import run_ranks
+
+from support.ds_engine_jobs import ACCUM, SAVE_AT, fz_job
+
+RECORD = Path(__file__).resolve().parents[1] / "data" / "deepspeed_seed003.json"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(2, fz_job, str(tmp_path_factory.mktemp("ds_engine")), timeout=300)
+
+
+def _check_against(record: dict, runs) -> None:
+    for stage in range(4):
+        ds, got = record[str(stage)], runs[0][stage]["run"]
+        assert got["stage"] == stage
+        assert got["losses"] == pytest.approx(ds["losses"], rel=1e-5, abs=1e-6), f"stage {stage}"
+        assert got["lrs"] == pytest.approx(ds["lrs"], rel=1e-12), f"stage {stage}"
+        for name, w in ds["weights"].items():
+            torch.testing.assert_close(got["weights"][name], torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+def test_losses_lrs_and_weights_equal_deepspeeds(runs):
+    _check_against(json.loads(RECORD.read_text()), runs)
+
+
+def test_resume_from_save_checkpoint_is_bit_identical(runs):
+    for rank in runs:
+        for stage in range(4):
+            run, resumed = rank[stage]["run"], rank[stage]["resumed"]
+            assert resumed["losses"] == run["losses"][SAVE_AT * ACCUM:], f"stage {stage}"
+            assert resumed["global_steps"] == run["global_steps"] == 4
+            for name, w in run["weights"].items():
+                assert torch.equal(resumed["weights"][name], w), (stage, name)
+
+
+def test_engine_step_is_train_steps_step(runs):
+    for rank in runs:
+        for stage in range(4):
+            run, ref = rank[stage]["run"], rank[stage]["train_step"]
+            assert run["mean_losses"] == ref["losses"], f"stage {stage}"
+            for name, w in run["weights"].items():
+                assert torch.equal(ref["weights"][name], w), (stage, name)
+
+
+@pytest.mark.skipif(not os.environ.get("FZ_DEEPSPEED_PYTHON"), reason="set FZ_DEEPSPEED_PYTHON to a python with "
+                    "DeepSpeed installed to compare with a live DeepSpeed run")
+def test_against_a_live_deepspeed_run(runs, tmp_path):
+    out = tmp_path / "ds.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), str(RECORD.parents[1])])}
+    subprocess.run([os.environ["FZ_DEEPSPEED_PYTHON"], str(RECORD.parents[1] / "support" / "ds_engine_jobs.py"),
+                    str(out)], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    _check_against(json.loads(out.read_text()), runs)

@@ -1,0 +1,196 @@
+"""fz.deepspeed at world 1: a client's torch optimizer and scheduler train as torch trains with them,
+and DeepSpeed's calls that fz cannot honour fail naming why."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+import fz
+import fz.deepspeed as deepspeed
+from fz.deepspeed.optimizers import TorchSchedule
+
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 3)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.out(self.norm(torch.tanh(self.lin(self.frozen(x))))), y)
+
+
+def _batches(n=6):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not any(p is d for d in decay)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_client_optimizer_groups_and_scheduler_train_as_torch_does(kind):
+    def make(model):
+        opt = (torch.optim.AdamW(_groups(model), lr=0.05, betas=(0.8, 0.99), eps=1e-7) if kind == "adamw"
+               else torch.optim.SGD(_groups(model), lr=0.05, momentum=0.9, nesterov=True))
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=False)
+
+    ref = Net()
+    opt, sched = make(ref)
+    ref_losses, ref_lrs = [], []
+    for x, y in _batches():
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+        ref_lrs.append(sched.get_last_lr()[0])
+
+    model = Net()
+    opt, sched = make(model)
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                              config={**CONFIG, "zero_optimization": {"stage": 2}})
+    losses, lrs = [], []
+    for x, y in _batches():
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        lrs.append(lr_scheduler.get_last_lr()[0])
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12)  # the next update's lr, as torch's scheduler says
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(ref_lrs[-1], rel=1e-12)
+    assert len(engine.get_lr()) == 2  # one per group, as DeepSpeed's optimizer holds them
+    got = dict(engine.module.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20),
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1 / (k + 1)),
+])
+def test_a_torch_scheduler_becomes_its_own_lrs(make):
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    sched = make(opt)
+    got = [TorchSchedule(sched)(k) for k in range(20)]
+    assert sched.last_epoch == 0  # a copy was stepped, not the client's own
+    want = []
+    for _ in range(20):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert got == want
+
+
+def test_add_config_arguments_and_the_config_from_args(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}')
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    engine, _, loader, sched = deepspeed.initialize(args=args, model=Net(), model_parameters=Net().parameters())
+    assert engine.zero_optimization_stage() == 1 and loader is None and sched is None
+    assert engine.train_batch_size() == 4 and engine.gradient_accumulation_steps() == 1
+    with pytest.raises(fz.ConfigError, match="in both args.deepspeed_config and config="):
+        deepspeed.initialize(args=args, model=Net(), config=CONFIG)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "needs a DeepSpeed config"),
+    ({"config": CONFIG, "mpu": object()}, "model .tensor/pipeline. parallelism is not supported"),
+    ({"config": CONFIG, "optimizer": "rmsprop"}, "not str"),
+])
+def test_initialize_refuses_what_it_cannot_honour(kwargs, match):
+    with pytest.raises(fz.ConfigError, match=match):
+        deepspeed.initialize(model=Net(), **kwargs)
+
+
+def test_client_optimizer_settings_fz_cannot_honour_are_errors():
+    model = Net()
+    groups = _groups(model)
+    groups[1]["lr"] = 0.5
+    with pytest.raises(fz.ConfigError, match="different lr"):
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=0.1), config=CONFIG)
+    with pytest.raises(fz.ConfigError, match="amsgrad=True is not supported"):
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True),
+                             config=CONFIG)
+    with pytest.raises(fz.ConfigError, match="RMSprop"):
+        deepspeed.initialize(model=model, optimizer=torch.optim.RMSprop(model.parameters()), config=CONFIG)
+    some = [p for n, p in model.named_parameters() if n.startswith("lin")]
+    with pytest.raises(fz.ConfigError, match="trainable parameters are in no group"):
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(some), config=CONFIG)
+
+
+def test_a_config_optimizer_beside_a_client_one_is_reported_not_dropped_silently():
+    model = Net()
+    cfg = {**CONFIG, "optimizer": {"type": "Adam", "params": {"lr": 0.3}}}
+    with pytest.warns(UserWarning, match="'optimizer' section is not used: initialize was given optimizer="):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                                          config=cfg)
+    assert engine.get_lr() == [0.01]
+
+
+def test_param_groups_with_a_config_optimizer_mask_the_weight_decay():
+    """DeepSpeedExamples' pattern: model_parameters = [{decay}, {no decay}] with an Adam section."""
+    cfg = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1}}}
+    ref = Net()
+    opt = torch.optim.AdamW(_groups(ref), lr=0.05)
+    for x, y in _batches(3):
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=_groups(model), config=cfg)
+    for x, y in _batches(3):
+        engine.backward(engine(x, y))
+        engine.step()
+    got = dict(engine.module.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_engine_misuse_fails_naming_the_fix():
+    engine, *_ = deepspeed.initialize(model=Net(), config={**CONFIG, "gradient_accumulation_steps": 2})
+    x, y = _batches(1)[0]
+    with pytest.raises(fz.ConfigError, match="needs a forward in train mode first"):
+        engine.backward(torch.tensor(1.0))
+    engine.step()  # not a boundary: only the micro-step count moves, as in DeepSpeed
+    assert engine.micro_steps == 1 and engine.global_steps == 0
+    with pytest.raises(fz.ConfigError, match="without a backward"):
+        engine.step()
+    loss = engine(x, y)
+    with pytest.raises(fz.ConfigError, match="retain_graph=True"):
+        engine.backward(loss, retain_graph=True)
+
+
+def test_eval_mode_forward_is_fz_apply_and_module_attributes_read_through():
+    model = Net()
+    model.custom_tag = "kept"
+    engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
+    x, y = _batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.eval()
+    assert not engine.module.training
+    with torch.no_grad():
+        out = engine(x, y)
+    assert torch.equal(out, fz.apply(engine.state, x, y))
+    assert engine.custom_tag == "kept"
+    assert torch.equal(engine.out.weight, fz.full_params(engine.state)["out.weight"])
