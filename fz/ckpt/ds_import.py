@@ -56,7 +56,7 @@ def _walk(tree: Any) -> Iterator[Any]:
 
 def _adam_states(tree: Any) -> list[Any]:
     """Every state of the optimizer chain that holds Adam's moments (`mu`, `nu`)."""
-    return [x for x in _walk(tree) if isinstance(x, tuple) and "mu" in getattr(x, "_fields", ()) and "nu" in x._fields]
+    return [x for x in _walk(tree) if isinstance(x, tuple) and {"mu", "nu"} <= set(getattr(x, "_fields", ()))]
 
 
 def _counts(tree: Any) -> list[Tensor]:

@@ -23,6 +23,7 @@ import fz
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import ConfigError
 from fz.observe.full_params import iter_full_params
+from fz.observe.monitor import Monitor, batch_counts
 from fz.step.batches import on_device
 from fz.step.phases import StepInProgress
 
@@ -45,6 +46,9 @@ class DeepSpeedEngine:
         self.global_samples = 0
         self.training = True
         self.losses: Tensor | None = None  # the last update's loss, averaged over ranks and micro-batches
+        # the config's tensorboard / csv_monitor / steps_per_print, as DeepSpeed's engine writes them
+        self.monitor = Monitor.from_spec(state.spec)
+        self._counted = [0, 0]  # rows and tokens of this step's micro-batches (this rank)
 
     # ------------------------------------------------------------ what DeepSpeed's engine tells
     @property
@@ -154,6 +158,8 @@ class DeepSpeedEngine:
             return fz.apply(self.state, *inputs, train=self.training, **kwargs)
         if self._step is None:
             self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward")
+        rows, tokens = batch_counts((inputs, kwargs))
+        self._counted = [self._counted[0] + rows, self._counted[1] + (tokens or 0)]
         return self._step.forward(lambda model, a, k: model(*a, **k), inputs, kwargs)
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
@@ -181,6 +187,9 @@ class DeepSpeedEngine:
             self.state, self.losses = step.finish()
             self._applied = self.skipped_steps == skipped
             self.global_samples += self.train_batch_size()
+            rows, tokens = self._counted
+            self._counted = [0, 0]
+            self.monitor(self.state, self.losses, rows=rows, tokens=tokens or None)
         self.micro_steps += 1
         self._boundary = None
 

@@ -109,14 +109,16 @@ class Monitor:
         self.t0, self.steps, self.loss, self.rows = now, 0, 0.0, 0
         self.tokens: int | None = 0  # None once a batch without token ids came
 
-    def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: int | None = None) -> None:
-        """Account one step (this rank's `batch` gives samples and tokens; `tokens=` overrides)."""
+    def __call__(self, state: State, loss: Tensor, batch: Any = None, *, tokens: int | None = None,
+                 rows: int | None = None) -> None:
+        """Account one step (this rank's `batch` gives samples and tokens; `tokens=` and `rows=`
+        override them, e.g. for a step whose micro-batches came one at a time)."""
         step = int(state.step)
         self.steps += 1
         self.loss += float(loss)
-        if batch is not None:
-            rows, ids = batch_counts(batch)
-            self.rows += rows * self.world
+        if batch is not None or rows is not None:
+            n_rows, ids = batch_counts(batch) if batch is not None else (0, None)
+            self.rows += (rows if rows is not None else n_rows) * self.world
             n = tokens if tokens is not None else ids
             self.tokens = None if n is None or self.tokens is None else self.tokens + n * self.world
         if step % self.log_every == 0 or step == self.total:

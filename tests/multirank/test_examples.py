@@ -121,3 +121,24 @@ def test_hf_trainer_script_runs_under_fz_run_with_transformers_own_zero3_config(
     rows = Windows(64, slice(-32, None)).rows
     with torch.no_grad():
         assert model(input_ids=rows, labels=rows).loss.item() == pytest.approx(printed, abs=1e-4)
+
+
+def test_deepspeed_engine_script_trains_saves_and_resumes_under_fz_run(tmp_path):
+    """examples/deepspeed_engine.py (seed 003: `import fz.deepspeed as deepspeed`, argparse with
+    add_config_arguments, save_checkpoint with client_sd, load_checkpoint and dataloader_to_step)
+    under `fz run --num_gpus 2 ... --deepspeed --deepspeed_config`: the engine logs every
+    steps_per_print updates as DeepSpeed does, and a second launch resumes at the saved step."""
+    def launch(*args: str) -> str:
+        cmd = [sys.executable, "-m", "fz", "run", "--num_gpus", "2", str(REPO / "examples" / "deepspeed_engine.py"),
+               "--deepspeed", "--deepspeed_config", str(REPO / "examples" / "ds_config.json"), *args]
+        run = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        return run.stdout + run.stderr
+
+    first = launch("--save_dir", "ckpt", "--steps", "20", "--save_interval", "10")
+    losses = {int(s): float(v) for s, v in re.findall(r"^step (\d+)\s+loss ([\d.]+)", first, re.M)}
+    assert sorted(losses) == [10, 20] and losses[20] < 0.8 * losses[10], first[-2000:]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step20"
+    second = launch("--load_dir", "ckpt", "--steps", "30")
+    assert "restored ckpt/global_step20" in second and re.search(r"^step 30\s+loss", second, re.M), second[-2000:]
+    assert not re.search(r"^step (10|20)\s+loss", second, re.M)
