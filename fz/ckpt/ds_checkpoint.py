@@ -276,12 +276,15 @@ class DeepSpeedCheckpoint:
     def _tied(self) -> None:
         """Tied aliases ZeRO-3 (and stage 0) do not list in shared_params: module entries stored
         in the same storage as a parameter."""
-        by_storage = {self._module[n].at: n for n in list(self.params) + list(self.frozen)
+        def where(t: Lazy) -> tuple:
+            return t.at, t.offset, t.shape
+
+        by_storage = {where(self._module[n]): n for n in list(self.params) + list(self.frozen)
                       if isinstance(self._module.get(n), Lazy)}
         for name, t in self._module.items():
             if (name not in self.params and name not in self.frozen and name not in self.buffers
-                    and name not in self.shared and isinstance(t, Lazy) and t.at in by_storage):
-                self.shared[name] = by_storage[t.at]
+                    and name not in self.shared and isinstance(t, Lazy) and where(t) in by_storage):
+                self.shared[name] = by_storage[where(t)]
 
     # --- values --------------------------------------------------------------------------------------------
     def _pieces_of(self, name: str, kind: str) -> list[Piece]:

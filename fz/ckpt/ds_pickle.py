@@ -73,11 +73,39 @@ class _Storage:
         self.file, self.at, self.dtype, self.numel = file, at, dtype, numel
 
 
-class _StorageType:
+class _Sealed:
+    """The table's objects are shared by every load: a BUILD opcode must not change them."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"a BUILD of {type(self).__name__}, which takes no state")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"an attribute set on {type(self).__name__}")
+
+
+class _StorageType(_Sealed):
     """What `torch.FloatStorage` & co. resolve to: only their dtype is used."""
 
+    __slots__ = ("dtype",)
+    dtype: torch.dtype | None
+
     def __init__(self, dtype: torch.dtype | None):
-        self.dtype = dtype
+        object.__setattr__(self, "dtype", dtype)
+
+
+class _Call(_Sealed):
+    """One of the table's functions, sealed."""
+
+    __slots__ = ("fn",)
+    fn: Any
+
+    def __init__(self, fn: Any):
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
 
 
 _STORAGES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -107,12 +135,13 @@ def _rebuild_parameter(data: Lazy, *_: Any) -> Lazy:
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> Lazy:
     """A tensor with attributes (ZeRO-3 sets `ds_id` on its flat groups): the attributes are dropped."""
-    if func is not _rebuild_tensor_v2 or new_type is not _TENSOR or not isinstance(state, dict | None):
+    if func is not _ALLOWED["torch._utils._rebuild_tensor_v2"] or new_type is not _TENSOR \
+            or not isinstance(state, dict | None):
         raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a plain tensor")
     return _rebuild_tensor_v2(*args)
 
 
-_TENSOR = object()  # what `torch.Tensor` resolves to: only _rebuild_from_type_v2 accepts it
+_TENSOR = _Sealed()  # what `torch.Tensor` resolves to: only _rebuild_from_type_v2 accepts it
 
 
 class _Plain:
@@ -134,15 +163,15 @@ def _zero_stage(value: int) -> int:
 
 # module.name -> what it resolves to: the only names a file may use
 _ALLOWED: dict[str, Any] = {
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_tensor_v2": _Call(_rebuild_tensor_v2),
+    "torch._utils._rebuild_parameter": _Call(_rebuild_parameter),
+    "torch._tensor._rebuild_from_type_v2": _Call(_rebuild_from_type_v2),
     "torch.Tensor": _TENSOR,
-    "torch.Size": tuple,
-    "torch.device": str,
+    "torch.Size": _Call(tuple),
+    "torch.device": _Call(str),
     "torch.storage.UntypedStorage": _StorageType(None),
-    "collections.OrderedDict": collections.OrderedDict,
-    "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
+    "collections.OrderedDict": _Call(collections.OrderedDict),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _Call(_zero_stage),
     **{f"torch.{k}": _StorageType(v) for k, v in _STORAGES.items()},
     **{f"torch.{d}": getattr(torch, d) for d in _DTYPES},
     **{f"deepspeed.{c}": _plain(f"deepspeed.{c}") for c in (

@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from fz.ckpt import ds_pickle
 from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
@@ -124,3 +125,18 @@ def test_other_refusals(tmp_path: Path) -> None:
             out.writestr(i.filename, z.read(i))
     with pytest.raises(CheckpointError, match="deflated.pt: member .* is compressed"):
         ds_pickle.load(compressed)
+
+
+@pytest.mark.parametrize("name", [b"torch\nfloat32\n", b"torch\nFloatStorage\n", b"torch._utils\n_rebuild_tensor_v2\n",
+                                  b"deepspeed.runtime.fp16.loss_scaler\nLossScaler\n", b"torch\nTensor\n",
+                                  b"collections\nOrderedDict\n"])
+def test_allowed_names_cannot_be_altered(tmp_path: Path, name: bytes) -> None:
+    """BUILD on one of the table's shared objects (state, or slot state set with setattr) is an
+    error, so one file cannot change how the next is read."""
+    f = tmp_path / "build.pt"
+    shutil.copy(DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt", f)
+    for state in (b"}X\x05\x00\x00\x00dtypeNs", b"N}X\x05\x00\x00\x00dtypeNs\x86"):
+        _poison(f, b"\x80\x02c" + name + state + b"b.")
+        with pytest.raises(CheckpointError, match="build.pt is damaged or not a checkpoint fz reads"):
+            ds_pickle.load(f)
+    assert ds_pickle._ALLOWED["torch.FloatStorage"].dtype is torch.float32
