@@ -1,6 +1,6 @@
 """The `fz` command (also `python -m fz`): offline tools on checkpoints (one process, no torch.distributed).
 
-    fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file
+    fz consolidate CKPT OUT.safetensors [--dtype bf16]   full weights to one file (fz or DeepSpeed CKPT)
     fz consolidate CKPT OUT_DIR --hf                     a folder from_pretrained loads
     fz inspect CKPT                                      step, world, stage, sizes, verification
     fz --version                                         fz's version, and torch's
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"fz {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="cmd")
     c = sub.add_parser("consolidate", help="write the full parameters of a checkpoint to one safetensors file")
-    c.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory")
+    c.add_argument("ckpt", help="checkpoint root (uses its `latest`) or a step_<N> directory; or a DeepSpeed "
+                   "save_dir / tag folder (read without unpickling code, as zero_to_fp32 consolidates it)")
     c.add_argument("out", help="output .safetensors file (with --hf: a folder)")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast (default: as stored)")
     c.add_argument("--hf", action="store_true", help="write a Hugging Face folder that from_pretrained loads: "

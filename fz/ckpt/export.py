@@ -7,14 +7,13 @@ drops it: peak host memory stays near the largest chunk (plus its cast copy), no
 """
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fz.ckpt import hf_folder, manifest, signing
-from fz.ckpt.layout import META, PathLike, disk_full, read_json, resolve
+from fz.ckpt import ds_export, ds_files, hf_folder, manifest, signing
+from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
 from fz.ckpt.results import CheckpointInfo, Consolidated
@@ -66,8 +65,17 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     tensors, None keeps the stored dtype (fp32 master weights when the run had them). With a
     `key` (or FZ_CKPT_KEY) the checkpoint must be signed with it, and is verified even with
     verify=False. Returns what it wrote (a Consolidated).
+    A DeepSpeed checkpoint (a save_dir with `latest`, or a tag folder; `step` N reads tag
+    global_stepN) is consolidated as DeepSpeed's zero_to_fp32 does it (fz/ckpt/ds_export.py).
     (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
     """
+    if ds_files.is_deepspeed(Path(ckpt)):  # a DeepSpeed save_dir or tag folder: fz/ckpt/ds_export.py
+        if signing.resolve(key) is not None:
+            raise CheckpointError(f"{ckpt} is a DeepSpeed checkpoint, which is never signed: a key (or "
+                                  "FZ_CKPT_KEY) asks for a signed one")
+        return ds_export.consolidate(ckpt, out, cast=_dtype(dtype), progress=progress, hf=hf,
+                                     max_shard_size=max_shard_size,
+                                     tag=None if step is None else f"global_step{step}")
     d = resolve(ckpt, step)
     key = signing.resolve(key)
     limit = hf_folder.shard_size(max_shard_size) if hf else 0
@@ -94,18 +102,12 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     paths = [tmp / f for f in hf_folder.filenames(len(groups))] if tmp is not None else [target]
     bar = Progress(total, "consolidate", enabled=progress)
     try:
-        for path, group in zip(paths, groups):
-            _write(reader, path, group, out_dtype, cast, header, bar)
-        if tmp is not None:
-            weight_map = {_name(k): p.name for p, group in zip(paths, groups) for k in group}
-            hf_folder.commit(tmp, target, weight_map, sum(sizes.values()), hf_folder.side_files(d))
-    except BaseException as e:
-        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from e
-        raise
+        with hf_folder.undo_on_error(Path(out), tmp):
+            for path, group in zip(paths, groups):
+                _write(reader, path, group, out_dtype, cast, header, bar)
+            if tmp is not None:
+                weight_map = {_name(k): p.name for p, group in zip(paths, groups) for k in group}
+                hf_folder.commit(tmp, target, weight_map, sum(sizes.values()), hf_folder.side_files(d))
     finally:
         bar.close()
     return Consolidated(checkpoint=str(d), out=str(out), tensors=len(names), bytes=total, chunks=reader.chunks)

@@ -12,7 +12,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -107,3 +108,19 @@ def commit(tmp: Path, out: Path, weight_map: dict[str, str], total: int, extra: 
         os.replace(tmp / INDEX, out / INDEX)
     shutil.rmtree(tmp, ignore_errors=True)
     return [*files, *([] if files == [WEIGHTS] else [INDEX])]
+
+
+@contextmanager
+def undo_on_error(out: Path, tmp: Path | None) -> Iterator[None]:
+    """An export's failure: the staging folder `tmp` goes, and a full disk is named as such."""
+    from fz.ckpt.layout import disk_full
+
+    try:
+        yield
+    except BaseException as e:
+        full = None if isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit)) else disk_full(out, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
+        raise

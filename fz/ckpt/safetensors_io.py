@@ -70,6 +70,17 @@ class StreamWriter:
             data = data[run:]
         self.written[name] += chunk.numel() * dtype.itemsize
 
+    def write_flat(self, name: str, at: int, chunk: Tensor) -> None:
+        """Elements [at, at + chunk.numel()) of tensor `name`, flattened (a stream of 1-D chunks)."""
+        dtype, shape, start, nbytes = self.expected.get(name, (None, (), 0, 0))
+        size = chunk.numel() * chunk.element_size()
+        if dtype is None or chunk.dtype != dtype or at < 0 or (at * dtype.itemsize + size > nbytes):
+            raise CheckpointError(f"StreamWriter: got {name} {chunk.dtype} elements {at}..{at + chunk.numel()}, "
+                                  f"expected a part of {name} {dtype} {shape}")
+        self._pwrite(chunk.contiguous().reshape(-1).view(torch.uint8).numpy().data,
+                     self.data_start + start + at * dtype.itemsize)
+        self.written[name] += size
+
     def _pwrite(self, data: memoryview, at: int) -> None:
         while len(data):
             n = os.pwrite(self.f.fileno(), data, at)

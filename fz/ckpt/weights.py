@@ -155,23 +155,30 @@ class WeightFiles:
 def read(e: Entry, lo: int, hi: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Tensor]]:
     """Elements [lo, hi) of the flattened tensor `e` in the file's dtype, as (first element,
     1-D chunk) pieces of at most `chunk_bytes` (at least one element): the only memory a read holds."""
-    step = max(1, chunk_bytes // e.dtype.itemsize)
+    return read_range(e.file, e.begin, e.dtype, lo, hi, chunk_bytes)
+
+
+def read_range(file: Path, begin: int, dtype: torch.dtype, lo: int, hi: int, chunk_bytes: int = CHUNK_BYTES,
+               what: str = "weights file") -> Iterator[tuple[int, Tensor]]:
+    """Elements [lo, hi) of the `dtype` array whose element 0 is at byte `begin` of `file`, read
+    with os.pread into one buffer per chunk of at most `chunk_bytes`."""
+    step = max(1, chunk_bytes // dtype.itemsize)
     try:
-        fd = os.open(e.file, os.O_RDONLY)
+        fd = os.open(file, os.O_RDONLY)
     except OSError as err:
-        raise CheckpointError(f"weights file {e.file} cannot be opened ({err.strerror})") from err
+        raise CheckpointError(f"{what} {file} cannot be opened ({err.strerror})") from err
     try:
         at = lo
         while at < hi:
             n = min(step, hi - at)
-            buf = torch.empty(n * e.dtype.itemsize, dtype=torch.uint8)
-            view, off, done = buf.numpy().data, e.begin + at * e.dtype.itemsize, 0
+            buf = torch.empty(n * dtype.itemsize, dtype=torch.uint8)
+            view, off, done = buf.numpy().data, begin + at * dtype.itemsize, 0
             while done < len(view):
                 got = os.preadv(fd, [view[done:]], off + done)
                 if got <= 0:
-                    raise CheckpointError(f"weights file {e.file} ends early at byte {off + done} (truncated?)")
+                    raise CheckpointError(f"{what} {file} ends early at byte {off + done} (truncated?)")
                 done += got
-            yield at, buf.view(e.dtype)
+            yield at, buf.view(dtype)
             at += n
     finally:
         os.close(fd)

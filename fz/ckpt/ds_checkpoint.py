@@ -1,0 +1,328 @@
+"""A DeepSpeed checkpoint, read without running its pickles and one parameter slice at a time.
+
+`DeepSpeedCheckpoint(path)` opens a save_dir (its `latest` tag) or a tag folder written by
+`engine.save_checkpoint` at ZeRO stage 0-3 (fp32, bf16), or by ds_to_universal. Opening reads
+only the files' pickled metadata (ds_pickle: tensors stay references into the files); `read`
+then streams a parameter's fp32 master or Adam moment, whatever the ranks it was split over
+(layouts: ds_layout), so memory stays near one chunk, not the model or one rank's partition.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fz.ckpt import ds_files, ds_layout, ds_pickle
+from fz.ckpt.ds_layout import Piece
+from fz.ckpt.ds_pickle import DSObject, Lazy
+from fz.ckpt.weights import CHUNK_BYTES
+from fz.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# the keys of a model-states file DeepSpeed writes itself: the rest is the client state
+DS_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "universal_checkpoint_info", "ds_autotp_universal_checkpoint_meta", "iteration", "num_experts"})
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _shape(s: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in s)
+
+
+def _plain(x: Any) -> Any:
+    """DSObjects as dicts ({"class": ..., **state}) and scalar tensors as numbers, for the public fields."""
+    if isinstance(x, DSObject):
+        return {"class": x.cls, **{k: _plain(v) for k, v in x.state.items()}}
+    if isinstance(x, Lazy):
+        return ds_pickle.materialize(x).item() if x.numel == 1 else ds_pickle.materialize(x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+class DeepSpeedCheckpoint:
+    """What a DeepSpeed checkpoint holds (fields below) and `read` for its parameters' values."""
+
+    def __init__(self, path: str | os.PathLike[str], tag: str | None = None):
+        self.path, self.tag = ds_files.resolve(Path(path), tag)
+        ds_files.refuse_parallel(self.path)
+        self._model_file = ds_files.model_file(self.path)
+        m = ds_pickle.load(self._model_file)
+        if not isinstance(m, dict) or not isinstance(m.get("module"), dict):
+            raise CheckpointError(f"{self._model_file} is not a DeepSpeed model-states file (no 'module' state dict)")
+        self._m, self._module = m, m["module"]
+        dims = m.get("checkpoint_parallel_dimensions") or {}
+        if int(m.get("mp_world_size") or 1) > 1 or any(int(v or 1) > 1 for v in dims.values()):
+            raise CheckpointError(f"{self._model_file} was written with model or pipeline parallelism "
+                                  f"(mp_world_size={m.get('mp_world_size')}, {dims}): not supported")
+        cfg = m.get("ds_config")
+        self.ds_config: dict | None = cfg if isinstance(cfg, dict) else None
+        self.global_steps = int(m.get("global_steps") or 0)
+        self.global_samples = int(m.get("global_samples") or 0)
+        self.skipped_steps = int(m.get("skipped_steps") or 0)
+        self.lr_scheduler: dict | None = _plain(m.get("lr_scheduler"))
+        self.client_state: dict = {k: _plain(v) for k, v in m.items() if k not in DS_KEYS}
+        self.ds_version: str | None = m.get("ds_version")
+        self.world = int(m.get("dp_world_size") or 1)
+        names = [str(n) for n in m.get("buffer_names") or []]
+        self.buffers: dict[str, torch.Tensor] = {n: ds_pickle.materialize(self._module[n]) for n in names
+                                                 if isinstance(self._module.get(n), Lazy)}
+        self.params: dict[str, tuple[int, ...]] = {}
+        self.frozen: dict[str, tuple[int, ...]] = {}
+        self.shared: dict[str, str] = {str(k): str(v) for k, v in (m.get("shared_params") or {}).items()}
+        self.moments: tuple[str, ...] = ()
+        self.optimizer_step: int | None = None
+        self.loss_scaler: dict | None = None
+        self._pieces: dict[str, dict[str, list[Piece]]] = {}  # kind -> name -> pieces
+        self._universal = (self.path / "zero").is_dir()
+        prefix, optim = ds_files.optim_files(self.path)
+        self.stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+        self.precision = self._precision(prefix)
+        try:
+            if self._universal:
+                self._read_universal()
+            elif optim:
+                self._read_zero(prefix, optim)
+            else:
+                self._read_stage0()
+            self._tied()
+            for by_name in self._pieces.values():
+                for name, pieces in by_name.items():
+                    ds_layout.check(name, pieces, math.prod(self._shape_of(name)))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} does not have the layout fz reads "
+                                  f"({type(e).__name__}: {e})") from e
+        self.loss_scale: float | None = None
+        if self.precision == "fp16" and self.loss_scaler is not None:
+            self.loss_scale = float(self.loss_scaler.get("cur_scale", 0.0))
+        log.debug("DeepSpeed checkpoint %s: stage %d, world %d, %s, %d params", self.path, self.stage, self.world,
+                  self.precision, len(self.params))
+
+    def _precision(self, prefix: str) -> str:
+        cfg = self.ds_config or {}
+        for p in ("bf16", "fp16"):
+            if (cfg.get(p) or {}).get("enabled") or (p == "bf16" and (cfg.get("bfloat16") or {}).get("enabled")):
+                return p
+        return prefix.rstrip("_") or "fp32"
+
+    def _shape_of(self, name: str) -> tuple[int, ...]:
+        return self.params[name] if name in self.params else self.frozen[name]
+
+    # --- layouts -------------------------------------------------------------------------------------------
+    def _read_zero(self, prefix: str, optim: dict[int, Path]) -> None:
+        first = ds_files.need(self.path, [ds_files.optim_name(prefix, 0)], "rank 0's optimizer states")[0]
+        osd0 = ds_pickle.load(first)["optimizer_state_dict"]
+        count = osd0.get("partition_count", len(optim))
+        self.world = max(count) if isinstance(count, list) else int(count)
+        files = ds_files.need(self.path, [ds_files.optim_name(prefix, r) for r in range(self.world)],
+                              f"the checkpoint was written by {self.world} ranks")
+        if len(optim) > self.world:
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} has {len(optim)} optimizer files but its "
+                                  f"partition_count is {self.world}: files of another run in the same tag?")
+        osds = [osd0] + [ds_pickle.load(f)["optimizer_state_dict"] for f in files[1:]]
+        self.loss_scaler = _plain(osd0.get("loss_scaler"))
+        if "zero_stage" not in osd0:  # BF16_Optimizer (bf16 without ZeRO): fragments named per rank
+            self.stage = 0
+            return self._read_bf16_optimizer(osds)
+        self.stage = int(osd0["zero_stage"])
+        shapes = [{str(k): _shape(v) for k, v in g.items()} for g in self._m["param_shapes"]]
+        self.params = {k: v for g in shapes for k, v in g.items()}
+        if self.stage == 3:
+            inner = [o["optimizer_state_dict"]["state"] for o in osds]
+            self._pieces["fp32"] = ds_layout.zero3(shapes, [o["fp32_flat_groups"] for o in osds])
+            self._moments(inner, lambda groups: ds_layout.zero3(shapes, groups))
+            self._frozen_zero3()
+            return
+        fp32 = [o["single_partition_of_fp32_groups"] for o in osds]
+        partition = [t.numel + int(p) for t, p in zip(fp32[0], osd0.get("group_paddings") or [0] * len(fp32[0]))]
+        paddings = osd0.get("param_alignment_paddings")
+        self._pieces["fp32"] = ds_layout.zero12(shapes, paddings, fp32, partition)
+        base = [o["base_optimizer_state"] for o in osds]
+        states = [b["state"] if isinstance(b, dict) else dict(enumerate(b)) for b in base]
+        self._moments(states, lambda groups: ds_layout.zero12(shapes, paddings, groups, partition))
+        self._frozen_module(self._m.get("frozen_param_fragments"))
+
+    def _moments(self, states: list[dict], layout: Any) -> None:
+        """Adam's moments and step from per-rank optimizer `state` dicts keyed by group (or sub-group)."""
+        if not states[0]:
+            return
+        first = next(iter(states[0].values()))
+        self.moments = tuple(k for k in _MOMENTS if isinstance(first.get(k), Lazy))
+        for kind in self.moments:
+            groups = [[s[g][kind] for g in sorted(s)] for s in states]
+            self._pieces[kind] = layout(groups)
+        self.optimizer_step = int(_plain(first["step"])) if "step" in first else None
+
+    def _frozen_module(self, fragments: dict | None) -> None:
+        """Frozen params stored whole: `frozen_param_fragments` (ZeRO 2) or else the module's
+        tensors that are neither trainable, buffers nor tied aliases (ZeRO 1, stage 0)."""
+        shapes = self._m.get("frozen_param_shapes")
+        if fragments:
+            for name, t in fragments.items():
+                self.frozen[str(name)] = _shape(shapes[name]) if shapes else t.shape
+                self._pieces.setdefault("fp32", {})[str(name)] = ds_layout.whole(t)
+            return
+        held = {(t.at, t.offset) for n in self.params for t in [self._module.get(n)] if isinstance(t, Lazy)}
+        for name, t in self._module.items():
+            if (name in self.params or name in self.buffers or name in self.shared or not isinstance(t, Lazy)
+                    or (t.at, t.offset) in held):
+                continue
+            self.frozen[name] = t.shape
+            self._pieces.setdefault("fp32", {})[name] = ds_layout.whole(t)
+
+    def _frozen_zero3(self) -> None:
+        shapes = self._m.get("frozen_param_shapes") or {}
+        if not shapes:
+            return
+        files = ds_files.need(self.path, [ds_files.zero3_model_name(r) for r in range(self.world)],
+                              f"ZeRO-3 model states of {self.world} ranks")
+        frags = [self._m["frozen_param_fragments"]] + [ds_pickle.load(f)["frozen_param_fragments"] for f in files[1:]]
+        for name, shape in shapes.items():
+            self.frozen[str(name)] = _shape(shape)
+            self._pieces["fp32"][str(name)] = ds_layout.fragments([f[name] for f in frags], math.prod(_shape(shape)))
+
+    def _read_bf16_optimizer(self, osds: list[dict]) -> None:
+        maps = [[{str(n): (int(a.state["start"]), int(a.state["numel"])) for n, a in g.items()}
+                 for g in o["param_slice_mappings"]] for o in osds]
+        fp32 = [o["single_partition_of_fp32_groups"] for o in osds]
+        self._pieces["fp32"] = ds_layout.slice_mappings(maps, fp32)
+        self.params = {n: self._module[n].shape for n in self._pieces["fp32"]}
+        base = [o["base_optimizer_state"] for o in osds]
+        states = [b["state"] if isinstance(b, dict) else dict(enumerate(b)) for b in base]
+        self._moments(states, lambda groups: ds_layout.slice_mappings(maps, groups))
+        self._frozen_module(None)
+
+    def _read_stage0(self) -> None:
+        """No ZeRO: masters in the model states (`module` for fp32; `fp32_groups` of DeepSpeed's
+        unfused fp16/bf16 optimizer), moments in its torch optimizer state_dict."""
+        opt = self._m.get("optimizer")
+        self.stage = 0
+        if isinstance(opt, dict) and "fp32_groups" in opt:
+            masters = [t for g in opt["fp32_groups"] for t in g]
+            torch_sd = opt.get("optimizer_state_dict") or {}
+            self.loss_scaler = {"cur_scale": opt.get("cur_scale"), "dynamic": opt.get("dynamic_loss_scale")}
+        elif isinstance(opt, dict) and ("fp32_groups_flat" in opt or "single_partition_of_fp32_groups" in opt):
+            raise CheckpointError(f"{self._model_file}: a stage-0 {self.precision} optimizer with flat fp32 groups "
+                                  "(DeepSpeed's fused FP16_Optimizer): not supported")
+        else:
+            masters, torch_sd = [], opt if isinstance(opt, dict) else {}
+        state = torch_sd.get("state") or {}
+        ids = [i for g in torch_sd.get("param_groups") or [] for i in g["params"]]
+        shapes = [t.shape for t in masters] or [state[i]["exp_avg"].shape if i in state else None for i in ids]
+        names = self._match(shapes)
+        for i, name in enumerate(names):
+            self.params[name] = self._module[name].shape
+            self._pieces.setdefault("fp32", {})[name] = ds_layout.whole(masters[i] if masters else self._module[name])
+        first = state.get(ids[0]) if ids else None
+        if first:
+            self.moments = tuple(k for k in _MOMENTS if isinstance(first.get(k), Lazy))
+            for kind in self.moments:
+                self._pieces[kind] = {n: ds_layout.whole(state[ids[i]][kind]) for i, n in enumerate(names)}
+            self.optimizer_step = int(_plain(first["step"])) if "step" in first else None
+        self._frozen_module(None)
+
+    def _match(self, shapes: list[tuple[int, ...] | None]) -> list[str]:
+        """The module names of the optimizer's params, in order: DeepSpeed's stage-0 files do not
+        name them, so the module's tensors (buffers, tied aliases left out) are matched in order
+        by shape; those skipped are the frozen ones."""
+        seen: set[tuple[int, int]] = set()
+        names = []
+        for name, t in self._module.items():
+            if name in self.buffers or not isinstance(t, Lazy) or (t.at, t.offset) in seen:
+                continue
+            seen.add((t.at, t.offset))
+            names.append(name)
+        if not shapes:
+            return names
+        out, i = [], 0
+        for name in names:
+            if i < len(shapes) and (shapes[i] is None or _shape(shapes[i]) == self._module[name].shape):
+                out.append(name)
+                i += 1
+        if i != len(shapes):
+            raise CheckpointError(f"{self._model_file}: the optimizer's {len(shapes)} parameters do not match the "
+                                  f"module's tensors in order and shape (matched {i})")
+        return out
+
+    def _read_universal(self) -> None:
+        """ds_to_universal's zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, one file per tensor."""
+        shapes = self._m.get("param_shapes")
+        zero = self.path / "zero"
+        if shapes:
+            self.params = {str(k): _shape(v) for g in shapes for k, v in g.items()}
+        else:
+            self.params = {p.name: ds_pickle.load(p / "fp32.pt")["param"].shape for p in sorted(zero.iterdir())}
+        for name in self.params:
+            ds_files.need(zero / name, ["fp32.pt"], f"the universal checkpoint's master of {name}")
+        some = zero / next(iter(self.params))
+        self.moments = tuple(k for k in _MOMENTS if (some / f"{k}.pt").is_file())
+        if (some / "step.pt").is_file():
+            self.optimizer_step = int(_plain(ds_pickle.load(some / "step.pt")))
+        self._frozen_module(self._m.get("frozen_param_fragments"))
+
+    def _tied(self) -> None:
+        """Tied aliases ZeRO-3 (and stage 0) do not list in shared_params: module entries stored
+        in the same storage as a parameter."""
+        def where(t: Lazy) -> tuple:
+            return t.at, t.offset, t.shape
+
+        by_storage = {where(self._module[n]): n for n in list(self.params) + list(self.frozen)
+                      if isinstance(self._module.get(n), Lazy)}
+        for name, t in self._module.items():
+            if (name not in self.params and name not in self.frozen and name not in self.buffers
+                    and name not in self.shared and isinstance(t, Lazy) and where(t) in by_storage):
+                self.shared[name] = by_storage[where(t)]
+
+    # --- values --------------------------------------------------------------------------------------------
+    def _pieces_of(self, name: str, kind: str) -> list[Piece]:
+        if self._universal and name in self.params:
+            f = self.path / "zero" / name / f"{kind}.pt"
+            t = ds_pickle.load(ds_files.need(f.parent, [f.name], f"{kind} of {name}")[0])
+            return ds_layout.whole(t["param"] if isinstance(t, dict) else t)
+        return self._pieces[kind][name]
+
+    def read(self, name: str, kind: str = "fp32", lo: int = 0,
+             hi: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Elements [lo, hi) of parameter `name`'s flattened fp32 master (kind="fp32") or moment
+        (one of `moments`), as (offset, 1-D fp32 tensor) chunks of at most CHUNK_BYTES; reads
+        only the bytes needed. Frozen params and tied aliases: kind "fp32"."""
+        name = self.shared.get(name, name)
+        if name not in self.params and name not in self.frozen:
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} has no parameter {name!r}")
+        if kind != "fp32" and (kind not in self.moments or name not in self.params):
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} has no {kind!r} for {name!r} "
+                                  f"(moments: {', '.join(self.moments) or 'none'}; frozen params have none)")
+        numel = math.prod(self._shape_of(name))
+        hi = numel if hi is None else hi
+        if not 0 <= lo <= hi <= numel:
+            raise CheckpointError(f"read({name!r}, lo={lo}, hi={hi}): the parameter has {numel} elements")
+        for p in self._pieces_of(name, kind):
+            a, b = max(lo, p.start), min(hi, p.start + p.n)
+            if a >= b:
+                continue
+            src_lo = p.src_start + a - p.start
+            step = CHUNK_BYTES * p.src.dtype.itemsize // 4
+            for at, chunk in ds_pickle.read(p.src, src_lo, src_lo + b - a, step):
+                yield p.start + at - p.src_start, chunk.float()
+
+    def close(self) -> None:
+        """Nothing stays open between reads (each opens, preads and closes its file)."""
+
+    def __enter__(self) -> DeepSpeedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

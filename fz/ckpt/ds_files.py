@@ -1,0 +1,105 @@
+"""Which files of a DeepSpeed checkpoint to read: the tag folder, its model-states and optimizer files.
+
+DeepSpeed's `save_checkpoint(save_dir)` writes `save_dir/latest` (the tag) and
+`save_dir/<tag>/` holding `mp_rank_00_model_states.pt` (ZeRO 0-2) or one
+`zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (ZeRO 3), and one
+`[bf16_|fp16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank. Model-parallel
+(`mp_rank_01`...) and pipeline (`layer_NN-model_states.pt`) checkpoints are refused: their
+tensors are slices of a model fz would have to merge, which it does not.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fz.errors import CheckpointError
+
+MODEL = "mp_rank_00_model_states.pt"
+_OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def is_deepspeed(path: Path) -> bool:
+    """A DeepSpeed save_dir (with `latest` naming a tag folder of model states) or a tag folder."""
+    if (path / "latest").is_file() and not (path / "fz.json").exists():
+        tag = (path / "latest").read_text(errors="replace").strip()
+        return bool(tag) and _is_tag(path / tag)
+    return _is_tag(path)
+
+
+def _is_tag(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("*model_states.pt"))
+
+
+def resolve(path: Path, tag: str | None) -> tuple[Path, str]:
+    """(tag folder, tag) of a save_dir (its `latest`, or `tag`) or of a tag folder itself."""
+    if not path.exists():
+        raise CheckpointError(f"DeepSpeed checkpoint {path} does not exist")
+    if tag is None and _is_tag(path):
+        return path, path.name
+    if tag is None:
+        latest = path / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{path} is not a DeepSpeed checkpoint: no `latest` file and no "
+                                  "*_model_states.pt (pass the tag folder, or tag=...)")
+        tag = latest.read_text(errors="replace").strip()
+    folder = path / tag
+    if not _is_tag(folder):
+        tags = sorted(p.name for p in path.iterdir() if _is_tag(p)) if path.is_dir() else []
+        raise CheckpointError(f"DeepSpeed checkpoint {path}: tag {tag!r} not found (no {folder} with model "
+                              f"states; tags there: {', '.join(tags) or 'none'})")
+    return folder, tag
+
+
+def refuse_parallel(folder: Path) -> None:
+    """Model-parallel and pipeline checkpoints are not read: say so."""
+    layers = sorted(folder.glob("layer_*model_states.pt"))
+    if layers:
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} is a pipeline-parallel checkpoint ({layers[0].name}, "
+                              "...): not supported; convert it with DeepSpeed's ds_to_universal first")
+    others = sorted(p.name for p in folder.glob("*mp_rank_*") if not re.search(r"mp_rank_0+_", p.name))
+    if others:
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} is a model-parallel (tensor-parallel) checkpoint "
+                              f"({others[0]}): not supported; convert it with DeepSpeed's ds_to_universal first")
+
+
+def optim_files(folder: Path) -> tuple[str, dict[int, Path]]:
+    """(file prefix: '', 'bf16_' or 'fp16_'; {rank: optimizer-states file})."""
+    found: dict[str, dict[int, Path]] = {}
+    for p in folder.iterdir():
+        m = _OPTIM.match(p.name)
+        if m:
+            found.setdefault(m.group(1) or "", {})[int(m.group(2))] = p
+    if len(found) > 1:
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} mixes optimizer files of several kinds "
+                              f"({', '.join(repr(k) for k in sorted(found))} prefixes): two runs saved to one tag?")
+    if not found:
+        return "", {}
+    prefix, files = next(iter(found.items()))
+    return prefix, files
+
+
+def optim_name(prefix: str, rank: int) -> str:
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def zero3_model_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def model_file(folder: Path) -> Path:
+    """The model-states file every layout has: mp_rank_00 (ZeRO 0-2), else rank 0's (ZeRO 3)."""
+    for name in (MODEL, zero3_model_name(0)):
+        if (folder / name).is_file():
+            return folder / name
+    raise CheckpointError(f"DeepSpeed checkpoint {folder} has neither {MODEL} nor {zero3_model_name(0)}")
+
+
+def need(folder: Path, names: list[str], what: str) -> list[Path]:
+    """The files `names` of the folder, each required: a missing one is an error naming it."""
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} is missing {missing[0]}"
+                              f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} ({what}): a rank's "
+                              "save did not finish, or the files were not all copied")
+    return [folder / n for n in names]

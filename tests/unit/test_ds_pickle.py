@@ -1,0 +1,142 @@
+"""A DeepSpeed checkpoint with a malicious pickle is refused unread: nothing it names runs.
+
+Each file of real fixtures (model states, every rank's optimizer states, a universal
+checkpoint's fp32.pt) is replaced in turn by a torch.save-style zip whose data.pkl, loaded by
+`torch.load(weights_only=False)` (what zero_to_fp32 does) or `pickle.load`, would write a
+marker file. Reading the checkpoint must raise CheckpointError naming the file and the
+callable, and the marker must never appear.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fz.ckpt import ds_pickle
+from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.errors import CheckpointError
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
+CASES = [("stage2_fp32", "ckpt", f) for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                             "zero_pp_rank_1_mp_rank_00_optim_states.pt")]
+CASES += [("stage3_bf16", "ckpt", f"{'bf16_' if k == 'optim' else ''}zero_pp_rank_{r}_mp_rank_00_{k}_states.pt")
+          for r in (0, 1) for k in ("model", "optim")]
+CASES += [("stage0_bf16", "ckpt", "mp_rank_00_model_states.pt"),
+          ("stage2_fp32", "universal", "zero/blocks.1.up.weight/fp32.pt"),
+          ("stage2_fp32", "universal", "zero/embed.weight/exp_avg_sq.pt"),
+          ("stage2_fp32", "universal", "mp_rank_00_model_states.pt")]
+
+
+class _System:
+    """Pickles as a call of os.system (posix.system): what an attacker's file would hold."""
+
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return os.system, (self.cmd,)
+
+
+class _Eval:
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return eval, (self.code,)
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    """{the name the refusal must give: a pickle that writes `marker` when loaded}."""
+    write = f"open({str(marker)!r}, 'w').write('pwned')"
+    return {
+        "posix.system": pickle.dumps({"module": {"w": _System(f"touch {marker}")}, "buffer_names": []}, protocol=2),
+        "builtins.eval": pickle.dumps({"optimizer_state_dict": [1, 2, _Eval(write)]}, protocol=4),
+    }
+
+
+def _poison(path: Path, payload: bytes) -> None:
+    """Replace the data.pkl of the torch.save zip `path`, keeping its other members."""
+    with zipfile.ZipFile(path) as z:
+        members = {i.filename: z.read(i) for i in z.infolist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(name, payload if name.endswith("/data.pkl") else data)
+
+
+def _read_everything(path: Path) -> None:
+    ck = DeepSpeedCheckpoint(path)
+    for name in [*ck.params, *ck.frozen]:
+        for kind in ("fp32", *(ck.moments if name in ck.params else ())):
+            list(ck.read(name, kind))
+
+
+def test_payloads_are_live(tmp_path: Path) -> None:
+    """The payloads do run under a plain unpickler (in a child process): the refusal below matters."""
+    for i, name in enumerate(_payloads(tmp_path / "m")):
+        marker = tmp_path / f"live{i}"
+        subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+                       input=_payloads(marker)[name], timeout=60, check=False, capture_output=True)
+        assert marker.exists()
+
+
+@pytest.mark.parametrize(("fixture", "sub", "file"), CASES)
+def test_malicious_file_is_refused(tmp_path: Path, fixture: str, sub: str, file: str) -> None:
+    for callable_name, payload in _payloads(tmp_path / "marker").items():
+        d = tmp_path / callable_name
+        shutil.copytree(DATA / fixture / sub, d)
+        _poison(d / "global_step3" / file, payload)
+        with pytest.raises(CheckpointError) as e:
+            _read_everything(d)
+        msg = str(e.value)
+        assert callable_name in msg and str(d / "global_step3" / file) in msg, msg
+        assert "not read" in msg
+        assert not (tmp_path / "marker").exists()
+
+
+def test_other_refusals(tmp_path: Path) -> None:
+    src = DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
+    f = tmp_path / "pid.pt"
+    shutil.copy(src, f)
+
+    class _Pid(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("module", "os") if obj == "x" else None
+
+    import io
+    buf = io.BytesIO()
+    _Pid(buf, protocol=2).dump({"module": "x"})
+    _poison(f, buf.getvalue())
+    with pytest.raises(CheckpointError, match=r"pid.pt has a persistent id .* not a torch storage"):
+        ds_pickle.load(f)
+    legacy = tmp_path / "legacy.pt"
+    legacy.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match="legacy.pt is not a torch.save zip file"):
+        ds_pickle.load(legacy)
+    compressed = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(compressed, "w", zipfile.ZIP_DEFLATED) as out:
+        for i in z.infolist():
+            out.writestr(i.filename, z.read(i))
+    with pytest.raises(CheckpointError, match="deflated.pt: member .* is compressed"):
+        ds_pickle.load(compressed)
+
+
+@pytest.mark.parametrize("name", [b"torch\nfloat32\n", b"torch\nFloatStorage\n", b"torch._utils\n_rebuild_tensor_v2\n",
+                                  b"deepspeed.runtime.fp16.loss_scaler\nLossScaler\n", b"torch\nTensor\n",
+                                  b"collections\nOrderedDict\n"])
+def test_allowed_names_cannot_be_altered(tmp_path: Path, name: bytes) -> None:
+    """BUILD on one of the table's shared objects (state, or slot state set with setattr) is an
+    error, so one file cannot change how the next is read."""
+    f = tmp_path / "build.pt"
+    shutil.copy(DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt", f)
+    for state in (b"}X\x05\x00\x00\x00dtypeNs", b"N}X\x05\x00\x00\x00dtypeNs\x86"):
+        _poison(f, b"\x80\x02c" + name + state + b"b.")
+        with pytest.raises(CheckpointError, match="build.pt is damaged or not a checkpoint fz reads"):
+            ds_pickle.load(f)
+    assert ds_pickle._ALLOWED["torch.FloatStorage"].dtype is torch.float32
