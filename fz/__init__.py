@@ -5,6 +5,7 @@
 """
 from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, CheckpointInfo, Consolidated, load_weights, restore, save, wait_for_checkpoints
+from fz.ckpt.ds_import import import_deepspeed
 from fz.errors import CheckpointError, ConfigError, NonFiniteError, OffloadError, PeerError
 from fz.init_state import init
 from fz.observe.comm_report import CommReport, comm_report
@@ -22,6 +23,6 @@ __all__ = [
     "CheckpointError", "CheckpointInfo", "Checkpointer", "CommReport", "ConfigError", "Consolidated", "LossScale",
     "MemoryReport", "Monitor", "NonFiniteError", "OffloadError", "PeerError", "Spec", "State", "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
-    "evaluate", "full_params", "generate", "init", "load_weights", "memory_report", "offload", "optim", "plan",
-    "restore", "save", "train_step", "wait_for_checkpoints",
+    "evaluate", "full_params", "generate", "import_deepspeed", "init", "load_weights", "memory_report", "offload",
+    "optim", "plan", "restore", "save", "train_step", "wait_for_checkpoints",
 ]

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fz.background import on_next_call
-from fz.ckpt import arguments, loader, manifest, saver, signing
+from fz.ckpt import arguments, ds_files, loader, manifest, saver, signing
+from fz.ckpt.ds_import import import_deepspeed
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import META, PathLike, committed_steps, read_json, read_latest, resolve, step_name
 from fz.distributed import guards, peers
@@ -367,11 +368,18 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     strict=False the tensors both share are loaded and the rest is reported as a
     PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a checkpoint that this key did not
     sign is refused. `with_client_state=True` returns (state, client_state); `verbose=False`
-    leaves out the restored line.
+    leaves out the restored line. A checkpoint DeepSpeed wrote (its save_dir, or a tag folder;
+    `step` N reads tag global_stepN) is imported: fz.import_deepspeed.
     """
     state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
     expect_state(state, "fz.restore")
     wait_for_checkpoints()
+    if ds_files.is_deepspeed(Path(path)):  # one DeepSpeed wrote: fz.import_deepspeed
+        if signing.resolve(key) is not None:
+            raise CheckpointError(f"{path} is a DeepSpeed checkpoint, which is never signed: a key (or "
+                                  "FZ_CKPT_KEY) asks for a signed one")
+        new, client = import_deepspeed(state, path, tag=None if step is None else f"global_step{step}", strict=strict)
+        return (new, client) if with_client_state else new
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,19 +27,6 @@ from fz.errors import CheckpointError
 from fz.state import State, block_until_ready, expect_state
 
 _MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
-
-
-def is_deepspeed_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a DeepSpeed save dir (a `latest` naming a tag folder) or a tag folder."""
-    p = Path(path)
-    if (p / "latest").is_file() and not (p / "fz.json").exists():
-        tag = (p / "latest").read_text().strip()
-        return _is_tag_dir(p / tag)
-    return _is_tag_dir(p)
-
-
-def _is_tag_dir(p: Path) -> bool:
-    return p.is_dir() and (any(p.glob("*mp_rank_00_model_states.pt")) or (p / "zero").is_dir())
 
 
 def _walk(tree: Any) -> Iterator[Any]:
@@ -63,6 +49,20 @@ def _counts(tree: Any) -> list[Tensor]:
     """The optimizer's step counts: its 0-d integer tensors (fz.optim keeps nothing else so)."""
     return [x for x in _walk(tree) if isinstance(x, Tensor) and not isinstance(x, DTensor) and x.dim() == 0
             and not x.is_floating_point() and x.dtype != torch.bool]
+
+
+def _set_counts(opt_state: Any, ck: Any) -> None:
+    """Adam's step count from the optimizer's (bias correction); every other count (the lr
+    schedule's) from the scheduler's steps, which can differ (DeepSpeed's stage-0 bf16 optimizer
+    steps once while it is set up)."""
+    adam = {id(a.count) for a in _adam_states(opt_state)}
+    sched = (ck.lr_scheduler or {}).get("last_batch_iteration")
+    for count in _counts(opt_state):
+        if id(count) in adam or sched is None:
+            if ck.optimizer_step is not None:
+                count.fill_(int(ck.optimizer_step))
+        else:
+            count.fill_(int(sched) + 1)
 
 
 def _moment_places(state: State) -> dict[str, dict[str, list[Place]]]:
@@ -148,9 +148,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
                 canon = state.skeleton.aliases.get(name, name)
                 if canon in state.buffers and state.buffers[canon].shape == value.shape:
                     state.buffers[canon].copy_(value)
-            if ck.optimizer_step is not None:
-                for count in _counts(state.opt_state):
-                    count.fill_(int(ck.optimizer_step))
+            _set_counts(state.opt_state, ck)
             scaler = dict(state.scaler or {})
             if "skipped" in scaler:
                 scaler["skipped"] = torch.tensor(int(ck.skipped_steps), dtype=torch.int64)

@@ -17,7 +17,6 @@ from typing import Any
 import torch.distributed as dist
 
 import fz
-from fz.ckpt.ds_import import import_deepspeed, is_deepspeed_checkpoint
 from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -56,10 +55,7 @@ def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Pa
     path = load_dir / tag
     if not path.exists():
         raise CheckpointError(f"load_checkpoint: {path} does not exist (tag {tag!r} in {load_dir})")
-    if is_deepspeed_checkpoint(path):
-        state, client = import_deepspeed(state, path)
-    else:
-        state, client = fz.restore(state, path, with_client_state=True)  # type: ignore[misc]
+    state, client = fz.restore(state, path, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
     client = dict(client)
     counters = client.pop(ENGINE_KEY, {}) or {}
     return state, path, client, dict(counters)

@@ -5,13 +5,14 @@ Run with a python that has DeepSpeed (CPU is enough):
     DS_ACCELERATOR=cpu PYTHONPATH=. /work/venv-ds/bin/python tests/support/make_ds_checkpoints.py [NAME ...]
 
 For each fixture (ds_models.FIXTURES) two ranks (gloo) train 3 steps, `save_checkpoint` with a
-client state, then train one more step. Written to tests/data/deepspeed/<name>/:
+client state, then train two more steps. Written to tests/data/deepspeed/<name>/:
   ckpt/             the save_dir as DeepSpeed wrote it (its copies of zero_to_fp32.py and
                     zero_to_torch.py removed)
   zero_to_fp32.safetensors   DeepSpeed's get_fp32_state_dict_from_zero_checkpoint (where it runs)
   engine.safetensors         the live engine's full fp32 masters and Adam moments at the save
                              (safe_get_full_fp32_param / safe_get_full_optimizer_state)
-  record.json       losses per step and rank, the next step's loss per rank, config, world
+  record.json       losses per step and rank, the next two steps' losses per rank (the
+                    second follows an update that used the saved moments), config, world
 One universal checkpoint (ds_to_universal) is made from stage2_fp32 into stage2_fp32/universal/.
 """
 from __future__ import annotations
@@ -65,11 +66,11 @@ def _rank(name: str, rank: int, out: Path) -> None:
             s = safe_get_full_optimizer_state(p, moment) if p.requires_grad else None
             if s is not None:
                 ref[f"{moment}/{pname}"] = s.detach().float().clone()
-    nxt = step(STEPS)
+    nxt = [step(STEPS), step(STEPS + 1)]  # the second one's loss follows an update that used the moments
     if rank == 0:
         from safetensors.torch import save_file
         save_file(ref, str(out / "engine.safetensors"))
-    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "next_loss": nxt}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "next_loss": nxt[0], "next_losses": nxt}))
 
 
 def _stage0_reference(engine) -> dict:
@@ -125,6 +126,7 @@ def make(name: str, out_root: Path = OUT, world: int = 2) -> Path:
     import deepspeed
     record = {"name": name, "stage": stage, "precision": precision, "world": world, "steps": STEPS,
               "losses": [r["losses"] for r in ranks], "next_loss": [r["next_loss"] for r in ranks],
+              "next_losses": [r["next_losses"] for r in ranks],
               "client_state": CLIENT_STATE, "config": m.ds_config(stage, precision, world),
               "deepspeed": deepspeed.__version__, "zero_to_fp32": _zero_to_fp32(out)}
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -162,7 +164,8 @@ def universal(name: str = "stage2_fp32", out_root: Path = OUT) -> Path:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         _rank(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
-        sys.exit(0)
+        sys.stdout.flush()
+        os._exit(0)  # its files are written; DeepSpeed's bf16 stage-1 threads can abort the interpreter's teardown
     sys.path.insert(0, str(ROOT))
     from tests.support.ds_models import FIXTURES
     names = sys.argv[1:] or list(FIXTURES)

@@ -194,3 +194,28 @@ def test_eval_mode_forward_is_fz_apply_and_module_attributes_read_through():
     assert torch.equal(out, fz.apply(engine.state, x, y))
     assert engine.custom_tag == "kept"
     assert torch.equal(engine.out.weight, fz.full_params(engine.state)["out.weight"])
+
+
+def test_load_checkpoint_continues_a_run_deepspeed_started():
+    """A run in progress under DeepSpeed (its ZeRO-3 checkpoint, written at world 2) continues in the
+    engine at world 1, stage 2: the client state, step and the next two losses are DeepSpeed's."""
+    import json
+
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    src = DATA / "stage3_fp32"
+    record = json.loads((src / "record.json").read_text())
+    cfg = {**m.ds_config(2, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
+    path, client_state = engine.load_checkpoint(str(src / "ckpt"))
+    assert path.endswith("global_step3") and client_state == {"step": 3, "note": "x"}
+    assert engine.global_steps == 3
+    losses = []
+    for i in (3, 4):
+        tokens = torch.cat([m.batch(i, r) for r in range(m.WORLD)])
+        loss = m.lm_loss(engine(tokens), tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    want = [sum(r[i] for r in record["next_losses"]) / m.WORLD for i in range(2)]
+    assert losses == pytest.approx(want, rel=1e-6)

@@ -132,3 +132,55 @@ def test_peak_rss_is_one_chunk(big: tuple[Path, list[tuple[str, tuple[int, ...]]
         for lo in (0, n - 5):
             chunk = next(read(entries[name], lo, lo + 5))[1]
             assert torch.equal(chunk, ds_synth.value("fp32", j, torch.arange(lo, lo + 5))), name
+
+
+_IMPORT_WORKER = r"""
+import json, sys, torch
+from pathlib import Path
+from torch import nn
+import fz
+from tests.support.peak_worker import rss
+torch.set_num_threads(1)
+src = Path(sys.argv[1])
+shapes = json.loads(sys.argv[2])
+
+
+class Holder(nn.Module):  # the synthetic checkpoint's names and shapes
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Module() for _ in range(47))
+        for i, m in enumerate(self.layers):
+            m.weight = nn.Parameter(torch.empty(shapes[f"layers.{i}.weight"]))
+        self.head = nn.Module()
+        self.head.weight = nn.Parameter(torch.empty(shapes["head.weight"]))
+        self.head.bias = nn.Parameter(torch.empty(shapes["head.bias"]))
+        self.frozen = nn.Parameter(torch.empty(1000, 7), requires_grad=False)
+
+
+model = Holder()  # never read: the import overwrites every value
+state = fz.init(model, fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3)))
+state, _ = fz.import_deepspeed(state, src)  # the first import touches every page of the state
+Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+base = rss("VmRSS")
+state, client = fz.import_deepspeed(state, src)
+extra = rss("VmHWM") - base
+full = fz.full_params(state)
+print(json.dumps({"extra": extra, "state": base, "step": int(state.step),
+                  "first": full["layers.0.weight"].flatten()[:5].tolist(), "bias": full["head.bias"][-3:].tolist()}))
+"""
+
+
+def test_importing_into_a_state_adds_one_chunk_not_the_model(big, tmp_path: Path) -> None:
+    """fz.import_deepspeed into a ZeRO-3 state (world 1) of the ~200 MB checkpoint: beyond the state
+    itself (params and both moments, ~600 MB), the import's peak adds less than LIMIT_MB."""
+    d, params = big
+    shapes = json.dumps(dict(params))
+    r = subprocess.run([sys.executable, "-c", _IMPORT_WORKER, str(d), shapes], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["state"] > 600e6 and got["extra"] < LIMIT_MB << 20, got
+    assert got["step"] == 7
+    assert got["first"] == ds_synth.value("fp32", 0, torch.arange(5)).tolist()
+    n = params[-1][1][0]
+    assert got["bias"] == ds_synth.value("fp32", len(params) - 1, torch.arange(n - 3, n)).tolist()
