@@ -10,7 +10,8 @@ DeepSpeed at world 2 needs ~18 GB of model states and days of 2 CPU cores. Shape
 TinyLlama-1.1B's (vocab 32000, hidden 2048, MLP 5632, 22 layers, 4 KV heads), fp32 masters
 plus AdamW moments, world 2. Each tool runs in its own process under /usr/bin/time -v (wall
 time, maximum resident set size); the outputs are then compared tensor by tensor, streamed.
-To time another importer (e.g. "import into fz state"), fill in `import_into_fz_state`.
+Then `fz.import_deepspeed` into a ZeRO-3 state of the same model (transformers' Llama on the meta
+device) at world 2: its seconds and peak RSS above the state, per rank.
 """
 from __future__ import annotations
 
@@ -71,11 +72,43 @@ def zero_to_fp32(ckpt: Path, out: Path, python: str) -> dict:
                  env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
 
-def import_into_fz_state(ckpt: Path) -> dict | None:
-    """Hook for "import into fz state" timing (fz.init from a DeepSpeed checkpoint, masters and
-    moments included): return timed([...]) of a script doing it, and it is reported beside the
-    others. None: not measured yet."""
-    return None
+_IMPORT = r"""
+import json, time, torch
+import fz
+from fz.distributed import init as dist_init
+from tests.support.peak_worker import rss
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.set_num_threads(1)
+rank, world = dist_init()
+cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers={layers},
+                  num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False)
+with torch.device("meta"):
+    model = LlamaForCausalLM(cfg)
+state = fz.init(model, fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-4)))
+before = rss("VmRSS")
+t = time.perf_counter()
+state, client = fz.import_deepspeed(state, "{ckpt}")
+took = time.perf_counter() - t
+print("RESULT", json.dumps({{"rank": rank, "import_s": round(took, 1), "state_rss_mb": round(before / 2**20),
+                             "peak_rss_mb": round(rss("VmHWM") / 2**20),
+                             "peak_above_state_mb": round((rss("VmHWM") - before) / 2**20), "step": int(state.step)}}),
+      flush=True)
+"""
+
+
+def import_into_fz_state(ckpt: Path, layers: int) -> dict:
+    """fz.import_deepspeed into a ZeRO-3 fp32 state of the same Llama (transformers' LlamaForCausalLM,
+    built on the meta device) at world 2 (torchrun): per rank, the import's seconds and its peak RSS
+    above the state's own (the state holds params and both moments: ~6.6 GB per rank)."""
+    code = _IMPORT.format(layers=layers, ckpt=ckpt)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--no-python", sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        raise RuntimeError(f"import into fz state failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return {"wall_s_with_init": round(time.perf_counter() - t, 1), "ranks": sorted(ranks, key=lambda x: x["rank"])}
 
 
 def same(fz_out: Path, ds_out: Path) -> int:
@@ -117,9 +150,7 @@ def main() -> None:
         res["zero_to_fp32.py"] = zero_to_fp32(ckpt, args.dir / "ds_out", args.deepspeed_python)
         res["ds_output_files"] = sorted(p.name for p in (args.dir / "ds_out").iterdir())
         res["tensors_equal"] = same(args.dir / "fz.safetensors", args.dir / "ds_out")
-        extra = import_into_fz_state(ckpt)
-        if extra is not None:
-            res["import into fz state"] = extra
+        res["import into fz state"] = import_into_fz_state(ckpt, args.layers)
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
