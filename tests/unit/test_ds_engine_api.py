@@ -219,3 +219,26 @@ def test_load_checkpoint_continues_a_run_deepspeed_started():
         losses.append(loss.item())
     want = [sum(r[i] for r in record["next_losses"]) / m.WORLD for i in range(2)]
     assert losses == pytest.approx(want, rel=1e-6)
+
+
+def test_fp16_zero0_engine_is_train_steps_step_with_its_loss_scale():
+    """Seed 001: ZeRO-0 with fp16 loss scaling. The engine's updates (scaled backward, overflow
+    skips, the scale's growth) are fz.train_step's, bit for bit."""
+    cfg = {**CONFIG, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0},
+           "fp16": {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 2},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    engine, *_ = deepspeed.initialize(model=Net(), config=cfg)
+    spec = fz.Spec.from_deepspeed(cfg).replace(loss_fn=lambda model, b: model(*b))
+    state = fz.init(Net(), spec)
+    batches = _batches(6)
+    for i in range(0, 6, 2):
+        for x, y in batches[i:i + 2]:
+            engine.backward(engine(x, y))
+            engine.step()
+        state, _ = fz.train_step(state, (torch.cat([batches[i][0], batches[i + 1][0]]),
+                                          torch.cat([batches[i][1], batches[i + 1][1]])))
+        assert engine.loss_scale == float(state.scaler["scale"])
+        assert engine.skipped_steps == int(state.scaler["skipped"])
+    assert engine.skipped_steps >= 1 and engine.fp16_enabled()  # 2**30 overflows fp16 at first
+    for name, w in fz.full_params(state).items():
+        assert torch.equal(fz.full_params(engine.state)[name], w), name
