@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fz
-import fz.step.train as train_module
+import fz.step.phases as train_module  # where the step gathers its metrics
 from fz.testing.gpt import lm_loss, synthetic_tokens
 from fz.testing.spawn import run_ranks
 
