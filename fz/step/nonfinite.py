@@ -66,10 +66,12 @@ class NonFinite:
         self.names: list[str] = []
         self.first: Tensor | None = None
 
-    def check(self, grads: Params) -> Tensor:
-        """This rank's finding on the gradients it holds, for the agreement's slot."""
+    def check(self, grads: Params, norms=None) -> Tensor:
+        """This rank's finding on the gradients it holds, for the agreement's slot; from their
+        norms when the step took them for clipping (fz/step/update.py: GradNorms), else one sum
+        per gradient."""
         self.names = list(grads)
-        self.first = first_nonfinite(grads)
+        self.first = norms.first_nonfinite() if norms is not None else first_nonfinite(grads)
         return self.first
 
     def skip(self, agreement, comm) -> bool:

@@ -41,7 +41,7 @@ from fz.step.nonfinite import NonFinite, verdict_is_local
 from fz.step.runner import BoundModel, Runner
 from fz.step.scaler import update_scaler
 from fz.step.unused import UsedParams, unused_everywhere
-from fz.step.update import optimizer_inputs
+from fz.step.update import GradNorms, optimizer_inputs
 from fz.step.updaters import UPDATERS, UpdateInputs, update_tier
 from fz.storage.disk import DiskTensor
 
@@ -178,17 +178,20 @@ class StepInProgress:
             reducer.dispose()
             del self.leaves, self.reducer, reducer
             guard = NonFinite(spec, plan, int(state.step), self.scaler)
+            # with clipping, the gradients' norms are taken once: the check reads them, the clip sums them
+            norms = GradNorms(grads, sharded, comm.world) if spec.clip_grad_norm is not None else None
             # the loss all-reduce, with every rank's step, batch size, blocks called and non-finite finding
-            agreement.start(comm, self.total / spec.grad_accum, guard.check(grads), self.calls)
+            agreement.start(comm, self.total / spec.grad_accum, guard.check(grads, norms), self.calls)
             if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
                 _, factor = agreement.finish(comm)
                 if factor != 1.0:
                     torch._foreach_mul_(list(grads.values()), factor)
+                    norms = None  # of the gradients before this scaling
             overflow = guard.skip(agreement, comm)
             new_sync, norm = None, None
             if not overflow:
                 skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
-                inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate)
+                inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate, norms)
                 try:
                     up = UPDATERS[self.tier](spec, comm, plan, inputs)
                 except BaseException as e:
@@ -201,7 +204,7 @@ class StepInProgress:
                                 "updated): restore the last checkpoint. With donate=False the input state stays whole."
                             )
                     raise
-                del inputs
+                del inputs, norms
                 local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
                 new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats) if up.cast else mflats)
         del grads, params

@@ -27,20 +27,21 @@ from fz.offload.move import PART_ALIGN, _round, group_slots, master_slot_views
 from fz.optim.base import global_norm
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.opt_state import merge_opt_states
-from fz.step.update import apply_optimizer, norm_sq_fn, shard_sum_fn
+from fz.step.update import GradNorms, apply_optimizer, norm_sq_fn, shard_sum_fn
 from fz.storage.disk import DiskTensor, load
 from fz.storage.store import ALIGN, store_for
 
 Params = dict[str, Tensor]
 
 
-def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str]):
+def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str],
+                norms: GradNorms | None = None):
     """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
     there and back; a no-op copy on a CPU-only machine."""
     host = torch.device("cpu")
     grads = {k: g.to(host, non_blocking=True) for k, g in grads.items()}
     on_host = {k: p.to(host) for k, p in params.items()}
-    new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded)
+    new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded, norms)  # norms of the same values
     for k, p in params.items():
         if on_host[k] is not p:
             p.copy_(on_host[k], non_blocking=True)
@@ -122,13 +123,13 @@ def _groups(plan, policy, flats, mflats, by_param) -> list[_Group]:
 
 
 def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: list[Tensor],
-                mflats: list[Tensor | None], sharded: set[str], donate: bool):
+                mflats: list[Tensor | None], sharded: set[str], donate: bool, norms: GradNorms | None = None):
     """(new local optimizer state, grad norm, new master locals, new param locals): every
     offloaded tensor of the result lives in new files. With `donate`, each old file is
     deleted as soon as its last group has been read (disk use stays near one copy)."""
     norm = None
     if spec.clip_grad_norm is not None:
-        norm = global_norm(grads, norm_sq_fn(comm, sharded))
+        norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
         scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
     extra = dict(donate=True, norm_sq=_no_global_norm, shard_sum=shard_sum_fn(comm, sharded))
     by_path = [(p, x) for p, x in pytree.tree_flatten_with_path(local_opt)[0]]

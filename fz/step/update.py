@@ -10,6 +10,7 @@ forward) is fz/sharding/sync.py.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,19 +46,56 @@ def optimizer_inputs(plan: ShardPlan, reducer: GradReducer, flats: Sequence[Tens
     return grads, params, sharded
 
 
-def norm_sq_fn(comm: Comm, sharded: set[str]):
-    """Sum of squares over every shard, the same in every stage: each parameter's norm is taken
-    over the same row blocks (Shard(0)'s, also for replicated ones) in fp32, and the blocks'
-    squares are summed in float64, whose rounding never reaches the fp32 result."""
+class GradNorms:
+    """Each gradient's L2 norm over the row blocks every stage takes it in (Shard(0)'s, also for
+    replicated parameters), in one pass over the gradients: the global norm the clip needs sums
+    their squares, and the non-finite check reads them (a NaN or inf makes its block's norm
+    non-finite), so the check costs no pass of its own (fz/step/nonfinite.py)."""
 
-    def norm_sq(tree: Params) -> Tensor:
+    def __init__(self, grads: Params, sharded: set[str], world: int):
+        self.world, self.has_sharded = world, bool(sharded)
+        pieces: list[Tensor] = []
+        self.owner: list[int] = []  # the gradient (its index in `grads`) each piece is a block of
+        self.kind: list[bool] = []  # whether the piece's parameter is sharded
+        for i, (k, t) in enumerate(grads.items()):
+            blocks = [t] if k in sharded else _row_blocks(t, world)
+            pieces += blocks
+            self.owner += [i] * len(blocks)
+            self.kind += [k in sharded] * len(blocks)
+        self.norms = list(torch._foreach_norm(pieces, 2)) if pieces else []
+
+    def first_nonfinite(self) -> Tensor:
+        """index + 1 of the first gradient holding a NaN or inf (or too large for its norm to be
+        finite in fp32: clipping could not scale it), else 0; a 0-d tensor, no host sync."""
+        if not self.norms:
+            return torch.zeros((), dtype=torch.int64)
+        bad = torch.logical_not(torch.isfinite(torch.stack(self.norms)))
+        owner = _owners(tuple(self.owner), bad.device)  # a gradient's blocks are consecutive pieces
+        return torch.where(bad.any(), owner[bad.to(torch.int64).argmax()] + 1, 0)
+
+    def local_parts(self) -> list[Tensor]:
+        """[the replicated parameters' sum of squares, the sharded ones' (this rank's rows)]."""
         parts = []
         for want in (False, True):
-            ts = [t for k, t in tree.items() if (k in sharded) == want]
-            if not want:
-                ts = [piece for t in ts for piece in _row_blocks(t, comm.world)]
-            norms = torch._foreach_norm(ts, 2) if ts else [torch.zeros(())]
+            norms = [n for n, k in zip(self.norms, self.kind) if k == want] or [torch.zeros(())]
             parts.append(torch.stack(norms).double().square().sum())
+        return parts
+
+
+@functools.lru_cache(maxsize=8)
+def _owners(owner: tuple[int, ...], device: torch.device) -> Tensor:
+    """`owner` as a tensor on `device`, made once per model (a copy to the GPU each step would wait)."""
+    return torch.tensor(owner, dtype=torch.int64, device=device)
+
+
+def norm_sq_fn(comm: Comm, sharded: set[str], norms: GradNorms | None = None):
+    """Sum of squares over every shard, the same in every stage: each parameter's norm is taken
+    over the same row blocks (Shard(0)'s, also for replicated ones) in fp32, and the blocks'
+    squares are summed in float64, whose rounding never reaches the fp32 result. `norms`: the
+    gradients' norms, already taken (of the tree norm_sq is then called with)."""
+
+    def norm_sq(tree: Params) -> Tensor:
+        parts = (norms if norms is not None else GradNorms(tree, sharded, comm.world)).local_parts()
         if comm.world > 1 and sharded:
             parts[1] = _all_reduce_sum_on(comm, parts[1])
         return (parts[0] + parts[1].to(parts[0].device)).float()
@@ -98,12 +136,13 @@ def shard_sum_fn(comm: Comm, sharded: set[str]):
 
 
 def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Params,
-                    sharded: set[str]) -> tuple[Any, Tensor | None]:
+                    sharded: set[str], norms: GradNorms | None = None) -> tuple[Any, Tensor | None]:
     """Clip, then update the local shards in place (the step owns every buffer it passes: they
-    are donated); returns (the optimizer's new local state, the global grad norm or None)."""
+    are donated); returns (the optimizer's new local state, the global grad norm or None).
+    `norms`: the gradients' norms, when the step took them already (its non-finite check)."""
     extra = dict(donate=True, norm_sq=norm_sq_fn(comm, sharded), shard_sum=shard_sum_fn(comm, sharded))
     norm = None
     if spec.clip_grad_norm is not None:
-        norm = global_norm(grads, extra["norm_sq"])
+        norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
         scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
     return spec.optimizer.step(grads, opt_state, params, **extra), norm

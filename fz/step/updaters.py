@@ -24,7 +24,7 @@ from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.step.stream import disk_update, host_update
 from fz.step.unused import put_back, snapshot
-from fz.step.update import apply_optimizer
+from fz.step.update import GradNorms, apply_optimizer
 
 Params = dict[str, Tensor]
 
@@ -41,6 +41,7 @@ class UpdateInputs:
     sharded: set[str]  # parameters whose optimizer state is sharded over the ranks
     skip: set[str]  # Spec.skip_unused: parameters no rank used this step
     donate: bool
+    norms: GradNorms | None = None  # the gradients' norms, taken for the non-finite check (clipping on)
 
 
 @dataclass
@@ -59,7 +60,7 @@ def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
     """Device and host: the optimizer over `params` in place, the skipped parameters put back."""
     def update(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
         kept = snapshot(x.skip, x.params, x.local_opt) if x.skip else None
-        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded)
+        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded, x.norms)
         if kept is not None:
             put_back(*kept, x.params, local_opt)
         return Updated(local_opt, norm, x.flats, x.mflats, cast=False)
@@ -68,7 +69,7 @@ def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
 
 def _on_disk(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
     local_opt, norm, mflats, flats = disk_update(spec, spec.offload, comm, plan, x.local_opt, x.grads, x.flats,
-                                                 x.mflats, x.sharded, x.donate)
+                                                 x.mflats, x.sharded, x.donate, x.norms)
     return Updated(local_opt, norm, flats, mflats, cast=True)
 
 
