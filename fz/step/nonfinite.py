@@ -3,9 +3,11 @@
 Where finiteness is known: after the gradient reduction each rank holds its reduced
 shard (stages 1-3) or the whole reduced gradient (stage 0, identical on every rank). A
 NaN or inf anywhere in any rank's gradients reaches the reduced values (a sum keeps it),
-so each rank checks what it holds, and the verdict needs one reduction: two slots per
-rank on the loss all-reduce the step runs anyway (fz/step/agree.py: index + 1 of the
-first non-finite gradient, and whether the rank's own loss is), no collective of its own.
+so each rank checks what it holds (with clipping on, from the gradients' norms, which the
+clip needs anyway: fz/step/update.py's GradNorms; else one sum per gradient), and the
+verdict needs one reduction: two slots per rank on the loss all-reduce the step runs anyway
+(fz/step/agree.py: index + 1 of the first non-finite gradient, and whether the rank's own
+loss is), no collective of its own.
 At stage 0 (and on one rank) every rank already holds the same reduced gradients, so its
 own check is the verdict and that all-reduce still runs while the optimizer does; at
 stages 1-3 the update waits for it (one small all-reduce's latency).
