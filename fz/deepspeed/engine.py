@@ -24,8 +24,8 @@ from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import ConfigError
 from fz.observe.full_params import iter_full_params
 from fz.observe.monitor import Monitor, batch_counts
+from fz.step import StepInProgress
 from fz.step.batches import on_device
-from fz.step.phases import StepInProgress
 
 
 class DeepSpeedEngine:
