@@ -221,3 +221,29 @@ def test_hf_trainer_on_cuda_equals_transformers_trainer(tmp_path):
     ours.train()
     assert ours.fz_state.plan.device.type == "cuda"
     assert losses(ours) == pytest.approx(losses(ref), rel=TOL["fp32"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_deepspeed_engine_on_cuda_is_train_steps_step(stage):
+    """fz.deepspeed on the GPU: engine(batch) / backward / step give fz.train_step's state bit for bit
+    (the same phases), with batches from the CPU moved to the device as DeepSpeed scripts expect. fp32:
+    the script computes its loss outside the engine, so in bf16 its cross-entropy runs without the
+    autocast train_step's loss_fn has (a different, equally valid rounding)."""
+    import fz.deepspeed as deepspeed
+    cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": stage},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=GPT(cfg), config=ds)
+    torch.manual_seed(0)
+    state = fz.init(GPT(cfg), fz.Spec.from_deepspeed(ds).replace(loss_fn=lambda m, b: lm_loss(m, b)))
+    assert engine.device.type == "cuda"
+    for step in range(3):
+        tokens = synthetic_tokens(4, cfg.seq, cfg.vocab, seed=step)
+        for micro in tokens.split(2):
+            engine.backward(lm_loss(lambda x: engine(x), micro))
+            engine.step()
+        state, _ = fz.train_step(state, tokens)
+    for name, w in fz.full_params(state).items():
+        assert torch.equal(fz.full_params(engine.state)[name], w), name
