@@ -15,6 +15,7 @@ thread the Checkpointer starts once DCP's future is done.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -67,11 +68,24 @@ def _on_disk(t: Tensor) -> bool:
     return isinstance(t._local_tensor if isinstance(t, DTensor) else t, DiskTensor)
 
 
+def _owning(t: Tensor) -> Tensor:
+    """`t`, or, when it is a view into a larger storage (fz's bucket views), the same memory as a
+    tensor whose storage is exactly its bytes. DCP clones such a view before torch.save (which
+    would write its whole storage): a copy of every bucket view's bytes that this avoids. The
+    alias lives only while DCP writes it; the state dict DCP holds keeps `t` alive meanwhile."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not nbytes or not t.is_contiguous() or t.untyped_storage().nbytes() == nbytes:
+        return t
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype=t.dtype).view(t.shape)
+
+
 class _ReadsDisk(DefaultSavePlanner):
-    """DCP's planner, reading each leaf of the disk tier only when DCP writes it (one at a time)."""
+    """DCP's planner, reading each leaf of the disk tier only when DCP writes it (one at a time),
+    and handing it views as tensors of their own (no copy)."""
 
     def resolve_data(self, write_item):
-        return load(super().resolve_data(write_item))
+        data = load(super().resolve_data(write_item))
+        return _owning(data) if isinstance(data, Tensor) else data
 
 
 class _AlreadyStaged(AsyncStager):

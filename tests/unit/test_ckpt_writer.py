@@ -103,3 +103,14 @@ def test_new_checkpoints_list_xxh3_taken_while_writing(tmp_path, monkeypatch):
     assert not [n for n in reads if n.endswith(".distcp")], reads  # no data file is read back
     files = manifest.verify(tmp_path / "ck" / "step_1")
     assert {v["algorithm"] for k, v in files.items() if k.endswith(".distcp")} == {"xxh3"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_bucket_view_is_written_from_its_own_memory_not_a_copy(dtype):
+    from fz.ckpt.saver import _owning
+    bucket = (torch.randn(1000) * 3).to(dtype)
+    view = bucket[100:300].view(20, 10)
+    alias = _owning(view)
+    assert alias.data_ptr() == view.data_ptr() and torch.equal(alias, view) and alias.shape == view.shape
+    assert alias.untyped_storage().nbytes() == view.numel() * view.element_size()  # DCP then writes it as is
+    assert _owning(bucket) is bucket and _owning(bucket[::2]) is not None
