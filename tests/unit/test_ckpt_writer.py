@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fz
-from fz.ckpt import manifest, restore, save, writer
+from fz.ckpt import manifest, restore, save, wait_for_checkpoints, writer
 from fz.ckpt.writer import BUFFER, HashingFile
 
 from support.helpers import train_fz
@@ -94,12 +94,14 @@ def test_a_crc32_checkpoint_verifies_restores_and_catches_damage(tmp_path, monke
         manifest.verify(d)
 
 
-def test_new_checkpoints_list_xxh3_taken_while_writing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_", [False, True])
+def test_new_checkpoints_list_xxh3_taken_while_writing(tmp_path, monkeypatch, async_):
     state, _ = train_fz(0, 1, 3, 1, steps=1)
     reads = []
     real = manifest.file_checksum
     monkeypatch.setattr(manifest, "file_checksum", lambda p, *a, **k: reads.append(Path(p).name) or real(p, *a, **k))
-    save(state, tmp_path / "ck", step=1)
+    save(state, tmp_path / "ck", step=1, async_=async_)
+    wait_for_checkpoints()
     assert not [n for n in reads if n.endswith(".distcp")], reads  # no data file is read back
     files = manifest.verify(tmp_path / "ck" / "step_1")
     assert {v["algorithm"] for k, v in files.items() if k.endswith(".distcp")} == {"xxh3"}
