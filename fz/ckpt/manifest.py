@@ -1,9 +1,12 @@
 """The manifest: size and checksum of every file of a checkpoint, written last, checked first.
 
-crc32 (zlib) rather than sha256: measured 6.5 GB/s against 1.4 GB/s on this machine, and a
-checksum here guards against truncation and bit rot, not tampering. The manifest carries
-its own crc over the file table, so a damaged manifest is detected as such. Saved with a key,
-each file's checksum is a sha256 and the table is signed (fz/ckpt/signing.py).
+xxh3-64 (xxhash) rather than sha256: a checksum here guards against truncation and bit rot,
+not tampering, and xxh3 runs at ~29 GB/s on this machine against zlib's crc32 at ~7 and sha256
+at 1.4. Checkpoints written before issue 26 list crc32s; they are read and checked as such.
+The saver hashes each data file as it writes it (fz/ckpt/writer.py), so this module reads a
+file only to verify it. The manifest carries its own crc over the file table, so a damaged
+manifest is detected as such. Saved with a key, each file's checksum is a sha256 and the table
+is signed (fz/ckpt/signing.py).
 """
 from __future__ import annotations
 
@@ -13,18 +16,46 @@ import os
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
+
+import xxhash
 
 from fz.ckpt import signing
 from fz.ckpt.layout import MANIFEST, write_durable
 from fz.errors import CheckpointError
 
-ALGORITHM = "crc32"
+ALGORITHM = "xxh3"
+ALGORITHMS = ("xxh3", "crc32", "sha256")  # what a manifest may list (crc32: checkpoints before issue 26)
 _BLOCK = 4 << 20
+
+
+class _Crc32:
+    """zlib's crc32 with hashlib's update/hexdigest."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: Any) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+
+    def hexdigest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+def hasher(algorithm: str) -> Any:
+    """A fresh hash object (update, hexdigest) for one of ALGORITHMS."""
+    if algorithm == "xxh3":
+        return xxhash.xxh3_64()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "crc32":
+        return _Crc32()
+    raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
 
 
 def file_checksum(path: Path, algorithm: str | None = None, progress: Callable[[int], None] | None = None) -> str:
     """Hex checksum of a file, read in 4 MiB blocks (bounded memory)."""
-    crc, h = 0, (hashlib.sha256() if (algorithm or ALGORITHM) == "sha256" else None)
+    h = hasher(algorithm or ALGORITHM)
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -32,13 +63,10 @@ def file_checksum(path: Path, algorithm: str | None = None, progress: Callable[[
             n = f.readinto(buf)
             if not n:
                 break
-            if h is not None:
-                h.update(view[:n])
-            else:
-                crc = zlib.crc32(view[:n], crc)
+            h.update(view[:n])
             if progress is not None:
                 progress(n)
-    return h.hexdigest() if h is not None else f"{crc:08x}"
+    return h.hexdigest()
 
 
 def describe(directory: Path, names: Iterable[str], algorithm: str | None = None) -> dict[str, dict]:
@@ -65,7 +93,7 @@ def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
     try:
         body = json.loads(p.read_bytes())
         files = body["files"]
-        ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ("crc32", "sha256")
+        ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ALGORITHMS
                                                              for v in files.values())
     except FileNotFoundError:
         raise CheckpointError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None

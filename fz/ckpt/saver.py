@@ -5,7 +5,8 @@ Phases (each ends in an agreement, so a failure on one rank fails every rank pro
      an async save also copies its tensors to host memory here.
   2. write: DCP writes this rank's shards (`dcp.save`, or `dcp.async_save`'s thread), then
      the rank writes its data position (data_<rank>.json) and fsyncs.
-  3. checksum: each rank sums its own files; rank 0 gathers them.
+  3. checksum: each rank lists its own files' checksums, taken while DCP wrote them
+     (fz/ckpt/writer.py; only data_<rank>.json is read back); rank 0 gathers them.
   4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to step_<N>,
      fsync the root, replace `latest`, prune to `keep_last`.
 DCP has no commit step of its own (it writes into the directory it is given and has no
@@ -14,6 +15,7 @@ thread the Checkpointer starts once DCP's future is done.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -37,13 +39,14 @@ from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.layout import META, disk_full, fsync_path, read_latest, step_name, write_durable
 from fz.ckpt.tree import digests, encode, entries
-from fz.compat import FileSystemWriter
+from fz.ckpt.writer import HashingWriter
 from fz.errors import CheckpointError, ConfigError
 from fz.state import State, block_until_ready
 from fz.storage.disk import DiskTensor, load
 from fz.version import __version__
 
 FORMAT = 1
+THREADS = 1  # DCP's writer threads per rank (files per rank)
 
 
 def _stage(t: Tensor) -> Tensor:
@@ -65,11 +68,24 @@ def _on_disk(t: Tensor) -> bool:
     return isinstance(t._local_tensor if isinstance(t, DTensor) else t, DiskTensor)
 
 
+def _owning(t: Tensor) -> Tensor:
+    """`t`, or, when it is a view into a larger storage (fz's bucket views), the same memory as a
+    tensor whose storage is exactly its bytes. DCP clones such a view before torch.save (which
+    would write its whole storage): a copy of every bucket view's bytes that this avoids. The
+    alias lives only while DCP writes it; the state dict DCP holds keeps `t` alive meanwhile."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not nbytes or not t.is_contiguous() or t.untyped_storage().nbytes() == nbytes:
+        return t
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype=t.dtype).view(t.shape)
+
+
 class _ReadsDisk(DefaultSavePlanner):
-    """DCP's planner, reading each leaf of the disk tier only when DCP writes it (one at a time)."""
+    """DCP's planner, reading each leaf of the disk tier only when DCP writes it (one at a time),
+    and handing it views as tensors of their own (no copy)."""
 
     def resolve_data(self, write_item):
-        return load(super().resolve_data(write_item))
+        data = load(super().resolve_data(write_item))
+        return _owning(data) if isinstance(data, Tensor) else data
 
 
 class _AlreadyStaged(AsyncStager):
@@ -95,9 +111,11 @@ class SaveJob:
         self.key = key  # signs the manifest; its files' checksums are then sha256
         self.algorithm = signing.ALGORITHM if key is not None else manifest.ALGORITHM
         self.tmp = root / (step_name(step) + ".tmp")
+        self.writer: HashingWriter | None = None
 
-    def _writer(self) -> FileSystemWriter:
-        return FileSystemWriter(self.tmp, sync_files=True)
+    def _writer(self) -> HashingWriter:
+        self.writer = HashingWriter(self.tmp, self.algorithm, thread_count=THREADS)
+        return self.writer
 
     def run(self) -> None:
         self._cleaning(self._write_and_commit)
@@ -154,7 +172,10 @@ class SaveJob:
     def _write_rank_files(self) -> dict[str, dict]:
         write_durable(self.tmp / f"data_{self.rank}.json", json.dumps(self.rank_json).encode())
         mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == f"data_{self.rank}.json"]
-        return manifest.describe(self.tmp, sorted(mine), self.algorithm)
+        hashed = self.writer.sums() if self.writer is not None else {}
+        out = {n: hashed[n] for n in mine if n in hashed}
+        out.update(manifest.describe(self.tmp, sorted(n for n in mine if n not in hashed), self.algorithm))
+        return out
 
     def _commit(self, all_sums: list[dict[str, dict]], dcp_md) -> None:
         meta = dict(self.meta, **_tensor_totals(dcp_md), created_unix=time.time())
