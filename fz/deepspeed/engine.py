@@ -13,6 +13,7 @@ in when it is read after a step (at stage 3 gathered, so every rank reads it).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,6 @@ class DeepSpeedEngine:
 
     @property
     def local_rank(self) -> int:
-        import os
         return int(os.environ.get("LOCAL_RANK", self.global_rank))
 
     @property
