@@ -375,10 +375,7 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     expect_state(state, "fz.restore")
     wait_for_checkpoints()
     if ds_files.is_deepspeed(Path(path)):  # one DeepSpeed wrote: fz.import_deepspeed
-        if signing.resolve(key) is not None:
-            raise CheckpointError(f"{path} is a DeepSpeed checkpoint, which is never signed: a key (or "
-                                  "FZ_CKPT_KEY) asks for a signed one")
-        new, client = import_deepspeed(state, path, tag=None if step is None else f"global_step{step}", strict=strict)
+        new, client = import_deepspeed(state, path, tag=ds_files.unsigned_tag(Path(path), step, key), strict=strict)
         return (new, client) if with_client_state else new
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)

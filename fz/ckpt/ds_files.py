@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from fz.ckpt import signing
 from fz.errors import CheckpointError
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -25,6 +26,15 @@ def is_deepspeed(path: Path) -> bool:
         tag = (path / "latest").read_text(errors="replace").strip()
         return bool(tag) and _is_tag(path / tag)
     return _is_tag(path)
+
+
+def unsigned_tag(path: Path, step: int | None, key: signing.Key) -> str | None:
+    """The tag `step` names (global_step<N>; None: `latest`) of DeepSpeed checkpoint `path`. DeepSpeed
+    never signs one, so a `key` (or FZ_CKPT_KEY), which asks for a signed checkpoint, is refused."""
+    if signing.resolve(key) is not None:
+        raise CheckpointError(f"{path} is a DeepSpeed checkpoint, which is never signed: a key (or "
+                              "FZ_CKPT_KEY) asks for a signed one")
+    return None if step is None else f"global_step{step}"
 
 
 def _is_tag(folder: Path) -> bool:

@@ -70,12 +70,9 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
     """
     if ds_files.is_deepspeed(Path(ckpt)):  # a DeepSpeed save_dir or tag folder: fz/ckpt/ds_export.py
-        if signing.resolve(key) is not None:
-            raise CheckpointError(f"{ckpt} is a DeepSpeed checkpoint, which is never signed: a key (or "
-                                  "FZ_CKPT_KEY) asks for a signed one")
+        tag = ds_files.unsigned_tag(Path(ckpt), step, key)
         return ds_export.consolidate(ckpt, out, cast=_dtype(dtype), progress=progress, hf=hf,
-                                     max_shard_size=max_shard_size,
-                                     tag=None if step is None else f"global_step{step}")
+                                     max_shard_size=max_shard_size, tag=tag)
     d = resolve(ckpt, step)
     key = signing.resolve(key)
     limit = hf_folder.shard_size(max_shard_size) if hf else 0
