@@ -133,10 +133,16 @@ def expect_state(x: Any, what: str) -> State:
 
 
 def block_until_ready(state: State) -> State:
-    """`state` with every parameter still arriving waited for (as `jax.block_until_ready`): the
-    returned state's leaves are plain storage. Waits only for collectives already started."""
+    """`state` with every parameter still arriving waited for (as `jax.block_until_ready`), and
+    every offload file an update still streams into written: the returned state's leaves are
+    plain storage. Waits only for work already started (collectives, the update's thread)."""
     expect_state(state, "fz.block_until_ready")
     from fz.sharding.sync import Arriving
+    from fz.storage.disk import DiskTensor
+    for leaf in pytree.tree_leaves((state.param_flats, state.master_flats, state.opt_state)):
+        local = getattr(leaf, "_local_tensor", leaf)
+        if isinstance(local, DiskTensor):
+            local._blob.ready()
     leaves = []
     for f in state.param_flats:
         local = f._local_tensor

@@ -38,6 +38,9 @@ class Offload:
     # buffer per bucket, reused step after step); past it, plain host memory (copies then block).
     # None: as much as the step's gradients need. memory_report's `pinned` shows what is held.
     max_pinned_mb: float | None = None
+    # stage 3 with parameters and optimizer on disk: the update streams on in the background after
+    # the step returns, and the next forward starts on each bucket once it is written (fz/step/pending.py)
+    pipeline: bool = True
 
     per_rank_fields = ("path",)  # each rank may name a local disk of its own: not compared across ranks
 
@@ -103,11 +106,11 @@ def cpu(optimizer: bool = True, params: bool = False, pin_memory: bool = True,
 
 def nvme(path: str, optimizer: bool = True, params: bool = False, *, buffer_mb: float = 16.0, buffers: int = 4,
          prefetch: int = 2, io_threads: int = 2, pin_memory: bool = True, direct_io: bool = True,
-         max_pinned_mb: float | None = None) -> Offload:
+         max_pinned_mb: float | None = None, pipeline: bool = True) -> Offload:
     """ZeRO-Infinity: optimizer state (and at stage 3 the parameter shards) in files under `path`,
     streamed through `buffers` x `buffer_mb` of memory; gradients go to the host as they are reduced."""
     return Offload("disk" if optimizer else "device", "disk" if params else "device", path, pin_memory, buffer_mb,
-                   buffers, prefetch, io_threads, direct_io, max_pinned_mb)
+                   buffers, prefetch, io_threads, direct_io, max_pinned_mb, pipeline)
 
 
 def none() -> Offload:

@@ -141,8 +141,8 @@ class Estimate:
 
     @property
     def per_disk(self) -> int:
-        """Bytes the disk tier holds on one node (a step writes new files beside the old: fz
-        asks for twice this much free space)."""
+        """Bytes the disk tier holds on one node, which is also the free space it needs: a step
+        writes its update in place (fz/step/stream.py), and fz.init checks for this much."""
         return self.ranks_per_node * sum(self.tiers["disk"].values())
 
     def __str__(self) -> str:

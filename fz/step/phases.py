@@ -38,6 +38,7 @@ from fz.step.buffers import sync_changed, versions
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.nonfinite import NonFinite, verdict_is_local
+from fz.step.pending import join_inflight
 from fz.step.runner import BoundModel, Runner
 from fz.step.scaler import update_scaler
 from fz.step.unused import UsedParams, unused_everywhere
@@ -140,6 +141,7 @@ class StepInProgress:
         """Backpropagate one micro-batch's scalar `loss` (scaled by 1/grad_accum and the loss
         scale); `last`: the step's last micro-batch, whose gradients are reduced for the update."""
         with self._phase():
+            join_inflight()  # the last step's update, if it streams on, is done before gradients need memory
             loss = scalar_loss(loss).float()
             self.reducer.last = last
             self.runner.backward(loss * self.weight)
@@ -189,9 +191,12 @@ class StepInProgress:
                     norms = None  # of the gradients before this scaling
             overflow = guard.skip(agreement, comm)
             new_sync, norm = None, None
+            release = self.host.release if self.host is not None else None
             if not overflow:
                 skip = unused_everywhere(comm, list(grads), used.used) if used is not None else set()
-                inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate, norms)
+                # the host gradients go back to their pool once the update is done (it may stream on)
+                after, release = (release, None) if self.tier == "disk" else (None, release)
+                inputs = UpdateInputs(local_opt, grads, params, flats, mflats, sharded, skip, donate, norms, after)
                 try:
                     up = UPDATERS[self.tier](spec, comm, plan, inputs)
                 except BaseException as e:
@@ -208,8 +213,8 @@ class StepInProgress:
                 local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
                 new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats) if up.cast else mflats)
         del grads, params
-        if self.host is not None:
-            self.host.release()
+        if release is not None:
+            release()
         if agreement.result is None:  # waited for while the optimizer ran
             try:
                 agreement.finish(comm)

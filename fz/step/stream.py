@@ -8,13 +8,24 @@ Disk tier: the clip norm is taken first over the gradients (in memory). Then eac
 of a bucket's parameters (fp32 master rows and optimizer tensors, one aligned range of
 the bucket's file) is read into a reusable buffer while earlier groups update, updated by
 the same transformation with the same arguments, cast into the parameters and written
-to a NEW file. The old state's files are never touched, so a step that fails midway
-leaves them whole; the new state's leaves name the new files. Resident memory for the
-offloaded state is the pool's buffers, whatever the model's size.
+back. Where it is written depends on whether the step owns its input (donation):
+
+- donated (the default): back where it was read, in the same file. The disk tier then
+  needs its own size and nothing more (a 1 TB disk holds nearly 1 TB of state); the input
+  state is consumed either way, and a step that fails midway says so (restore the last
+  checkpoint), as it did when the step deleted each old file once read;
+- `donate=False`: to a NEW file, so the input state's files stay whole and both states
+  stay usable; such a step needs the tier's size free once more, checked before it writes.
+
+Resident memory for the offloaded state is the pool's buffers, whatever the model's size.
 """
 from __future__ import annotations
 
+import functools
+import shutil
+import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,8 +38,10 @@ from fz.offload.move import PART_ALIGN, _round, group_slots, master_slot_views
 from fz.optim.base import global_norm
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.opt_state import merge_opt_states
+from fz.step.pending import join_inflight, start_inflight
 from fz.step.update import GradNorms, apply_optimizer, norm_sq_fn, shard_sum_fn
-from fz.storage.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor
+from fz.storage.gate import Gate
 from fz.storage.store import ALIGN, store_for
 
 Params = dict[str, Tensor]
@@ -123,15 +136,20 @@ def _groups(plan, policy, flats, mflats, by_param) -> list[_Group]:
 
 
 def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: list[Tensor],
-                mflats: list[Tensor | None], sharded: set[str], donate: bool, norms: GradNorms | None = None):
-    """(new local optimizer state, grad norm, new master locals, new param locals): every
-    offloaded tensor of the result lives in new files. With `donate`, each old file is
-    deleted as soon as its last group has been read (disk use stays near one copy)."""
+                mflats: list[Tensor | None], sharded: set[str], donate: bool, norms: GradNorms | None = None,
+                after: Callable[[], None] | None = None):
+    """(new local optimizer state, grad norm, new master locals, new param locals). With
+    `donate` every group is written back where it was read (the same files, no extra disk);
+    without, to new files (the input's files stay whole: checked for room first).
+
+    Where it can (`pipelined`), the first group is updated here and the rest stream on in the
+    background after this returns: the new state's files are gated until written, and `after`
+    runs once the update is done (at the next step's backward); else `after` runs before return."""
+    join_inflight()  # the last step's update, if still streaming, is done before this one reads its files
     norm = None
     if spec.clip_grad_norm is not None:
         norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
         scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
-    extra = dict(donate=True, norm_sq=_no_global_norm, shard_sum=shard_sum_fn(comm, sharded))
     by_path = [(p, x) for p, x in pytree.tree_flatten_with_path(local_opt)[0]]
     by_param: dict[str, list[DiskTensor]] = {}
     for path, x in by_path:
@@ -139,71 +157,24 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             by_param.setdefault(key, []).append(x)
     groups = _groups(plan, policy, flats, mflats, by_param)
     store = store_for(policy.disk_path, policy.direct_io)
-    io = store.io_pool(policy)
-    new_blob = {}
-    for g in groups:
-        if g.bucket.index not in new_blob:
-            new_blob[g.bucket.index] = store.new_blob(f"opt-rank{plan.rank}-b{g.bucket.index}", g.blob.nbytes)
-            new_blob[g.bucket.index].group_bytes = g.blob.group_bytes
+    new_blob = _output_files(store, plan, groups, flats, donate)
+    streamer = _Streamer(spec, policy, comm, plan, store, local_opt, grads, flats, mflats, sharded, donate, groups,
+                         new_blob)
+    streamer.run(range(min(1, len(groups))))  # the first group here: does the optimizer need collectives?
     every = set(plan.slots())
-    params_mem: dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
-    new_params: dict[int, Tensor] = {}
-    results: list[Any] = []
-    free = list(io.buffers)
-    writes: deque[tuple[Tensor, Future]] = deque()  # (buffer, its write)
-    reads: dict[int, tuple[Tensor, Future]] = {}  # group -> (buffer, its read)
-
-    def take() -> Tensor | None:
-        if not free and writes:
-            buf, fut = writes.popleft()
-            fut.result()
-            free.append(buf)
-        return free.pop() if free else None
-
-    def schedule(i: int) -> None:
-        if i < len(groups) and i not in reads:
-            buf = take()
-            if buf is not None:
-                reads[i] = (buf, io.read(groups[i].blob, groups[i].start, groups[i].length, buf))
-
-    try:
-        for i, g in enumerate(groups):
-            for j in range(i, i + 1 + policy.prefetch):
-                schedule(j)
-            buf, fut = reads.pop(i)
-            fut.result()
-            b = g.bucket
-            if donate and (i + 1 == len(groups) or groups[i + 1].blob is not g.blob):
-                g.blob.remove_now()
-            if b.index not in params_mem:
-                params_mem[b.index] = load(flats[b.index])
-                if donate and isinstance(flats[b.index], DiskTensor):
-                    flats[b.index]._blob.remove_now()
-            views = g.views(buf)
-            replace = {id(p): v for row, vrow in zip(g.parts, views) for p, v in zip(row, vrow)}
-            pviews = plan.opt_locals(params_mem[b.index], None, b)[g.lo:g.hi]
-            master = mflats[b.index] is not None
-            if master:  # the master part holds padding rows after the parameter's own
-                opt_params = {n: vrow[0][:pv.numel()].view(pv.shape) for n, vrow, pv in zip(g.names, views, pviews)}
-            else:  # fp32 parameters are their own master: updated on the host beside their state, copied back
-                opt_params = {n: pv.to(buf.device) for n, pv in zip(g.names, pviews)}
-            sub = _subtree(_scalars_copied(local_opt, every), set(g.names), every, replace)
-            new_sub = spec.optimizer.step({n: grads.pop(n) for n in g.names}, sub, opt_params, **extra)
-            _copy_back(sub, new_sub, replace)
-            for n, pv in zip(g.names, pviews):
-                if opt_params[n] is not pv:
-                    pv.copy_(opt_params[n])
-            results.append(new_sub)
-            writes.append((buf, io.write(new_blob[b.index], g.start, g.length, buf)))
-            if i + 1 == len(groups) or groups[i + 1].bucket is not b:  # the bucket is done: its params leave memory
-                new_params[b.index] = _params_out(store, plan, b.index, flats[b.index], params_mem.pop(b.index))
-        while writes:
-            buf, fut = writes.popleft()
-            fut.result()
-            free.append(buf)
-    finally:
-        for _buf, fut in list(reads.values()) + list(writes):
-            fut.exception()  # in-flight I/O finishes before its buffer is reused
+    keyed_on_disk = all(isinstance(x, DiskTensor) for p, x in by_path
+                        if isinstance(x, Tensor) and _param_key(p) is not None and _param_key(p) in every)
+    if (pipelined(spec, plan, flats) and donate and len(groups) > 1 and not streamer.collective
+            and keyed_on_disk):
+        touched = {id(b): b for i in {g.bucket.index for g in groups}
+                   for b in (new_blob[i], getattr(flats[i], "_blob", None)) if b is not None}
+        gate = Gate(touched.values(), "the streamed optimizer update of the last step")
+        streamer.hold(gate)
+        start_inflight(gate, lambda: streamer.run(range(1, len(groups)), finish=True), after)
+    else:
+        streamer.run(range(1, len(groups)), finish=True)
+        if after is not None:
+            after()
     old_disk = {pytree.keystr(p): x for p, x in by_path if isinstance(x, DiskTensor)}
 
     def to_new_file(path, x):  # the same place in the bucket's new file
@@ -212,7 +183,9 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
             return x
         return DiskTensor(new_blob[_bucket_of(plan, _param_key(path))], old._extents, old.shape, old.dtype, old.device)
 
-    merged = {pytree.keystr(p): x for p, x in pytree.tree_flatten_with_path(merge_opt_states(results, every))[0]}
+    # keyed leaves are on disk (their new values: the files); the shared scalars are equal in every group
+    merged = {pytree.keystr(p): x for p, x in
+              pytree.tree_flatten_with_path(merge_opt_states(streamer.results, every))[0]}
     new_opt = pytree.tree_map_with_path(lambda p, x: to_new_file(p, merged.get(pytree.keystr(p), x)), local_opt)
 
     def moved(i: int, m: Tensor) -> DiskTensor:  # a master flat (on disk: _groups checked) in its new file
@@ -220,12 +193,170 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
         return DiskTensor(new_blob[i], m._extents, m.shape, m.dtype, m.device)
 
     new_m = [None if m is None else moved(i, m) for i, m in enumerate(mflats)]
-    return new_opt, norm, new_m, [new_params.get(i, f) for i, f in enumerate(flats)]
+    return new_opt, norm, new_m, [streamer.new_params.get(i, f) for i, f in enumerate(flats)]
 
 
-def _params_out(store, plan, index: int, old: Tensor, values: Tensor) -> Tensor:
-    """A bucket's updated parameters: written to a new file if they live on disk (else updated in place)."""
+def pipelined(spec, plan, flats: list[Tensor]) -> bool:
+    """Whether this state's disk update can stream on after the step returns: every trainable
+    bucket's parameters live in files (stage 3, params on disk), so the next forward reads them
+    through the files' gates, and no bucket waits for a post-update all-gather. `Spec.offload`
+    can turn it off (`pipeline=False`)."""
+    if not getattr(spec.offload, "pipeline", True):
+        return False
+    return all(isinstance(flats[b.index], DiskTensor) for b in plan.buckets if b.trainable)
+
+
+class _Streamer:
+    """The group loop of one disk update: read ahead `prefetch` groups into the pool's buffers,
+    update each, write it back; a bucket's parameters are written when its last group is done."""
+
+    def __init__(self, spec, policy, comm, plan, store, local_opt, grads, flats, mflats, sharded, donate, groups,
+                 new_blob):
+        self.spec, self.policy, self.plan, self.store = spec, policy, plan, store
+        self.local_opt, self.grads, self.flats, self.mflats = local_opt, grads, flats, mflats
+        self.donate, self.groups, self.new_blob = donate, groups, new_blob
+        self.every = set(plan.slots())
+        real_sum = shard_sum_fn(comm, sharded)
+        self.collective = False  # whether the optimizer called shard_sum (a collective): then no background
+
+        def shard_sum(tree):
+            self.collective = True
+            return real_sum(tree)
+        self.extra = dict(donate=True, norm_sq=_no_global_norm, shard_sum=shard_sum)
+        self.io = store.io_pool(policy)
+        self.free = list(self.io.buffers)
+        self.writes: deque[tuple[Tensor, Future]] = deque()  # (buffer, its write)
+        self.reads: dict[int, tuple[Tensor, Future]] = {}  # group -> (buffer, its read)
+        self.params_mem: dict[int, Tensor] = {}  # bucket -> its parameter storage in memory (loaded if on disk)
+        self.new_params: dict[int, Tensor] = {}
+        self.results: list[Any] = []
+        self.gate: Gate | None = None
+        self.lock = threading.Lock()
+        # writes not yet on disk per bucket: its groups, then its parameters if they live in a file
+        self.left = {g.bucket.index: int(isinstance(flats[g.bucket.index], DiskTensor)) for g in groups}
+        for g in groups:
+            self.left[g.bucket.index] += 1
+
+    def _take(self) -> Tensor | None:
+        if not self.free and self.writes:
+            buf, fut = self.writes.popleft()
+            fut.result()
+            self.free.append(buf)
+        return self.free.pop() if self.free else None
+
+    def _schedule(self, i: int) -> None:
+        if i < len(self.groups) and i not in self.reads:
+            buf = self._take()
+            if buf is not None:
+                g = self.groups[i]
+                self.reads[i] = (buf, self.io.read(g.blob, g.start, g.length, buf))
+
+    def _written(self, index: int) -> None:
+        """One write of bucket `index` is on disk; once all are, its files' readers go on."""
+        with self.lock:
+            self.left[index] -= 1
+            done = self.left[index] == 0 and self.gate is not None
+        if done:
+            self._release(index)
+
+    def _write_done(self, index: int, write: Future) -> None:
+        if write.exception() is None:  # a failed write keeps its files gated: the update fails with it
+            self._written(index)
+
+    def _release(self, index: int) -> None:
+        assert self.gate is not None
+        self.gate.release(self.new_blob[index])
+        if isinstance(self.flats[index], DiskTensor):
+            self.gate.release(self.flats[index]._blob)
+
+    def hold(self, gate: Gate) -> None:
+        """From now on the files of buckets not yet written are gated (those written are released)."""
+        with self.lock:
+            self.gate = gate
+            done = [i for i, n in self.left.items() if n == 0]
+        for index in done:
+            self._release(index)
+
+    def run(self, which: range, finish: bool = False) -> None:
+        groups, plan, policy, io = self.groups, self.plan, self.policy, self.io
+        try:
+            for i in which:
+                g = groups[i]
+                for j in range(i, i + 1 + policy.prefetch):
+                    self._schedule(j)
+                buf, fut = self.reads.pop(i)
+                fut.result()
+                b = g.bucket
+                if b.index not in self.params_mem:  # (a file this update holds the gate of)
+                    flat = self.flats[b.index]
+                    self.params_mem[b.index] = flat.load(wait=False) if isinstance(flat, DiskTensor) else flat
+                views = g.views(buf)
+                replace = {id(p): v for row, vrow in zip(g.parts, views) for p, v in zip(row, vrow)}
+                pviews = plan.opt_locals(self.params_mem[b.index], None, b)[g.lo:g.hi]
+                if self.mflats[b.index] is not None:  # the master part holds padding rows after the parameter's own
+                    opt_params = {n: vrow[0][:pv.numel()].view(pv.shape) for n, vrow, pv in
+                                  zip(g.names, views, pviews)}
+                else:  # fp32 parameters are their own master: updated on the host beside their state, copied back
+                    opt_params = {n: pv.to(buf.device) for n, pv in zip(g.names, pviews)}
+                sub = _subtree(_scalars_copied(self.local_opt, self.every), set(g.names), self.every, replace)
+                new_sub = self.spec.optimizer.step({n: self.grads.pop(n) for n in g.names}, sub, opt_params,
+                                                   **self.extra)
+                _copy_back(sub, new_sub, replace)
+                for n, pv in zip(g.names, pviews):
+                    if opt_params[n] is not pv:
+                        pv.copy_(opt_params[n])
+                self.results.append(new_sub)
+                write = io.write(self.new_blob[b.index], g.start, g.length, buf)
+                write.add_done_callback(functools.partial(self._write_done, b.index))
+                self.writes.append((buf, write))
+                if i + 1 == len(groups) or groups[i + 1].bucket is not b:  # the bucket is done: params leave memory
+                    self.new_params[b.index] = _params_out(self.store, plan, b.index, self.flats[b.index],
+                                                           self.params_mem.pop(b.index), self.donate)
+                    if isinstance(self.flats[b.index], DiskTensor):
+                        self._written(b.index)
+            if finish:
+                while self.writes:
+                    buf, fut = self.writes.popleft()
+                    fut.result()
+                    self.free.append(buf)
+        except BaseException:
+            finish = True
+            raise
+        finally:
+            if finish:
+                for _buf, fut in list(self.reads.values()) + list(self.writes):
+                    fut.exception()  # in-flight I/O finishes before its buffer is reused
+
+
+def _output_files(store, plan, groups: list[_Group], flats: list[Tensor], donate: bool) -> dict[int, Any]:
+    """{bucket: the file its updated optimizer state goes to}: its own file when the step owns it;
+    else a new one, after checking the disk has room for every new file (nothing written yet)."""
+    out: dict[int, Any] = {}
+    for g in groups:
+        out.setdefault(g.bucket.index, g.blob)
+    if donate:
+        return out
+    need = sum(blob.nbytes for blob in out.values())
+    need += sum(f.nbytes_on_disk for f in (flats[i] for i in out) if isinstance(f, DiskTensor))
+    free = shutil.disk_usage(store.dir).free
+    if need > free:
+        raise ConfigError(f"fz.train_step(donate=False): the new state's offloaded values go to new files beside the "
+                          f"input's (which stays whole) and need {need / 2**30:.2f} GiB on {store.root}; "
+                          f"{free / 2**30:.2f} GiB are free. Donate the state (the default: the update is written "
+                          "in place) or free space")
+    for i, blob in out.items():
+        out[i] = store.new_blob(f"opt-rank{plan.rank}-b{i}", blob.nbytes)
+        out[i].group_bytes = blob.group_bytes
+    return out
+
+
+def _params_out(store, plan, index: int, old: Tensor, values: Tensor, donate: bool) -> Tensor:
+    """A bucket's updated parameters: written back to its file if they live on disk (to a new
+    file unless the step owns the old one); in memory they were updated in place."""
     if not isinstance(old, DiskTensor):
+        return old
+    if donate:
+        old.store(values, wait=False)  # this update holds the file's gate
         return old
     d = DiskTensor(store.new_blob(f"param-rank{plan.rank}-b{index}", old.nbytes_on_disk), ((0, old.nbytes_on_disk),),
                    old.shape, old.dtype, old.device)

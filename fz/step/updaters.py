@@ -42,6 +42,7 @@ class UpdateInputs:
     skip: set[str]  # Spec.skip_unused: parameters no rank used this step
     donate: bool
     norms: GradNorms | None = None  # the gradients' norms, taken for the non-finite check (clipping on)
+    after: Callable[[], None] | None = None  # disk tier: once the update is done (it may stream on: stream.py)
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
 
 def _on_disk(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
     local_opt, norm, mflats, flats = disk_update(spec, spec.offload, comm, plan, x.local_opt, x.grads, x.flats,
-                                                 x.mflats, x.sharded, x.donate, x.norms)
+                                                 x.mflats, x.sharded, x.donate, x.norms, x.after)
     return Updated(local_opt, norm, flats, mflats, cast=True)
 
 

@@ -24,6 +24,7 @@ from fz.errors import ConfigError
 from fz.storage.checksum import BlockSums
 
 if TYPE_CHECKING:
+    from fz.storage.gate import Gate
     from fz.storage.store import DiskStore
 
 aten = torch.ops.aten
@@ -40,6 +41,7 @@ class Blob:
     """One raw file of the offload store; the file is removed when the last DiskTensor on it goes."""
 
     group_bytes: int  # optimizer-state blobs only: the bytes streamed as one group (fz/offload/move.py)
+    gate: Gate | None = None  # set while a background update writes this file (fz/storage/gate.py)
 
     def __init__(self, store: DiskStore, path: str, nbytes: int):
         self.store, self.path, self.nbytes = store, path, nbytes
@@ -60,13 +62,26 @@ class Blob:
         that consumed it has read them)."""
         self._finalizer()
 
-    def read(self, extents: Extents) -> Tensor:
-        """The bytes of `extents`, concatenated, as a new uint8 tensor (buffered I/O)."""
-        out = torch.empty(sum(n for _, n in extents), dtype=torch.uint8)
+    def ready(self) -> None:
+        """Returns once no background update is writing this file (at once, nearly always)."""
+        gate = self.gate
+        if gate is not None:
+            gate.wait(self)
+
+    def read(self, extents: Extents, out: Tensor | None = None, wait: bool = True) -> Tensor:
+        """The bytes of `extents`, concatenated, as a uint8 tensor (`out`, or a new one; buffered I/O).
+        `wait=False` only for the update that holds this file's gate."""
+        if wait:
+            self.ready()
+        n = sum(n for _, n in extents)
+        out = torch.empty(n, dtype=torch.uint8) if out is None else out.reshape(-1).view(torch.uint8)[:n]
         self._each(False, extents, out)
         return out
 
-    def write(self, extents: Extents, data: Tensor) -> None:
+    def write(self, extents: Extents, data: Tensor, wait: bool = True) -> None:
+        """`data` into `extents`; `wait=False` only for the update that holds this file's gate."""
+        if wait:
+            self.ready()
         self._each(True, extents, data.reshape(-1).view(torch.uint8))
 
     def io(self, fd: int, view: memoryview, off: int, write: bool) -> None:
@@ -155,15 +170,15 @@ class DiskTensor(Tensor):
     def nbytes_on_disk(self) -> int:
         return sum(n for _, n in self._extents)
 
-    def load(self) -> Tensor:
-        """The values, read now into a new tensor on this tensor's device."""
-        raw = self._blob.read(self._extents)
+    def load(self, wait: bool = True) -> Tensor:
+        """The values, read now into a new tensor on this tensor's device (`wait`: see Blob.read)."""
+        raw = self._blob.read(self._extents, wait=wait)
         return raw.view(self.dtype).view(self.shape).to(self.device)
 
-    def store(self, values: Tensor) -> None:
-        """Write `values` (this shape; cast to this dtype) into the file."""
+    def store(self, values: Tensor, wait: bool = True) -> None:
+        """Write `values` (this shape; cast to this dtype) into the file (`wait`: see Blob.write)."""
         data = values.detach().to("cpu", self.dtype).contiguous()
-        self._blob.write(self._extents, data)
+        self._blob.write(self._extents, data, wait)
 
     def __repr__(self) -> str:  # type: ignore[override]  # torch: Tensor.__repr__(tensor_contents=) is untyped
         return f"DiskTensor(shape={tuple(self.shape)}, dtype={self.dtype}, file={self._blob.path!r})"

@@ -51,8 +51,7 @@ def check_directory(path: str, need_bytes: int) -> None:
     free = shutil.disk_usage(path).free
     if need_bytes > free:
         raise ConfigError(f"fz.offload.nvme: {path} has {free / 2**30:.2f} GiB free; this rank's offloaded state "
-                          f"needs {need_bytes / 2**30:.2f} GiB (twice its size: a step writes the new values "
-                          "beside the old ones)")
+                          f"needs {need_bytes / 2**30:.2f} GiB (a step updates it in place: nothing more)")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -217,6 +217,54 @@ def test_io_error_mid_step_names_the_file_and_the_input_stays_whole(tmp_path, mo
         fz.train_step(state, batch)
 
 
+def _allocated(path):
+    """{file: (inode, allocated bytes)} of the .bin files under `path`."""
+    out = {}
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            if f.endswith(".bin"):
+                st = os.stat(os.path.join(d, f))
+                out[f] = (st.st_ino, st.st_blocks * 512)
+    return out
+
+
+def test_a_donated_step_updates_the_disk_tier_in_place(tmp_path, monkeypatch):
+    """The files a donated step reads are the ones it writes: no file is added, and the disk use
+    during the step never exceeds the tier's by more than one group (its padding written). With
+    donate=False the update needs new files: refused before anything is written when they do not fit."""
+    from fz.step import stream
+    from fz.storage import io as offload_io
+    buffer_mb = 0.05
+    sp = spec(3, 1, precision="bf16",
+              offload=fz.offload.nvme(str(tmp_path), params=True, buffer_mb=buffer_mb, buffers=2, prefetch=1))
+    batches = rank_batches(1, 1, 2)
+    _, want = _run(fz.init(make_model(), sp.replace(offload=None)), 0, batches, 2)
+    state = fz.init(make_model(), sp)
+    before = _allocated(tmp_path)
+    used, real = [], offload_io.IOPool._io
+
+    def measured(self, blob, offset, buf, write):
+        real(self, blob, offset, buf, write)
+        used.append(sum(n for _, n in _allocated(tmp_path).values()))
+
+    monkeypatch.setattr(offload_io.IOPool, "_io", measured)
+    state, loss = fz.train_step(state, batches[0][0])
+    after = _allocated(tmp_path)
+    assert after.keys() == before.keys() and all(after[f][0] == before[f][0] for f in after)  # same files
+    tier = sum(n for _, n in before.values())
+    assert used and max(used) <= tier + int(buffer_mb * 2**20) + 4096, (max(used) - tier, tier)
+
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(stream.shutil, "disk_usage", lambda p: usage(2 * tier, tier, tier // 2))
+    with pytest.raises(fz.ConfigError, match=r"donate=False.*need \d+\.\d+ GiB on .*; 0\.\d+ GiB are free"):
+        fz.train_step(state, batches[1][0], donate=False)
+    assert _allocated(tmp_path).keys() == before.keys()  # nothing written
+    monkeypatch.undo()
+    state, loss2 = fz.train_step(state, batches[1][0])  # the refused step left the state whole
+    assert [float(loss), float(loss2)] == want
+
+
 def test_stale_directory_is_detected_and_never_reused(tmp_path):
     stale = tmp_path / "fz-offload-host-999999-0"
     stale.mkdir()

@@ -112,3 +112,19 @@ def test_offload_rung_keeps_the_device_under_2_gb(llama, tmp_path):
                           nvme_path=str(tmp_path), stop_at_first=False)
     e = next(c.estimate for c in found if c.name == OFFLOAD_RUNG)
     assert e.activations is None and e.per_device < 2 * GB, e.per_device / GB
+
+
+def test_the_disk_tier_needs_its_own_size_free_not_twice(llama, tmp_path):
+    """A step updates the disk tier in place (fz/step/stream.py), so the NVMe rung fits a disk with
+    its bytes free plus a little, where it once asked for twice them."""
+    from fz.planning.ladder import check
+    found, budgets = candidates(llama, world_size=1, device_budget=DEVICE, host_budget=HOST, disk_budget=2**50,
+                                nvme_path=str(tmp_path), stop_at_first=False)
+    nvme = next(c for c in found if "NVMe" in c.name or "nvme" in c.name)
+    disk = nvme.estimate.per_disk
+    assert disk > 20 * GB  # 3.4B parameters' optimizer state and parameters
+    roomy = type(budgets)(budgets.device, budgets.host, int(1.05 * disk))
+    assert not [p for p in check(nvme.estimate, roomy, MARGIN) if "disk tier" in p]
+    short = type(budgets)(budgets.device, budgets.host, int(0.95 * disk))
+    (why,) = [p for p in check(nvme.estimate, short, MARGIN) if "disk tier" in p]
+    assert why == f"the disk tier holds {disk / GB:.2f} GB per node, {0.95 * disk / GB:.2f} GB are free"
