@@ -9,6 +9,16 @@ Each engine run is a fresh world-2 group (benchmarks/_harness.launch). "moved MB
 NVMe tier reads and writes per step and rank (the optimizer state twice: read, then written
 to new files; plus parameter shards read in forward and backward at stage 3 with params=True).
 The dd lines write and read a file of the same size with O_DIRECT on the same disk.
+
+--headline also prints rank 0's per-step split (medians over the measured steps): process
+kernel/user CPU and page faults (getrusage, all threads), the main thread's CPU time ("compute":
+the step runs on the main thread, so this is its compute without I/O waits), wall time and bytes
+of the disk tier's reads/writes, of disk_update and of parameter loads, wall time in collectives,
+and the floor: bytes both ranks moved / dd's O_DIRECT bandwidth (read and written apart).
+--baseline REF runs the same engine from a temporary worktree of REF too, interleaved:
+
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/offload.py --dir /work/offload-bench --headline \
+        --params 150e6 --dim 1024 --steps 3 --warmup 1 --micro-batch 1 --baseline main --repeats 2
 """
 from __future__ import annotations
 
@@ -91,7 +101,10 @@ def _timed(obj, name: str, totals: dict, key=None, nbytes=None, comm: bool = Fal
     setattr(obj, name, wrapper)
 
 
-# Comm's methods that run collectives (async ones return a Handle: waited on later, see "comm_wait")
+# Comm's methods that run collectives. "comm" is the wall time of these calls (a sync call includes
+# its wait); async ones return a Handle, waited on later: "comm_wait" is the time in Handle.wait
+# outside a wrapped call (any Handle, whoever waits; it includes the pairwise reduce-scatter's sum,
+# run by the wait). Time a collective's data spends in flight while the step computes is in neither.
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_sum", "replica_mean", "replica_sum",
                "broadcast_first")
 
@@ -225,6 +238,7 @@ def worker(args) -> None:
     if engine.startswith("fz"):
         r = fz.memory_report(box["s"])
         out["tiers"] = r.tiers
+        out["fz"] = os.path.dirname(os.path.dirname(os.path.abspath(fz.__file__)))  # which tree (--baseline)
         out["state_bytes"] = r.total
     t = torch.tensor([max(times[args.warmup:] or times), out["rss_mb"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -379,7 +393,8 @@ def main() -> None:
                     res = launch([sys.executable, os.path.abspath(__file__), *_worker_argv(argv), "--worker", e], 2,
                                  args.timeout, env or None)
                     results.setdefault(label, []).append(res)
-                    status = res.get("error") or f"{1e3 * median(res['times'][args.warmup:]):.0f} ms"
+                    status = res.get("error") or (f"{1e3 * median(res['times'][args.warmup:]):.0f} ms, "
+                                                  f"fz from {res.get('fz')}")
                     print(f"  {label:<20} {status} ({time.monotonic() - t0:.0f}s)" +
                           (f" repeat {rep + 1}/{args.repeats}" if base_root else ""), flush=True)
                     for line in res.get("tail", []) if "error" in res else []:
