@@ -9,6 +9,16 @@ Each engine run is a fresh world-2 group (benchmarks/_harness.launch). "moved MB
 NVMe tier reads and writes per step and rank (the optimizer state twice: read, then written
 to new files; plus parameter shards read in forward and backward at stage 3 with params=True).
 The dd lines write and read a file of the same size with O_DIRECT on the same disk.
+
+--headline also prints rank 0's per-step split (medians over the measured steps): process
+kernel/user CPU and page faults (getrusage, all threads), the main thread's CPU time ("compute":
+the step runs on the main thread, so this is its compute without I/O waits), wall time and bytes
+of the disk tier's reads/writes, of disk_update and of parameter loads, wall time in collectives,
+and the floor: bytes both ranks moved / dd's O_DIRECT bandwidth (read and written apart).
+--baseline REF runs the same engine from a temporary worktree of REF too, interleaved:
+
+    OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/offload.py --dir /work/offload-bench --headline \
+        --params 150e6 --dim 1024 --steps 3 --warmup 1 --micro-batch 1 --baseline main --repeats 2
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import finish, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
+from _harness import ROOT, finish, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
 
 ENGINES = ["fz2", "fz2-cpu", "fz2-nvme", "fz3", "fz3-cpu", "fz3-nvme", "fz3-nvme-params", "ds2-cpu", "ds3-cpu"]
 
@@ -43,6 +53,9 @@ def parse_args():
     p.add_argument("--same-batch", action="store_true", help="every step trains on the first batch (loss must fall)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="also run the engines from a temporary worktree of git REF, interleaved with this tree's")
+    p.add_argument("--repeats", type=int, default=1, help="with --baseline: baseline, new, ... this many times")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -55,20 +68,98 @@ def headline_model(params: float = 2.5e9, seq: int = 128, dim: int = 3072):
 
 
 _TOTALS_LOCK = threading.Lock()
+_DEPTH = threading.local()  # per thread: inside a wrapped collective (its own Handle.wait is not counted again)
 
 
-def _timed(obj, name: str, totals: dict) -> None:
-    """Wrap obj.name to add its wall time to totals[name] (the time split of a step; I/O threads too)."""
-    fn = getattr(obj, name)
+def _add(totals: dict, key: str, value: float) -> None:
+    with _TOTALS_LOCK:
+        totals[key] = totals.get(key, 0.0) + value
+
+
+def _timed(obj, name: str, totals: dict, key=None, nbytes=None, comm: bool = False) -> None:
+    """Wrap obj.name to add its wall time to totals[name] (the time split of a step; I/O threads too).
+
+    `key(*args)` picks the totals key per call (default `name`); `nbytes(*args)` adds bytes to
+    totals[key + "_bytes"]; `comm` marks a collective: Handle.wait inside it is not counted apart."""
+    fn = getattr(obj, name, None)
+    if fn is None:  # an older fz (--baseline) without it
+        return
 
     def wrapper(*a, **k):
         t0 = time.perf_counter()
+        if comm:
+            _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
         try:
             return fn(*a, **k)
         finally:
-            with _TOTALS_LOCK:
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+            if comm:
+                _DEPTH.n -= 1
+            what = key(*a, **k) if key else name
+            _add(totals, what, time.perf_counter() - t0)
+            if nbytes:
+                _add(totals, what + "_bytes", nbytes(*a, **k))
     setattr(obj, name, wrapper)
+
+
+# Comm's methods that run collectives. "comm" is the wall time of these calls (a sync call includes
+# its wait); async ones return a Handle, waited on later: "comm_wait" is the time in Handle.wait
+# outside a wrapped call (any Handle, whoever waits; it includes the pairwise reduce-scatter's sum,
+# run by the wait). Time a collective's data spends in flight while the step computes is in neither.
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_sum", "replica_mean", "replica_sum",
+               "broadcast_first")
+
+
+def _instrument(totals: dict) -> None:
+    """The step's time split: disk I/O, optimizer update, parameter loads, hashing, collectives."""
+    import fz.step.updaters as updaters
+    import fz.storage.disk as disk
+    try:
+        import fz.storage.checksum as checksum
+    except ImportError:  # before the hashes existed
+        checksum = None
+    _timed(updaters, "disk_update", totals)
+    _timed(disk.DiskTensor, "load", totals)
+    if hasattr(checksum, "_hash"):  # the block hashes of fz/storage/checksum.py, in every I/O thread
+        _timed(checksum, "_hash", totals)
+    try:
+        import fz.storage.io as io
+        # the tier's pool reads/writes (optimizer state; the I/O threads): wall time and bytes
+        _timed(io.IOPool, "_io", totals, key=lambda self, blob, off, buf, write: "pool_write" if write else "pool_read",
+               nbytes=lambda self, blob, off, buf, write: buf.numel() * buf.element_size())
+    except ImportError:
+        pass
+    # every disk read/write (pool + parameter loads/stores), the pread/pwrite and its checksum
+    if hasattr(disk.Blob, "io"):
+        _timed(disk.Blob, "io", totals, key=lambda self, fd, view, off, write: "io_write" if write else "io_read",
+               nbytes=lambda self, fd, view, off, write: len(view))
+    from fz.sharding import comm
+    for name in COLLECTIVES:
+        _timed(comm.Comm, name, totals, key=lambda *a, **k: "comm", comm=True)
+    try:
+        from fz.sharding import settle
+    except ImportError:
+        return
+    wait = getattr(settle.Handle, "wait", None)
+    if wait is None:
+        return
+
+    def timed_wait(self, *a, **k):  # an async collective's wait (also its `then`: the pairwise sum)
+        if getattr(_DEPTH, "n", 0):
+            return wait(self, *a, **k)
+        t0 = time.perf_counter()
+        try:
+            return wait(self, *a, **k)
+        finally:
+            _add(totals, "comm_wait", time.perf_counter() - t0)
+    settle.Handle.wait = timed_wait
+
+
+def _usage() -> dict:
+    """This process's CPU (all threads), page faults, and the main thread's CPU time."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": r.ru_utime, "kernel": r.ru_stime, "minflt": r.ru_minflt, "majflt": r.ru_majflt,
+            "compute": time.thread_time()}
 
 
 def worker(args) -> None:
@@ -96,12 +187,6 @@ def worker(args) -> None:
     t_init = time.perf_counter()
     if engine.startswith("fz"):
         import fz
-        import fz.step.updaters as updaters
-        import fz.storage.disk as disk
-        try:
-            import fz.storage.checksum as checksum
-        except ImportError:  # before the hashes existed
-            checksum = None
         path = os.path.join(args.dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
         kind = engine.split("-", 1)[1] if "-" in engine else ""
@@ -114,10 +199,7 @@ def worker(args) -> None:
         spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0, precision=args.precision,
                        loss_fn=lm_loss, offload=policy)
         box = {"s": fz.init(model, spec)}
-        _timed(updaters, "disk_update", totals)
-        _timed(disk.DiskTensor, "load", totals)
-        if hasattr(checksum, "_hash"):  # the block hashes of fz/storage/checksum.py, in every I/O thread
-            _timed(checksum, "_hash", totals)
+        _instrument(totals)
 
         def step(batch):
             box["s"], loss = fz.train_step(box["s"], batch)
@@ -138,17 +220,25 @@ def worker(args) -> None:
     times, losses, splits = [], [], []
     for i in range(args.steps):
         dist.barrier()
-        before = dict(totals)
+        before, u0 = dict(totals), _usage()
         t0 = time.perf_counter()
         j = 0 if args.same_batch else i
         losses.append(float(step(data[j * args.micro_batch:(j + 1) * args.micro_batch])))
         times.append(time.perf_counter() - t0)
-        splits.append({k: v - before.get(k, 0.0) for k, v in totals.items()})
+        u1 = _usage()
+        splits.append({**{k: v - before.get(k, 0.0) for k, v in totals.items()}, **{k: u1[k] - u0[k] for k in u0}})
+    # bytes the disk tier moved per step, both ranks (they share the disk): the floor's numerator
+    moved = torch.tensor([[s.get(k, 0.0) for k in ("io_read_bytes", "io_write_bytes", "pool_read_bytes",
+                                                    "pool_write_bytes")] for s in splits], dtype=torch.float64)
+    dist.all_reduce(moved)
+    for s, m in zip(splits, moved.tolist()):
+        s["both_read_bytes"], s["both_write_bytes"] = (m[0], m[1]) if m[0] + m[1] else (m[2], m[3])
     out = {"times": times, "loss": losses, "rss_mb": rss_mb("VmHWM"), "base_mb": base, "params": n, "init_s": t_init,
            "splits": splits}
     if engine.startswith("fz"):
         r = fz.memory_report(box["s"])
         out["tiers"] = r.tiers
+        out["fz"] = os.path.dirname(os.path.dirname(os.path.abspath(fz.__file__)))  # which tree (--baseline)
         out["state_bytes"] = r.total
     t = torch.tensor([max(times[args.warmup:] or times), out["rss_mb"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -194,6 +284,91 @@ def tier_bandwidth(directory: str, mb: int, buffer_mb: float) -> dict:
     return out
 
 
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The command line without --baseline/--repeats (the workers need neither)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--baseline", "--repeats"):
+            skip = True
+        elif not a.startswith(("--baseline=", "--repeats=")):
+            out.append(a)
+    return out
+
+
+def _baseline_tree(ref: str) -> str:
+    """A temporary detached worktree of `ref` (removed by main when the runs are done)."""
+    import tempfile
+    path = tempfile.mkdtemp(prefix="fz-baseline-")
+    os.rmdir(path)
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, ref], check=True, capture_output=True)
+    print(f"baseline: {ref} in {path} ({git_state(path)})", flush=True)
+    return path
+
+
+SPLIT_KEYS = ("user", "kernel", "minflt", "majflt", "compute", "io_read", "io_write", "io_read_bytes",
+              "io_write_bytes", "pool_read", "pool_write", "disk_update", "load", "comm", "comm_wait",
+              "both_read_bytes", "both_write_bytes")
+
+
+def _split(runs: list[dict], warmup: int) -> dict | None:
+    """Per-step medians over the measured steps (then over repeats) of rank 0's split."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return None
+    per = [{"step": median(r["times"][warmup:]),
+            **{k: median(s.get(k, 0.0) for s in r["splits"][warmup:]) for k in SPLIT_KEYS}} for r in ok]
+    return {k: median(p[k] for p in per) for k in per[0]}
+
+
+def headline_split(args, runs: dict, moved: dict) -> None:
+    """The headline's per-step time split (rank 0), the floor, the tier's bandwidth, the baseline ratios."""
+    splits = {label: _split(rs, args.warmup) for label, rs in runs.items()}
+    both = max((s["both_read_bytes"] + s["both_write_bytes"] for s in splits.values() if s), default=0)
+    size = max(16, min(1024, int(both / 2**20)))
+    dd, tier = dd_bandwidth(args.dir, size), tier_bandwidth(args.dir, size, args.buffer_mb)
+    print(f"\nDisk bandwidth, {size} MiB: dd O_DIRECT write {dd['write']:.0f} MiB/s, read {dd['read']:.0f} MiB/s; "
+          f"fz's NVMe tier (O_DIRECT {'on' if tier['direct'] else 'off'}) write {tier['write']:.0f} MiB/s "
+          f"({tier['write'] / dd['write']:.2f}x dd, target >= 0.9x), read {tier['read']:.0f} MiB/s "
+          f"({tier['read'] / dd['read']:.2f}x dd)")
+    rows = []
+    for label, s in splits.items():
+        if s is None:
+            rows.append([label, "FAILED"] + [""] * 15)
+            continue
+        floor = s["both_read_bytes"] / 2**20 / dd["read"] + s["both_write_bytes"] / 2**20 / dd["write"]
+        s["floor"] = floor
+        s["of_floor"] = s["step"] / max(s["compute"], floor)
+        rows.append([label, f"{1e3 * s['step']:.0f}", f"{1e3 * s['compute']:.0f}", f"{1e3 * s['user']:.0f}",
+                     f"{1e3 * s['kernel']:.0f}", f"{s['kernel'] / max(s['user'], 1e-9):.2f}",
+                     f"{s['minflt']:.0f}", f"{s['majflt']:.0f}",
+                     f"{1e3 * s['io_read']:.0f} ({s['io_read_bytes'] / 2**20:.0f})",
+                     f"{1e3 * s['io_write']:.0f} ({s['io_write_bytes'] / 2**20:.0f})",
+                     f"{1e3 * (s['pool_read'] + s['pool_write']):.0f}", f"{1e3 * s['disk_update']:.0f}",
+                     f"{1e3 * s['load']:.0f}", f"{1e3 * s['comm']:.0f} + {1e3 * s['comm_wait']:.0f}",
+                     f"{(s['both_read_bytes'] + s['both_write_bytes']) / 2**20:.0f}", f"{1e3 * floor:.0f}",
+                     f"{s['of_floor']:.2f}x"])
+    print("\nPer-step split, rank 0, medians over the measured steps (process CPU and faults: all threads; compute: "
+          "the main thread's CPU time; I/O: wall time in the disk reads/writes incl. checksums, summed over threads; "
+          "comm: wall time in Comm's collective calls + in waits on their async handles outside them)\n")
+    print(markdown(["engine", "step ms", "compute ms", "user ms", "kernel ms", "kernel/user", "minflt/step",
+                    "majflt/step", "disk read ms (MiB)", "disk write ms (MiB)", "pool _io ms", "disk_update ms",
+                    "param loads ms", "comm ms (calls + waits)", "moved MiB/step both ranks", "floor ms",
+                    "x of floor (target <= 1.25)"], rows))
+    for label, s in splits.items():
+        if s:
+            print(f"{label}: step {1e3 * s['step']:.0f} ms / max(compute alone {1e3 * s['compute']:.0f} ms, floor "
+                  f"{1e3 * s['floor']:.0f} ms) = {s['of_floor']:.2f}x of floor (target <= 1.25)")
+    for label, s in splits.items():
+        b = splits.get(label + "@base")
+        if s and b and not label.endswith("@base"):
+            r = {k: f"{s[k] / b[k]:.3f}x" if b[k] else "-" for k in ("step", "minflt", "majflt", "kernel", "user",
+                                                                      "compute")}
+            print(f"{label} new/baseline: step {r['step']}, minor faults {r['minflt']}, major faults {r['majflt']}, "
+                  f"kernel time {r['kernel']}, user time {r['user']}, compute {r['compute']}")
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -206,15 +381,30 @@ def main() -> None:
     if args.with_deepspeed and not args.headline:
         engines += ["ds2-cpu", "ds3-cpu"]
     rows, results = [], {}
-    for e in engines:
-        t0 = time.monotonic()
-        res = launch([sys.executable, os.path.abspath(__file__), *argv, "--worker", e], 2, args.timeout,
-                     {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else None)
-        results[e] = res
-        status = res.get("error") or f"{1e3 * median(res['times'][args.warmup:]):.0f} ms"
-        print(f"  {e:<16} {status} ({time.monotonic() - t0:.0f}s)", flush=True)
-        for line in res.get("tail", []) if "error" in res else []:
-            print(f"      | {line}", flush=True)
+    base_root = _baseline_tree(args.baseline) if args.baseline else None
+    try:
+        for rep in range(args.repeats if base_root else 1):
+            for e in engines:
+                for label, root in ([(e + "@base", base_root)] if base_root else []) + [(e, None)]:
+                    t0 = time.monotonic()
+                    env = {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else {}
+                    if root:  # the worker is this file; fz comes from the baseline's tree
+                        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+                    res = launch([sys.executable, os.path.abspath(__file__), *_worker_argv(argv), "--worker", e], 2,
+                                 args.timeout, env or None)
+                    results.setdefault(label, []).append(res)
+                    status = res.get("error") or (f"{1e3 * median(res['times'][args.warmup:]):.0f} ms, "
+                                                  f"fz from {res.get('fz')}")
+                    print(f"  {label:<20} {status} ({time.monotonic() - t0:.0f}s)" +
+                          (f" repeat {rep + 1}/{args.repeats}" if base_root else ""), flush=True)
+                    for line in res.get("tail", []) if "error" in res else []:
+                        print(f"      | {line}", flush=True)
+    finally:
+        if base_root:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_root], check=False,
+                           capture_output=True)
+    runs = results
+    results = {k: next((r for r in v if "error" not in r), v[-1]) for k, v in runs.items()}
     moved = {}
     for e, r in results.items():
         if "error" in r:
@@ -236,6 +426,8 @@ def main() -> None:
           f"load average at end {load_average()}\n")
     print(markdown(["engine", "step ms", "peak RSS MB/rank", "over base MB", "on disk MiB/rank", "moved MiB/step/rank",
                     "optimizer+I/O ms", "param reads ms", "hashing ms (of step)", "init s", "losses"], rows))
+    if args.headline:
+        return headline_split(args, runs, moved)
     if not args.headline:
         size = max(256, int(max(moved.values(), default=0) / 2 / 2**20))
         dd, tier = dd_bandwidth(args.dir, size), tier_bandwidth(args.dir, size, args.buffer_mb)
