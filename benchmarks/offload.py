@@ -56,6 +56,8 @@ def parse_args():
     p.add_argument("--baseline", default=None, metavar="REF",
                    help="also run the engines from a temporary worktree of git REF, interleaved with this tree's")
     p.add_argument("--repeats", type=int, default=1, help="with --baseline: baseline, new, ... this many times")
+    p.add_argument("--thp", default=os.environ.get("THP_MEM_ALLOC_ENABLE", "1"), choices=["0", "1"],
+                   help="THP_MEM_ALLOC_ENABLE for every run, baseline included (default 1, as `fz run` sets it)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -376,7 +378,8 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     argv = sys.argv[1:]
     print("$ " + shlex.join(["OMP_NUM_THREADS=1", sys.executable, *sys.argv]), flush=True)
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}, {git_state()}", flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}, {git_state()}, "
+          f"THP_MEM_ALLOC_ENABLE={args.thp}", flush=True)
     engines = ["fz3-nvme-params"] if args.headline else [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.with_deepspeed and not args.headline:
         engines += ["ds2-cpu", "ds3-cpu"]
@@ -388,6 +391,7 @@ def main() -> None:
                 for label, root in ([(e + "@base", base_root)] if base_root else []) + [(e, None)]:
                     t0 = time.monotonic()
                     env = {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else {}
+                    env["THP_MEM_ALLOC_ENABLE"] = args.thp
                     if root:  # the worker is this file; fz comes from the baseline's tree
                         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
                     res = launch([sys.executable, os.path.abspath(__file__), *_worker_argv(argv), "--worker", e], 2,

@@ -66,7 +66,7 @@ class HostGrads:
             self.lent.append(g)
         else:
             acc = self.pool.take(g.numel(), torch.float32) if self.device.type == "cuda" else \
-                torch.empty(g.numel(), dtype=torch.float32)
+                torch.empty(g.numel(), dtype=torch.float32)  # plain: freed bucket by bucket as the update goes
             acc.copy_(g)
             self.acc[index] = acc
             self.lent.append(acc)
@@ -75,6 +75,14 @@ class HostGrads:
         """Wait for every copy and add it in: the host buffers are whole when this returns."""
         while self.copies:
             self._land(*self.copies.popleft())
+
+    def hand_over(self) -> None:
+        """The update owns the gradients now (it drops each bucket's once updated, even while it
+        streams on after the step: fz/step/pending.py); only the pool's pinned buffers stay
+        listed, to go back to it when the update is done."""
+        self.drain()
+        self.acc.clear()
+        self.lent = [t for t in self.lent if t.is_pinned()]
 
     def release(self) -> None:
         """The step is done with its gradients: buffers go back to the pool for the next step."""

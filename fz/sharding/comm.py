@@ -18,6 +18,7 @@ from torch import Tensor
 from fz.compat import all_gather_single, reduce_scatter_single
 from fz.sharding.buckets import Bucket
 from fz.sharding.settle import Handle
+from fz.storage.scratch import SCRATCH
 
 _TAGS = 1 << 20
 
@@ -108,7 +109,7 @@ class Comm:
         n, r = self.world, self.rank
         parts = inp.view(n, -1)
         others = [q for q in range(n) if q != r]
-        recv = torch.empty((n - 1, parts.shape[1]), dtype=inp.dtype, device=inp.device)
+        recv = SCRATCH.empty((n - 1) * parts.shape[1], inp.dtype, inp.device).view(n - 1, parts.shape[1])
         pairs = [((r + k) % n, (r - k) % n) for k in range(1, n)]
         sends = [parts[dst] for dst, _ in pairs]
         recvs = [recv[others.index(src)] for _, src in pairs]

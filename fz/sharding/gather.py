@@ -22,6 +22,7 @@ from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, unpack
 from fz.sharding.settle import Handle
 from fz.storage.disk import DiskTensor, load
+from fz.storage.scratch import SCRATCH
 
 _READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
 
@@ -91,7 +92,7 @@ class Gatherer:
     def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
         if self.comm.world == 1 or bucket.index in self.inflight:
             return
-        full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
+        full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
         self.inflight[bucket.index] = (full, self.comm.all_gather(full, self._local(bucket, shard.detach()),
                                                                   async_op=True), bucket.full_numel)
         self.live.acquire(bucket.full_numel)
@@ -108,7 +109,7 @@ class Gatherer:
                 self.live.release(bucket.full_numel)
             else:
                 self.live.unprefetched += 1
-                full = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=self.comm.device)
+                full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
                 self.comm.all_gather(full, self._local(bucket, shard))
             outs = tuple(unpack(full, bucket))
         self.live.track(outs, bucket.full_numel)

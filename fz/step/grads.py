@@ -28,6 +28,7 @@ from fz.offload.host_grads import HostGrads
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, full_views, pack, shard_views
 from fz.sharding.plan import ShardPlan
+from fz.storage.scratch import SCRATCH
 
 MAX_INFLIGHT = 2  # buckets whose reduction may be in flight at once (bounds gradient memory)
 
@@ -63,7 +64,7 @@ class GradReducer:
             self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype, "shard"))
         else:
             buf = pack(grads, b, comm.reduce_dtype, grads[0].device)
-            out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=buf.device)
+            out = SCRATCH.empty(b.shard_numel, comm.reduce_dtype, buf.device)
             self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), dtype, "shard"))
         self._bound()
 
@@ -113,7 +114,7 @@ class GradReducer:
             self.pending.append((b, g, None, g.dtype, "shard" if sharded_opt else "full"))
         elif sharded_opt:
             buf = pack(full_views(g, b), b, comm.reduce_dtype, g.device)
-            out = torch.empty(b.shard_numel, dtype=comm.reduce_dtype, device=g.device)
+            out = SCRATCH.empty(b.shard_numel, comm.reduce_dtype, g.device)
             self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype, "shard"))
         else:  # all-reduce in place
             red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)

@@ -60,7 +60,8 @@ def test_env_files_from_home_and_working_directory(tmp_path):
     (cwd / ".fz_env").write_text("# ours\nexport NCCL_SOCKET_IFNAME=ib0\nMY_FLAG=a b\n")
     env = node_env({"PYTHONPATH": "/src", "HOME": "/root", "NCCL_DEBUG": "INFO"}, cwd=cwd, home=home)
     assert env == {"PYTHONPATH": "/src", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "ib0",
-                   "MY_FLAG": "a b"}
+                   "MY_FLAG": "a b", "THP_MEM_ALLOC_ENABLE": "1"}  # fz's one default: torch's huge pages
+    assert node_env({"THP_MEM_ALLOC_ENABLE": "0"}, cwd=cwd, home=home)["THP_MEM_ALLOC_ENABLE"] == "0"  # the user's wins
     (cwd / ".fz_env").write_text("NOT A LINE\n")
     with pytest.raises(ConfigError, match=r"\.fz_env, line 1: 'NOT A LINE' is not KEY=VALUE"):
         node_env({}, cwd=cwd, home=home)
