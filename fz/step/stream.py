@@ -170,9 +170,11 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
                    for b in (new_blob[i], getattr(flats[i], "_blob", None)) if b is not None}
         gate = Gate(touched.values(), "the streamed optimizer update of the last step")
         streamer.hold(gate)
+        results = list(streamer.results)  # the first group's: the thread appends the others
         start_inflight(gate, lambda: streamer.run(range(1, len(groups)), finish=True), after)
     else:
         streamer.run(range(1, len(groups)), finish=True)
+        results = streamer.results
         if after is not None:
             after()
     old_disk = {pytree.keystr(p): x for p, x in by_path if isinstance(x, DiskTensor)}
@@ -184,8 +186,7 @@ def disk_update(spec, policy, comm, plan, local_opt: Any, grads: Params, flats: 
         return DiskTensor(new_blob[_bucket_of(plan, _param_key(path))], old._extents, old.shape, old.dtype, old.device)
 
     # keyed leaves are on disk (their new values: the files); the shared scalars are equal in every group
-    merged = {pytree.keystr(p): x for p, x in
-              pytree.tree_flatten_with_path(merge_opt_states(streamer.results, every))[0]}
+    merged = {pytree.keystr(p): x for p, x in pytree.tree_flatten_with_path(merge_opt_states(results, every))[0]}
     new_opt = pytree.tree_map_with_path(lambda p, x: to_new_file(p, merged.get(pytree.keystr(p), x)), local_opt)
 
     def moved(i: int, m: Tensor) -> DiskTensor:  # a master flat (on disk: _groups checked) in its new file
@@ -220,6 +221,10 @@ class _Streamer:
         self.collective = False  # whether the optimizer called shard_sum (a collective): then no background
 
         def shard_sum(tree):
+            if self.gate is not None:  # streaming on: a collective here would race the next step's
+                raise ConfigError("fz.offload.nvme: the optimizer summed across shards (a collective) in a later "
+                                  "group but not in the first, so its update could not stream on safely; set "
+                                  "fz.offload.nvme(..., pipeline=False)")
             self.collective = True
             return real_sum(tree)
         self.extra = dict(donate=True, norm_sq=_no_global_norm, shard_sum=shard_sum)

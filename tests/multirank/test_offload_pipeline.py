@@ -149,3 +149,29 @@ def test_a_gate_has_a_deadline(tmp_path):
         blob.read(((0, 16),))
     gate.release(blob)
     assert blob.read(((0, 16),)).tolist() == [0] * 16 and blob.gate is None
+
+
+def _late_sum():
+    """A transformation that sums across shards only for the last block's parameters: the first
+    group of the update does not show that the optimizer needs a collective."""
+    def update(updates, state, params=None, *, shard_sum=None, **extra):
+        last = {k: v for k, v in updates.items() if k.startswith("blocks.1.")}
+        if last and shard_sum is not None:
+            shard_sum({k: v.square().sum().reshape(1) for k, v in last.items()})
+        return updates, state
+    return fz.optim.GradientTransformation(lambda params: (), update)
+
+
+def test_a_collective_in_a_later_group_stops_the_streamed_update_with_a_clear_error(tmp_path):
+    opt = fz.optim.chain(_late_sum(), fz.optim.adamw(lr=1e-3))
+    policy = fz.offload.nvme(str(tmp_path), params=True, buffer_mb=0.05, buffers=2, prefetch=1)
+    state = fz.init(make_model(), spec(3, 1, optimizer=opt, offload=policy))
+    (b0, b1) = [r[0] for r in rank_batches(1, 1, 2)]
+    state, _ = fz.train_step(state, b0)
+    with pytest.raises(fz.OffloadError, match=r"summed across shards .* pipeline=False"):
+        fz.full_params(state)
+    pending.join_inflight()
+    waits = fz.init(make_model(), spec(3, 1, optimizer=opt, offload=policy.replace(pipeline=False)))
+    for b in (b0, b1):
+        waits, loss = fz.train_step(waits, b)  # without streaming on, the same optimizer trains
+    assert math.isfinite(float(loss))
