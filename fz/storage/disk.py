@@ -68,13 +68,12 @@ class Blob:
         if gate is not None:
             gate.wait(self)
 
-    def read(self, extents: Extents, out: Tensor | None = None, wait: bool = True) -> Tensor:
-        """The bytes of `extents`, concatenated, as a uint8 tensor (`out`, or a new one; buffered I/O).
-        `wait=False` only for the update that holds this file's gate."""
+    def read(self, extents: Extents, wait: bool = True) -> Tensor:
+        """The bytes of `extents`, concatenated, as a new uint8 tensor (buffered I/O). `wait=False`
+        only for the update that holds this file's gate."""
         if wait:
             self.ready()
-        n = sum(n for _, n in extents)
-        out = torch.empty(n, dtype=torch.uint8) if out is None else out.reshape(-1).view(torch.uint8)[:n]
+        out = torch.empty(sum(n for _, n in extents), dtype=torch.uint8)
         self._each(False, extents, out)
         return out
 

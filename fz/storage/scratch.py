@@ -7,12 +7,13 @@ is a page fault, in the kernel. On the 2.5B NVMe headline that was most of the C
 memory has no such allocator, so this is one, for the buffers fz allocates itself.
 
 `empty` hands out a buffer that nobody else holds any more: the pool keeps every buffer it
-made, and one is free again when no tensor but the pool's own shares its memory (no view,
-no Python reference, no C++ reference such as autograd's or gloo's), checked when it is
+made and hands out views of it, and one is free again when no tensor but the pool's own
+shares its storage (no view, whoever holds it: Python, autograd, gloo), checked when it is
 taken. So nothing is ever given back by hand and a buffer still in use is never reused.
 At most `KEEP` buffers of each size are kept; past that, plain memory. `trim` lets go of the
-idle ones: the step calls it before its update, so kept buffers never add to the step's peak
-(a buffer is then mapped afresh once per step, not once per use). It serves the buffers that
+idle ones: the step calls it between its phases (before backward, before the update, at its
+end), so kept buffers do not add to a phase's peak (a buffer is then mapped afresh once per
+phase, not once per use). It serves the buffers that
 live for one collective: the reductions' outputs and receive buffers and the all-gathers'
 outputs. Those that outlive one (the gathered parameters, the packed gradients, the shards
 read from disk, the host gradients) stay plain memory: kept idle, they were measured to add
