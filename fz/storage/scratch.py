@@ -2,7 +2,8 @@
 
 A CPU step allocates its large buffers anew each time, and glibc maps every one of them
 fresh (fz pins its mmap threshold: fz/storage/store.py): each first write of each 4 KiB page
-is a page fault, in the kernel. On the 2.5B NVMe headline that was most of the CPU time
+is a page fault, in the kernel (where fz has not pinned it, glibc's heap reuses freed memory
+itself, and this pool stays off: `enable`). On the 2.5B NVMe headline that was most of the CPU time
 (benchmarks/RESULTS.md). On CUDA the caching allocator already reuses device memory; host
 memory has no such allocator, so this is one, for the buffers fz allocates itself.
 
@@ -37,9 +38,16 @@ def _sole(t: Tensor) -> bool:
 
 
 class Scratch:
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = False) -> None:
         self.kept: dict[tuple[int, torch.dtype], list[Tensor]] = {}
         self.lock = threading.Lock()
+        self.enabled = enabled and hasattr(torch._C, "_storage_Use_Count")
+
+    def enable(self) -> None:
+        """Reuse from now on: called where fz pins glibc's mmap threshold (the disk tier's store),
+        which makes every large buffer a fresh mapping. Without that pin glibc's heap already
+        reuses freed memory, and this pool only cost time: a stage-2 bf16 step measured 6-10%
+        slower with it on (benchmarks/RESULTS.md)."""
         self.enabled = hasattr(torch._C, "_storage_Use_Count")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:

@@ -19,6 +19,7 @@ from typing import Protocol
 from fz.errors import ConfigError
 from fz.storage.disk import Blob
 from fz.storage.io import IOPool
+from fz.storage.scratch import SCRATCH
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 _STORES: dict[tuple[str, int], DiskStore] = {}
@@ -90,7 +91,8 @@ def _pin_mmap_threshold() -> None:
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+        return
+    SCRATCH.enable()  # every large buffer is now a fresh mapping: reuse fz's own (fz/storage/scratch.py)
 
 
 class DiskStore:
