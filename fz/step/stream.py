@@ -202,7 +202,7 @@ def pipelined(spec, plan, flats: list[Tensor]) -> bool:
     bucket's parameters live in files (stage 3, params on disk), so the next forward reads them
     through the files' gates, and no bucket waits for a post-update all-gather. `Spec.offload`
     can turn it off (`pipeline=False`)."""
-    if not getattr(spec.offload, "pipeline", True):
+    if not spec.offload.pipeline:
         return False
     return all(isinstance(flats[b.index], DiskTensor) for b in plan.buckets if b.trainable)
 

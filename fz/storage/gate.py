@@ -64,8 +64,3 @@ class Gate:
             if not done:
                 raise OffloadError(errno.ETIMEDOUT, f"offload file {blob.path}: {self.what} has not finished "
                                                     f"writing it after {self.deadline_s:.0f} s")
-
-    @property
-    def pending(self) -> bool:
-        with self.cond:
-            return bool(self.left) and self.error is None

@@ -3,8 +3,8 @@
 A CPU step allocates its large buffers anew each time, and glibc maps every one of them
 fresh (fz pins its mmap threshold: fz/storage/store.py): each first write of each 4 KiB page
 is a page fault, in the kernel (where fz has not pinned it, glibc's heap reuses freed memory
-itself, and this pool stays off: `enable`). On the 2.5B NVMe headline that was most of the CPU time
-(benchmarks/RESULTS.md). On CUDA the caching allocator already reuses device memory; host
+itself, and this pool stays off: `enable`). On the 2.5B NVMe headline that was most of the
+CPU time (benchmarks/RESULTS.md). On CUDA the caching allocator already reuses device memory; host
 memory has no such allocator, so this is one, for the buffers fz allocates itself.
 
 `empty` hands out a buffer that nobody else holds any more: the pool keeps every buffer it
@@ -14,11 +14,11 @@ taken. So nothing is ever given back by hand and a buffer still in use is never 
 At most `KEEP` buffers of each size are kept; past that, plain memory. `trim` lets go of the
 idle ones: the step calls it between its phases (before backward, before the update, at its
 end), so kept buffers do not add to a phase's peak (a buffer is then mapped afresh once per
-phase, not once per use). It serves the buffers that
-live for one collective: the reductions' outputs and receive buffers and the all-gathers'
-outputs. Those that outlive one (the gathered parameters, the packed gradients, the shards
-read from disk, the host gradients) stay plain memory: kept idle, they were measured to add
-4-10% to the NVMe step's peak (tests/multirank/test_planning.py holds it to the estimate).
+phase, not once per use). It serves the buffers that live for one collective: the
+reductions' outputs and receive buffers and the all-gathers' outputs. Those that outlive one
+(the gathered parameters, the packed gradients, the shards read from disk, the host
+gradients) stay plain memory: kept idle, they were measured to add 4-10% to the NVMe step's
+peak (tests/multirank/test_planning.py holds it to the estimate).
 """
 from __future__ import annotations
 
