@@ -35,6 +35,7 @@ from fz.spec import Spec
 from fz.step.grads import MAX_INFLIGHT
 from fz.step.runner import _wants_checkpoint, keep_budget
 from fz.storage.checksum import table_bytes
+from fz.storage.scratch import IDLE_CAP
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -71,6 +72,8 @@ class Estimate:
     update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
     gather_summed: int = 0  # the part of `gather` that is gradients summed over a bucket's several users
     accumulated: int = 0  # grad_accum > 1, replicated gradients (stages 0-1): summed in full across micro-batches
+    pool_idle: int = 0  # the disk tier: idle host buffers kept for reuse (shards read from disk), at most
+    pool_idle_cpu: int = 0  # the same where host and device are one memory (the step's buffers too), at most
 
     @property
     def backward(self) -> int | None:
@@ -113,7 +116,8 @@ class Estimate:
 
     def host_terms(self) -> list[tuple[str, int]]:
         """[(term, bytes)] of one rank's host memory: they add up to `per_rank_host`."""
-        return [*self.tiers["host"].items(), ("model copy (built off meta)", self.model_copy)]
+        pool = [("idle buffers kept for reuse (at most)", self.pool_idle)] if self.pool_idle else []
+        return [*self.tiers["host"].items(), *pool, ("model copy (built off meta)", self.model_copy)]
 
     @property
     def one_memory(self) -> int:
@@ -124,9 +128,9 @@ class Estimate:
         backward, being updated in the streamed update."""
         host_grads = self.tiers["host"].get("grads", 0)
         if not host_grads:
-            return self.per_device + self.per_rank_host
+            return self.per_device + self.per_rank_host - self.pool_idle + self.pool_idle_cpu
         resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
-            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy
+            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy + self.pool_idle_cpu
         during_backward = self.reduce + self.update_loaded + max(host_grads, self.backward or 0)
         return resident + self.gather + max(during_backward, host_grads + self.sync + self.update_loaded)
 
@@ -268,6 +272,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         _update_loaded(policy, buckets, el),
         summed,
         0 if host_grads else _accumulated(buckets, el, shards, spec),
+        *(_pool_idle(spec, buckets, el, policy) if io and policy else (0, 0)),
     )
 
 
@@ -381,6 +386,17 @@ def _update_loaded(policy: Offload | None, buckets: Sequence[Bucket], el: int) -
     if policy is None or policy.params != "disk":
         return 0
     return max((b.shard_numel if b.sharded_param else b.full_numel for b in buckets if b.trainable), default=0) * el
+
+
+def _pool_idle(spec: Spec, buckets: Sequence[Bucket], el: int, policy: Offload) -> tuple[int, int]:
+    """The host buffer pool the disk tier turns on (fz/storage/scratch.py) keeps idle buffers of
+    at most IDLE_CAP times the largest it holds. On the host: the parameter shards read from
+    disk. Where the device is the host too: also a bucket's packed gradients (reduce dtype) and
+    its gathered parameters. Returns (host, one memory)."""
+    reads = max((b.shard_numel * el for b in buckets if b.sharded_param), default=0) if policy.params == "disk" else 0
+    width = max(el, PRECISIONS[spec.reduce_dtype or "fp32"].itemsize)
+    step = max((b.padded_numel * width for b in buckets if b.trainable), default=0)
+    return IDLE_CAP * reads, IDLE_CAP * max(reads, step)
 
 
 def _model_copy(counts: ModelCounts, zero_init: bool | None) -> int:

@@ -157,7 +157,7 @@ def _regions(buf: Tensor, bucket: Bucket):
 def pack(tensors: Sequence[Tensor | None], bucket: Bucket, dtype: torch.dtype, device) -> Tensor:
     """Full-shape tensors (None = zeros) -> a new rank-major buffer of padded_numel."""
     pad = any(s.chunk * bucket.shards != s.rows for s in bucket.slots) or any(t is None for t in tensors)
-    buf = (torch.zeros if pad else torch.empty)(bucket.padded_numel, dtype=dtype, device=device)
+    buf = (SCRATCH.zeros if pad else SCRATCH.empty)(bucket.padded_numel, dtype, device)
     for (s, region), t in zip(_regions(buf, bucket), tensors):
         if t is None:
             continue

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fz.sharding.buckets import Bucket
-from fz.sharding.comm import Comm, unpack
+from fz.sharding.comm import Comm, full_views, unpack, unpack_into
 from fz.sharding.settle import Handle
 from fz.storage.disk import DiskTensor, load
 from fz.storage.scratch import SCRATCH
@@ -111,7 +111,7 @@ class Gatherer:
                 self.live.unprefetched += 1
                 full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
                 self.comm.all_gather(full, self._local(bucket, shard))
-            outs = tuple(unpack(full, bucket))
+            outs = _unpacked(full, bucket)
         self.live.track(outs, bucket.full_numel)
         return outs
 
@@ -123,6 +123,17 @@ class Gatherer:
         for read in self.reads.values():
             read.exception()  # a read nobody used: let it finish (its error, if any, is not this step's)
         self.reads.clear()
+
+
+def _unpacked(full: Tensor, bucket: Bucket) -> tuple[Tensor, ...]:
+    """A gathered bucket's parameters, param-major. Where the host buffer pool is on (the disk
+    tier's store) they are views of one reused buffer: otherwise each parameter is a copy into
+    fresh memory, page-faulted in again at every gather."""
+    if not SCRATCH.enabled or full.device.type != "cpu":
+        return tuple(unpack(full, bucket))
+    flat = SCRATCH.empty(bucket.full_numel, full.dtype, full.device)
+    unpack_into(full, bucket, flat)
+    return tuple(full_views(flat, bucket))
 
 
 class ParamSaver:

@@ -45,7 +45,6 @@ from fz.step.unused import UsedParams, unused_everywhere
 from fz.step.update import GradNorms, optimizer_inputs
 from fz.step.updaters import UPDATERS, UpdateInputs, update_tier
 from fz.storage.disk import DiskTensor
-from fz.storage.scratch import SCRATCH
 
 
 def autocast(state: State):
@@ -143,7 +142,6 @@ class StepInProgress:
         scale); `last`: the step's last micro-batch, whose gradients are reduced for the update."""
         with self._phase():
             join_inflight()  # the last step's update, if it streams on, is done before gradients need memory
-            SCRATCH.trim()  # the forward's idle buffers must not add to backward's peak
             loss = scalar_loss(loss).float()
             self.reducer.last = last
             self.runner.backward(loss * self.weight)
@@ -181,7 +179,6 @@ class StepInProgress:
             grads, params, sharded = optimizer_inputs(plan, reducer, flats, mflats, 1.0 / self.scale)
             reducer.dispose()
             del self.leaves, self.reducer, reducer
-            SCRATCH.trim()  # backward's idle buffers must not add to the update's peak
             guard = NonFinite(spec, plan, int(state.step), self.scaler)
             # with clipping, the gradients' norms are taken once: the check reads them, the clip sums them
             norms = GradNorms(grads, sharded, comm.world) if spec.clip_grad_norm is not None else None
@@ -239,7 +236,6 @@ class StepInProgress:
             self.given.donate()
             state.donate()
         self.state = self.given = None  # type: ignore[assignment]  # the step holds no state once finished
-        SCRATCH.trim()  # between steps no idle buffer is kept
         return new, loss
 
 

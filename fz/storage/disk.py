@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fz.errors import ConfigError
 from fz.storage.checksum import BlockSums
+from fz.storage.scratch import SCRATCH
 
 if TYPE_CHECKING:
     from fz.storage.gate import Gate
@@ -73,7 +74,7 @@ class Blob:
         only for the update that holds this file's gate."""
         if wait:
             self.ready()
-        out = torch.empty(sum(n for _, n in extents), dtype=torch.uint8)
+        out = SCRATCH.empty(sum(n for _, n in extents), torch.uint8)
         self._each(False, extents, out)
         return out
 

@@ -11,14 +11,16 @@ memory has no such allocator, so this is one, for the buffers fz allocates itsel
 made and hands out views of it, and one is free again when no tensor but the pool's own
 shares its storage (no view, whoever holds it: Python, autograd, gloo), checked when it is
 taken. So nothing is ever given back by hand and a buffer still in use is never reused.
-At most `KEEP` buffers of each size are kept; past that, plain memory. `trim` lets go of the
-idle ones: the step calls it between its phases (before backward, before the update, at its
-end), so kept buffers do not add to a phase's peak (a buffer is then mapped afresh once per
-phase, not once per use). It serves the buffers that live for one collective: the
-reductions' outputs and receive buffers and the all-gathers' outputs. Those that outlive one
-(the gathered parameters, the packed gradients, the shards read from disk, the host
-gradients) stay plain memory: kept idle, they were measured to add 4-10% to the NVMe step's
-peak (tests/multirank/test_planning.py holds it to the estimate).
+It serves the step's large host buffers: the reductions' inputs, outputs and receive buffers,
+the all-gathers' outputs, the gathered parameters and the shards read from disk.
+
+Kept idle, buffers add to the peak, so their bytes are bounded: before new memory is mapped,
+idle buffers beyond IDLE_CAP times the largest kept one are let go, the sizes asked for least
+recently first (fz.estimate counts that bound: `pool_idle`). Within the bound they stay from
+phase to phase and step to step, since a step asks for the same sizes block after block.
+Sizes are bytes rounded up to GRAIN, so one buffer serves any dtype: at world 2 a bucket's
+gathered bf16 parameters and its fp32 gradient shard are the same size. At most `KEEP`
+buffers of each size are kept; past that, plain memory. `trim` lets go of every idle one.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ import threading
 import torch
 from torch import Tensor
 
-KEEP = 6  # buffers kept per (size, dtype): a step's gathers in flight, its reductions, its reads
+KEEP = 6  # buffers kept per size: a step's gathers in flight, its reductions, its reads
+GRAIN = 2 << 20  # kept sizes are multiples of this (a huge page)
+SMALL = 1 << 20  # smaller buffers are plain memory
+IDLE_CAP = 3  # idle kept bytes: at most this many times the largest kept buffer (fz.estimate's `pool_idle`)
 
 
 def _sole(t: Tensor) -> bool:
@@ -39,8 +44,10 @@ def _sole(t: Tensor) -> bool:
 
 class Scratch:
     def __init__(self, enabled: bool = False) -> None:
-        self.kept: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        self.kept: dict[int, list[Tensor]] = {}  # bytes (a multiple of GRAIN) -> uint8 buffers of that size
         self.lock = threading.Lock()
+        self.uses = 0
+        self.last_use: dict[int, int] = {}  # size -> when it was last asked for
         self.enabled = enabled and hasattr(torch._C, "_storage_Use_Count")
 
     def enable(self) -> None:
@@ -50,34 +57,60 @@ class Scratch:
         slower with it on (benchmarks/RESULTS.md)."""
         self.enabled = hasattr(torch._C, "_storage_Use_Count")
 
+    @staticmethod
+    def size_of(numel: int, dtype: torch.dtype) -> int:
+        """The kept size that serves `numel` elements of `dtype`: bytes rounded up to GRAIN, so
+        buffers of one size serve every dtype (a step's fp32 shard and bf16 bucket share one)."""
+        return -(-numel * dtype.itemsize // GRAIN) * GRAIN
+
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """An uninitialised 1-D buffer: a free kept one on the CPU, else new memory."""
         device = torch.device(device)
-        if device.type != "cpu" or not self.enabled or numel < (1 << 18):
+        if device.type != "cpu" or not self.enabled or numel * dtype.itemsize < SMALL:
             return torch.empty(numel, dtype=dtype, device=device)
-        key = (numel, dtype)
+        size = self.size_of(numel, dtype)
         with self.lock:
-            kept = self.kept.setdefault(key, [])
-            for t in kept:
-                if _sole(t):
-                    return t.view(-1)  # a view: while it lives, the pool's buffer is not sole
-            fresh = torch.empty(numel, dtype=dtype)
-            if len(kept) < KEEP:
-                kept.append(fresh)
-                return fresh.view(-1)
-            return fresh
+            self.uses += 1
+            self.last_use[size] = self.uses
+            buf = next((t for t in self.kept.get(size, ()) if _sole(t)), None)
+            if buf is None:
+                self._bound_idle()
+                buf = torch.empty(size, dtype=torch.uint8)
+                kept = self.kept.setdefault(size, [])
+                if len(kept) < KEEP:
+                    kept.append(buf)
+            # a view: while it lives, the pool's buffer is not sole
+            return buf[:numel * dtype.itemsize].view(dtype)
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         return self.empty(numel, dtype, device).zero_()
 
+    def _bound_idle(self) -> None:
+        """Before new memory is mapped: idle buffers beyond IDLE_CAP times the largest kept one go,
+        the sizes asked for least recently first (a step asks for the same sizes block after
+        block: those stay), so kept idle buffers add at most that to the peak."""
+        idle = sorted(((key, t) for key, kept in self.kept.items() for t in kept if _sole(t)),
+                      key=lambda kt: self.last_use.get(kt[0], 0))
+        cap = IDLE_CAP * max((t.numel() * t.element_size() for ts in self.kept.values() for t in ts), default=0)
+        total = sum(t.numel() * t.element_size() for _, t in idle)
+        for key, t in idle:
+            if total <= cap:
+                break
+            self.kept[key] = [k for k in self.kept[key] if k is not t]
+            total -= t.numel() * t.element_size()
+        for key in [k for k, v in self.kept.items() if not v]:
+            del self.kept[key]
+
+    def _drop_idle(self) -> None:
+        for key, kept in list(self.kept.items()):
+            kept[:] = [t for t in kept if not _sole(t)]
+            if not kept:
+                del self.kept[key]
+
     def trim(self) -> None:
-        """Let go of every kept buffer nobody uses now (between a step's phases: the update needs
-        none of backward's, and idle buffers must not add to its peak)."""
+        """Let go of every kept buffer nobody uses now."""
         with self.lock:
-            for key, kept in list(self.kept.items()):
-                kept[:] = [t for t in kept if not _sole(t)]
-                if not kept:
-                    del self.kept[key]
+            self._drop_idle()
 
     @property
     def kept_bytes(self) -> int:

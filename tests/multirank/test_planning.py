@@ -9,6 +9,7 @@ import torch
 import fz
 from fz.config.export import to_deepspeed
 from fz.planning.ladder import candidates
+from fz.storage.scratch import IDLE_CAP
 from fz.testing.gpt import GPT, GPTConfig, lm_loss
 from fz.testing.spawn import run_ranks
 
@@ -128,9 +129,11 @@ def test_seed_table_raw_counts():
     assert cpu == pytest.approx(16 * psi, rel=1e-3) and gpu == pytest.approx(2 * psi + 4 * layer, abs=0.005 * gb)
     assert gpu <= 5.5 * gb and cpu <= 62e9  # DeepSpeed: 5.43 GB / 62 GB
     assert cols("stage=2, offload_param=none, offload_optimizer=cpu , zero_init=1")[1] <= 5.5 * gb
-    # on the host the 4 I/O buffers of 16 MB and the fp32 gradients (4Ψ); 14Ψ on disk
+    # on the host the 4 I/O buffers of 16 MB, the fp32 gradients (4Ψ) and the idle buffers the pool may keep
+    # (IDLE_CAP x the largest shard read from disk: the 65M layer's bucket, bf16, one rank); 14Ψ on disk
     nvme_row = row["stage=3, offload_param=nvme, offload_optimizer=nvme, zero_init=1 (+36.29GB on disk per node)"]
-    assert float(nvme_row.split("|")[0].strip()[:-2]) * gb == pytest.approx(4 * psi + 64 * 2**20, abs=0.005 * gb)
+    assert float(nvme_row.split("|")[0].strip()[:-2]) * gb == pytest.approx(
+        4 * psi + 64 * 2**20 + IDLE_CAP * 2 * layer, abs=0.01 * gb)  # + the checksums, printed to 0.01 GB
 
 
 def test_t0_3b_with_parameters_offloaded_holds_no_root():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fz.storage.scratch import Scratch
+from fz.storage.scratch import GRAIN, IDLE_CAP, Scratch
 
 N = 1 << 20
 
@@ -47,7 +47,7 @@ def test_trim_lets_go_of_idle_buffers_only():
     del idle
     assert pool.kept_bytes == 2 * N * 4
     pool.trim()
-    assert pool.kept_bytes == N * 4 and used.data_ptr() == pool.kept[(N, torch.float32)][0].data_ptr()
+    assert pool.kept_bytes == N * 4 and used.data_ptr() == pool.kept[Scratch.size_of(N, torch.float32)][0].data_ptr()
     assert pool.empty(1000, torch.float32).numel() == 1000  # small ones: plain memory, not kept
     assert pool.kept_bytes == N * 4
 
@@ -62,3 +62,37 @@ def test_off_until_enabled():
     pool.enable()
     pool.empty(N, torch.float32)
     assert pool.kept_bytes == N * 4
+
+
+def test_idle_buffers_are_bounded_before_new_memory_is_mapped():
+    """What idle buffers may add to a peak is what fz.estimate counts (`pool_idle`): IDLE_CAP times
+    the largest kept buffer, the sizes asked for least recently let go first when new memory is needed."""
+    pool = Scratch(enabled=True)
+    held = pool.empty(N // 2, torch.float32)
+    sizes = [N + k * GRAIN // 4 for k in range(1, 2 * IDLE_CAP + 3)]  # elements: idle, they are more than the bound
+    idle = [pool.empty(n, torch.float32) for n in sizes]
+    del idle
+    assert pool.kept_bytes == sum(Scratch.size_of(n, torch.float32) for n in [N // 2, *sizes])  # nothing new mapped
+    again = pool.empty(sizes[0], torch.float32)  # asked for again: now the most recent size
+    del again
+    fresh = pool.empty(3 * N // 4, torch.float32)  # a size nobody kept: new memory, so idle ones go first
+    in_use = Scratch.size_of(held.numel(), torch.float32) + Scratch.size_of(fresh.numel(), torch.float32)
+    idle_bytes = pool.kept_bytes - in_use
+    largest = Scratch.size_of(sizes[-1], torch.float32)
+    assert 0 < idle_bytes <= IDLE_CAP * largest
+    assert Scratch.size_of(sizes[0], torch.float32) in pool.kept  # asked for last: stays
+    assert Scratch.size_of(sizes[1], torch.float32) not in pool.kept  # least recent: went
+    kept = pool.kept[Scratch.size_of(sizes[-1], torch.float32)][0].data_ptr()
+    assert pool.empty(sizes[-1], torch.float32).data_ptr() == kept  # a kept idle one is handed out again
+    del fresh
+
+
+def test_one_kept_size_serves_every_dtype():
+    """A step's fp32 shard and bf16 bucket of the same bytes share one kept buffer."""
+    pool = Scratch(enabled=True)
+    a = pool.empty(N, torch.float32)
+    ptr = a.data_ptr()
+    del a
+    b = pool.empty(2 * N, torch.bfloat16)
+    assert b.data_ptr() == ptr and b.dtype == torch.bfloat16 and b.numel() == 2 * N
+    assert pool.kept_bytes == Scratch.size_of(N, torch.float32)
