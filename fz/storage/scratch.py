@@ -19,7 +19,8 @@ idle buffers beyond IDLE_CAP times the largest kept one are let go, the sizes as
 recently first (fz.estimate counts that bound: `pool_idle`). Within the bound they stay from
 phase to phase and step to step, since a step asks for the same sizes block after block.
 Sizes are bytes rounded up to GRAIN, so one buffer serves any dtype: at world 2 a bucket's
-gathered bf16 parameters and its fp32 gradient shard are the same size. At most `KEEP`
+gathered bf16 parameters and its fp32 gradient shard are the same size. An idle buffer up to
+FIT times a request serves it too (a block's buckets differ in size). At most `KEEP`
 buffers of each size are kept; past that, plain memory. `trim` lets go of every idle one.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import Tensor
 KEEP = 6  # buffers kept per size: a step's gathers in flight, its reductions, its reads
 GRAIN = 2 << 20  # kept sizes are multiples of this (a huge page)
 SMALL = 1 << 20  # smaller buffers are plain memory
+FIT = 1.5  # an idle buffer up to this many times a request's size serves it
 IDLE_CAP = 3  # idle kept bytes: at most this many times the largest kept buffer (fz.estimate's `pool_idle`)
 
 
@@ -72,7 +74,7 @@ class Scratch:
         with self.lock:
             self.uses += 1
             self.last_use[size] = self.uses
-            buf = next((t for t in self.kept.get(size, ()) if _sole(t)), None)
+            buf = self._idle_fit(size)
             if buf is None:
                 self._bound_idle()
                 buf = torch.empty(size, dtype=torch.uint8)
@@ -81,6 +83,16 @@ class Scratch:
                     kept.append(buf)
             # a view: while it lives, the pool's buffer is not sole
             return buf[:numel * dtype.itemsize].view(dtype)
+
+    def _idle_fit(self, size: int) -> Tensor | None:
+        """The smallest idle kept buffer of `size` to FIT times it (a step's buckets differ in
+        size: one block's largest serves its next smaller ones)."""
+        for k in sorted(k for k in self.kept if size <= k <= FIT * size):
+            for t in self.kept[k]:
+                if _sole(t):
+                    self.last_use[k] = self.uses
+                    return t
+        return None
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         return self.empty(numel, dtype, device).zero_()

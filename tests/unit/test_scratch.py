@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fz.storage.scratch import GRAIN, IDLE_CAP, Scratch
+from fz.storage.scratch import FIT, GRAIN, IDLE_CAP, Scratch
 
 N = 1 << 20
 
@@ -75,10 +75,10 @@ def test_idle_buffers_are_bounded_before_new_memory_is_mapped():
     assert pool.kept_bytes == sum(Scratch.size_of(n, torch.float32) for n in [N // 2, *sizes])  # nothing new mapped
     again = pool.empty(sizes[0], torch.float32)  # asked for again: now the most recent size
     del again
-    fresh = pool.empty(3 * N // 4, torch.float32)  # a size nobody kept: new memory, so idle ones go first
+    fresh = pool.empty(8 * N, torch.float32)  # larger than any kept one: new memory, so idle ones go first
     in_use = Scratch.size_of(held.numel(), torch.float32) + Scratch.size_of(fresh.numel(), torch.float32)
     idle_bytes = pool.kept_bytes - in_use
-    largest = Scratch.size_of(sizes[-1], torch.float32)
+    largest = Scratch.size_of(fresh.numel(), torch.float32)
     assert 0 < idle_bytes <= IDLE_CAP * largest
     assert Scratch.size_of(sizes[0], torch.float32) in pool.kept  # asked for last: stays
     assert Scratch.size_of(sizes[1], torch.float32) not in pool.kept  # least recent: went
@@ -96,3 +96,18 @@ def test_one_kept_size_serves_every_dtype():
     b = pool.empty(2 * N, torch.bfloat16)
     assert b.data_ptr() == ptr and b.dtype == torch.bfloat16 and b.numel() == 2 * N
     assert pool.kept_bytes == Scratch.size_of(N, torch.float32)
+
+
+def test_an_idle_buffer_a_little_larger_serves_a_request():
+    """A step's buckets differ in size: an idle buffer up to FIT times a request serves it."""
+    pool = Scratch(enabled=True)
+    a = pool.empty(3 * N // 2, torch.float32)  # 6 MiB
+    ptr = a.data_ptr()
+    del a
+    small = pool.empty(N // 2, torch.float32)  # 2 MiB: 6 MiB is more than FIT times it
+    assert small.data_ptr() != ptr
+    b = pool.empty(N + N // 4, torch.float32)  # 5 MiB, rounded to 6: the kept one
+    assert b.data_ptr() == ptr and b.numel() == N + N // 4
+    assert Scratch.size_of(3 * N // 2, torch.float32) <= FIT * Scratch.size_of(N, torch.float32)
+    c = pool.empty(N, torch.float32)  # 4 MiB: the 6 MiB one would serve it, but b holds it
+    assert c.data_ptr() != ptr
