@@ -21,7 +21,7 @@ from torch import Tensor
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm, full_views, unpack, unpack_into
 from fz.sharding.settle import Handle
-from fz.storage.disk import DiskTensor, load
+from fz.storage.disk import DiskTensor
 from fz.storage.scratch import SCRATCH
 
 _READS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-param-read")  # preadv releases the GIL
@@ -79,12 +79,14 @@ class Gatherer:
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
         """Start reading a shard that lives on disk, so its gather finds it in memory."""
         if isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight:
-            self.reads[bucket.index] = _READS.submit(shard.load)
+            self.reads[bucket.index] = _READS.submit(shard.load, pooled=True)
 
     def _source(self, bucket: Bucket, shard: Tensor) -> Tensor:
         """The shard's values where they are: read ahead from disk, loaded now, or the shard itself."""
         read = self.reads.pop(bucket.index, None)
-        return read.result() if read else load(shard)
+        if read:
+            return read.result()
+        return shard.load(pooled=True) if isinstance(shard, DiskTensor) else shard
 
     def _local(self, bucket: Bucket, shard: Tensor) -> Tensor:
         return self._source(bucket, shard).to(self.comm.device, non_blocking=True)

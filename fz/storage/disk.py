@@ -69,12 +69,14 @@ class Blob:
         if gate is not None:
             gate.wait(self)
 
-    def read(self, extents: Extents, wait: bool = True) -> Tensor:
+    def read(self, extents: Extents, wait: bool = True, pooled: bool = False) -> Tensor:
         """The bytes of `extents`, concatenated, as a new uint8 tensor (buffered I/O). `wait=False`
-        only for the update that holds this file's gate."""
+        only for the update that holds this file's gate; `pooled`: into a buffer of the step's
+        pool (fz/storage/scratch.py), for reads the step lets go of (a gather's input)."""
         if wait:
             self.ready()
-        out = SCRATCH.empty(sum(n for _, n in extents), torch.uint8)
+        n = sum(n for _, n in extents)
+        out = SCRATCH.empty(n, torch.uint8) if pooled else torch.empty(n, dtype=torch.uint8)
         self._each(False, extents, out)
         return out
 
@@ -170,9 +172,10 @@ class DiskTensor(Tensor):
     def nbytes_on_disk(self) -> int:
         return sum(n for _, n in self._extents)
 
-    def load(self, wait: bool = True) -> Tensor:
-        """The values, read now into a new tensor on this tensor's device (`wait`: see Blob.read)."""
-        raw = self._blob.read(self._extents, wait=wait)
+    def load(self, wait: bool = True, pooled: bool = False) -> Tensor:
+        """The values, read now into a new tensor on this tensor's device (`wait`, `pooled`: see
+        Blob.read)."""
+        raw = self._blob.read(self._extents, wait=wait, pooled=pooled)
         return raw.view(self.dtype).view(self.shape).to(self.device)
 
     def store(self, values: Tensor, wait: bool = True) -> None:
