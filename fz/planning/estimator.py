@@ -389,12 +389,9 @@ def _update_loaded(policy: Offload | None, buckets: Sequence[Bucket], el: int) -
 
 
 def _pool_idle(spec: Spec, buckets: Sequence[Bucket], el: int, policy: Offload) -> tuple[int, int]:
-    """The host buffer pool the disk tier turns on (fz/storage/scratch.py) keeps idle buffers of
-    at most IDLE_CAP times the largest it holds. On the host: the parameter shards read from
-    disk. Where the device is the host too: also a bucket's packed gradients (reduce dtype) and
-    its gathered parameters. Returns (host, one memory). A buffer in use may be up to FIT times
-    what it serves (scratch.py): that excess is not counted; the planning test holds the NVMe
-    peak within 10% of the estimate with it."""
+    """(host, one memory): the idle buffers the disk tier's pool keeps, at most IDLE_CAP times the
+    largest (fz/storage/scratch.py): shards read from disk; on a CPU also packed gradients and
+    gathered parameters. A buffer in use may be up to FIT times what it serves: not counted."""
     reads = max((b.shard_numel * el for b in buckets if b.sharded_param), default=0) if policy.params == "disk" else 0
     width = max(el, PRECISIONS[spec.reduce_dtype or "fp32"].itemsize)
     step = max((b.padded_numel * width for b in buckets if b.trainable), default=0)
