@@ -101,28 +101,25 @@ class Scratch:
         """Before new memory is mapped: idle buffers beyond IDLE_CAP times the largest kept one go,
         the sizes asked for least recently first (a step asks for the same sizes block after
         block: those stay), so kept idle buffers add at most that to the peak."""
-        idle = sorted(((key, t) for key, kept in self.kept.items() for t in kept if _sole(t)),
-                      key=lambda kt: self.last_use.get(kt[0], 0))
-        cap = IDLE_CAP * max((t.numel() * t.element_size() for ts in self.kept.values() for t in ts), default=0)
-        total = sum(t.numel() * t.element_size() for _, t in idle)
-        for key, t in idle:
+        idle = sorted(((size, t) for size, kept in self.kept.items() for t in kept if _sole(t)),
+                      key=lambda st: self.last_use.get(st[0], 0))
+        cap = IDLE_CAP * max(self.kept, default=0)  # a kept buffer's size is its key (uint8)
+        total = sum(size for size, _ in idle)
+        for size, t in idle:
             if total <= cap:
                 break
-            self.kept[key] = [k for k in self.kept[key] if k is not t]
-            total -= t.numel() * t.element_size()
-        for key in [k for k, v in self.kept.items() if not v]:
-            del self.kept[key]
-
-    def _drop_idle(self) -> None:
-        for key, kept in list(self.kept.items()):
-            kept[:] = [t for t in kept if not _sole(t)]
-            if not kept:
-                del self.kept[key]
+            self.kept[size] = [k for k in self.kept[size] if k is not t]
+            total -= size
+        for size in [k for k, v in self.kept.items() if not v]:
+            del self.kept[size]
 
     def trim(self) -> None:
         """Let go of every kept buffer nobody uses now."""
         with self.lock:
-            self._drop_idle()
+            for size, kept in list(self.kept.items()):
+                kept[:] = [t for t in kept if not _sole(t)]
+                if not kept:
+                    del self.kept[size]
 
     @property
     def kept_bytes(self) -> int:
