@@ -22,7 +22,7 @@ from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, 
 from fz.optim.transforms import current_lr
 from fz.rng import seeded
 from fz.sharding.buckets import Bucket, make_buckets
-from fz.sharding.comm import Comm, full_views, pack
+from fz.sharding.comm import Comm, connect, full_views, pack
 from fz.sharding.mesh import make_mesh
 from fz.sharding.opt_state import merge_opt_states, wrap_opt_state
 from fz.sharding.plan import ShardPlan
@@ -69,6 +69,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))
     check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
+    connect(plan)  # ranks of one host share memory for their collectives (a collective itself)
     comm = Comm(plan)
     source = None
     if weights is not None:  # names and shapes checked before anything is allocated or written

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -343,8 +343,13 @@ def translated() -> Iterator[None]:
         raise peer_error(e) from e
 
 
-def wait_work(work: dist.Work) -> None:
-    """`work.wait()` within the timeout; a failure is a PeerError (probed once per process)."""
+class Waitable(Protocol):
+    def wait(self, timeout: timedelta) -> bool: ...
+
+
+def wait_work(work: dist.Work | Waitable) -> None:
+    """`work.wait()` within the timeout (a gloo work, or a shared-memory link's: fz/distributed/shm.py);
+    a failure is a PeerError (probed once per process)."""
     with waiting():
         try:
             work.wait(timeout=timedelta(seconds=_timeout_s))

@@ -29,6 +29,7 @@ from fz.planning.activations import default_batch, trace
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
 from fz.sharding.buckets import Bucket, make_buckets
+from fz.sharding.comm import link_bytes
 from fz.sharding.opt_state import _param_key, is_placed_leaf
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
@@ -74,6 +75,7 @@ class Estimate:
     accumulated: int = 0  # grad_accum > 1, replicated gradients (stages 0-1): summed in full across micro-batches
     pool_idle: int = 0  # the disk tier: idle host buffers kept for reuse (shards read from disk), at most
     pool_idle_cpu: int = 0  # the same where host and device are one memory (the step's buffers too), at most
+    link: int = 0  # a CPU run's ranks of one host: the buffer their collectives share (fz/distributed/shm.py)
 
     @property
     def backward(self) -> int | None:
@@ -128,9 +130,10 @@ class Estimate:
         backward, being updated in the streamed update."""
         host_grads = self.tiers["host"].get("grads", 0)
         if not host_grads:
-            return self.per_device + self.per_rank_host - self.pool_idle + self.pool_idle_cpu
+            return self.per_device + self.per_rank_host - self.pool_idle + self.pool_idle_cpu + self.link
         resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
-            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy + self.pool_idle_cpu
+            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy + self.pool_idle_cpu + \
+            self.link
         during_backward = self.reduce + self.update_loaded + max(host_grads, self.backward or 0)
         return resident + self.gather + max(during_backward, host_grads + self.sync + self.update_loaded)
 
@@ -273,6 +276,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         summed,
         0 if host_grads else _accumulated(buckets, el, shards, spec),
         *(_pool_idle(spec, buckets, el, policy) if io and policy else (0, 0)),
+        link_bytes(buckets, shards),
     )
 
 

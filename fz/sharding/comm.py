@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fz.compat import all_gather_single, reduce_scatter_single
+from fz.distributed import shm
 from fz.sharding.buckets import Bucket
 from fz.sharding.settle import Handle
 from fz.storage.scratch import SCRATCH
@@ -28,13 +29,35 @@ def _done(handle: Handle, async_op: bool):
     return handle if async_op else handle.wait()
 
 
+def _mode() -> str:
+    """FZ_COLLECTIVES: "auto" (ranks of one host share memory: fz/distributed/shm.py; gloo's
+    other ranks exchange pairwise), "pairwise" (gloo's point-to-point only) or "native"."""
+    mode = os.environ.get("FZ_COLLECTIVES", "auto")
+    if mode not in ("auto", "pairwise", "native"):
+        raise ValueError(f"FZ_COLLECTIVES={mode!r}: use 'auto', 'pairwise' or 'native'")
+    return mode
+
+
 def _gloo_fast_paths(group) -> bool:
     """gloo's reduce-scatter and all-gather are slower than a pairwise exchange and N broadcasts
     of the same data (measured: benchmarks/RESULTS.md). FZ_COLLECTIVES=native turns this off."""
-    mode = os.environ.get("FZ_COLLECTIVES", "auto")
-    if mode not in ("auto", "native"):
-        raise ValueError(f"FZ_COLLECTIVES={mode!r}: use 'auto' or 'native'")
-    return mode == "auto" and dist.get_backend(group) == "gloo"
+    return _mode() != "native" and dist.get_backend(group) == "gloo"
+
+
+def connect(plan) -> None:
+    """At fz.init, on every rank: a CPU shard group of one host shares memory for its collectives
+    (fz/distributed/shm.py), with slots as large as a bucket's largest reduction (capped)."""
+    if plan.shards > 1 and plan.device.type == "cpu" and _mode() == "auto" and _gloo_fast_paths(plan.shard_group):
+        shm.open_link(plan.shard_group, plan.shard_ranks, plan.shard_rank, _largest_reduction(plan.buckets))
+
+
+def _largest_reduction(buckets: Sequence[Bucket]) -> int:
+    return 4 * max(max(b.padded_numel, b.full_numel) for b in buckets)  # fp32: the widest reduce dtype
+
+
+def link_bytes(buckets: Sequence[Bucket], shards: int) -> int:
+    """What `connect` maps on each rank of a CPU shard group (fz.estimate's `link`)."""
+    return shm.buffer_bytes(shards, _largest_reduction(buckets)) if shards > 1 and buckets else 0
 
 
 class Comm:
@@ -51,6 +74,7 @@ class Comm:
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
         self.bytes: Counter = Counter()  # collective kind -> payload bytes
         self.fast = self.world > 1 and _gloo_fast_paths(self.group)
+        self.link = shm.link_of(self.group) if self.fast and _mode() == "auto" else None
         self.ranks = plan.shard_ranks
         self.device = plan.device
         self._tag = 0  # point-to-point messages of one exchange share a tag; every rank counts alike
@@ -86,16 +110,22 @@ class Comm:
     def all_reduce(self, t: Tensor, async_op: bool = False):
         self._count_all_reduce(t)
         h = Handle([t])
+        if self.link is not None:
+            return _done(h.add(self.link.all_reduce(t, average=True)), async_op)
         return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True)), async_op)
 
     def all_reduce_sum(self, t: Tensor, async_op: bool = False, scalar: bool = False):
         self._count_all_reduce(t, scalar)
         h = Handle([t])
+        if self.link is not None:
+            return _done(h.add(self.link.all_reduce(t, average=False)), async_op)
         return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), async_op)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""
         self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()
+        if self.link is not None:
+            return _done(Handle([out, inp]).add(self.link.reduce_scatter(out, inp, average=True)), async_op)
         if self.fast:
             return _done(self._exchange_sum(out, inp), async_op)
         h = Handle([out, inp])
@@ -132,6 +162,8 @@ class Comm:
         """out (rank-major) = every rank's `inp`, in rank order (`counted`: its bytes already were)."""
         if not counted:
             self.bytes["all_gather"] += out.numel() * out.element_size()
+        if self.link is not None:
+            return _done(Handle([out, inp]).add(self.link.all_gather(out, inp)), async_op)
         if self.fast:  # each rank broadcasts its piece
             parts = out.view(self.world, -1)
             parts[self.rank].copy_(inp)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fz.distributed import peers
+from fz.distributed.shm import LinkWork
 
 _RELEASE_TIMEOUT = 2.0  # s: past this, someone besides gloo holds the tensor; stop waiting
 _orphans: list[Handle] = []
@@ -44,7 +45,7 @@ class Handle:
         self.works: list = []
         self.then = then
 
-    def add(self, work: dist.Work | None) -> Handle:
+    def add(self, work: dist.Work | LinkWork | None) -> Handle:
         if work is not None:
             self.works.append(work)
         return self

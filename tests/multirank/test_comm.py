@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fz
+from fz.sharding.comm import Comm
 from fz.sharding.sync import local_data
 
 from support.helpers import CFG, make_model, rank_batches, spec
@@ -20,13 +21,14 @@ def _arriving(state) -> bool:
 def _runs(rank, world):
     import os
     out = {}
-    for mode in ("native", "auto"):
+    for mode in ("native", "pairwise", "auto"):
         os.environ["FZ_COLLECTIVES"] = mode
         for precision in ("fp32", "bf16"):
             for stage in (0, 1, 2, 3):
                 state = fz.init(make_model(), spec(stage, 1, precision=precision))
                 state, loss = fz.train_step(state, rank_batches(world, 1, 1)[0][rank])
                 out["deferred", mode, precision, stage] = _arriving(state)
+                out["link", mode, precision, stage] = Comm(state.plan).link is not None
                 rep = fz.comm_report(state)
                 out[mode, precision, stage] = (rep.payload, rep.sent_total, float(loss), fz.full_params(state))
                 assert not _arriving(state)  # reading the parameters' values waited for them
@@ -108,9 +110,11 @@ def test_bytes_per_step_match_formula(results):
                 payload, sent, loss, params = res["native", precision, stage]
                 assert sent == pytest.approx(want[stage]), (precision, stage, payload)
                 assert payload.get("scalar", 0) <= (1 + 6 * n) * 8 + 8  # the loss vector (fz/step/agree.py) + norm only
-                payload, sent, fast_loss, fast_params = res["auto", precision, stage]
-                assert sent == pytest.approx(fast[stage]), (precision, stage, payload)
-                assert fast_loss == loss and all(torch.equal(fast_params[k], params[k]) for k in params)
+                for mode in ("pairwise", "auto"):  # gloo point-to-point; shared memory (fz/distributed/shm.py)
+                    payload, sent, fast_loss, fast_params = res[mode, precision, stage]
+                    assert sent == pytest.approx(fast[stage]), (mode, precision, stage, payload)
+                    assert fast_loss == loss and all(torch.equal(fast_params[k], params[k]) for k in params)
+                    assert res["link", mode, precision, stage] == (mode == "auto")
 
 
 def test_stage_1_2_parameter_all_gather_runs_into_the_next_step(results):
@@ -118,7 +122,7 @@ def test_stage_1_2_parameter_all_gather_runs_into_the_next_step(results):
     (the next forward overlaps them); the losses and parameters above match the native
     path, which shows nothing read a parameter before it arrived."""
     for res in results:
-        for mode in ("native", "auto"):
+        for mode in ("native", "pairwise", "auto"):
             for precision in ("fp32", "bf16"):
                 assert [res["deferred", mode, precision, s] for s in (0, 1, 2, 3)] == [False, True, True, False]
 
