@@ -22,6 +22,7 @@ the results are bit-identical to it, and the same on every rank.
 """
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import queue
@@ -42,7 +43,7 @@ from torch import Tensor
 
 from fz.distributed import peers
 
-SLOT_MAX = 8 << 20  # bytes a rank copies per chunk, at most: the link maps 2 slots per rank
+SLOT_MAX = 4 << 20  # bytes a rank copies per chunk, at most (2-8 MiB measured alike): 2 slots per rank are mapped
 _ALIGN = 64 << 10
 _DIR = "/dev/shm"
 _SIGNAL = struct.Struct("<IIQQ")  # collective kind, dtype, elements, chunk offset (< PIPE_BUF: one write)
@@ -55,7 +56,7 @@ class LinkWork:
 
     def __init__(self) -> None:
         self.finished = threading.Event()
-        self.error: BaseException | None = None
+        self.error: str | None = None  # a message only: no frame (with its tensors' views) outlives the work
 
     def is_completed(self) -> bool:
         return self.finished.is_set()
@@ -65,7 +66,7 @@ class LinkWork:
         if not self.finished.wait(limit):
             raise RuntimeError(f"Timed out waiting {int((limit or 0) * 1000)}ms for a shared-memory collective")
         if self.error is not None:
-            raise self.error
+            raise RuntimeError(self.error)
         return True
 
 
@@ -78,22 +79,27 @@ class Link:
         self.where = where  # the directory it was opened through (removed once opened)
         self.reads, self.writes = reads, writes  # peer -> FIFO fd (theirs to us, ours to them)
         self.seq = 0  # chunks exchanged: slot halves alternate
-        self.broken: BaseException | None = None
+        self.broken: str | None = None  # why the link failed: every later collective fails with it
+        self.closed = False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="fz-shm-link", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="fz-shm-link", daemon=True)
+        self.thread.start()
 
     # -- the collectives (queued; rank-major layouts as in fz/sharding/comm.py) --------------
 
     def all_gather(self, out: Tensor, inp: Tensor) -> LinkWork:
         """out ([n * m], rank-major) = every rank's `inp` ([m]), in rank order."""
+        _check(out, inp, self.n * inp.numel(), inp.numel())
         return self._submit(lambda: self._all_gather(out.view(self.n, -1), inp.reshape(-1)))
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, average: bool) -> LinkWork:
         """out ([m]) = the sum (or mean) over ranks of row `me` of every rank's `inp` ([n * m])."""
-        return self._submit(lambda: self._reduce_scatter(out.view(-1), inp.view(self.n, -1), average))
+        _check(out, inp, out.numel(), self.n * out.numel())
+        return self._submit(lambda: self._reduce_scatter(out.view(-1), inp.reshape(self.n, -1), average))
 
     def all_reduce(self, t: Tensor, average: bool) -> LinkWork:
         """t = the sum (or mean) of every rank's `t`, in place."""
+        _check(t, t, t.numel(), t.numel())
         return self._submit(lambda: self._all_reduce(t.view(-1), average))
 
     # -- one chunk at a time ------------------------------------------------------------------
@@ -151,7 +157,7 @@ class Link:
             try:
                 os.write(fd, said)
             except BrokenPipeError:
-                raise RuntimeError(f"Connection closed: rank {q} of the shared-memory link exited") from None
+                raise RuntimeError(f"Connection closed: rank {q} of the shared-memory link {_GONE}") from None
         waiting = {fd: q for q, fd in self.reads.items()}
         poller = select.poll()
         for fd in waiting:
@@ -168,7 +174,7 @@ class Link:
                 except BlockingIOError:
                     continue
                 if not got:
-                    raise RuntimeError(f"Connection closed: rank {waiting[fd]} of the shared-memory link exited")
+                    raise RuntimeError(f"Connection closed: rank {waiting[fd]} of the shared-memory link {_GONE}")
                 if got != said:
                     raise RuntimeError(f"the ranks are in different collectives: rank {waiting[fd]} is in "
                                        f"{_described(got)}, this rank in {_described(said)}")
@@ -178,6 +184,8 @@ class Link:
     # -- the link's thread --------------------------------------------------------------------
 
     def _submit(self, job: Callable[[], None]) -> LinkWork:
+        if self.closed:
+            raise RuntimeError("this shared-memory link is closed (its process group ended)")
         work = LinkWork()
         self.jobs.put((job, work))
         return work
@@ -185,25 +193,51 @@ class Link:
     def _run(self) -> None:
         while True:
             job, work = self.jobs.get()
-            if job is None:
+            if job is None:  # closed: the FIFOs go with the thread that uses them, once
+                for fd in (*self.reads.values(), *self.writes.values()):
+                    os.close(fd)
+                self.reads, self.writes = {}, {}
                 return
-            try:
-                if self.broken is not None:
-                    raise self.broken
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the work
-                self.broken = self.broken or e.with_traceback(None)  # no frame keeps a tensor's view
-                work.error = self.broken
+            if self.broken is None:
+                try:
+                    job()
+                except RuntimeError as e:
+                    self._break(str(e))
+                except BaseException as e:  # noqa: BLE001 - an OSError of the FIFOs: the link is unusable
+                    self._break(f"Connection closed: the shared-memory link failed ({type(e).__name__}: {e})")
+            work.error = self.broken
             job = None  # noqa: F841 - its tensors are let go before the wait returns
             work.finished.set()
 
-    def close(self) -> None:
-        self.jobs.put((None, None))
-        for fd in (*self.reads.values(), *self.writes.values()):
+    def _break(self, why: str) -> None:
+        """Fail this and every later collective, and close our write ends: the peers see it at once."""
+        self.broken = why
+        for fd in self.writes.values():
             os.close(fd)
+        self.writes = {}
+
+    def close(self, wait: float) -> None:
+        """No more collectives: the thread finishes what is queued (waited for up to `wait` s),
+        then lets go of the FIFOs."""
+        if not self.closed:
+            self.closed = True
+            self.jobs.put((None, None))
+        if wait > 0 and threading.current_thread() is not self.thread:
+            self.thread.join(wait)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
+
+
+_GONE = "exited or failed"
+
+
+def _check(out: Tensor, inp: Tensor, out_numel: int, inp_numel: int) -> None:
+    """At the call, not in the link's thread: a wrong argument is the caller's error, not a peer's."""
+    if not out.is_contiguous() or out.numel() != out_numel or inp.numel() != inp_numel or out.dtype != inp.dtype:
+        raise ValueError(f"a shared-memory collective needs a contiguous output of {out_numel} elements and an "
+                         f"input of {inp_numel}, of one dtype; got {tuple(out.shape)} {out.dtype}, "
+                         f"{'' if out.is_contiguous() else 'not contiguous, '}and {tuple(inp.shape)} {inp.dtype}")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -252,20 +286,24 @@ def open_link(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, nbytes:
             shutil.rmtree(where, ignore_errors=True)
         return None
     reads = {q: os.open(f"{where}/{q}to{me}", os.O_RDONLY | os.O_NONBLOCK) for q in range(n) if q != me}
-    _wait(dist.barrier(group=group, async_op=True))  # every read end is open: the write ends open at once
-    writes = {q: os.open(f"{where}/{me}to{q}", os.O_WRONLY | os.O_NONBLOCK) for q in range(n) if q != me}
-    fd = os.open(f"{where}/buffer", os.O_RDWR)
     try:
-        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        _wait(dist.barrier(group=group, async_op=True))  # every read end is open: the write ends open at once
+        writes = {q: os.open(f"{where}/{me}to{q}", os.O_WRONLY | os.O_NONBLOCK) for q in range(n) if q != me}
+        fd = os.open(f"{where}/buffer", os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        _wait(dist.barrier(group=group, async_op=True))  # every rank holds its ends: the names can go
     finally:
-        os.close(fd)
-    _wait(dist.barrier(group=group, async_op=True))  # every rank holds its ends: the names can go
-    if me == 0:
-        shutil.rmtree(where, ignore_errors=True)
+        if me == 0:
+            shutil.rmtree(where, ignore_errors=True)
     link = Link(n, me, torch.frombuffer(mapped, dtype=torch.uint8), slot, reads, writes, where)
     if held is not None:
-        held[1].close()
-    _links[ranks] = (weakref.ref(group, lambda _: _drop(ranks)), link)
+        held[1].close(peers.timeout_s())  # what the old group queued runs first, on every rank alike
+    _register_hooks()
+    ref = weakref.ref(group, lambda r: _drop(ranks, r))
+    _links[ranks] = (ref, link)
     return link
 
 
@@ -279,10 +317,40 @@ def buffer_bytes(n: int, nbytes: int) -> int:
     return 2 * n * _slot(nbytes)
 
 
-def _drop(ranks: tuple[int, ...]) -> None:
-    held = _links.pop(ranks, None)
-    if held is not None:
-        held[1].close()
+def _drop(ranks: tuple[int, ...], ref: weakref.ref) -> None:
+    """The group is gone: so is its link (unless a newer group's link holds the ranks by now)."""
+    held = _links.get(ranks)
+    if held is not None and held[0] is ref:
+        del _links[ranks]
+        held[1].close(0)
+
+
+_hooked = False
+
+
+def _register_hooks() -> None:
+    """At the first link, not at import: exit lets each link's thread finish (a thread ended by
+    interpreter exit inside a torch op aborts the process, fz/sharding/settle.py), and a forked
+    child (a DataLoader's worker) lets go of the FIFOs, so a rank that dies is seen at once."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        atexit.register(_close_all)
+        os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _close_all() -> None:
+    for _, link in list(_links.values()):
+        link.close(0 if peers.failed else min(peers.timeout_s(), 60.0))
+
+
+def _forget_in_child() -> None:
+    for _, link in _links.values():
+        link.closed = True
+        for fd in (*link.reads.values(), *link.writes.values()):
+            os.close(fd)
+        link.reads, link.writes = {}, {}
+    _links.clear()
 
 
 def _wait(work: dist.Work | None) -> None:

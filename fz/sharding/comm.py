@@ -47,7 +47,8 @@ def _gloo_fast_paths(group) -> bool:
 def connect(plan) -> None:
     """At fz.init, on every rank: a CPU shard group of one host shares memory for its collectives
     (fz/distributed/shm.py), with slots as large as a bucket's largest reduction (capped)."""
-    if plan.shards > 1 and plan.device.type == "cpu" and _mode() == "auto" and _gloo_fast_paths(plan.shard_group):
+    if (plan.shards > 1 and plan.buckets and plan.device.type == "cpu" and _mode() == "auto"
+            and _gloo_fast_paths(plan.shard_group)):
         shm.open_link(plan.shard_group, plan.shard_ranks, plan.shard_rank, _largest_reduction(plan.buckets))
 
 

@@ -4,6 +4,7 @@ and a rank that exits fail at once, named, instead of exchanging the wrong bytes
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _failed(work) -> tuple[str, float]:
     t = time.monotonic()
     try:
-        work.wait()
+        work.wait(timedelta(seconds=60))
     except RuntimeError as e:
         return str(e), time.monotonic() - t
     return "", time.monotonic() - t
@@ -41,6 +42,18 @@ def _checks(rank: int, world: int) -> dict:
     assert shm.open_link(dist.group.WORLD, ranks, rank, 1) is link  # one link per group
     dist.barrier()
     assert link.where.startswith("/dev/shm/fz-link-") and not os.path.exists(link.where)  # nothing left behind
+    try:  # a wrong argument fails at the call, on this rank, and leaves the link whole
+        link.all_gather(torch.empty(3), torch.empty(2))
+    except ValueError as e:
+        assert "a contiguous output of 8 elements and an input of 2" in str(e), e  # 4 ranks x 2
+    else:
+        raise AssertionError("a wrong size was not refused")
+    pid = os.fork()  # a forked child (a DataLoader's worker) lets go of the FIFOs
+    if pid == 0:
+        os._exit(0 if link.closed and not link.reads and not link.writes and shm.link_of(dist.group.WORLD) is None
+                 else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert not link.closed and len(link.writes) == world - 1
     plan = SimpleNamespace(shard_group=dist.group.WORLD, shards=world, shard_rank=rank, replica_group=None,
                            replicas=1, shard_ranks=ranks, device=torch.device("cpu"))
     os.environ["FZ_COLLECTIVES"] = "pairwise"
@@ -104,5 +117,5 @@ def test_ranks_in_different_collectives_fail_naming_both(results):
 def test_a_rank_that_exits_is_named_at_once(results):
     for res in results[:3]:
         said, took = res["lost"]
-        assert said == "Connection closed: rank 3 of the shared-memory link exited"
+        assert said == "Connection closed: rank 3 of the shared-memory link exited or failed"
         assert took < 10
