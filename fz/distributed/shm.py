@@ -90,7 +90,7 @@ class Link:
     def all_gather(self, out: Tensor, inp: Tensor) -> LinkWork:
         """out ([n * m], rank-major) = every rank's `inp` ([m]), in rank order."""
         _check(out, inp, self.n * inp.numel(), inp.numel())
-        return self._submit(lambda: self._all_gather(out.view(self.n, -1), inp.reshape(-1)))
+        return self._submit(lambda: self._all_gather(out.view(self.n, -1), inp))
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, average: bool) -> LinkWork:
         """out ([m]) = the sum (or mean) over ranks of row `me` of every rank's `inp` ([n * m])."""
@@ -108,14 +108,18 @@ class Link:
         base = (rank * 2 + self.seq % 2) * self.slot
         return self.buf[base:base + numel * dtype.itemsize].view(dtype)
 
-    def _all_gather(self, rows: Tensor, x: Tensor) -> None:
+    def _all_gather(self, rows: Tensor, inp: Tensor) -> None:
+        x = rows[self.me]  # our piece goes to its row first, whatever its layout (no copy of it made)
+        if x.data_ptr() != inp.data_ptr() or not inp.is_contiguous():
+            x.view(inp.shape).copy_(inp)
         m, step = rows.shape[1], self.slot // x.element_size()
         for o in range(0, m, step):
             k = min(step, m - o)
             self._piece(self.me, k, x.dtype).copy_(x[o:o + k])
             self._meet(0, x.dtype, m, o)
             for q in range(self.n):
-                rows[q, o:o + k].copy_(x[o:o + k] if q == self.me else self._piece(q, k, x.dtype))
+                if q != self.me:
+                    rows[q, o:o + k].copy_(self._piece(q, k, x.dtype))
             self.seq += 1
 
     def _reduce_scatter(self, out: Tensor, parts: Tensor, average: bool) -> None:

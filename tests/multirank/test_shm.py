@@ -65,6 +65,9 @@ def _checks(rank: int, world: int) -> dict:
         gathered = torch.empty(world * m, dtype=dtype)
         link.all_gather(gathered, x[:m]).wait()
         out["all_gather", dtype] = gathered
+        strided = torch.empty(world * m, dtype=dtype)
+        link.all_gather(strided, x[:2 * m:2]).wait()  # an input of any layout
+        out["all_gather strided", dtype] = strided
         mine = torch.empty(m, dtype=dtype)
         link.reduce_scatter(mine, x, average=True).wait()
         theirs = torch.empty(m, dtype=dtype)
@@ -100,6 +103,7 @@ def test_shared_memory_collectives_are_exact(results):
             want += x
         for rank, res in enumerate(results):
             assert torch.equal(res["all_gather", dtype], torch.cat([x[:m] for x in xs]))
+            assert torch.equal(res["all_gather strided", dtype], torch.cat([x[:2 * m:2] for x in xs]))
             mine, theirs = res["reduce_scatter", dtype]
             assert torch.equal(mine, theirs)
             assert torch.equal(mine, want.view(world, m)[rank] / world)
