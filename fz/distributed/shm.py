@@ -23,6 +23,7 @@ the results are bit-identical to it, and the same on every rank.
 from __future__ import annotations
 
 import atexit
+import logging
 import mmap
 import os
 import queue
@@ -49,6 +50,7 @@ _DIR = "/dev/shm"
 _SIGNAL = struct.Struct("<IIQQ")  # collective kind, dtype, elements, chunk offset (< PIPE_BUF: one write)
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _links: dict[tuple[int, ...], tuple[weakref.ref, Link]] = {}
+log = logging.getLogger(__name__)
 
 
 class LinkWork:
@@ -261,7 +263,7 @@ def _described(signal: bytes) -> str:
 
 def link_of(group: dist.ProcessGroup | None) -> Link | None:
     """The open link of `group`, if fz.init opened one (no collective)."""
-    for ref, link in _links.values():
+    for ref, link in list(_links.values()):  # (a group's finalizer may drop an entry meanwhile)
         if group is not None and ref() is group:
             return link
     return None
@@ -288,6 +290,7 @@ def open_link(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, nbytes:
     if not ok.item():
         if me == 0 and where:
             shutil.rmtree(where, ignore_errors=True)
+        log.info("fz: ranks %s do not all see one %s: gloo carries their collectives", list(ranks), _DIR)
         return None
     reads = {q: os.open(f"{where}/{q}to{me}", os.O_RDONLY | os.O_NONBLOCK) for q in range(n) if q != me}
     try:

@@ -83,6 +83,12 @@ def _checks(rank: int, world: int) -> dict:
         t = torch.ones(1000)
         out["mismatch"] = _failed(pair.all_gather(torch.empty(2000), t) if rank == 0
                                   else pair.all_reduce(t, average=False))
+    other = dist.new_group([2, 3])
+    if rank >= 2:  # a rank that does not see rank 2's /dev/shm (another host): no link, for both
+        real = shm._sees
+        shm._sees = (lambda where, token: False) if rank == 3 else real
+        out["apart"] = shm.open_link(other, (2, 3), rank - 2, 1)
+        shm._sees = real
     dist.barrier()
     if rank < world - 1:  # the last rank returns (its process exits): the others are told at once
         out["lost"] = _failed(link.all_reduce(torch.ones(10), average=False))
@@ -116,6 +122,10 @@ def test_ranks_in_different_collectives_fail_naming_both(results):
         assert "the ranks are in different collectives" in said, said
         assert "all_gather of 1000 elements of torch.float32" in said and "all_reduce of 1000 elements" in said
         assert took < 10
+
+
+def test_ranks_that_do_not_share_dev_shm_keep_gloo(results):
+    assert results[2]["apart"] is None and results[3]["apart"] is None
 
 
 def test_a_rank_that_exits_is_named_at_once(results):
