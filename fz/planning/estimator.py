@@ -26,17 +26,16 @@ from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
 from fz.offload.move import PART_ALIGN, opt_file_bytes
 from fz.offload.policy import Offload
 from fz.planning.activations import default_batch, trace
+from fz.planning.buffers import link_bytes, pool_idle
 from fz.planning.counts import ModelCounts, model_counts
 from fz.precision import PRECISIONS
 from fz.sharding.buckets import Bucket, make_buckets
-from fz.sharding.comm import link_bytes
 from fz.sharding.opt_state import _param_key, is_placed_leaf
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 from fz.step.grads import MAX_INFLIGHT
 from fz.step.runner import _wants_checkpoint, keep_budget
 from fz.storage.checksum import table_bytes
-from fz.storage.scratch import IDLE_CAP
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -275,7 +274,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         _update_loaded(policy, buckets, el),
         summed,
         0 if host_grads else _accumulated(buckets, el, shards, spec),
-        *(_pool_idle(spec, buckets, el, policy) if io and policy else (0, 0)),
+        *(pool_idle(spec, buckets, el, policy) if io and policy else (0, 0)),
         link_bytes(buckets, shards),
     )
 
@@ -390,16 +389,6 @@ def _update_loaded(policy: Offload | None, buckets: Sequence[Bucket], el: int) -
     if policy is None or policy.params != "disk":
         return 0
     return max((b.shard_numel if b.sharded_param else b.full_numel for b in buckets if b.trainable), default=0) * el
-
-
-def _pool_idle(spec: Spec, buckets: Sequence[Bucket], el: int, policy: Offload) -> tuple[int, int]:
-    """(host, one memory): the idle buffers the disk tier's pool keeps, at most IDLE_CAP times the
-    largest (fz/storage/scratch.py): shards read from disk; on a CPU also packed gradients and
-    gathered parameters. A buffer in use may be up to FIT times what it serves: not counted."""
-    reads = max((b.shard_numel * el for b in buckets if b.sharded_param), default=0) if policy.params == "disk" else 0
-    width = max(el, PRECISIONS[spec.reduce_dtype or "fp32"].itemsize)
-    step = max((b.padded_numel * width for b in buckets if b.trainable), default=0)
-    return IDLE_CAP * reads, IDLE_CAP * max(reads, step)
 
 
 def _model_copy(counts: ModelCounts, zero_init: bool | None) -> int:
