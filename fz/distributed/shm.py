@@ -17,8 +17,8 @@ exchanging the wrong bytes. The files are unlinked once every rank has opened th
 
 Collectives run in order on the link's own thread (gloo's run on gloo's), so they overlap the
 step as gloo's did; each returns a work waited for like gloo's (fz/sharding/settle.py). Sums add
-the ranks' terms in rank order on every rank, as the pairwise exchange does (fz/sharding/comm.py):
-the results are bit-identical to it, and the same on every rank.
+the ranks' terms in rank order (`sum_in_rank_order`, which the pairwise exchange in
+fz/sharding/comm.py uses too): the results are bit-identical to it, and the same on every rank.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ _ALIGN = 64 << 10
 _DIR = "/dev/shm"
 _SIGNAL = struct.Struct("<IIQQ")  # collective kind, dtype, elements, chunk offset (< PIPE_BUF: one write)
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
+_GONE = "exited or failed"  # what a closed FIFO says of the rank at its other end
 _links: dict[tuple[int, ...], tuple[weakref.ref, Link]] = {}
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ class Link:
             self._meet(1, parts.dtype, m, o)
             terms = [parts[me, o:o + k] if q == me else self._piece(q, n * k, parts.dtype).view(n, k)[me]
                      for q in range(n)]
-            self._sum(out[o:o + k], terms, average)
+            sum_in_rank_order(out[o:o + k], terms, average)
             self.seq += 1
 
     def _all_reduce(self, x: Tensor, average: bool) -> None:
@@ -145,16 +147,8 @@ class Link:
             k = min(step, m - o)
             self._piece(self.me, k, x.dtype).copy_(x[o:o + k])
             self._meet(2, x.dtype, m, o)
-            self._sum(x[o:o + k], [self._piece(q, k, x.dtype) for q in range(self.n)], average)
+            sum_in_rank_order(x[o:o + k], [self._piece(q, k, x.dtype) for q in range(self.n)], average)
             self.seq += 1
-
-    def _sum(self, out: Tensor, terms: list[Tensor], average: bool) -> None:
-        """The terms added in rank order (as fz/sharding/comm.py's pairwise exchange does)."""
-        torch.add(terms[0], terms[1], out=out)
-        for t in terms[2:]:
-            out.add_(t)
-        if average:
-            out.div_(self.n)
 
     def _meet(self, kind: int, dtype: torch.dtype, numel: int, offset: int) -> None:
         """Tell every peer this chunk is in our slot; wait until each has told us theirs."""
@@ -232,10 +226,15 @@ class Link:
             self.thread.join(wait)
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)
-
-
-_GONE = "exited or failed"
+def sum_in_rank_order(out: Tensor, terms: list[Tensor], average: bool) -> None:
+    """out = the ranks' terms added in rank order (divided by their count): every sum fz makes of
+    the ranks' gradients, here and in the pairwise exchange (fz/sharding/comm.py), so both give
+    the same bits on every rank."""
+    torch.add(terms[0], terms[1], out=out)
+    for t in terms[2:]:
+        out.add_(t)
+    if average:
+        out.div_(len(terms))
 
 
 def _check(out: Tensor, inp: Tensor, out_numel: int, inp_numel: int) -> None:

@@ -151,11 +151,7 @@ class Comm:
         self._tag = (self._tag + 1) % _TAGS
 
         def total() -> None:
-            terms = [parts[q] if q == r else recv[others.index(q)] for q in range(n)]
-            torch.add(terms[0], terms[1], out=out)
-            for t in terms[2:]:
-                out.add_(t)
-            out.div_(n)
+            shm.sum_in_rank_order(out, [parts[q] if q == r else recv[others.index(q)] for q in range(n)], True)
         h.then = total
         return h
 
