@@ -65,8 +65,7 @@ class HostGrads:
             self.acc[index] = g  # the staging buffer already is the fp32 host buffer: keep it
             self.lent.append(g)
         else:
-            acc = self.pool.take(g.numel(), torch.float32) if self.device.type == "cuda" else \
-                torch.empty(g.numel(), dtype=torch.float32)  # plain: freed bucket by bucket as the update goes
+            acc = self.pool.take(g.numel(), torch.float32)
             acc.copy_(g)
             self.acc[index] = acc
             self.lent.append(acc)
@@ -78,19 +77,28 @@ class HostGrads:
 
     def hand_over(self) -> None:
         """The update owns the gradients now (it drops each bucket's once updated, even while it
-        streams on after the step: fz/step/pending.py); only the pool's pinned buffers stay
-        listed, to go back to it when the update is done."""
+        streams on after the step: fz/step/pending.py); only the buffers the pool keeps (pinned,
+        or every one where host and device are one memory) stay listed, to go back to it when
+        the update is done. Plain host buffers on a GPU machine are freed bucket by bucket."""
         self.drain()
         self.acc.clear()
-        self.lent = [t for t in self.lent if t.is_pinned()]
+        self.lent = [t for t in self.lent if self._kept(t)]
 
     def release(self) -> None:
         """The step is done with its gradients: buffers go back to the pool for the next step."""
         self.drain()
         self.acc.clear()
         for t in self.lent:
-            self.pool.give(t)
+            self.pool.give(t, keep=self._kept(t))
+        if self.device.type != "cuda":
+            self.pool.keep_only({(t.numel(), t.dtype) for t in self.lent})
         self.lent.clear()
+
+    def _kept(self, t: Tensor) -> bool:
+        """Whether `t` goes back to the pool for the next step: pinned ones always; on a CPU-only
+        machine every one (the step would otherwise map and zero its gradients' memory afresh,
+        most of the NVMe step's kernel time: benchmarks/RESULTS.md)."""
+        return t.is_pinned() or self.device.type != "cuda"
 
 
 def host_grad_bytes(buckets: Sequence[Bucket], shards: int) -> int:

@@ -102,10 +102,21 @@ class PinnedPool:
             self.pinned_bytes += nbytes
         return t
 
-    def give(self, t: Tensor) -> None:
-        """Return a buffer from `take` (only pinned ones are kept: plain memory goes back to the allocator)."""
-        if t.is_pinned() and t.device.type == "cpu":
+    def give(self, t: Tensor, keep: bool = False) -> None:
+        """Return a buffer from `take`. Pinned ones are kept; plain ones only with `keep` (where
+        host and device are one memory and the step's host gradients live in them: reused, they
+        are not mapped and zeroed afresh each step), else they go back to the allocator."""
+        if t.device.type == "cpu" and (keep or t.is_pinned()):
             self.free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    def keep_only(self, sizes: set[tuple[int, torch.dtype]]) -> None:
+        """Let go of the kept plain buffers of every (numel, dtype) not in `sizes` (the last step's):
+        a state no longer trained does not hold its gradients' memory."""
+        for key, spare in list(self.free.items()):
+            if key not in sizes:
+                spare[:] = [t for t in spare if t.is_pinned()]
+                if not spare:
+                    del self.free[key]
 
     def clear(self) -> None:
         self.free.clear()

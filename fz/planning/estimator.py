@@ -123,18 +123,17 @@ class Estimate:
     @property
     def one_memory(self) -> int:
         """Peak bytes of one rank where host and device are one memory (a CPU-only run). The
-        host gradients of an offloaded optimizer fill up while backward frees activations, as
-        the device's own gradients would: they overlap backward's worst point, not add to it.
-        Parameters on disk add one bucket read into memory: read ahead for the next gather in
-        backward, being updated in the streamed update."""
+        host gradients of an offloaded optimizer stay in their buffers from step to step (kept
+        by the process's pool, as pinned ones are on a GPU: fz/offload/host_grads.py), so they
+        add to backward's worst point. Parameters on disk add one bucket read into memory: read
+        ahead for the next gather in backward, being updated in the streamed update."""
         host_grads = self.tiers["host"].get("grads", 0)
         if not host_grads:
             return self.per_device + self.per_rank_host - self.pool_idle + self.pool_idle_cpu + self.link
         resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
-            sum(v for k, v in self.tiers["host"].items() if k != "grads") + self.model_copy + self.pool_idle_cpu + \
-            self.link
-        during_backward = self.reduce + self.update_loaded + max(host_grads, self.backward or 0)
-        return resident + self.gather + max(during_backward, host_grads + self.sync + self.update_loaded)
+            sum(self.tiers["host"].values()) + self.model_copy + self.pool_idle_cpu + self.link
+        during_backward = self.reduce + self.update_loaded + (self.backward or 0)
+        return resident + self.gather + max(during_backward, self.sync + self.update_loaded)
 
     @property
     def per_rank_host(self) -> int:

@@ -46,6 +46,8 @@ def _watch(rank, world, root):
         seen["host_ptrs_shared"] += (
             acc is not None and acc.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
         )
+        if acc is not None:
+            step_ptrs[-1].add(acc.untyped_storage().data_ptr())
 
     def watched_end(self):
         end(self)
@@ -56,22 +58,27 @@ def _watch(rank, world, root):
 
     hg.HostGrads.add, gr.GradReducer.end_micro_batch = watched_add, watched_end
     out = {}
+    step_ptrs: list[set[int]] = []  # the host gradient buffers each step of the offloaded state used
     for stage, kind, precision, accum in CASES:
         batches = rank_batches(world, accum, 3)
         plain = fz.init(make_model(), spec(stage, accum, precision=precision))
         state = fz.init(make_model(), spec(stage, accum, precision=precision,
                                            offload=_policy(kind, f"{root}/{stage}{kind}{precision}{rank}")))
         want, got = [], []
+        del step_ptrs[:]
         for b in batches:
             plain, lw = fz.train_step(plain, b[rank])
             before = len(refs)
+            step_ptrs.append(set())
             state, lg = fz.train_step(state, b[rank])
+            fz.block_until_ready(state)  # a streamed update gives its buffers back once done
             seen["alive_after_copy"] += sum(r() is not None for r in refs[before:])
             want.append(float(lw))
             got.append(float(lg))
         p1, p2 = fz.full_params(plain), fz.full_params(state)
         out[stage, kind, precision, accum] = dict(want=want, got=got, rel=params_rel(p2, p1),
-                                                 same=all(torch.equal(p1[k], p2[k]) for k in p1))
+                                                 same=all(torch.equal(p1[k], p2[k]) for k in p1),
+                                                 ptrs=[sorted(p) for p in step_ptrs])
     out["seen"] = seen
     return out
 
@@ -99,6 +106,30 @@ def test_host_gradients_train_as_the_device_ones(watched, case):
             assert r["got"] == r["want"] and r["same"], (case, r)
         else:  # the host sums micro-batches in fp32, the device in bf16: within bf16's rounding
             assert r["got"] == pytest.approx(r["want"], rel=2e-2) and r["rel"] < 5e-2, (case, r)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_host_gradient_buffers_are_reused_step_after_step(watched, case):
+    """Host and device are one memory here: each step's host gradients go into the buffers the
+    last step used, not into memory mapped (and zeroed by the kernel) afresh."""
+    for rank in range(2):
+        ptrs = watched[rank][case]["ptrs"]
+        assert len(ptrs) == 3 and ptrs[0], ptrs
+        assert ptrs[1] == ptrs[0] and ptrs[2] == ptrs[0], (case, ptrs)
+
+
+def test_the_pool_keeps_plain_buffers_only_where_asked_and_only_the_last_steps():
+    from fz.offload.transfer import PinnedPool
+    pool = PinnedPool(pin=False, max_bytes=None)
+    a, b = pool.take(1000, torch.float32), pool.take(10, torch.float32)
+    pool.give(a)  # plain memory, not asked to keep: back to the allocator
+    assert not pool.free
+    pool.give(a, keep=True)
+    pool.give(b, keep=True)
+    assert pool.take(1000, torch.float32) is a
+    pool.give(a, keep=True)
+    pool.keep_only({(1000, torch.float32)})  # the last step used only a's size: b's buffer goes
+    assert list(pool.free) == [(1000, torch.float32)]
 
 
 def test_tiers_say_gradients_are_on_the_host():
