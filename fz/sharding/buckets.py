@@ -76,6 +76,16 @@ class Bucket:
     def padded_numel(self) -> int:
         return self.shard_numel * self.shards
 
+    def shard_gaps(self, rank: int) -> list[tuple[int, int]]:
+        """[lo, hi) element ranges of `rank`'s shard that hold no parameter's rows (the zero padding)."""
+        gaps, at = [], 0
+        for s in self.slots:
+            start, stop = s.local_rows(rank)
+            gaps.append((at, s.shard_offset))
+            at = s.shard_offset + (stop - start) * s.row_numel
+        gaps.append((at, self.shard_numel))
+        return [(lo, hi) for lo, hi in gaps if hi > lo]
+
 
 def make_buckets(params: Sequence[tuple[str, torch.Size, int, bool]], stage: int, shards: int,
                  bucket_numel: int, persist_threshold: int) -> list[Bucket]:
