@@ -32,6 +32,7 @@ from fz.sharding.sync import ParamSync
 from fz.sharding.uses import GradUses
 from fz.spec import Spec
 from fz.step.binding import Bindings, checkpoint_seen
+from fz.step.pooled_backward import pooled_backward
 from fz.step.unused import UsedParams
 
 
@@ -216,7 +217,7 @@ class Runner:
         in the model's own forward calls them again in backward)."""
         self.in_backward = True
         try:
-            with running(self):
+            with running(self), pooled_backward():
                 loss.backward()
         finally:
             self.in_backward = False

@@ -111,3 +111,43 @@ def test_an_idle_buffer_a_little_larger_serves_a_request():
     assert Scratch.size_of(3 * N // 2, torch.float32) <= FIT * Scratch.size_of(N, torch.float32)
     c = pool.empty(N, torch.float32)  # 4 MiB: the 6 MiB one would serve it, but b holds it
     assert c.data_ptr() != ptr
+
+
+def test_backward_computes_large_weight_gradients_into_the_pool(monkeypatch):
+    """fz.step.pooled_backward: a linear layer's and an embedding's weight gradients land in the
+    pool's buffers (same values as without it), and block after block reuse the same buffers."""
+    from fz.step import pooled_backward as pb
+    pool = Scratch(enabled=True)
+    monkeypatch.setattr(pb, "SCRATCH", pool)
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(1024, 2048).bfloat16() for _ in range(3)]
+    emb = torch.nn.Embedding(4096, 256).bfloat16()
+    x, ids = torch.randn(64, 1024).bfloat16(), torch.randint(0, 4096, (8, 32))
+
+    def grads(hold):
+        seen = []
+
+        def take(p):  # each gradient dropped once taken, as a bucket's reduction does
+            seen.append((p.grad.clone(), p.grad.data_ptr()))
+            p.grad = None
+
+        for layer in lins:
+            layer.weight.register_post_accumulate_grad_hook(take)
+        emb.weight.grad = None
+        with hold():
+            loss = sum(layer(x).float().sum() for layer in lins) + emb(ids).float().pow(2).sum()
+            loss.backward()
+        for layer in lins:
+            layer.weight._post_accumulate_grad_hooks.clear()
+        return seen, emb.weight.grad
+
+    import contextlib
+    plain, plain_emb = grads(contextlib.nullcontext)
+    pooled, pooled_emb = grads(pb.pooled_backward)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(plain, pooled)) and torch.equal(plain_emb, pooled_emb)
+    kept = {t.data_ptr() for ts in pool.kept.values() for t in ts}
+    assert {ptr for _, ptr in pooled} <= kept and pooled_emb.data_ptr() in kept
+    assert len({ptr for _, ptr in pooled}) == 1  # each layer's gradient reused the last one's buffer
+    pool.enabled = False  # off (no disk tier): no dispatch mode, plain memory
+    off, _ = grads(pb.pooled_backward)
+    assert not {ptr for _, ptr in off} & kept
