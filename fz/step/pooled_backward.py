@@ -52,10 +52,11 @@ class _PooledBackward(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def pooled_backward() -> Iterator[None]:
-    """Around `loss.backward()`: large CPU gradients into the pool while it is on (the disk tier's
-    store turns it on); nothing otherwise, so no dispatch cost where glibc's heap reuses memory."""
-    if not SCRATCH.enabled:
+def pooled_backward(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Around `loss.backward()` on `device`: large gradients into the pool while it is on (the disk
+    tier's store turns it on) and the step runs on the CPU; nothing otherwise, so no dispatch cost
+    where glibc's heap reuses memory or where a GPU's caching allocator already does."""
+    if not SCRATCH.enabled or torch.device(device).type != "cpu":
         yield
         return
     with _PooledBackward():
