@@ -34,8 +34,9 @@ MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds it
 class HostGrads:
     """One step's gradients on the host: {bucket index: fp32 buffer} filled as buckets are reduced."""
 
-    def __init__(self, pool: PinnedPool, device: torch.device):
+    def __init__(self, pool: PinnedPool, device: torch.device, owner: object | None = None):
         self.pool, self.device = pool, device
+        self.owner = owner  # what the pool keeps plain buffers for (the state's plan): `_kept`
         self.acc: dict[int, Tensor] = {}
         self.copies: deque = deque()  # (index, Transfer, staging buffer or None)
         self.lent: list[Tensor] = []  # pool buffers held by `acc`, given back by `release`
@@ -65,7 +66,7 @@ class HostGrads:
             self.acc[index] = g  # the staging buffer already is the fp32 host buffer: keep it
             self.lent.append(g)
         else:
-            acc = self.pool.take(g.numel(), torch.float32)
+            acc = self.pool.take(g.numel(), torch.float32, pin=self.device.type == "cuda")
             acc.copy_(g)
             self.acc[index] = acc
             self.lent.append(acc)
@@ -89,16 +90,17 @@ class HostGrads:
         self.drain()
         self.acc.clear()
         for t in self.lent:
-            self.pool.give(t, keep=self._kept(t))
+            self.pool.give(t, keep_for=self.owner if self._kept(t) else None)
         if self.device.type != "cuda":
             self.pool.keep_only({(t.numel(), t.dtype) for t in self.lent})
         self.lent.clear()
 
     def _kept(self, t: Tensor) -> bool:
-        """Whether `t` goes back to the pool for the next step: pinned ones always; on a CPU-only
-        machine every one (the step would otherwise map and zero its gradients' memory afresh,
-        most of the NVMe step's kernel time: benchmarks/RESULTS.md)."""
-        return t.is_pinned() or self.device.type != "cuda"
+        """Whether `t` goes back to the pool for the next step: pinned ones always; where host and
+        device are one memory every one, for as long as the owner lives (the step would otherwise
+        map and zero its gradients' memory afresh, most of the NVMe step's kernel time:
+        benchmarks/RESULTS.md)."""
+        return t.is_pinned() or (self.device.type != "cuda" and self.owner is not None)
 
 
 def host_grad_bytes(buckets: Sequence[Bucket], shards: int) -> int:

@@ -22,6 +22,8 @@ exactly as it would be on a GPU.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -89,34 +91,47 @@ class PinnedPool:
         self.max_bytes = max_bytes
         self.free: dict[tuple, list[Tensor]] = {}
         self.pinned_bytes = 0  # held by the pool or lent out, pinned
+        self.lock = threading.Lock()  # `keep_only` may run from a finalizer, on any thread
+        self.owners: set[int] = set()  # ids of the owners of kept plain buffers (`give`)
 
-    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A 1-D host buffer of `numel` elements (uninitialised)."""
-        spare = self.free.get((numel, dtype))
-        if spare:
-            return spare.pop()
+    def take(self, numel: int, dtype: torch.dtype, pin: bool = True) -> Tensor:
+        """A 1-D host buffer of `numel` elements (uninitialised); `pin=False`: never newly pinned."""
+        with self.lock:
+            spare = self.free.get((numel, dtype))
+            if spare:
+                return spare.pop()
         nbytes = rounded(numel * torch.empty((), dtype=dtype).element_size())  # what the allocator pins
-        pin = self.pin and (self.max_bytes is None or self.pinned_bytes + nbytes <= self.max_bytes)
+        pin = pin and self.pin and (self.max_bytes is None or self.pinned_bytes + nbytes <= self.max_bytes)
         t = torch.empty(numel, dtype=dtype, pin_memory=pin)
         if pin:
             self.pinned_bytes += nbytes
         return t
 
-    def give(self, t: Tensor, keep: bool = False) -> None:
-        """Return a buffer from `take`. Pinned ones are kept; plain ones only with `keep` (where
-        host and device are one memory and the step's host gradients live in them: reused, they
-        are not mapped and zeroed afresh each step), else they go back to the allocator."""
-        if t.device.type == "cpu" and (keep or t.is_pinned()):
+    def give(self, t: Tensor, keep_for: object | None = None) -> None:
+        """Return a buffer from `take`. Pinned ones are kept. Plain ones are kept only for an owner
+        (`keep_for`, the state's plan: where host and device are one memory and the step's host
+        gradients live in them, reused they are not mapped and zeroed afresh each step), until it
+        is garbage (the run's last state dropped); else they go back to the allocator."""
+        if t.device.type != "cpu" or not (t.is_pinned() or keep_for is not None):
+            return
+        with self.lock:
             self.free.setdefault((t.numel(), t.dtype), []).append(t)
+            if keep_for is not None and id(keep_for) not in self.owners:
+                self.owners.add(id(keep_for))
+                weakref.finalize(keep_for, self._owner_gone, id(keep_for))
+
+    def _owner_gone(self, owner: int) -> None:
+        self.owners.discard(owner)
+        self.keep_only(set())
 
     def keep_only(self, sizes: set[tuple[int, torch.dtype]]) -> None:
-        """Let go of the kept plain buffers of every (numel, dtype) not in `sizes` (the last step's):
-        a state no longer trained does not hold its gradients' memory."""
-        for key, spare in list(self.free.items()):
-            if key not in sizes:
-                spare[:] = [t for t in spare if t.is_pinned()]
-                if not spare:
-                    del self.free[key]
+        """Let go of the kept plain buffers of every (numel, dtype) not in `sizes` (the last step's)."""
+        with self.lock:
+            for key, spare in list(self.free.items()):
+                if key not in sizes:
+                    spare[:] = [t for t in spare if t.is_pinned()]
+                    if not spare:
+                        del self.free[key]
 
     def clear(self) -> None:
         self.free.clear()

@@ -102,7 +102,7 @@ class StepInProgress:
         self.scale = float(scaler.get("scale", 1.0))
         self.leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
         # optimizer state off the device: gradients follow it to the host as each bucket is reduced
-        self.host = (HostGrads(pool_for(offload), plan.device)
+        self.host = (HostGrads(pool_for(offload), plan.device, owner=plan)
                      if offload is not None and offload.optimizer != "device" else None)
         self.reducer = GradReducer(plan, self.comm, self.leaves, self.host)
         state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics

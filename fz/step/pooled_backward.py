@@ -8,10 +8,12 @@ parameter, lives only until its bucket's reduction packs it. On the 2.5B NVMe he
 they were most of the page zeroing left (benchmarks/RESULTS.md).
 
 `pooled_backward()` is a dispatch mode fz holds around its own `loss.backward()`: a
-matrix product (`mm`, what a linear layer's weight gradient is) or an embedding's
-gradient whose result is large and on the CPU is computed by the same kernel into a pool
-buffer (its `out=` form), which the next block's gradients take again once the reduction
-has let go of it. Every other op runs unchanged.
+matrix product (`mm`, what a linear layer's weight gradient is) whose result is large,
+on the CPU and no larger than the largest buffer the pool keeps (the step's buckets: so
+neither the pool's idle bound nor fz.estimate's grows) is computed by the same kernel into
+a pool buffer (`mm.out`), which the next block's gradients take again once the reduction
+has let go of it. Every other op runs unchanged. (An embedding's gradient is not served:
+its `out=` form computes into fresh memory and copies.)
 """
 from __future__ import annotations
 
@@ -29,34 +31,30 @@ aten = torch.ops.aten
 
 def _pooled(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor | None:
     """A pool buffer for a `shape` result of `like`'s dtype, or None where plain memory serves."""
-    if like.device.type != "cpu" or shape[0] * shape[1] * like.element_size() < SMALL:
+    numel = shape[0] * shape[1]
+    if like.device.type != "cpu" or numel * like.element_size() < SMALL or not SCRATCH.within_kept(numel, like.dtype):
         return None
-    return SCRATCH.empty(shape[0] * shape[1], like.dtype).view(shape)
+    return SCRATCH.empty(numel, like.dtype).view(shape)
 
 
 class _PooledBackward(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if not kwargs:
-            if func is aten.mm.default:
-                a, b = args
-                out = _pooled((a.shape[0], b.shape[1]), a) if a.dtype == b.dtype else None
-                if out is not None:
-                    return aten.mm.out(a, b, out=out)
-            elif func is aten.embedding_dense_backward.default:
-                grad, indices, num_weights, padding_idx, by_freq = args
-                out = _pooled((num_weights, grad.shape[-1]), grad)
-                if out is not None:
-                    return aten.embedding_dense_backward.out(grad, indices, num_weights, padding_idx, by_freq,
-                                                             out=out)
+        if func is aten.mm.default and not kwargs:
+            a, b = args
+            out = _pooled((a.shape[0], b.shape[1]), a) if a.dtype == b.dtype else None
+            if out is not None:
+                return aten.mm.out(a, b, out=out)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def pooled_backward(device: torch.device | str = "cpu") -> Iterator[None]:
+def pooled_backward(device: torch.device | str = "cpu", compiled: bool = False) -> Iterator[None]:
     """Around `loss.backward()` on `device`: large gradients into the pool while it is on (the disk
     tier's store turns it on) and the step runs on the CPU; nothing otherwise, so no dispatch cost
-    where glibc's heap reuses memory or where a GPU's caching allocator already does."""
-    if not SCRATCH.enabled or torch.device(device).type != "cpu":
+    where glibc's heap reuses memory or where a GPU's caching allocator already does. Not with
+    compiled blocks (`compiled`): under a Python dispatch mode torch.compile would not compile
+    a checkpointed block's recompute, which must match its compiled forward."""
+    if not SCRATCH.enabled or torch.device(device).type != "cpu" or compiled:
         yield
         return
     with _PooledBackward():

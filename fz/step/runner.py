@@ -217,7 +217,7 @@ class Runner:
         in the model's own forward calls them again in backward)."""
         self.in_backward = True
         try:
-            with running(self), pooled_backward(self.plan.device):
+            with running(self), pooled_backward(self.plan.device, compiled=self.compiled is not None):
                 loss.backward()
         finally:
             self.in_backward = False

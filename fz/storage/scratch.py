@@ -84,6 +84,12 @@ class Scratch:
             # a view: while it lives, the pool's buffer is not sole
             return buf[:numel * dtype.itemsize].view(dtype)
 
+    def within_kept(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether a request is no larger than the largest size kept: serving it from the pool then
+        never raises the idle bound (IDLE_CAP times that size), nor fz.estimate's `pool_idle`."""
+        with self.lock:
+            return self.enabled and self.size_of(numel, dtype) <= max(self.kept, default=0)
+
     def _idle_fit(self, size: int) -> Tensor | None:
         """The smallest idle kept buffer of `size` to FIT times it (a step's buckets differ in
         size: one block's largest serves its next smaller ones)."""

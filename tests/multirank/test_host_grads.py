@@ -118,18 +118,27 @@ def test_host_gradient_buffers_are_reused_step_after_step(watched, case):
         assert ptrs[1] == ptrs[0] and ptrs[2] == ptrs[0], (case, ptrs)
 
 
-def test_the_pool_keeps_plain_buffers_only_where_asked_and_only_the_last_steps():
+def test_the_pool_keeps_plain_buffers_only_for_a_live_owner_and_the_last_steps_sizes():
+    import gc
+
     from fz.offload.transfer import PinnedPool
-    pool = PinnedPool(pin=False, max_bytes=None)
+
+    class Plan:  # what a step's host gradients are kept for: its state's plan
+        pass
+
+    pool, plan = PinnedPool(pin=False, max_bytes=None), Plan()
     a, b = pool.take(1000, torch.float32), pool.take(10, torch.float32)
-    pool.give(a)  # plain memory, not asked to keep: back to the allocator
+    pool.give(a)  # plain memory, no owner: back to the allocator
     assert not pool.free
-    pool.give(a, keep=True)
-    pool.give(b, keep=True)
+    pool.give(a, keep_for=plan)
+    pool.give(b, keep_for=plan)
     assert pool.take(1000, torch.float32) is a
-    pool.give(a, keep=True)
+    pool.give(a, keep_for=plan)
     pool.keep_only({(1000, torch.float32)})  # the last step used only a's size: b's buffer goes
     assert list(pool.free) == [(1000, torch.float32)]
+    del plan
+    gc.collect()
+    assert not pool.free  # the run's last state is gone: so are the gradients' buffers
 
 
 def test_tiers_say_gradients_are_on_the_host():
