@@ -78,9 +78,9 @@ class HostGrads:
 
     def hand_over(self) -> None:
         """The update owns the gradients now (it drops each bucket's once updated, even while it
-        streams on after the step: fz/step/pending.py); only the buffers the pool keeps (pinned,
-        or every one where host and device are one memory) stay listed, to go back to it when
-        the update is done. Plain host buffers on a GPU machine are freed bucket by bucket."""
+        streams on after the step: fz/step/pending.py); only the buffers the pool keeps (`_kept`)
+        stay listed, to go back to it when the update is done; the others (plain host buffers on
+        a GPU machine) are freed bucket by bucket."""
         self.drain()
         self.acc.clear()
         self.lent = [t for t in self.lent if self._kept(t)]

@@ -134,8 +134,9 @@ class PinnedPool:
                         del self.free[key]
 
     def clear(self) -> None:
-        self.free.clear()
-        self.pinned_bytes = 0
+        with self.lock:
+            self.free.clear()
+            self.pinned_bytes = 0
 
 
 def rounded(nbytes: int) -> int:
