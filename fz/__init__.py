@@ -15,14 +15,17 @@ from fz.observe.monitor import Monitor
 from fz.planning import estimate, estimate_table, plan
 from fz.spec import LossScale, Spec
 from fz.state import State, block_until_ready
+from fz.step.batches import MicroBatches
 from fz.step.generate import generate
+from fz.step.sums import sum_over_ranks
 from fz.step.train import apply, eval_step, evaluate, train_step
 from fz.version import __version__
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Checkpointer", "CommReport", "ConfigError", "Consolidated", "LossScale",
-    "MemoryReport", "Monitor", "NonFiniteError", "OffloadError", "PeerError", "Spec", "State", "__version__",
+    "MemoryReport", "MicroBatches", "Monitor", "NonFiniteError", "OffloadError", "PeerError", "Spec", "State",
+    "__version__",
     "apply", "block_until_ready", "comm_report", "data", "distributed", "estimate", "estimate_table", "eval_step",
     "evaluate", "full_params", "generate", "import_deepspeed", "init", "load_weights", "memory_report", "offload",
-    "optim", "plan", "restore", "save", "train_step", "wait_for_checkpoints",
+    "optim", "plan", "restore", "save", "sum_over_ranks", "train_step", "wait_for_checkpoints",
 ]

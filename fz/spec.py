@@ -18,6 +18,8 @@ Stage = Literal[0, 1, 2, 3]
 Precision = Literal["fp32", "bf16", "fp16"]
 BufferSync = Literal["mean", "rank0"]
 NonFinite = Literal["skip", "raise"]
+Accumulate = Literal["mean", "sum"]
+ACCUMULATE: tuple[Accumulate, ...] = get_args(Accumulate)
 NONFINITE: tuple[NonFinite, ...] = get_args(NonFinite)
 BUFFER_SYNC: tuple[BufferSync, ...] = get_args(BufferSync)
 CheckpointPolicy = bool | Sequence[str] | Callable[[str, nn.Module], bool]
@@ -63,8 +65,14 @@ class Spec:
     loss_fn: Callable[[nn.Module, Any], Any] | None = None
     """loss_fn(model, batch) -> scalar loss. None calls model(batch) and takes the loss from it."""
     weight_by_rows: bool = False
-    """Ranks with batches of different sizes: weight each rank's loss by its rows. False makes
-    unequal batches an error."""
+    """Ranks with batches of different rows: weight each rank's loss by its rows. False makes
+    unequal rows an error (different sequence lengths are fine: each rank's mean counts equally)."""
+    accumulate: Accumulate = "mean"
+    """How a step combines its micro-batches' losses (and so their gradients): "mean" averages them
+    (loss_fn returns each micro-batch's mean: DeepSpeed's way); "sum" adds them, for a loss_fn
+    that already divides by a count over the whole step, e.g. the label tokens of every
+    micro-batch and rank (transformers' Trainer with num_items_in_batch). Across ranks the loss
+    and gradients are always averaged, as DDP does; with "sum" the ranks' rows are not compared."""
     skip_unused: bool = False
     """Parameters that get no gradient in a step on any rank: False updates them as with a zero
     gradient (DeepSpeed), True leaves them and their optimizer state as they are (torch)."""
@@ -181,6 +189,12 @@ class Spec:
             raise bad("init_fn", self.init_fn, "must be None or a function (module_name, module) -> None")
         if not isinstance(self.weight_by_rows, bool):
             raise bad("weight_by_rows", self.weight_by_rows, "must be True or False")
+        if self.accumulate not in ACCUMULATE:
+            raise bad("accumulate", self.accumulate, "must be 'mean' (average the micro-batches' losses) or 'sum' "
+                      "(a loss_fn that divides by a count over the whole step)")
+        if self.accumulate == "sum" and self.weight_by_rows:
+            raise bad("weight_by_rows", True, "with accumulate='sum' the loss_fn weighs each rank itself; leave "
+                      "weight_by_rows False")
         if self.buffer_sync not in BUFFER_SYNC:
             raise bad(
                 "buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)"

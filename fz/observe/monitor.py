@@ -29,7 +29,6 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.compat import all_gather_single
@@ -40,6 +39,7 @@ from fz.observe.progress import Bar
 from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
 from fz.spec import Spec
 from fz.state import State
+from fz.step.batches import batch_leaves
 
 _MB = 2**20
 MEMORY = ("params", "grads", "optimizer", "total", "device", "host", "disk", "peak_rss", "device_peak", "pinned")
@@ -56,7 +56,7 @@ def peak_rss() -> int:
 def batch_counts(batch: Any) -> tuple[int, int | None]:
     """(rows, tokens) of this rank's batch: the leading dimension, and the elements of its first
     integer tensor (token ids; None if it has none)."""
-    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor) and x.dim()]
+    leaves = [x for x in batch_leaves(batch) if isinstance(x, Tensor) and x.dim()]
     if not leaves:
         return 0, None
     ids = next((x for x in leaves if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool), None)

@@ -23,6 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fz.errors import ConfigError
 from fz.precision import PRECISIONS
+from fz.step.batches import batch_map
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,7 @@ def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: 
             for name, b in model.named_buffers(remove_duplicate=False):
                 tensors[name] = torch.empty(b.shape, dtype=b.dtype)
             param_ids.update(id(t) for t in canon.values())
-            fake_batch = pytree.tree_map(
-                lambda x: torch.empty(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x, batch)
+            fake_batch = batch_map(lambda x: torch.empty(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x, batch)
             autocast = torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32")
             with _reparametrize_module(model, tensors), autocast, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

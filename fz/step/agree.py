@@ -1,18 +1,21 @@
 """Ranks agree on the step, the batch size and the blocks called: checked on the loss all-reduce itself.
 
 Besides the loss, the all-reduce carries one slot per rank for its state's step, its
-batch rows, its batch elements and a checksum of the blocks its forwards called, in order
-(each rank fills its own slots, so the sum hands every rank all of them). A rank that fell
-behind (it caught an exception and carried on), a batch of another size, or a rank that
-called other blocks (an MoE expert only some ranks call: the ranks' per-block collectives
-then paired up wrongly) is then an error on every rank at once, naming the ranks, without a
-collective of its own; the all-reduce still runs while the optimizer does (the state the
-step took is then unusable: it was donated). With `Spec.weight_by_rows` unequal batches are
-allowed and each rank counts by its rows: its loss is scaled by its rows before backward
-and the averaged gradients by ranks / total rows, so that mode waits before the update.
-Two more slots per rank carry the non-finite check (fz/step/nonfinite.py): the index + 1
-of the first parameter whose reduced gradient shard holds a NaN or inf (0: none), and
-whether the rank's own loss is non-finite.
+batch rows and a checksum of the blocks its forwards called, in order (each rank fills its
+own slots, so the sum hands every rank all of them). A rank that fell behind (it caught an
+exception and carried on), a batch of another number of rows, or a rank that called other
+blocks (an MoE expert only some ranks call: the ranks' per-block collectives then paired up
+wrongly) is then an error on every rank at once, naming the ranks, without a collective of
+its own; the all-reduce still runs while the optimizer does (the state the step took is then
+unusable: it was donated). Rows, not elements: ranks whose batches are padded to different
+lengths train as under DDP, each rank's mean loss counting equally. With
+`Spec.weight_by_rows` unequal rows are allowed and each rank counts by its rows: its loss is
+scaled by its rows before backward and the averaged gradients by ranks / total rows, so that
+mode waits before the update. With `Spec.accumulate="sum"` the loss function weighs each
+rank itself (transformers' Trainer divides by the step's label tokens on all ranks), so rows
+are not compared. Two more slots per rank carry the non-finite check (fz/step/nonfinite.py):
+the index + 1 of the first parameter whose reduced gradient shard holds a NaN or inf (0:
+none), and whether the rank's own loss is non-finite.
 """
 from __future__ import annotations
 
@@ -21,21 +24,13 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 from fz.errors import ConfigError
 from fz.sharding.settle import Handle
+from fz.step.batches import batch_size
 
 V = TypeVar("V", int, str)
-
-
-def batch_size(batch: Any) -> tuple[int, int]:
-    """(rows, elements) of a batch: the leading dimension of its first tensor that has one, and the
-    numel of those tensors (0-d tensors, such as `num_items_in_batch`, ride along uncounted)."""
-    tensors = [x for x in pytree.tree_leaves(batch) if isinstance(x, Tensor) and x.dim()]
-    rows = tensors[0].shape[0] if tensors else 1
-    return rows, sum(x.numel() for x in tensors)
 
 
 def _by_value(values: list[V], ranks: list[int], unit: str) -> str:
@@ -53,14 +48,15 @@ def _by_value(values: list[V], ranks: list[int], unit: str) -> str:
     return "; ".join(parts)
 
 
-_SLOTS = 6  # per rank: step, batch rows, batch elements, blocks called, first bad gradient, bad loss
+_SLOTS = 5  # per rank: step, batch rows, blocks called, first bad gradient, bad loss
 
 
 class Agreement:
     """One loss all-reduce with the step and batch-size slots of every rank of the mesh."""
 
-    def __init__(self, plan, step: Tensor, batch: Any, weight_by_rows: bool, what: str = "fz.train_step"):
-        self.plan, self.weight_by_rows, self.what = plan, weight_by_rows, what
+    def __init__(self, plan, step: Tensor, batch: Any, weight_by_rows: bool, what: str = "fz.train_step",
+                 accumulate: str = "mean"):
+        self.plan, self.weight_by_rows, self.what, self.accumulate = plan, weight_by_rows, what, accumulate
         self.ranks = list(plan.ranks)
         self.n = len(self.ranks)
         self.step = int(step)
@@ -88,13 +84,13 @@ class Agreement:
         slots = [0.0] * (_SLOTS * n)
         i = self.ranks.index(self.plan.rank)
         called = zlib.crc32(",".join(map(str, calls)).encode()) if n > 1 else 0  # < 2**32: exact in float64
-        for k, v in enumerate((self.step, self.rows, self.numel, called)):
+        for k, v in enumerate((self.step, self.rows, called)):
             slots[k * n + i] = float(v)
         mine = (loss.detach().double() * self.loss_weight).reshape(1)
         self.vec = torch.cat([mine, torch.tensor(slots, dtype=torch.float64, device=loss.device)])
         if first_bad is not None:  # a tensor, written without waiting for its value
-            self.vec[1 + 4 * n + i] = first_bad.double()
-        self.vec[1 + 5 * n + i] = torch.logical_not(torch.isfinite(loss.detach())).double()
+            self.vec[1 + 3 * n + i] = first_bad.double()
+        self.vec[1 + 4 * n + i] = torch.logical_not(torch.isfinite(loss.detach())).double()
         if n > 1 and comm.world > 1:
             self.work = comm.all_reduce_sum(self.vec, async_op=True, scalar=True)
         return self
@@ -120,7 +116,7 @@ class Agreement:
                 work, self.work = self.work, None
                 work.wait()
             comm.replica_sum(vec, scalar=True)
-        steps, rows, numel, called, self.bad_grads, self.bad_losses = (
+        steps, rows, called, self.bad_grads, self.bad_losses = (
             vec[1 + k * n:1 + (k + 1) * n].long().tolist() for k in range(_SLOTS))
         if n == 1:
             return vec[0].float(), 1.0
@@ -138,10 +134,11 @@ class Agreement:
         if self.weight_by_rows:
             total = sum(rows)
             return (vec[0] / total).float(), n / total
-        if len(set(rows)) > 1 or len(set(numel)) > 1:
-            sizes = [f"{r} rows/{e} elements" for r, e in zip(rows, numel)]
+        if self.accumulate == "sum":  # the loss function weighed each rank
+            return (vec[0] / n).float(), 1.0
+        if len(set(rows)) > 1:
             raise ConfigError(
-                f"{self.what}: the ranks' batches differ in size ({_by_value(sizes, self.ranks, 'batch of')}): "
-                "each rank's mean loss would count equally whatever its size. Give every rank batches of the "
-                "same shape, or set Spec(weight_by_rows=True) to weight each rank by its rows.")
+                f"{self.what}: the ranks' batches differ in rows ({_by_value(rows, self.ranks, 'rows')}): each "
+                "rank's mean loss would count equally whatever its size. Give every rank the same rows per step, "
+                "or set Spec(weight_by_rows=True) to weight each rank by its rows.")
         return (vec[0] / n).float(), 1.0

@@ -69,9 +69,12 @@ def _offload_of(spec):
 
 class StepInProgress:
     """One optimizer step, opened on `state` (donated unless `donate=False`) for a batch of this
-    rank's `batch` rows (its size is checked across ranks when the step finishes)."""
+    rank's `batch` rows (its size is checked across ranks when the step finishes). With
+    Spec.accumulate="mean" each micro-batch's loss counts 1/`micro_batches` (default
+    Spec.grad_accum); with "sum" it counts as it is."""
 
-    def __init__(self, state: State, batch: Any, *, donate: bool = True, what: str = "fz.train_step"):
+    def __init__(self, state: State, batch: Any, *, donate: bool = True, what: str = "fz.train_step",
+                 micro_batches: int | None = None):
         expect_state(state, what)
         peers.doing(what, int(state.step))
         raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
@@ -97,7 +100,7 @@ class StepInProgress:
         # modules update them in place
         self.buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}
         self.before = versions(self.buffers)
-        self.agreement = Agreement(plan, state.step, batch, spec.weight_by_rows, what)
+        self.agreement = Agreement(plan, state.step, batch, spec.weight_by_rows, what, spec.accumulate)
         self.comm = Comm(plan, spec.grad_reduce_dtype)
         self.scale = float(scaler.get("scale", 1.0))
         self.leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
@@ -111,7 +114,9 @@ class StepInProgress:
                              state.metrics["order"].tolist(), grad_sink=self.reducer.reduce_gathered,
                              sync=sync, used=self.used)
         self.model = BoundModel(self.runner)
-        self.weight = self.scale * self.agreement.loss_weight / spec.grad_accum
+        # the micro-batches' losses are averaged ("mean") or added ("sum"): the step's loss is total / divisor
+        self.divisor = (micro_batches or spec.grad_accum) if spec.accumulate == "mean" else 1
+        self.weight = self.scale * self.agreement.loss_weight / self.divisor
         self.total = torch.zeros((), device=plan.device)
         self.calls: list[int] = []  # the blocks each forward called, in order (checked across ranks)
         self.rng = state.rng
@@ -138,8 +143,9 @@ class StepInProgress:
             return fn(self.model, *args, **kwargs)
 
     def backward(self, loss: Tensor, last: bool) -> None:
-        """Backpropagate one micro-batch's scalar `loss` (scaled by 1/grad_accum and the loss
-        scale); `last`: the step's last micro-batch, whose gradients are reduced for the update."""
+        """Backpropagate one micro-batch's scalar `loss` (scaled by 1/micro-batches with
+        accumulate="mean", and by the loss scale); `last`: the step's last micro-batch, whose
+        gradients are reduced for the update."""
         with self._phase():
             join_inflight()  # the last step's update, if it streams on, is done before gradients need memory
             loss = scalar_loss(loss).float()
@@ -183,7 +189,7 @@ class StepInProgress:
             # with clipping, the gradients' norms are taken once: the check reads them, the clip sums them
             norms = GradNorms(grads, sharded, comm.world) if spec.clip_grad_norm is not None else None
             # the loss all-reduce, with every rank's step, batch size, blocks called and non-finite finding
-            agreement.start(comm, self.total / spec.grad_accum, guard.check(grads, norms), self.calls)
+            agreement.start(comm, self.total / self.divisor, guard.check(grads, norms), self.calls)
             if spec.weight_by_rows or not verdict_is_local(plan):  # needed before the update
                 _, factor = agreement.finish(comm)
                 if factor != 1.0:

@@ -33,6 +33,11 @@ from fz.step.runner import BoundModel, Runner, default_loss
 def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State, Tensor]:
     """One optimizer step on this rank's `batch`; returns (new state, mean loss over all ranks).
 
+    `batch` holds `grad_accum * micro_batch` rows, cut into micro-batches here, or is an
+    `fz.MicroBatches` of micro-batches collated apart (their shapes and count may differ). The
+    step's loss is the mean of the micro-batches' losses (Spec.accumulate="mean") or their sum
+    ("sum"), averaged over ranks.
+
     With `donate=True` (the default) the new state takes over the old one's buffers and
     the old state can no longer be used; `donate=False` copies them first. A step whose
     gradients hold a NaN or inf on any rank changes only the step count, RNG and scaler
@@ -42,7 +47,7 @@ def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State,
     spec = state.spec
     micro = micro_batches(on_device(batch, state.plan.device), spec.grad_accum, spec.micro_batch)
     loss_fn: Callable[[Any, Any], Any] = spec.loss_fn or default_loss  # gets a BoundModel, as a module
-    step = StepInProgress(state, batch, donate=donate)
+    step = StepInProgress(state, batch, donate=donate, micro_batches=len(micro))
     for i, mb in enumerate(micro):
         step.backward(step.forward(loss_fn, mb), last=i == len(micro) - 1)
     return step.finish()
@@ -107,7 +112,8 @@ def evaluate(state: State, batches: Iterable[Any], *, residency: str | int | Non
         out = []
         for batch in batches:
             batch = on_device(batch, state.plan.device)
-            agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, what)
+            agreement = Agreement(state.plan, state.step, batch, state.spec.weight_by_rows, what,
+                                  state.spec.accumulate)
             loss = scalar_loss(loss_fn(BoundModel(runner), batch)).detach()
             out.append(agreement.start(comm, loss, calls=runner.called).finish(comm)[0].to(loss.dtype))
             runner.release()  # streamed units dropped; the held ones stay
