@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fz.data.order import Layout
-from fz.data.steps import Steps, unchanged
+from fz.data.steps import Order, Steps, unchanged
 from fz.errors import ConfigError
 from fz.model.materialize import module_seed
 from fz.spec import Spec
@@ -37,9 +37,10 @@ class Loader:
 
     def __init__(self, dataset: Any, layout: Layout, *, seed: int, shuffle: bool, num_workers: int,
                  collate_fn: Callable[[list[Any]], Any], epochs: int | None, key: str,
-                 position: dict[str, Any] | None = None):
+                 position: dict[str, Any] | None = None, order: Order | None = None):
         self.dataset, self.layout, self.seed, self.shuffle = dataset, layout, seed, shuffle
         self.num_workers, self.collate_fn, self.epochs, self.key = num_workers, collate_fn, epochs, key
+        self.order = order
         self.iterable = _is_iterable(dataset)
         self.size = None if self.iterable else len(dataset)
         self._pos = (0, 0)
@@ -73,7 +74,7 @@ class Loader:
         epoch, index = self._pos
         g = torch.Generator().manual_seed(module_seed(self.seed, f"fz.data/workers/{epoch}/{index}/{self.layout.rank}"))
         steps = Steps(self.dataset, self.layout, self.collate_fn, self._pos, self.epochs, self.seed, self.shuffle,
-                      self.iterable)
+                      self.iterable, self.order)
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             loader = StatefulDataLoader(steps, batch_size=None, num_workers=self.num_workers, collate_fn=unchanged,
@@ -118,8 +119,9 @@ def _ranks(of: State | Spec) -> tuple[int, int]:
 
 def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None = None,
            shuffle: bool | None = None, seed: int | None = None, num_workers: int = 0,
-           collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool = True,
-           epochs: int | None = None, key: str = "loader", restart: bool = False) -> Loader:
+           collate_fn: Callable[[list[Any]], Any] | None = None, drop_last: bool | Literal["micro_batch"] = True,
+           epochs: int | None = None, key: str = "loader", restart: bool = False, split: bool = False,
+           order: Order | None = None) -> Loader:
     """This rank's batch for each step: `grad_accum * micro_batch` rows (the spec's grad_accum;
     `micro_batch` defaults to spec.micro_batch), epoch after epoch (`epochs=None`: forever).
 
@@ -130,6 +132,15 @@ def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None
     is an error unless `restart=True` (read from the start). Given a spec, it starts at the
     start. `drop_last=False` keeps an epoch's last, smaller step (split across ranks as
     evenly as possible; for evaluation: train_step needs full steps).
+
+    `split=True` yields each step as an `fz.MicroBatches`: each micro-batch is collated on its
+    own (a padding collator pads it to its own longest row) and takes the samples accelerate's
+    sharded loader gives transformers' Trainer (fz/data/order.py). An epoch's last, smaller
+    step (`drop_last=False`) then has as many micro-batches as its samples start, the last
+    filled up with the epoch's first samples (accelerate's even_batches);
+    `drop_last="micro_batch"` keeps only whole micro-batches (transformers' dataloader_drop_last).
+    train_step takes such steps with any Spec.
+    `order(epoch, size)`: each epoch's sample indices, instead of fz's seeded permutation.
     """
     spec = state_or_spec.spec if isinstance(state_or_spec, State) else state_or_spec
     if not isinstance(spec, Spec):
@@ -141,8 +152,12 @@ def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None
         raise ConfigError(f"fz.data.loader: micro_batch={micro} but Spec.micro_batch={spec.micro_batch}")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"fz.data.loader: num_workers={num_workers!r} must be an integer >= 0")
+    if drop_last == "micro_batch" and not split:
+        raise ConfigError('fz.data.loader: drop_last="micro_batch" needs split=True (micro-batches of their own)')
+    if drop_last not in (True, False, "micro_batch"):
+        raise ConfigError(f'fz.data.loader: drop_last={drop_last!r}; use True, False or "micro_batch"')
     rank, world = _ranks(state_or_spec)
-    layout = Layout(spec.grad_accum * micro, world, rank, drop_last)
+    layout = Layout(spec.grad_accum * micro, world, rank, drop_last, micro if split else None)
     iterable = _is_iterable(dataset)
     if iterable and shuffle:
         raise ConfigError("fz.data.loader: an iterable dataset is read in its own order; shuffle it in the dataset "
@@ -165,13 +180,14 @@ def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None
         epochs=epochs,
         key=key,
         position=position,
+        order=order,
     )
     if out.size is not None:
         if not out.steps_per_epoch:
             raise ConfigError(f"fz.data.loader: {out.size} samples make no step of {layout.global_rows} "
                               f"({world} ranks x {layout.rows} rows)")
         rest = out.size % layout.global_rows
-        if not drop_last and 0 < rest < world:
+        if drop_last is False and not split and 0 < rest < world:
             raise ConfigError(f"fz.data.loader: an epoch's last step would have {rest} samples for {world} ranks; "
-                              "use drop_last=True")
+                              "use drop_last=True (or split=True: micro-batches filled up as accelerate fills them)")
     return out

@@ -12,12 +12,15 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from fz.data.order import Layout, epoch_order
 from fz.errors import ConfigError
+from fz.step.batches import MicroBatches
 
 Fetch = Callable[[int, int], list[Any]]
+Order = Callable[[int, int], Any]  # (epoch, size) -> that epoch's sample indices
 
 
 def unchanged(x: Any) -> Any:
@@ -27,9 +30,9 @@ def unchanged(x: Any) -> Any:
 
 class Steps(IterableDataset):
     def __init__(self, dataset: Any, layout: Layout, collate: Callable[[list[Any]], Any], start: tuple[int, int],
-                 epochs: int | None, seed: int, shuffle: bool, iterable: bool):
+                 epochs: int | None, seed: int, shuffle: bool, iterable: bool, order: Order | None = None):
         self.dataset, self.layout, self.collate, self.start = dataset, layout, collate, start
-        self.epochs, self.seed, self.shuffle, self.iterable = epochs, seed, shuffle, iterable
+        self.epochs, self.seed, self.shuffle, self.iterable, self.order = epochs, seed, shuffle, iterable, order
 
     def __iter__(self) -> Iterator[tuple[tuple[int, int], Any]]:
         info = get_worker_info()
@@ -40,8 +43,7 @@ class Steps(IterableDataset):
             made = 0
             for first, take, fetch in (self._read if self.iterable else self._index)(epoch, index):
                 if step % workers == me:
-                    lo, hi = self.layout.share(take)
-                    yield (epoch, first + take), self.collate(fetch(lo, hi))
+                    yield (epoch, first + take), self._batch(take, fetch)
                 step += 1
                 made += 1
             if not made and not index:
@@ -51,12 +53,26 @@ class Steps(IterableDataset):
                 )
             epoch, index = epoch + 1, 0
 
+    def _batch(self, take: int, fetch: Fetch) -> Any:
+        """This rank's batch of a step of `take` samples: one collated batch, or (split) its
+        micro-batches, each collated on its own."""
+        if self.layout.micro is None:
+            return self.collate(fetch(*self.layout.share(take)))
+        return MicroBatches(self.collate(fetch(lo, hi)) for lo, hi in self.layout.micro_shares(take))
+
     def _index(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
-        order = epoch_order(len(self.dataset), epoch, self.seed, self.shuffle)
-        n, full = len(order), self.layout.global_rows
-        while index < n and (index + full <= n or not self.layout.drop_last):
-            take = min(full, n - index)
+        n = len(self.dataset)
+        order = torch.as_tensor(self.order(epoch, n)) if self.order is not None else \
+            epoch_order(n, epoch, self.seed, self.shuffle)
+        if len(order) != n:
+            raise ConfigError(f"fz.data.loader: order({epoch}, {n}) gave {len(order)} indices for {n} samples")
+        while index < n:
+            take = self.layout.take(n - index)
+            if not take:
+                return
             rows = order[index:index + take]
+            if self.layout.filled(take) > take:  # a last micro-batch filled up with the epoch's first samples
+                rows = torch.cat([rows, order[torch.arange(self.layout.filled(take) - take) % n]])
 
             def fetch(lo: int, hi: int, rows: Any = rows) -> list[Any]:
                 return [self.dataset[int(i)] for i in rows[lo:hi]]
@@ -65,20 +81,27 @@ class Steps(IterableDataset):
 
     def _read(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
         it = iter(self.dataset)
-        skipped = sum(1 for _ in islice(it, index))
+        head = list(islice(it, min(index, self.layout.global_rows)))  # the epoch's first samples fill a last step
+        skipped = len(head) + sum(1 for _ in islice(it, index - len(head)))
         if skipped < index:
             raise ConfigError(f"fz.data.loader: resuming at sample {index} of epoch {epoch}, but the iterable "
                               f"dataset ends after {skipped} samples (is it the dataset the position was saved with?)")
         full = self.layout.global_rows
         while True:
             chunk = list(islice(it, full))
-            if not chunk or (len(chunk) < full and self.layout.drop_last):
+            if len(head) < full:
+                head += chunk[:full - len(head)]
+            chunk = chunk[:self.layout.take(len(chunk))]
+            if not chunk:
                 return
+            take = len(chunk)
+            if self.layout.filled(take) > take:
+                chunk += [head[i % len(head)] for i in range(self.layout.filled(take) - take)]
             if len(chunk) < self.layout.world:
                 raise ConfigError(f"fz.data.loader: the last step of epoch {epoch} has {len(chunk)} samples for "
                                   f"{self.layout.world} ranks; use drop_last=True")
 
             def part(lo: int, hi: int, chunk: list[Any] = chunk) -> list[Any]:
                 return chunk[lo:hi]
-            yield index, len(chunk), part
-            index += len(chunk)
+            yield index, take, part
+            index += take
