@@ -42,6 +42,7 @@ from fz.ckpt.hf_folder import INDEX, WEIGHTS, filenames, shard_size
 from fz.ckpt.hf_folder import shards as cut
 from fz.ckpt.layout import disk_full, fsync_path
 from fz.ckpt.safetensors_io import StreamWriter
+from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.observe.full_params import gathered, source_dtype
 from fz.state import State, expect_state
@@ -110,6 +111,8 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"fz.hf.save_pretrained(dtype={dtype!r}): give None (the precision the run computes in) "
                           "or a floating torch.dtype such as torch.float32 (the fp32 master weights)")
+    if len(state.plan.ranks) > 1:  # before the group below is made: one rank alone fails fast, not a hang
+        arrive("fz.hf.save_pretrained", state.plan.ranks, state.plan.rank)
     limit = shard_size(max_shard_size)
     entries, convert = _entries(state, model, dtype)
     shards = cut([(e, e.nbytes) for e in entries], limit)

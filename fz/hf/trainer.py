@@ -12,14 +12,16 @@ their control flow (logging, evaluation and save steps), the log history, Tensor
 model's parameters and the optimizer live in an fz State (`trainer.fz_state`), each update
 is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.apply`.
 
-- Data: `fz.data.loader` reads the training set (shuffled per epoch with `data_seed` or
-  `seed`; "sequential" sampling reads it in order), so a resumed run continues at the
-  exact next sample, at any world size. An epoch's last incomplete step is dropped.
-- Loss: `compute_loss` (a subclass's override too) on each micro-batch; fz averages the
-  micro-batches and the ranks, as DeepSpeed does. transformers instead weights by tokens
-  (`num_items_in_batch`): equal for batches of equal length, not for padded ones.
+- Data: the micro-batches transformers' Trainer reads, in its order (fz/hf/data.py), each
+  collated on its own (padding collators, BatchEncoding), kept in the State: a resumed run
+  continues at the exact next sample, at any world size. An epoch's last step is trained.
+- Loss: `compute_loss` (a subclass's override too) on each micro-batch, with transformers'
+  `num_items_in_batch` (the label tokens of all the step's micro-batches on all ranks, summed
+  with `fz.sum_over_ranks`) and transformers' scaling; fz adds the micro-batches
+  (Spec.accumulate="sum") and averages the ranks, as DDP and DeepSpeed under the Trainer do.
 - Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the
-  model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints):
+  model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints);
+  it is written as `tmp-checkpoint-N/` and renamed last (fz/hf/checkpoint_dirs.py).
   `trainer.save_model()` writes a `from_pretrained` folder, `fz consolidate` a file.
 - After `train()`, `trainer.model` holds the trained weights (copied in bucket by bucket).
 """
@@ -28,8 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
-import shutil
 import time
 from typing import Any, cast
 
@@ -37,24 +37,19 @@ import torch
 import transformers
 from torch import nn
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, speed_metrics
+from transformers.trainer_utils import TrainOutput, speed_metrics
 
 import fz
 from fz.errors import ConfigError
+from fz.hf import checkpoint_dirs as dirs
+from fz.hf import counts, data
 from fz.hf.arguments import spec_from_args, unsupported
 from fz.hf.export import save_pretrained
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.observe.full_params import iter_full_params
 
 log = logging.getLogger(__name__)
-FZ_DIR = "fz"  # fz's checkpoint inside a checkpoint-N folder
-
-
-def _sampling(args: Any) -> str:
-    """The training data order transformers would use ("group_by_length" was a flag before 5.0)."""
-    if getattr(args, "group_by_length", False):
-        return "group_by_length"
-    return str(getattr(args, "train_sampling_strategy", "random"))
+FZ_DIR = dirs.FZ_DIR
 
 
 class _Evaluated(nn.Module):
@@ -89,6 +84,8 @@ class Trainer(transformers.Trainer):
         self.fz_state: fz.State | None = None
         self._refuse(kwargs)
         self._loader: Any = None
+        self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
+        self._micro_count = 1  # the step's micro-batches
 
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
@@ -102,8 +99,8 @@ class Trainer(transformers.Trainer):
                             "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
         if self.args.load_best_model_at_end:
             problems.append("load_best_model_at_end=True: not in fz; resume from the best checkpoint-N instead")
-        if _sampling(self.args) not in ("random", "sequential"):
-            problems.append(f"train_sampling_strategy={_sampling(self.args)!r}: fz reads the data in random or "
+        if data.sampling(self.args) not in ("random", "sequential"):
+            problems.append(f"train_sampling_strategy={data.sampling(self.args)!r}: fz reads the data in random or "
                             "sequential order")
         try:
             unsupported(self.args, self._model(), spec=self.fz_spec)
@@ -117,20 +114,42 @@ class Trainer(transformers.Trainer):
         """(optimizer steps to train, steps per epoch) as transformers counts them from the
         arguments, with fz's full steps (micro batch x accumulation x ranks)."""
         args = self.args
-        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
-        data = self.train_dataset
-        per_epoch = len(data) // per_step if data is not None and hasattr(data, "__len__") else None
+        per_epoch = data.steps_per_epoch(args, self.train_dataset) if self.train_dataset is not None else None
         if args.max_steps > 0:
             return args.max_steps, per_epoch
-        if data is None:  # evaluate() or predict() only: the schedule is never used
+        if self.train_dataset is None:  # evaluate() or predict() only: the schedule is never used
             return 1, None
         if not per_epoch:
             raise ConfigError("fz.hf.Trainer: set max_steps (the training set has no length, or fewer samples than "
-                              f"one step of {per_step})")
+                              f"the {max(1, args.world_size)} ranks)")
         return math.ceil(args.num_train_epochs * per_epoch), per_epoch
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
-        return cast(torch.Tensor, self.compute_loss(model, batch))
+        """transformers' training_step on one micro-batch, but for its backward: compute_loss with
+        the step's `num_items_in_batch`, and the division by the step's micro-batches where the
+        loss is a per-micro-batch mean (fz adds the micro-batches: Spec.accumulate="sum")."""
+        loss = cast(torch.Tensor, self.compute_loss(model, batch, num_items_in_batch=self._items))
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and self._items is not None) or self.compute_loss_func is not None
+        return loss if scaled else loss / self._micro_count
+
+    def _before_step(self, batches: fz.MicroBatches) -> None:
+        """What transformers' loop counts of a step before its forwards (fz/hf/counts.py)."""
+        self._items, self._micro_count = counts.num_items(self, batches), len(batches)
+        flos = float(self.current_flos) + sum(float(self.floating_point_ops(mb)) for mb in batches)
+        self.current_flos = flos  # type: ignore[assignment]  # transformers declares it int, adds floats
+        counts.track_input_tokens(self, batches)
+
+    def store_flos(self) -> None:
+        """transformers' store_flos, the ranks' flos summed by fz (bounded) rather than by a raw gather."""
+        flos = float(self.current_flos)
+        if self.fz_state is not None and self.args.world_size > 1:
+            flos = float(fz.sum_over_ranks(self.fz_state, flos))
+        self.state.total_flos += flos
+        self.current_flos = 0
 
     def fz_ready(self) -> fz.State:
         """The State, made on first use (before training too: evaluate() may come first)."""
@@ -139,7 +158,7 @@ class Trainer(transformers.Trainer):
             spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec,
                                   decay_names=self.get_decay_parameter_names(model))
             self._one_checkpointing(spec)
-            self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss))
+            self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss, accumulate="sum"))
         return self.fz_state
 
     def _one_checkpointing(self, spec: fz.Spec) -> None:
@@ -156,20 +175,25 @@ class Trainer(transformers.Trainer):
         return self.model
 
     def _train_loader(self) -> Any:
-        data = self.train_dataset
-        if data is None:
+        dataset = self.train_dataset
+        if dataset is None:
             raise ConfigError("fz.hf.Trainer.train() needs a train_dataset")
-        if data.__class__.__module__.startswith("datasets"):
-            data = self._remove_unused_columns(data, description="training")
+        if dataset.__class__.__module__.startswith("datasets"):
+            dataset = self._remove_unused_columns(dataset, description="training")
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return fz.data.loader(data, self.fz_ready(), micro_batch=self.args.per_device_train_batch_size,
-                              shuffle=_sampling(self.args) == "random" and hasattr(data, "__len__"),
-                              seed=seed, num_workers=self.args.dataloader_num_workers, collate_fn=collate)
+        return data.train_loader(self.args, dataset, self.fz_ready(), collate)
 
     # ---------------------------------------------------------------- the loop
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Nothing here: the loop restores fz's checkpoint (weights, optimizer, data position) itself."""
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+        """transformers' train(); `resume_from_checkpoint` (True: the last complete checkpoint-N of
+        output_dir) is checked first, an error listing the checkpoints there are if it is none."""
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = dirs.to_resume(resume_from_checkpoint, str(self.args.output_dir))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
                              resume_from_checkpoint: str | None = None, trial: Any = None,
@@ -194,32 +218,37 @@ class Trainer(transformers.Trainer):
         self._fz_losses: list[float] = []
         total_loss = 0.0
         log.info("fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s",
-                 max_steps, args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
-                 args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size,
-                 state.spec.explain().splitlines()[0] if hasattr(state.spec, "explain") else "")
+                 max_steps, self._samples_per_step(), args.per_device_train_batch_size,
+                 args.gradient_accumulation_steps, args.world_size, state.spec.explain().splitlines()[0])
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if getattr(args, "eval_on_start", False):
             self.evaluate(ignore_keys=ignore_keys_for_eval)
-        new_epoch = True
-        for batch in self._loader:
+        size = len(self._loader.dataset) if hasattr(self._loader.dataset, "__len__") else None
+        epoch = None
+        for batches in self._loader:
             if self.state.global_step >= max_steps or self.control.should_training_stop:
                 break
-            if new_epoch:
+            if epoch is not None and self._loader.epoch != epoch:
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._log_save_evaluate(trial, ignore_keys_for_eval)
+                if self.control.should_training_stop:
+                    break
+            if self._loader.epoch != epoch:
+                epoch = self._loader.epoch
                 self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-                new_epoch = False
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            self.fz_state, loss = fz.train_step(self.fz_state, batch)
-            value = float(loss)
+            self._before_step(batches)
+            self.fz_state, loss = fz.train_step(self.fz_state, batches)
+            value = self._logged(float(loss))
             self._fz_losses.append(value)
             total_loss += value
             self.state.global_step += 1
-            self.state.epoch = self.state.global_step / per_epoch if per_epoch else 0.0
+            self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
-            if per_epoch and self.state.global_step % per_epoch == 0:
-                new_epoch = True
-                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-                self._log_save_evaluate(trial, ignore_keys_for_eval)
+        if epoch is not None:  # as transformers ends an epoch, stopped early or not
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._log_save_evaluate(trial, ignore_keys_for_eval)
         steps = self.state.global_step - first
         metrics = speed_metrics("train", start, num_samples=steps * self._samples_per_step(), num_steps=steps)
         metrics["train_loss"] = total_loss / max(steps, 1)
@@ -230,6 +259,13 @@ class Trainer(transformers.Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _logged(self, value: float) -> float:
+        """A step's loss as transformers logs it: a NaN or inf (a skipped step) counts as the mean of
+        the losses since the last log (logging_nan_inf_filter)."""
+        if math.isfinite(value) or not self.args.logging_nan_inf_filter:
+            return value
+        return sum(self._fz_losses) / len(self._fz_losses) if self._fz_losses else 0.0
 
     def _samples_per_step(self) -> int:
         a = self.args
@@ -256,12 +292,17 @@ class Trainer(transformers.Trainer):
     # ---------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """`checkpoint-N/`: fz's checkpoint of the State with the data position, the trainer
-        state, config and tokenizer; older ones rotated out as save_total_limit says."""
+        state, config and tokenizer, written as `tmp-checkpoint-N/` and renamed when complete;
+        older ones rotated out as save_total_limit says."""
         run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        step = self.state.global_step
+        writes = self.args.should_save
+        if writes:
+            dirs.clear_staging(run_dir, step)  # a crashed save's leftovers; the others wait in fz.save's check-in
         state = self._loader.attach(self.fz_state) if self._loader is not None else self.fz_ready()
-        fz.save(state, os.path.join(folder, FZ_DIR), verbose=False)
-        if not self.args.should_save:
+        staging = dirs.staging_dir(run_dir, step)
+        fz.save(state, os.path.join(staging, FZ_DIR), verbose=False)
+        if not writes:
             return
         callbacks: Any = self.state.stateful_callbacks  # {class name: state, or a list of them}
         for cb in [*self.callback_handler.callbacks, self.control]:
@@ -274,40 +315,18 @@ class Trainer(transformers.Trainer):
                     callbacks[name] = cb.state()
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(folder)
+            config.save_pretrained(staging)
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(folder)
-        self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-        self._rotate(run_dir)
+            self.processing_class.save_pretrained(staging)
+        self.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
+        dirs.publish(run_dir, step)
+        dirs.rotate(run_dir, self.args.save_total_limit)
 
-    def _rotate(self, run_dir: str) -> None:
-        limit = self.args.save_total_limit
-        if not limit or limit <= 0:
-            return
-        found = []
-        for name in os.listdir(run_dir):
-            m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
-            if m and os.path.isdir(os.path.join(run_dir, name, FZ_DIR)):
-                found.append((int(m.group(1)), os.path.join(run_dir, name)))
-        for _, path in sorted(found)[:-limit]:
-            log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
-            shutil.rmtree(path, ignore_errors=True)
-
-    def _resume(self, state: fz.State, checkpoint: str | bool) -> fz.State:
-        if checkpoint is True:
-            checkpoint = get_last_checkpoint(self.args.output_dir)
-            if checkpoint is None:
-                raise ConfigError(f"fz.hf.Trainer: no checkpoint-N folder in {self.args.output_dir} to resume from")
-        ckpt = os.path.join(str(checkpoint), FZ_DIR)
-        if not os.path.isdir(ckpt):
-            raise ConfigError(f"fz.hf.Trainer: {checkpoint} holds no fz checkpoint ({FZ_DIR}/); it was not written by "
-                              "fz.hf.Trainer")
-        restored = fz.restore(state, ckpt, verbose=False)
+    def _resume(self, state: fz.State, checkpoint: str) -> fz.State:
+        restored = fz.restore(state, os.path.join(checkpoint, FZ_DIR), verbose=False)
         assert isinstance(restored, fz.State)
-        path = os.path.join(str(checkpoint), "trainer_state.json")
-        if os.path.isfile(path):
-            self.state = TrainerState.load_from_json(path)
-            self._load_callback_state()
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, dirs.STATE_FILE))
+        self._load_callback_state()
         self.state.global_step = int(restored.step)
         return restored
 
@@ -347,10 +366,32 @@ class Trainer(transformers.Trainer):
                 if name in own:
                     own[name].data.copy_(value.to(own[name].dtype))
 
+    def _check_in(self, call: str) -> None:
+        """A call every rank must make (it gathers from or averages over every rank): made on one
+        rank alone it fails in seconds, naming the call and the fix, instead of hanging."""
+        state = self.fz_ready()
+        if len(state.plan.ranks) == 1:
+            return
+        try:
+            fz.distributed.arrive(f"trainer.{call}()", state.plan.ranks, state.plan.rank)
+        except ConfigError as e:  # transformers' idiom for "on one rank", and why it is not needed here
+            raise ConfigError(str(e).replace(
+                "not under `if rank == 0:`", "not under `if trainer.is_world_process_zero():` (fz.hf writes files "
+                "on rank 0 only, and gathers the weights from every rank)")) from None
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._check_in("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_in("predict")
+        return super().predict(*args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A folder `from_pretrained` loads: config, sharded safetensors and their index, the
         tokenizer; gathered from the State one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
+        self._check_in("save_model")
         save_pretrained(self.fz_state, output_dir or str(self.args.output_dir), model=self._model(),
                         processing_class=self.processing_class)

@@ -10,9 +10,12 @@ transformers' own.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import transformers
+
+from fz.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -26,6 +29,14 @@ class TrainingArguments(transformers.TrainingArguments):
             _ = self._setup_devices  # cached now, while no DeepSpeed config is visible to Accelerate
         finally:
             self.deepspeed = config
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > 1 and self.world_size == 1:
+            raise ConfigError(
+                f"TrainingArguments: the launcher started {launched} processes, but transformers set each up to train "
+                f"alone (parallel_mode={self.parallel_mode.value}, device {self.device}): each would train on the "
+                "same data. " + ("On a machine without a GPU pass use_cpu=True (--use_cpu), so that the processes "
+                                 "train together over gloo." if self.device.type == "cpu" else
+                                 "Check that every process sees its GPU (CUDA_VISIBLE_DEVICES)."))
 
 
 def as_fz_arguments(args: Any) -> TrainingArguments:

@@ -1,0 +1,142 @@
+"""`checkpoint-N/` folders of fz.hf.Trainer: complete or absent, whatever crashes in between.
+
+A save writes everything (fz's checkpoint, then `trainer_state.json`, the config and the
+tokenizer) into `tmp-checkpoint-N/` and renames it to `checkpoint-N` last, so
+transformers' `get_last_checkpoint` (the highest `checkpoint-N`) never finds a half-written
+folder: a crash leaves only the `tmp-` folder, which the next save of that step clears. A
+step saved again (a run resumed from an earlier checkpoint) replaces the old folder only once
+the new one is complete. Resuming takes the highest complete folder; a path that is not one
+is an error listing the folders that are.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from fz.errors import ConfigError
+
+log = logging.getLogger(__name__)
+FZ_DIR = "fz"  # fz's checkpoint inside a checkpoint-N folder
+STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+STAGING = "tmp-"  # tmp-checkpoint-N: a save in progress (never matched by get_last_checkpoint)
+_NUMBERED = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+
+
+def staging_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, f"{STAGING}{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def clear_staging(run_dir: str, step: int) -> None:
+    """Before a save, on the rank that writes: what a crashed save of this step left."""
+    shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+
+
+def publish(run_dir: str, step: int) -> str:
+    """The complete `tmp-checkpoint-N` renamed to `checkpoint-N` (an older one replaced only then)."""
+    staging, final = staging_dir(run_dir, step), os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    _fsync_tree(staging)
+    old = None
+    if os.path.exists(final):
+        old = f"{staging}.replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)  # the complete old copy stays until the new one is in place
+    os.rename(staging, final)
+    _fsync(run_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return (folder / FZ_DIR).is_dir() and (folder / STATE_FILE).is_file()
+
+
+def numbered(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(N, path) of every `checkpoint-N` folder in `run_dir`, by N."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for p in run_dir.iterdir():
+        m = _NUMBERED.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def rotate(run_dir: str, limit: int | None) -> None:
+    """Keep the newest `limit` complete checkpoints (save_total_limit)."""
+    if not limit or limit <= 0:
+        return
+    done = [p for _, p in numbered(run_dir) if complete(p)]
+    for path in done[:-limit]:
+        log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def to_resume(checkpoint: str | bool, output_dir: str) -> str:
+    """The folder `resume_from_checkpoint` names: with True the highest complete `checkpoint-N` of
+    `output_dir`; a path must be a complete fz.hf.Trainer checkpoint. Else a ConfigError listing
+    the ones there are."""
+    if checkpoint is True:
+        found = numbered(output_dir)
+        done = [(n, p) for n, p in found if complete(p)]
+        for n, p in found:
+            if not complete(p) and (not done or n > done[-1][0]):
+                log.warning("fz.hf.Trainer: %s is incomplete (no %s or %s/); resuming from an earlier one", p,
+                            STATE_FILE, FZ_DIR)
+        if not done:
+            raise ConfigError(f"fz.hf.Trainer: resume_from_checkpoint=True, but {output_dir} holds no complete "
+                              f"checkpoint-N folder{_listing(output_dir)}")
+        return str(done[-1][1])
+    folder = Path(str(checkpoint))
+    if complete(folder):
+        return str(folder)
+    if not folder.is_dir():
+        why = "does not exist"
+    elif (folder / STATE_FILE).is_file():
+        why = f"holds no fz checkpoint ({FZ_DIR}/): it was not written by fz.hf.Trainer"
+    else:
+        why = f"is not a complete fz.hf.Trainer checkpoint (no {STATE_FILE}" + \
+              ("" if (folder / FZ_DIR).is_dir() else f", no {FZ_DIR}/") + ")"
+    places = [str(folder)] + ([output_dir] if Path(output_dir).resolve() != folder.resolve() else [])
+    listed = "".join(_listing(p) for p in places) or " (no checkpoint-N folders in " + " or ".join(places) + ")"
+    raise ConfigError(f"fz.hf.Trainer: resume_from_checkpoint={str(checkpoint)!r} {why}; pass a checkpoint-N "
+                      f"folder, or resume_from_checkpoint=True for the last one{listed}")
+
+
+def _listing(run_dir: str | Path) -> str:
+    found = numbered(run_dir)
+    if not found:
+        return ""
+    shown = ", ".join(f"{p.name}{'' if complete(p) else ' (incomplete)'}" for _, p in found[-8:])
+    return f"; {run_dir} has: {shown}"
+
+
+def _fsync(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """The small files the Trainer wrote (fz's checkpoint fsyncs its own) on disk before the rename."""
+    for folder, dirs, files in os.walk(root):
+        if folder == root and FZ_DIR in dirs:
+            dirs.remove(FZ_DIR)
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)

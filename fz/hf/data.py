@@ -1,0 +1,81 @@
+"""The training data of `fz.hf.Trainer`, in the order and micro-batches transformers' Trainer reads.
+
+transformers' Trainer reads its training set through accelerate: a `SeedableRandomSampler`
+(epoch e is `torch.randperm(n)` from a generator seeded with seed + e) or a sequential one,
+cut into batches of `per_device_train_batch_size` that go to the ranks in turn, each collated
+on its own; `gradient_accumulation_steps` of them make a step, and an epoch's last step takes
+what is left, its last micro-batch filled up with the epoch's first samples (`even_batches`).
+`fz.data.loader(..., split=True)` reads the same samples into the same micro-batches
+(fz/data/order.py, checked against accelerate in tests/unit/test_data_split.py) and keeps the
+position in the State, so a resume continues at the exact next sample at any world size.
+`dataloader_drop_last` keeps only whole micro-batches, as in transformers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+import fz
+from fz.data import Layout
+
+
+@dataclass(frozen=True)
+class TorchOrder:
+    """accelerate's SeedableRandomSampler: epoch e is randperm(n) seeded with seed + e (picklable,
+    for the loader's workers)."""
+
+    seed: int
+
+    def __call__(self, epoch: int, size: int) -> torch.Tensor:
+        return torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+def sampling(args: Any) -> str:
+    """The training data order transformers would use ("group_by_length" was a flag before 5.0)."""
+    if getattr(args, "group_by_length", False):
+        return "group_by_length"
+    return str(getattr(args, "train_sampling_strategy", "random"))
+
+
+def data_seed(args: Any) -> int:
+    """The sampler's seed: data_seed, else seed (transformers' Trainer seeds torch with it first)."""
+    return int(args.data_seed if args.data_seed is not None else args.seed)
+
+
+def layout(args: Any) -> Layout:
+    """This rank's share of each step: per_device_train_batch_size x gradient_accumulation_steps rows
+    in micro-batches of their own; an epoch's last, smaller step is trained."""
+    micro = int(args.per_device_train_batch_size)
+    world = max(1, int(args.world_size))
+    rank = int(args.process_index) if world > 1 else 0
+    drop: Literal["micro_batch"] | bool = "micro_batch" if args.dataloader_drop_last else False
+    return Layout(micro * int(args.gradient_accumulation_steps), world, rank, drop, micro)
+
+
+def steps_per_epoch(args: Any, dataset: Any) -> int | None:
+    """Optimizer steps in one epoch of `dataset` (None: it has no length)."""
+    return layout(args).steps_in(len(dataset)) if hasattr(dataset, "__len__") else None
+
+
+def epoch_progress(args: Any, position: dict[str, Any], size: int | None) -> float:
+    """transformers' `state.epoch` after a step: the epoch plus the share of its micro-batches done."""
+    epoch, index = int(position["epoch"]), int(position["index"])
+    if not size:
+        return float(epoch)
+    lay = layout(args)
+    whole = lay.world * int(args.per_device_train_batch_size)  # samples of one micro-batch of every rank
+    kept = size - (size % lay.global_rows) + lay.take(size % lay.global_rows)
+    done = min(index, kept)
+    return epoch + math.ceil(done / whole) / math.ceil(kept / whole)
+
+
+def train_loader(args: Any, dataset: Any, state: fz.State, collate: Any) -> fz.data.Loader:
+    """The loader of MicroBatches fz.hf.Trainer trains on (starting where `state.data` says)."""
+    lay = layout(args)
+    shuffle = sampling(args) == "random" and hasattr(dataset, "__len__")
+    return fz.data.loader(dataset, state, micro_batch=int(args.per_device_train_batch_size), shuffle=shuffle,
+                          seed=data_seed(args), num_workers=int(args.dataloader_num_workers), collate_fn=collate,
+                          drop_last=lay.drop_last, split=True, order=TorchOrder(data_seed(args)) if shuffle else None)

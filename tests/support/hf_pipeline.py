@@ -1,0 +1,175 @@
+"""A Hugging Face training script as people write it (issue 39), made here without downloads: a
+word-level tokenizer, texts of 3-19 words, a tiny Llama, transformers' own collators, a
+DeepSpeed dict with "auto" values. The rank functions of tests/multirank/test_hf_trainer_pipeline.py
+run it on fz.hf.Trainer (world 2) and on transformers.Trainer (world 1, the same global batch)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+WORDS, TEXTS = 60, 44  # 44 samples: an epoch of 16-sample steps ends with a step of 12
+
+
+def tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": 4 + i for i in range(WORDS)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def texts(n: int = TEXTS, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(3, 20, (1,), generator=g))
+        out.append(" ".join(f"w{int(i)}" for i in torch.randint(0, WORDS, (length,), generator=g)))
+    return out
+
+
+def causal_lm_data(kind: str = "lm") -> list[dict[str, Any]]:
+    """Tokenized texts (lists, unpadded) for a causal LM: "lm" for DataCollatorForLanguageModeling,
+    "seq2seq" with labels = input_ids for DataCollatorForSeq2Seq, "classes" with a label per text."""
+    tk = tokenizer()
+    rows = []
+    for i, text in enumerate(texts()):
+        row = dict(tk(text))
+        if kind == "seq2seq":
+            row["labels"] = list(row["input_ids"])
+        elif kind == "classes":
+            row["labels"] = i % 3
+        rows.append(row)
+    return rows
+
+
+def llama(classes: bool = False) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4 + WORDS, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                      num_labels=3)
+    return LlamaForSequenceClassification(cfg) if classes else LlamaForCausalLM(cfg)
+
+
+def collator(kind: str) -> Any:
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
+    if kind == "lm":
+        return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    if kind == "seq2seq":
+        return DataCollatorForSeq2Seq(tokenizer())
+    return None  # "classes": the Trainer's default with processing_class=tokenizer, DataCollatorWithPadding
+
+
+def deepspeed(stage: int) -> dict[str, Any]:
+    """A ZeRO config with "auto" values and no optimizer or scheduler section: the Trainer's own
+    (AdamW, linear warmup and decay) then train, under DeepSpeed too, as in plain transformers."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
+
+
+def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int | None = None, world: int = 1,
+        **kw: Any) -> dict[str, Any]:
+    """One training run; what it logged, its final weights and counters. The global batch is 4 x accum:
+    per device 4 / world."""
+    import transformers
+
+    import fz.hf
+    trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
+                             (transformers.Trainer, transformers.TrainingArguments))
+    settings: dict[str, Any] = dict(
+        output_dir=out, per_device_train_batch_size=4 // world, gradient_accumulation_steps=accum,
+        num_train_epochs=1, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, lr_scheduler_type="linear",
+        logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
+        train_sampling_strategy="sequential")
+    if stage is not None:
+        settings["deepspeed"] = deepspeed(stage)
+    settings.update(kw)
+    trainer = trainer_cls(model=llama(kind == "classes"), args=args_cls(**settings),
+                          train_dataset=causal_lm_data(kind), data_collator=collator(kind),
+                          processing_class=tokenizer() if kind == "classes" else None)
+    result = trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "epochs": [h["epoch"] for h in logs],
+            "lrs": [h["learning_rate"] for h in logs], "norms": [h.get("grad_norm") for h in logs],
+            "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "train_loss": result.training_loss, "total_flos": trainer.state.total_flos,
+            "tokens_seen": trainer.state.num_input_tokens_seen, "steps": trainer.state.global_step}
+
+
+RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
+    "lm_ga1_z2": ("lm", 1, 2, {}), "lm_ga4_z2": ("lm", 4, 2, {}),
+    "lm_ga1_z3": ("lm", 1, 3, {}), "lm_ga4_z3": ("lm", 4, 3, {}),
+    "random_ga2_z3": ("lm", 2, 3, {"train_sampling_strategy": "random", "seed": 5}),
+    "lm_z0": ("lm", 2, 0, {"include_num_input_tokens_seen": "non_padding"}),
+    "seq2seq_z0": ("seq2seq", 2, 0, {}), "seq2seq_z3": ("seq2seq", 2, 3, {}),
+    "classes_z0": ("classes", 2, 0, {}), "classes_z3": ("classes", 2, 3, {}),
+}
+
+
+# transformers' own loss for these depends on the world size (LlamaForSequenceClassification takes
+# num_items_in_batch but its loss does not use it, and compute_loss still multiplies by the ranks):
+# they are compared with transformers' Trainer at world 2 (DDP over gloo), in the same processes
+AT_WORLD_2 = ("classes",)
+
+
+def reference_key(name: str) -> str:
+    """The transformers run a fz run compares with (it has no ZeRO stage)."""
+    kind, accum, _, extra = RUNS[name]
+    return f"{kind}_ga{accum}_{extra.get('train_sampling_strategy', 'sequential')}"
+
+
+def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Every run of RUNS on fz.hf.Trainer (and transformers' at this world size where AT_WORLD_2),
+    then the calls one rank makes alone."""
+    res = {}
+    for name, (kind, accum, stage, extra) in RUNS.items():
+        res[name] = run(os.path.join(out, name), True, kind=kind, accum=accum, stage=stage, world=world, **extra)
+        key = reference_key(name)
+        if kind in AT_WORLD_2 and key not in res:
+            res[key] = run(os.path.join(out, "ddp-" + key), False, kind=kind, accum=accum, world=world, **extra)
+    res["one_rank"] = one_rank_calls(rank, out)
+    return res
+
+
+def reference_runs(rank: int, world: int, out: str) -> dict[str, Any]:
+    res = {}
+    for name, (kind, accum, _, extra) in RUNS.items():
+        key = reference_key(name)
+        if key not in res and kind not in AT_WORLD_2:
+            res[key] = run(os.path.join(out, "ref-" + key), False, kind=kind, accum=accum, **extra)
+    return res
+
+
+def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
+    """save_model on rank 0 alone (under `if trainer.is_world_process_zero():`), evaluate on rank 1
+    alone; each error's text and how long it took; then a resume from a folder that is not a checkpoint."""
+    import time
+
+    import fz
+    import fz.hf
+    args = fz.hf.TrainingArguments(output_dir=os.path.join(out, "one"), per_device_train_batch_size=2,
+                                   max_steps=2, use_cpu=True, report_to=[], save_strategy="steps", save_steps=1,
+                                   deepspeed=deepspeed(3), disable_tqdm=True)
+    trainer = fz.hf.Trainer(model=llama(), args=args, train_dataset=causal_lm_data(),
+                            data_collator=collator("lm"), eval_dataset=causal_lm_data()[:8])
+    trainer.train()
+    got: dict[str, Any] = {}
+    for call, who in (("save_model", 0), ("evaluate", 1)):
+        start = time.monotonic()
+        try:
+            if rank == who:
+                getattr(trainer, call)()
+            else:
+                fz.distributed.arrive("test/elsewhere", trainer.fz_state.plan.ranks, rank)  # busy in another call
+        except fz.ConfigError as e:
+            got[call] = (str(e), time.monotonic() - start)
+        fz.distributed.arrive(f"test/after/{call}", trainer.fz_state.plan.ranks, rank)  # both done with it
+    try:
+        trainer.train(resume_from_checkpoint=os.path.join(out, "one", "runs"))
+    except fz.ConfigError as e:
+        got["resume"] = str(e)
+    return got
