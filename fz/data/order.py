@@ -13,7 +13,8 @@ Split into micro-batches (`micro`, the loader's `split=True`), micro-batch i of 
 the step's samples [i * world * micro, (i + 1) * world * micro) and rank r the r-th `micro` of
 them, as accelerate shards transformers' Trainer's batches. An epoch's last, smaller step has
 as many micro-batches as its samples start, and its last one is filled up with the epoch's
-first samples, as accelerate's `even_batches` fills it (every rank needs its rows), unless
+first samples, as accelerate's `even_batches` fills it (every rank needs its rows; one
+process keeps it short, as accelerate, which then does not shard), unless
 `drop_last="micro_batch"` leaves it out (transformers' dataloader_drop_last).
 """
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Layout:
     def filled(self, take: int) -> int:
         """The samples a step of `take` holds: with split micro-batches, whole ones (the last filled
         up with the epoch's first samples); else `take`."""
-        if self.micro is None:
+        if self.micro is None or self.world == 1:  # one process: accelerate does not shard, the last one is short
             return take
         whole = self.world * self.micro
         return -(-take // whole) * whole
@@ -73,7 +74,7 @@ class Layout:
         step continues with the epoch's first samples (see the module)."""
         assert self.micro is not None
         whole = self.world * self.micro
-        return [(start + self.rank * self.micro, start + (self.rank + 1) * self.micro)
+        return [(start + self.rank * self.micro, min(start + (self.rank + 1) * self.micro, self.filled(take)))
                 for start in range(0, take, whole)]
 
     def share(self, take: int) -> tuple[int, int]:

@@ -4,7 +4,8 @@ transformers' Trainer reads its training set through accelerate: a `SeedableRand
 (epoch e is `torch.randperm(n)` from a generator seeded with seed + e) or a sequential one,
 cut into batches of `per_device_train_batch_size` that go to the ranks in turn, each collated
 on its own; `gradient_accumulation_steps` of them make a step, and an epoch's last step takes
-what is left, its last micro-batch filled up with the epoch's first samples (`even_batches`).
+what is left, its last micro-batch filled up with the epoch's first samples on several ranks
+(`even_batches`; one process, which accelerate does not shard, trains it short).
 `fz.data.loader(..., split=True)` reads the same samples into the same micro-batches
 (fz/data/order.py, checked against accelerate in tests/unit/test_data_split.py) and keeps the
 position in the State, so a resume continues at the exact next sample at any world size.

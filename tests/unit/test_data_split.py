@@ -22,9 +22,11 @@ def steps(n: int, world: int, rank: int, micro: int, accum: int, drop_last: bool
 
 
 def accelerate_steps(n: int, world: int, rank: int, micro: int, accum: int, drop_last: bool = False):
-    """What accelerate's BatchSamplerShard (transformers' Trainer, even_batches) gives this rank, by step."""
+    """What accelerate's BatchSamplerShard (transformers' Trainer, even_batches) gives this rank, by step
+    (one process: the batch sampler itself, which accelerate's prepare_data_loader does not shard)."""
     sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(n)), micro, drop_last)
-    batches = list(accelerate_data.BatchSamplerShard(sampler, num_processes=world, process_index=rank))
+    shard = accelerate_data.BatchSamplerShard(sampler, num_processes=world, process_index=rank) if world > 1 else sampler
+    batches = list(shard)
     return [batches[i:i + accum] for i in range(0, len(batches), accum)]
 
 
@@ -56,7 +58,7 @@ def test_loader_split_yields_micro_batches_collated_apart():
     assert all(isinstance(s, fz.MicroBatches) for s in got)
     assert [len(s) for s in got] == [2, 2, 1]  # 9 samples: two steps of 4, then one micro-batch
     assert [tuple(b.shape) for b in got[0]] == [(2, 2), (2, 3)]  # each micro-batch padded to its own longest
-    assert got[2][0].tolist() == [[8, 8, 8], [0, -1, -1]]  # filled up with the epoch's first sample
+    assert got[2][0].tolist() == [[8, 8, 8]]  # one process: short, as transformers' (more fill from the start)
 
 
 def test_transformers_order_is_accelerates_seedable_random_sampler():

@@ -397,3 +397,20 @@ def test_the_trainer_names_every_setting_it_cannot_honour_at_construction(tmp_pa
     named = [line.split(":")[0] for line in lines[1:]]
     assert named == ["- load_best_model_at_end=True", "- torch_compile=True", "- torch_compile_backend='inductor'",
                      "- neftune_noise_alpha=5.0", "- optim='adamw_8bit'"], lines
+
+
+def test_processes_launched_together_without_use_cpu_on_a_cpu_machine_name_the_fix(tmp_path):
+    """Under torchrun on a machine without a GPU, transformers sets each process up alone unless
+    use_cpu=True: fz.hf says so at once instead of training each on the same data."""
+    import os
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: transformers sets the processes up together")
+    script = tmp_path / "train.py"
+    script.write_text("import fz.hf\nfz.hf.TrainingArguments(output_dir='unused', report_to=[])\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(torchrun, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "use_cpu=True (--use_cpu)" in done.stderr and "started 2 processes" in done.stderr, done.stderr[-2000:]
