@@ -5,12 +5,16 @@ DeepSpeed's `save_checkpoint(save_dir)` writes `save_dir/latest` (the tag) and
 `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (ZeRO 3), and one
 `[bf16_|fp16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank. Model-parallel
 (`mp_rank_01`...) and pipeline (`layer_NN-model_states.pt`) checkpoints are refused: their
-tensors are slices of a model fz would have to merge, which it does not.
+tensors are slices of a model fz would have to merge, which it does not. Every file is opened
+with `open_regular`: a FIFO would hang the read, a device never ends.
 """
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from fz.ckpt import signing
 from fz.errors import CheckpointError
@@ -18,6 +22,21 @@ from fz.errors import CheckpointError
 MODEL = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def open_regular(file: Path, what: str = "checkpoint file") -> BinaryIO:
+    """`file` opened for reading if it is a regular file; a FIFO, device or socket is refused
+    without blocking (opened non-blocking, checked with fstat)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{what} {file} cannot be read ({e.strerror or e})") from e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise CheckpointError(f"{what} {file} is {kind}, not a regular file: not read")
+    return os.fdopen(fd, "rb")
 
 
 def is_deepspeed(path: Path) -> bool:
