@@ -11,7 +11,8 @@ builds the value on its own stack, so it decides what every opcode may do, where
   a persistent id goes to `storage`. Any other opcode (INST, OBJ, EXT*, sets, buffers...) is
   refused: so no opcode can change a storage or tensor once made, nor a table entry (BUILD of
   an OrderedDict, a state_dict's `_metadata`, is dropped unread).
-The value is then bounded by the pickle's own size: no cycles, at most MAX_DEPTH levels of
+At most MAX_OPS opcodes are read (time and memory: each can make a Python object of ~60
+bytes). The value is then bounded by the pickle's own size: no cycles, at most MAX_DEPTH levels of
 nesting, at most EXPANSION elements per pickle byte counting every shared reference each
 time it is reached (a 600-byte pickle of lists that hold the one before twice stands for
 2**30 elements, which any later walk of it would visit), and only data as leaves.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_DEPTH = 100  # levels of nesting: DeepSpeed's files nest about 6
+MAX_OPS = 1 << 24  # opcodes: ~30 s and ~1 GB of Python objects at most; a tensor's record is ~20
 EXPANSION = 4  # elements per pickle byte, shared references counted each time: DeepSpeed's files have 0.3
 _SLACK = 1 << 12  # elements a tiny pickle may always hold
 _MAX_KEY = 1 << 61  # int keys hash to themselves below this: no two collide
@@ -207,7 +209,9 @@ def parse(data: bytes, names: Callable[[str, str], Any], storage: Callable[[Any]
     """The value the pickle `data` describes, built as the module docstring says; `leaves`: the
     types besides plain data (and DSObjects) that the value may hold."""
     m = _Machine(names, storage)
-    for op, arg, _ in pickletools.genops(data):
+    for n, (op, arg, _) in enumerate(pickletools.genops(data)):
+        if n >= MAX_OPS:
+            raise Refused(f"a pickle of more than {MAX_OPS} opcodes, which no checkpoint's metadata needs")
         if op.name == "STOP":
             value = m.pop()
             if m.stack or m.marks:

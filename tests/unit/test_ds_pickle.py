@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fz.ckpt import ds_pickle
+from fz.ckpt import ds_opcodes, ds_pickle
 from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
 from fz.errors import CheckpointError
 
@@ -170,6 +170,21 @@ def test_opcodes_beyond_plain_data_are_refused(tmp_path: Path, ops: bytes, cause
     with pytest.raises(CheckpointError) as e:
         ds_pickle.load(f)
     assert f"checkpoint file {f}" in str(e.value) and cause in str(e.value), str(e.value)
+
+
+def test_the_opcodes_read_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pickle of more opcodes than MAX_OPS (each can make an object) is refused when it gets there."""
+    f = tmp_path / "long.pt"
+    shutil.copy(DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt", f)
+    _poison(f, b"\x80\x02" + b"]" * 50 + b"a" * 49 + b".")  # 101 opcodes: PROTO, 50 lists, 49 APPENDs, STOP
+    monkeypatch.setattr(ds_opcodes, "MAX_OPS", 100)
+    with pytest.raises(CheckpointError, match=f"{f} is damaged .*a pickle of more than 100 opcodes"):
+        ds_pickle.load(f)
+    monkeypatch.setattr(ds_opcodes, "MAX_OPS", 101)
+    want: list = []
+    for _ in range(49):
+        want = [want]
+    assert ds_pickle.load(f) == want  # within the bound: read
 
 
 def test_a_storage_resolves_only_inside_its_own_archive(tmp_path: Path) -> None:
