@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fz.ckpt import ds_files, ds_layout, ds_pickle
+from fz.ckpt import ds_files, ds_layout, ds_pickle, ds_ranks
 from fz.ckpt.ds_layout import Piece
 from fz.ckpt.ds_pickle import DSObject, Lazy
 from fz.ckpt.weights import CHUNK_BYTES
@@ -35,7 +35,10 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _shape(s: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in s)
+    out = tuple(int(d) for d in s)
+    if any(d < 0 for d in out):
+        raise ValueError(f"a shape with a negative dimension: {out}")
+    return out
 
 
 def _plain(x: Any) -> Any:
@@ -58,10 +61,45 @@ class DeepSpeedCheckpoint:
         self.path, self.tag = ds_files.resolve(Path(path), tag)
         ds_files.refuse_parallel(self.path)
         self._model_file = ds_files.model_file(self.path)
-        m = ds_pickle.load(self._model_file)
+        m = self._load(self._model_file)
         if not isinstance(m, dict) or not isinstance(m.get("module"), dict):
             raise CheckpointError(f"{self._model_file} is not a DeepSpeed model-states file (no 'module' state dict)")
         self._m, self._module = m, m["module"]
+        try:
+            self._fields(m)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{self._model_file} is not a DeepSpeed model-states file fz reads "
+                                  f"({type(e).__name__}: {e})") from e
+        try:
+            if self._universal:
+                self._read_universal()
+            elif self._optim:
+                self._read_zero(*self._optim)
+            else:
+                self._read_stage0()
+            self._tied()
+            for by_name in self._pieces.values():
+                for name, pieces in by_name.items():
+                    ds_layout.check(name, pieces, math.prod(self._shape_of(name)))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"DeepSpeed checkpoint {self.path} does not have the layout fz reads "
+                                  f"({type(e).__name__}: {e})") from e
+        self.loss_scale: float | None = None
+        if self.precision == "fp16" and self.loss_scaler is not None:
+            self.loss_scale = float(self.loss_scaler.get("cur_scale", 0.0))
+        log.debug("DeepSpeed checkpoint %s: stage %d, world %d, %s, %d params", self.path, self.stage, self.world,
+                  self.precision, len(self.params))
+
+    def _load(self, file: Path) -> Any:
+        """One file of the tag folder, parsed (ds_pickle); a file leading outside the folder is refused."""
+        return ds_pickle.load(ds_files.inside(self.path, file))
+
+    def _fields(self, m: dict) -> None:
+        """The model-states file's own fields (the step, the config, the buffers...)."""
         dims = m.get("checkpoint_parallel_dimensions") or {}
         if int(m.get("mp_world_size") or 1) > 1 or any(int(v or 1) > 1 for v in dims.values()):
             raise CheckpointError(f"{self._model_file} was written with model or pipeline parallelism "
@@ -87,29 +125,9 @@ class DeepSpeedCheckpoint:
         self._pieces: dict[str, dict[str, list[Piece]]] = {}  # kind -> name -> pieces
         self._universal = (self.path / "zero").is_dir()
         prefix, optim = ds_files.optim_files(self.path)
+        self._optim = (prefix, optim) if optim else None
         self.stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
         self.precision = self._precision(prefix)
-        try:
-            if self._universal:
-                self._read_universal()
-            elif optim:
-                self._read_zero(prefix, optim)
-            else:
-                self._read_stage0()
-            self._tied()
-            for by_name in self._pieces.values():
-                for name, pieces in by_name.items():
-                    ds_layout.check(name, pieces, math.prod(self._shape_of(name)))
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"DeepSpeed checkpoint {self.path} does not have the layout fz reads "
-                                  f"({type(e).__name__}: {e})") from e
-        self.loss_scale: float | None = None
-        if self.precision == "fp16" and self.loss_scaler is not None:
-            self.loss_scale = float(self.loss_scaler.get("cur_scale", 0.0))
-        log.debug("DeepSpeed checkpoint %s: stage %d, world %d, %s, %d params", self.path, self.stage, self.world,
-                  self.precision, len(self.params))
 
     def _precision(self, prefix: str) -> str:
         cfg = self.ds_config or {}
@@ -124,15 +142,16 @@ class DeepSpeedCheckpoint:
     # --- layouts -------------------------------------------------------------------------------------------
     def _read_zero(self, prefix: str, optim: dict[int, Path]) -> None:
         first = ds_files.need(self.path, [ds_files.optim_name(prefix, 0)], "rank 0's optimizer states")[0]
-        osd0 = ds_pickle.load(first)["optimizer_state_dict"]
+        top0 = self._load(first)
+        osd0 = top0["optimizer_state_dict"]
         count = osd0.get("partition_count", len(optim))
-        self.world = max(count) if isinstance(count, list) else int(count)
-        files = ds_files.need(self.path, [ds_files.optim_name(prefix, r) for r in range(self.world)],
-                              f"the checkpoint was written by {self.world} ranks")
-        if len(optim) > self.world:
-            raise CheckpointError(f"DeepSpeed checkpoint {self.path} has {len(optim)} optimizer files but its "
-                                  f"partition_count is {self.world}: files of another run in the same tag?")
-        osds = [osd0] + [ds_pickle.load(f)["optimizer_state_dict"] for f in files[1:]]
+        self.world = max(int(c) for c in count) if isinstance(count, list) else int(count)
+        self._counted = f"{first}'s partition_count says"
+        files = ds_files.ranks(self.path, optim, self.world, lambda r: ds_files.optim_name(prefix, r), self._counted)
+        tops = [top0] + [self._load(f) for f in files[1:]]
+        ds_ranks.same_run([self._model_file, first], [ds_ranks.model(self._m), ds_ranks.optim(top0)])
+        ds_ranks.same_run(files, [ds_ranks.optim(t) for t in tops])
+        osds = [t["optimizer_state_dict"] for t in tops]
         self.loss_scaler = _plain(osd0.get("loss_scaler"))
         if "zero_stage" not in osd0:  # BF16_Optimizer (bf16 without ZeRO): fragments named per rank
             self.stage = 0
@@ -187,9 +206,11 @@ class DeepSpeedCheckpoint:
         shapes = self._m.get("frozen_param_shapes") or {}
         if not shapes:
             return
-        files = ds_files.need(self.path, [ds_files.zero3_model_name(r) for r in range(self.world)],
-                              f"ZeRO-3 model states of {self.world} ranks")
-        frags = [self._m["frozen_param_fragments"]] + [ds_pickle.load(f)["frozen_param_fragments"] for f in files[1:]]
+        files = ds_files.ranks(self.path, ds_files.zero3_model_files(self.path), self.world,
+                               ds_files.zero3_model_name, self._counted)
+        models = [self._m] + [self._load(f) for f in files[1:]]
+        ds_ranks.same_run(files, [ds_ranks.model(m) for m in models])
+        frags = [m["frozen_param_fragments"] for m in models]
         for name, shape in shapes.items():
             self.frozen[str(name)] = _shape(shape)
             self._pieces["fp32"][str(name)] = ds_layout.fragments([f[name] for f in frags], math.prod(_shape(shape)))
@@ -264,13 +285,16 @@ class DeepSpeedCheckpoint:
         if shapes:
             self.params = {str(k): _shape(v) for g in shapes for k, v in g.items()}
         else:
-            self.params = {p.name: ds_pickle.load(p / "fp32.pt")["param"].shape for p in sorted(zero.iterdir())}
+            self.params = {p.name: self._load(p / "fp32.pt")["param"].shape for p in sorted(zero.iterdir())}
         for name in self.params:
+            if name in ("", ".", "..") or Path(name).name != name:
+                raise CheckpointError(f"{self._model_file} names a parameter {name!r}, which is not a folder name of "
+                                      f"{zero}: not read")
             ds_files.need(zero / name, ["fp32.pt"], f"the universal checkpoint's master of {name}")
         some = zero / next(iter(self.params))
         self.moments = tuple(k for k in _MOMENTS if (some / f"{k}.pt").is_file())
         if (some / "step.pt").is_file():
-            self.optimizer_step = int(_plain(ds_pickle.load(some / "step.pt")))
+            self.optimizer_step = int(_plain(self._load(some / "step.pt")))
         self._frozen_module(self._m.get("frozen_param_fragments"))
 
     def _tied(self) -> None:
@@ -290,7 +314,7 @@ class DeepSpeedCheckpoint:
     def _pieces_of(self, name: str, kind: str) -> list[Piece]:
         if self._universal and name in self.params:
             f = self.path / "zero" / name / f"{kind}.pt"
-            t = ds_pickle.load(ds_files.need(f.parent, [f.name], f"{kind} of {name}")[0])
+            t = self._load(ds_files.need(f.parent, [f.name], f"{kind} of {name}")[0])
             return ds_layout.whole(t["param"] if isinstance(t, dict) else t)
         return self._pieces[kind][name]
 

@@ -6,11 +6,22 @@ DeepSpeed's `save_checkpoint(save_dir)` writes `save_dir/latest` (the tag) and
 `[bf16_|fp16_]zero_pp_rank_R_mp_rank_00_optim_states.pt` per data-parallel rank. Model-parallel
 (`mp_rank_01`...) and pipeline (`layer_NN-model_states.pt`) checkpoints are refused: their
 tensors are slices of a model fz would have to merge, which it does not.
+
+A downloaded checkpoint is not trusted: `latest` must name a tag folder inside the save_dir
+(DeepSpeed follows it anywhere, an absolute path or `../other_run`; an explicit `tag=` still
+may point elsewhere), every file read must lie inside the tag folder (a symlink out of it is
+refused) and be a regular file (a FIFO would hang the read, a device never ends), and the
+rank count a file states is checked against the files that exist before any list of names
+is made from it.
 """
 from __future__ import annotations
 
+import os
 import re
+import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from fz.ckpt import signing
 from fz.errors import CheckpointError
@@ -18,12 +29,49 @@ from fz.errors import CheckpointError
 MODEL = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MAX_LATEST = 4096  # a tag name; a longer `latest` is not DeepSpeed's
+
+
+def open_regular(file: Path, what: str = "checkpoint file") -> BinaryIO:
+    """`file` opened for reading if it is a regular file; a FIFO, device or socket is refused
+    without blocking (opened non-blocking, checked with fstat)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{what} {file} cannot be read ({e.strerror or e})") from e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise CheckpointError(f"{what} {file} is {kind}, not a regular file: not read")
+    return os.fdopen(fd, "rb")
+
+
+def inside(folder: Path, file: Path) -> Path:
+    """`file`, refused unless it (symlinks followed) lies inside `folder`."""
+    real, root = file.resolve(), folder.resolve()
+    if not real.is_relative_to(root):
+        raise CheckpointError(f"checkpoint file {file} leads to {real}, outside the checkpoint folder {root} "
+                              "(a symlink or a name with '..'): not read")
+    return file
+
+
+def _latest(path: Path) -> str:
+    """The tag `path/latest` names (its text, stripped: at most _MAX_LATEST bytes)."""
+    with open_regular(path / "latest", "DeepSpeed's `latest` file") as fh:
+        raw = fh.read(_MAX_LATEST + 1)
+    if len(raw) > _MAX_LATEST:
+        raise CheckpointError(f"{path / 'latest'} is over {_MAX_LATEST} bytes: not a tag name (pass tag=...)")
+    return raw.decode("utf-8", "replace").strip()
 
 
 def is_deepspeed(path: Path) -> bool:
     """A DeepSpeed save_dir (with `latest` naming a tag folder of model states) or a tag folder."""
     if (path / "latest").is_file() and not (path / "fz.json").exists():
-        tag = (path / "latest").read_text(errors="replace").strip()
+        try:
+            tag = _latest(path)
+        except CheckpointError:
+            return False
         return bool(tag) and _is_tag(path / tag)
     return _is_tag(path)
 
@@ -52,13 +100,26 @@ def resolve(path: Path, tag: str | None) -> tuple[Path, str]:
         if not latest.is_file():
             raise CheckpointError(f"{path} is not a DeepSpeed checkpoint: no `latest` file and no "
                                   "*_model_states.pt (pass the tag folder, or tag=...)")
-        tag = latest.read_text(errors="replace").strip()
+        tag = latest_tag(path)
     folder = path / tag
     if not _is_tag(folder):
         tags = sorted(p.name for p in path.iterdir() if _is_tag(p)) if path.is_dir() else []
         raise CheckpointError(f"DeepSpeed checkpoint {path}: tag {tag!r} not found (no {folder} with model "
                               f"states; tags there: {', '.join(tags) or 'none'})")
     return folder, tag
+
+
+def latest_tag(path: Path) -> str:
+    """The tag `path/latest` names, which must be a folder of the save_dir `path` itself
+    (symlinks followed): DeepSpeed would load one anywhere."""
+    tag = _latest(path)
+    folder = path / tag
+    if tag in ("", ".", "..") or Path(tag).name != tag or folder.resolve().parent != path.resolve():
+        where = folder.resolve() if tag else path
+        raise CheckpointError(f"{path / 'latest'} names {tag!r}, which is not a tag folder inside {path} (it leads "
+                              f"to {where}): not loaded, as a downloaded checkpoint could point anywhere; pass tag=... "
+                              "to load a checkpoint outside the save_dir on purpose")
+    return tag
 
 
 def refuse_parallel(folder: Path) -> None:
@@ -97,12 +158,37 @@ def zero3_model_name(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
+def zero3_model_files(folder: Path) -> dict[int, Path]:
+    """{rank: ZeRO-3 model-states file} of the folder."""
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := _ZERO3_MODEL.match(p.name))}
+
+
 def model_file(folder: Path) -> Path:
     """The model-states file every layout has: mp_rank_00 (ZeRO 0-2), else rank 0's (ZeRO 3)."""
     for name in (MODEL, zero3_model_name(0)):
         if (folder / name).is_file():
             return folder / name
     raise CheckpointError(f"DeepSpeed checkpoint {folder} has neither {MODEL} nor {zero3_model_name(0)}")
+
+
+def ranks(folder: Path, found: dict[int, Path], world: int, name: Callable[[int], str], what: str) -> list[Path]:
+    """The files of ranks 0..world-1, `found` being those in the folder ({rank: file}): a missing
+    rank (the first named, the rest counted: `world` comes from a file and may be huge) or a
+    rank beyond `world` is an error saying `what` stated the count."""
+    if world < 1:
+        raise CheckpointError(f"DeepSpeed checkpoint {folder}: {what} a world of {world} ranks: damaged")
+    present = sum(1 for r in found if r < world)
+    if present < world:
+        first = next(r for r in range(len(found) + 1) if r not in found)
+        more = world - present - 1
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} is missing {name(first)}"
+                              f"{f' and {more} more' if more else ''} ({what} the checkpoint was written by {world} "
+                              "ranks): a rank's save did not finish, or the files were not all copied")
+    if len(found) > world:
+        extra = min(r for r in found if r >= world)
+        raise CheckpointError(f"DeepSpeed checkpoint {folder} has {len(found)} rank files ({found[extra].name}, ...) "
+                              f"but {what} {world} ranks: files of another run in the same tag?")
+    return [found[r] for r in range(world)]
 
 
 def need(folder: Path, names: list[str], what: str) -> list[Path]:

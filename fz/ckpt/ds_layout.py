@@ -119,7 +119,7 @@ def check(name: str, pieces: list[Piece], numel: int) -> None:
     """Every element of the parameter exactly once, inside the stored tensors."""
     at = 0
     for p in pieces:
-        if p.start != at or p.src_start < 0 or p.src_start + p.n > p.src.numel:
+        if p.start != at or p.n < 0 or p.src_start < 0 or p.src_start + p.n > p.src.numel:
             raise ValueError(f"parameter {name!r}: its stored pieces do not tile its {numel} elements")
         at += p.n
     if at != numel:

@@ -1,22 +1,27 @@
 """Read a `torch.save` file (DeepSpeed's checkpoint files) without running any of its code.
 
-`torch.load` executes the pickle: any callable a file names is called. Here `pickle.Unpickler`
-resolves names only through a fixed table (`_ALLOWED`): torch's tensor rebuild functions are
-replaced by ours, which return a `Lazy` reference (where the bytes are, dtype, offset, size,
-stride) instead of reading the data; DeepSpeed's own classes that appear in its checkpoints
-become plain data (an int, a dict of their state). Any other name, or a persistent id other
-than torch's ('storage', ...), is a CheckpointError naming it and the file: nothing is called.
+`torch.load` executes the pickle: any callable a file names is called. Here the pickle's
+opcodes are interpreted by ds_opcodes (nothing is looked up on an object, nothing runs) and
+each global resolves only through a fixed table (`_ALLOWED`): torch's tensor rebuild
+functions become ours, which return a `Lazy` reference (where the bytes are, dtype, offset,
+size, stride) instead of reading the data; DeepSpeed's own classes that appear in its
+checkpoints become plain data (an int, a `DSObject` of their state). Any other name, or a
+persistent id other than torch's ('storage', ...), is a CheckpointError naming it and the
+file: nothing is called. It is stricter than `torch.load(weights_only=True)`: a storage
+resolves only to its member of the same archive (ds_archive) and no later opcode can change
+a storage or tensor; a tensor's size and stride must stay inside its storage's elements (a
+stride of 0 that repeats one element 2**31 times is refused, not allocated); the value is
+bounded by the file's size (ds_opcodes.bound).
 
 torch stores every storage as an uncompressed zip member, so a tensor's bytes are a byte range
-of the file (found from the member's local header) and are read with `os.pread` in chunks of
-at most `CHUNK_BYTES`: a large tensor never has to be in memory whole.
+of the file and are read with `os.pread` in chunks of at most `CHUNK_BYTES`: a large tensor
+never has to be in memory whole.
 """
 from __future__ import annotations
 
 import collections
 import math
 import os
-import pickle
 import struct
 import zipfile
 from collections.abc import Iterator
@@ -27,11 +32,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fz.ckpt import ds_opcodes
+from fz.ckpt.ds_archive import Archive, open_archive
+from fz.ckpt.ds_opcodes import Call, Class, DSObject, Refused
 from fz.ckpt.weights import CHUNK_BYTES, read_range
 from fz.errors import CheckpointError
 
-_MAX_PICKLE = 256 << 20  # a record larger than this is not a checkpoint's metadata
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
+__all__ = ["DSObject", "Lazy", "load", "materialize", "read"]
+_MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 
 
 @dataclass(frozen=True)
@@ -59,53 +67,24 @@ class Lazy:
 
 
 @dataclass(frozen=True)
-class DSObject:
-    """An instance of one of DeepSpeed's allowed classes, as plain data: its class name and state."""
-
-    cls: str
-    state: dict[str, Any]
-
-
 class _Storage:
     """A storage named by a persistent id: where its bytes are, not the bytes."""
 
-    def __init__(self, file: Path, at: int, dtype: torch.dtype, numel: int):
-        self.file, self.at, self.dtype, self.numel = file, at, dtype, numel
+    file: Path
+    at: int
+    dtype: torch.dtype
+    numel: int
 
 
-class _Sealed:
-    """The table's objects are shared by every load: a BUILD opcode must not change them."""
-
-    __slots__ = ()
-
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError(f"a BUILD of {type(self).__name__}, which takes no state")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise pickle.UnpicklingError(f"an attribute set on {type(self).__name__}")
-
-
-class _StorageType(_Sealed):
+@dataclass(frozen=True)
+class _StorageType:
     """What `torch.FloatStorage` & co. resolve to: only their dtype is used."""
 
-    __slots__ = ("dtype",)
     dtype: torch.dtype | None
 
-    def __init__(self, dtype: torch.dtype | None):
-        object.__setattr__(self, "dtype", dtype)
 
-
-class _Call(_Sealed):
-    """One of the table's functions, sealed."""
-
-    __slots__ = ("fn",)
-    fn: Any
-
-    def __init__(self, fn: Any):
-        object.__setattr__(self, "fn", fn)
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+class _Marker:
+    """What `torch.Tensor` resolves to: only _rebuild_from_type_v2 accepts it."""
 
 
 _STORAGES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -115,125 +94,109 @@ _STORAGES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "Hal
 _DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
-def _rebuild_tensor_v2(storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-                       *_: Any) -> Lazy:
+def _ints(what: str, xs: Any) -> tuple[int, ...]:
+    if not isinstance(xs, tuple | list) or len(xs) > _MAX_DIMS or any(type(x) is not int or x < 0 for x in xs):
+        raise Refused(f"a tensor {what} {str(xs)[:80]} that is not up to {_MAX_DIMS} non-negative ints")
+    return tuple(xs)
+
+
+def _rebuild_tensor_v2(storage: _Storage, offset: int, size: Any, stride: Any, *_: Any) -> Lazy:
+    """A tensor as a reference into its storage, its elements checked to lie inside the storage:
+    no negative size, stride or offset, and at most as many elements as the storage holds."""
     if not isinstance(storage, _Storage):
-        raise pickle.UnpicklingError("_rebuild_tensor_v2 of something that is not a storage")
-    shape: tuple[int, ...] = tuple(int(s) for s in size)
-    steps: tuple[int, ...] = tuple(int(s) for s in stride)
+        raise Refused("_rebuild_tensor_v2 of something that is not a storage")
+    shape, steps = _ints("size", size), _ints("stride", stride)
+    if type(offset) is not int or offset < 0 or len(shape) != len(steps):
+        raise Refused(f"a tensor of size {shape}, stride {steps} at offset {offset!r}: not a tensor's")
     numel = math.prod(shape)
-    last = offset + sum((s - 1) * st for s, st in zip(shape, steps))
-    if offset < 0 or any(st < 0 for st in steps) or (numel and last >= storage.numel):
-        raise pickle.UnpicklingError(f"a tensor of size {shape} at offset {offset} is past its storage "
-                                     f"({storage.numel} elements)")
-    return Lazy(storage.file, storage.at, storage.dtype, storage.numel, int(offset), shape, steps)
+    last = offset + sum((s - 1) * st for s, st in zip(shape, steps)) if numel else offset - 1
+    if numel > storage.numel or last >= storage.numel:
+        raise Refused(f"a tensor of size {shape}, stride {steps} at offset {offset} needs more than its storage's "
+                      f"{storage.numel} elements (a stride of 0 or an overlap repeating them, or past its end)")
+    return Lazy(storage.file, storage.at, storage.dtype, storage.numel, offset, shape, steps)
 
 
 def _rebuild_parameter(data: Lazy, *_: Any) -> Lazy:
+    if not isinstance(data, Lazy):
+        raise Refused("_rebuild_parameter of something that is not a tensor")
     return data
 
 
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> Lazy:
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Lazy:
     """A tensor with attributes (ZeRO-3 sets `ds_id` on its flat groups): the attributes are dropped."""
     if func is not _ALLOWED["torch._utils._rebuild_tensor_v2"] or new_type is not _TENSOR \
-            or not isinstance(state, dict | None):
-        raise pickle.UnpicklingError("_rebuild_from_type_v2 of something other than a plain tensor")
+            or not isinstance(args, tuple) or not isinstance(state, dict | None):
+        raise Refused("_rebuild_from_type_v2 of something other than a plain tensor")
     return _rebuild_tensor_v2(*args)
 
 
-_TENSOR = _Sealed()  # what `torch.Tensor` resolves to: only _rebuild_from_type_v2 accepts it
+def _size(dims: Any) -> tuple[int, ...]:
+    return _ints("size", dims)
 
 
-class _Plain:
-    """DeepSpeed's classes: built by NEWOBJ/BUILD into a dict of their state, never run."""
-
-    cls = ""
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__["_state"] = dict(state) if isinstance(state, dict) else {"state": state}
+def _device(*args: Any) -> str:
+    if not args or not all(type(a) in (str, int) for a in args):
+        raise Refused("torch.device of something other than a name and an index")
+    return ":".join(str(a) for a in args)
 
 
-def _plain(name: str) -> type[_Plain]:
-    return type("DS_" + name.rsplit(".", 1)[-1], (_Plain,), {"cls": name})
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    if args:
+        raise Refused("OrderedDict built from arguments (torch.save fills it item by item)")
+    return collections.OrderedDict()
 
 
-def _zero_stage(value: int) -> int:
-    return int(value)
+def _zero_stage(value: Any) -> int:
+    if type(value) is not int:
+        raise Refused(f"ZeroStageEnum({str(value)[:40]}), not a stage number")
+    return value
 
+
+_TENSOR = _Marker()
 
 # module.name -> what it resolves to: the only names a file may use
 _ALLOWED: dict[str, Any] = {
-    "torch._utils._rebuild_tensor_v2": _Call(_rebuild_tensor_v2),
-    "torch._utils._rebuild_parameter": _Call(_rebuild_parameter),
-    "torch._tensor._rebuild_from_type_v2": _Call(_rebuild_from_type_v2),
+    "torch._utils._rebuild_tensor_v2": Call(_rebuild_tensor_v2),
+    "torch._utils._rebuild_parameter": Call(_rebuild_parameter),
+    "torch._tensor._rebuild_from_type_v2": Call(_rebuild_from_type_v2),
     "torch.Tensor": _TENSOR,
-    "torch.Size": _Call(tuple),
-    "torch.device": _Call(str),
+    "torch.Size": Call(_size),
+    "torch.device": Call(_device),
     "torch.storage.UntypedStorage": _StorageType(None),
-    "collections.OrderedDict": _Call(collections.OrderedDict),
-    "deepspeed.runtime.zero.config.ZeroStageEnum": _Call(_zero_stage),
+    "collections.OrderedDict": Call(_ordered_dict),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": Call(_zero_stage),
     **{f"torch.{k}": _StorageType(v) for k, v in _STORAGES.items()},
     **{f"torch.{d}": getattr(torch, d) for d in _DTYPES},
-    **{f"deepspeed.{c}": _plain(f"deepspeed.{c}") for c in (
+    **{f"deepspeed.{c}": Class(f"deepspeed.{c}") for c in (
         "utils.tensor_fragment.fragment_address", "runtime.fp16.loss_scaler.LossScaler",
         "runtime.fp16.loss_scaler.DynamicLossScaler")},
 }
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: Any, file: Path, members: dict[str, tuple[int, int]]):
-        super().__init__(data)
-        self.file, self.members = file, members
-
-    def find_class(self, module: str, name: str) -> Any:
+def _names(file: Path) -> Any:
+    def find(module: str, name: str) -> Any:
         full = f"{module}.{name}"
         if full not in _ALLOWED:
-            raise CheckpointError(f"checkpoint file {self.file} names {full}, which fz does not load: "
+            raise CheckpointError(f"checkpoint file {file} names {full}, which fz does not load: "
                                   "not read (unpickling it could run code)")
         return _ALLOWED[full]
+    return find
 
-    def persistent_load(self, pid: Any) -> _Storage:
+
+def _storages(archive: Archive) -> Any:
+    def storage(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
-            raise CheckpointError(f"checkpoint file {self.file} has a persistent id {str(pid)[:80]!r} that is "
+            raise CheckpointError(f"checkpoint file {archive.file} has a persistent id {str(pid)[:80]!r} that is "
                                   "not a torch storage: not read")
         _, kind, key, _, numel = pid
-        dtype = kind.dtype
-        if dtype is None:  # an UntypedStorage is bytes
-            dtype = torch.uint8
-        at, size = self.members.get(f"data/{key}", (-1, -1))
-        if at < 0 or size < int(numel) * dtype.itemsize:
-            raise CheckpointError(f"checkpoint file {self.file}: storage data/{key} is missing or shorter than "
+        dtype = torch.uint8 if kind.dtype is None else kind.dtype  # an UntypedStorage is bytes
+        at, size = archive.storage(key)
+        if type(numel) is not int or not 0 <= numel * dtype.itemsize <= size:
+            raise CheckpointError(f"checkpoint file {archive.file}: storage data/{key} holds {size} bytes, not "
                                   f"{numel} x {dtype} (a truncated or damaged file)")
-        return _Storage(self.file, at, dtype, int(numel))
-
-
-def _members(file: Path, z: zipfile.ZipFile, fh: Any) -> dict[str, tuple[int, int]]:
-    """{member name without the archive folder: (absolute data offset, size)}, from the local headers."""
-    out = {}
-    for info in z.infolist():
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"checkpoint file {file}: member {info.filename} is compressed, which "
-                                  "torch.save never does: not a torch checkpoint")
-        fh.seek(info.header_offset)
-        head = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
-        if head[0] != b"PK\x03\x04":
-            raise CheckpointError(f"checkpoint file {file} is damaged (bad zip header for {info.filename})")
-        out[info.filename.split("/", 1)[-1]] = (info.header_offset + _LOCAL_HEADER.size + head[9] + head[10],
-                                                info.file_size)
-    return out
-
-
-def _plainify(x: Any) -> Any:
-    if isinstance(x, _Plain):
-        return DSObject(type(x).cls, {k: _plainify(v) for k, v in x.__dict__.get("_state", {}).items()})
-    if isinstance(x, dict):
-        return type(x)((k, _plainify(v)) for k, v in x.items())
-    if isinstance(x, list):
-        return [_plainify(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_plainify(v) for v in x)
-    return x
+        return _Storage(archive.file, at, dtype, numel)
+    return storage
 
 
 def load(path: str | os.PathLike[str]) -> Any:
@@ -241,30 +204,16 @@ def load(path: str | os.PathLike[str]) -> Any:
     `DSObject`; a file naming anything outside the table is refused unread."""
     file = Path(path)
     try:
-        with open(file, "rb") as fh:
-            if fh.read(4) != b"PK\x03\x04":
-                raise CheckpointError(f"checkpoint file {file} is not a torch.save zip file (the legacy "
-                                      "pre-1.6 format or another file): fz reads only the zip format")
-            z = zipfile.ZipFile(fh)
-            members = _members(file, z, fh)
-            pkl = members.get("data.pkl")
-            if pkl is None or pkl[1] > _MAX_PICKLE:
-                raise CheckpointError(f"checkpoint file {file} has no data.pkl record (not a torch.save file)")
-            fh.seek(pkl[0])
-            data = fh.read(pkl[1])
-            order = members.get("byteorder")
-            if order is not None:
-                fh.seek(order[0])
-                if fh.read(order[1]) != b"little":
-                    raise CheckpointError(f"checkpoint file {file} was written big-endian: not supported")
-        import io
-        return _plainify(_Unpickler(io.BytesIO(data), file, members).load())
+        archive = open_archive(file)
+        return ds_opcodes.parse(archive.pickle, _names(file), _storages(archive), (Lazy, torch.dtype))
     except CheckpointError:
         raise
+    except Refused as e:
+        raise CheckpointError(f"checkpoint file {file} is damaged or not a checkpoint fz reads: {e}: not read") from e
     except OSError as e:
         raise CheckpointError(f"checkpoint file {file} cannot be read ({e.strerror or e})") from e
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError, IndexError,
-            KeyError, AttributeError, struct.error) as e:
+    except (zipfile.BadZipFile, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError,
+            struct.error) as e:
         raise CheckpointError(f"checkpoint file {file} is damaged or not a checkpoint fz reads "
                               f"({type(e).__name__}: {e})") from e
 

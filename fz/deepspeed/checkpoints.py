@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 import fz
+from fz.ckpt import ds_files
 from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Pa
         if not latest.is_file():
             log.warning("load_checkpoint: %s has no '%s' file and no tag was given: nothing loaded", load_dir, LATEST)
             return None
-        tag = latest.read_text().strip()
+        tag = ds_files.latest_tag(load_dir)  # a tag folder of load_dir: DeepSpeed's would follow it anywhere
     path = load_dir / tag
     if not path.exists():
         raise CheckpointError(f"load_checkpoint: {path} does not exist (tag {tag!r} in {load_dir})")

@@ -16,7 +16,7 @@ import functools
 import io
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,6 +45,13 @@ class _Enum:
         self.v = v
 
 
+class Raw:
+    """Opcodes written as they are (for crafted files: tests/support/ds_hostile.py); they must push one value."""
+
+    def __init__(self, ops: bytes):
+        self.ops = ops
+
+
 class _Obj:
     """Pickles as a DeepSpeed object without __reduce__: GLOBAL, (), NEWOBJ, state, BUILD."""
 
@@ -66,6 +73,8 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]  # the Pytho
             self.write(pickle.GLOBAL + obj.cls.line + pickle.EMPTY_TUPLE + pickle.NEWOBJ)
             self.save(obj.state)
             self.write(pickle.BUILD)
+        elif isinstance(obj, Raw):
+            self.write(obj.ops)
         else:
             super().save(obj, save_persistent_id)
 
@@ -99,9 +108,10 @@ def sub_groups(params: Sequence[tuple[str, tuple[int, ...]]], world: int, size: 
 def write(tag_dir: Path, params: Sequence[tuple[str, tuple[int, ...]]], world: int = 2, *,
           frozen: Sequence[tuple[str, tuple[int, ...]]] = (), tied: dict[str, str] | None = None,
           sub_group_size: int = 10**9, step: int = 3,
-          scratch: Path | None = None) -> None:
+          scratch: Path | None = None, patch: Callable[[str, int, dict], None] | None = None) -> None:
     """A stage-3 fp32 checkpoint of `params` at `world` ranks into `tag_dir` (its parent gets `latest`);
-    `tied` {alias: param}: module entries sharing a parameter's (empty) tensor, as ZeRO-3 saves them."""
+    `tied` {alias: param}: module entries sharing a parameter's (empty) tensor, as ZeRO-3 saves them;
+    `patch(kind, rank, obj)` may change each file's object ("model" or "optim") before it is saved."""
     tag_dir.mkdir(parents=True, exist_ok=True)
     (tag_dir.parent / "latest").write_text(tag_dir.name)
     scratch = scratch or tag_dir
@@ -126,6 +136,8 @@ def write(tag_dir: Path, params: Sequence[tuple[str, tuple[int, ...]]], world: i
                  "skipped_steps": 0, "global_steps": step, "global_samples": step * world, "dp_world_size": world,
                  "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
                  "ds_config": cfg, "ds_version": "0.19.8", "step": step}
+        if patch is not None:
+            patch("model", r, model)
         torch.save(model, tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", pickle_module=_MODULE)
         flats: dict[str, list[torch.Tensor]] = {k: [] for k in KINDS}
         for g, members in enumerate(groups):
@@ -143,9 +155,11 @@ def write(tag_dir: Path, params: Sequence[tuple[str, tuple[int, ...]]], world: i
         osd = {"zero_stage": _Enum(3), "loss_scaler": _Obj(_SCALER, {"cur_scale": 1.0, "dynamic": False}),
                "dynamic_loss_scale": False, "overflow": False, "partition_count": world,
                "optimizer_state_dict": {"state": state, "param_groups": [group]}, "fp32_flat_groups": flats["fp32"]}
-        torch.save({"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": "0.19.8"},
-                   tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", pickle_module=_MODULE)
-        del flats, state, osd
+        top = {"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": "0.19.8"}
+        if patch is not None:
+            patch("optim", r, top)
+        torch.save(top, tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", pickle_module=_MODULE)
+        del flats, state, osd, top
         for f in scratch.glob(f".synth-{r}-*"):
             f.unlink()
 

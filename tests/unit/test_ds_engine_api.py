@@ -221,6 +221,27 @@ def test_load_checkpoint_continues_a_run_deepspeed_started():
     assert losses == pytest.approx(want, rel=1e-6)
 
 
+def test_load_checkpoint_follows_latest_only_inside_the_load_dir(tmp_path):
+    """DeepSpeed's load_checkpoint loads whatever `latest` names (an absolute path, ../other);
+    the engine only a tag folder of load_dir, and tag=... where it is told."""
+    import shutil
+
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    shutil.copytree(DATA / "stage3_fp32" / "ckpt", tmp_path / "other")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    cfg = {**m.ds_config(2, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
+    for tag in ("../other/global_step3", str(tmp_path / "other" / "global_step3")):
+        (mine / "latest").write_text(tag)
+        with pytest.raises(fz.CheckpointError, match=f"latest names '{tag}', which is not a tag folder inside {mine}"):
+            engine.load_checkpoint(str(mine))
+        assert engine.global_steps == 0
+    path, client_state = engine.load_checkpoint(str(mine), tag="../other/global_step3")
+    assert path.endswith("global_step3") and client_state == {"step": 3, "note": "x"} and engine.global_steps == 3
+
+
 def test_fp16_zero0_engine_is_train_steps_step_with_its_loss_scale():
     """Seed 001: ZeRO-0 with fp16 loss scaling. The engine's updates (scaled backward, overflow
     skips, the scale's growth) are fz.train_step's, bit for bit."""

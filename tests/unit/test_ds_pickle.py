@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fz.ckpt import ds_pickle
+from fz.ckpt import ds_opcodes, ds_pickle
 from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
 from fz.errors import CheckpointError
+
+from support import ds_hostile as h
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 CASES = [("stage2_fp32", "ckpt", f) for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -140,3 +142,72 @@ def test_allowed_names_cannot_be_altered(tmp_path: Path, name: bytes) -> None:
         with pytest.raises(CheckpointError, match="build.pt is damaged or not a checkpoint fz reads"):
             ds_pickle.load(f)
     assert ds_pickle._ALLOWED["torch.FloatStorage"].dtype is torch.float32
+
+
+BIG = (1 << 64).to_bytes(9, "little")
+
+
+@pytest.mark.parametrize(("ops", "cause"), [
+    (b"]q\x00h\x00a", "a container that holds itself (a cycle)"),
+    (b"h\x05", "memo entry 5 read before it is written"),
+    (b"(i__builtin__\nobject\n", "opcode INST"),
+    (b"\x82\x01", "opcode EXT1"),
+    (b"\x8f", "opcode EMPTY_SET"),
+    (b"}G?\xf0\x00\x00\x00\x00\x00\x00K\x01s", "a dict key of type float"),
+    (b"}\x8a\x09" + BIG + b"K\x01s", "a dict key of type int"),
+    (b"K\x01K\x02", "values left on the stack at STOP"),
+    (b"]K\x01b", "a BUILD of list"),
+    (b"K\x01K\x02a", "APPEND on a value of type int"),
+    (b"K\x01)R", "a call of int, which is not a function fz allows"),
+    (b"c__builtin__\nlist\n)R", "names __builtin__.list, which fz does not load"),
+])
+def test_opcodes_beyond_plain_data_are_refused(tmp_path: Path, ops: bytes, cause: str) -> None:
+    """Each opcode is interpreted by fz (ds_opcodes), never by pickle: what a DeepSpeed file
+    never holds is refused naming it, before anything is built from it."""
+    f = tmp_path / "ops.pt"
+    shutil.copy(DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt", f)
+    _poison(f, b"\x80\x02" + ops + b".")
+    with pytest.raises(CheckpointError) as e:
+        ds_pickle.load(f)
+    assert f"checkpoint file {f}" in str(e.value) and cause in str(e.value), str(e.value)
+
+
+def test_the_opcodes_read_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pickle of more opcodes than MAX_OPS (each can make an object) is refused when it gets there."""
+    f = tmp_path / "long.pt"
+    shutil.copy(DATA / "stage1_fp32" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt", f)
+    _poison(f, b"\x80\x02" + b"]" * 50 + b"a" * 49 + b".")  # 101 opcodes: PROTO, 50 lists, 49 APPENDs, STOP
+    monkeypatch.setattr(ds_opcodes, "MAX_OPS", 100)
+    with pytest.raises(CheckpointError, match=f"{f} is damaged .*a pickle of more than 100 opcodes"):
+        ds_pickle.load(f)
+    monkeypatch.setattr(ds_opcodes, "MAX_OPS", 101)
+    want: list = []
+    for _ in range(49):
+        want = [want]
+    assert ds_pickle.load(f) == want  # within the bound: read
+
+
+def test_a_storage_resolves_only_inside_its_own_archive(tmp_path: Path) -> None:
+    """Its member `data/<key>` of the archive data.pkl is in, no other; every member lies inside
+    the file; one name twice, or two pickles, is not a torch.save file."""
+    record = h.pickled(h.tensor((8,), (1,)))
+    good = h.archive(tmp_path / "good.pt", [("a/data.pkl", record), ("a/data/0", h.SECRET)])
+    assert ds_pickle.materialize(ds_pickle.load(good)).tolist() == [1.0] * 8
+    cases = {
+        "other.pt": ([("a/data.pkl", record), ("b/data/0", h.SECRET)], "storage data/0 is not in its archive"),
+        "twice.pt": ([("a/data.pkl", record), ("a/data/0", h.SECRET), ("a/data/0", b"\0" * 32)],
+                     "holds member a/data/0 twice"),
+        "pickles.pt": ([("a/data.pkl", record), ("b/data.pkl", record), ("a/data/0", h.SECRET)],
+                       "has 2 data.pkl records"),
+    }
+    for name, (members, cause) in cases.items():
+        f = h.archive(tmp_path / name, members)
+        with pytest.raises(CheckpointError, match=f"{f}.* {cause}"):
+            ds_pickle.load(f)
+    long = tmp_path / "long.pt"
+    raw = bytearray(good.read_bytes())
+    central = raw.rfind(b"PK\x01\x02")  # the last member's central entry: a/data/0
+    raw[central + 20:central + 28] = (1 << 20).to_bytes(4, "little") * 2  # its sizes, past the file's end
+    long.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"{long}: member a/data/0 ends at byte .* past the file's"):
+        ds_pickle.load(long)
