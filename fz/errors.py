@@ -29,8 +29,10 @@ class OffloadError(OSError):
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN or inf reached the gradients under Spec(nonfinite="raise"): raised on every rank, naming
-    the step and the first offending parameter; the state given to the step is left unchanged."""
+    """A NaN or inf where training cannot go on from it, raised on every rank alike: in the gradients
+    under Spec(nonfinite="raise"), or in the Spec.skip_limit-th skipped step in a row (naming the
+    step and the first offending parameter; the state given to the step is left unchanged); or in
+    the weights a load reads (naming the tensors; allow_nonfinite=True makes it a warning)."""
 
 
 class PeerError(RuntimeError):

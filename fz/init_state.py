@@ -34,7 +34,7 @@ from fz.step.scaler import init_scaler
 
 
 def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
-         weights: str | os.PathLike[str] | None = None) -> State:
+         weights: str | os.PathLike[str] | None = None, allow_nonfinite: bool = False) -> State:
     """Shard `model`'s parameters as `spec` says and create the optimizer state.
 
     `model` is not modified. Built on the meta device, it is initialised module by module
@@ -43,6 +43,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
     leaves unset, or a replicated value that differs between ranks, is a ConfigError naming
     it. `mesh` is a 1-D mesh, or a 2-D one with dims ("replicate", "shard") for hybrid
     sharding (by default fz makes one over every rank, 2-D when `spec.shard_group_size` is set).
+    `weights` (a safetensors file or Hugging Face folder) gives the values instead, as
+    fz.load_weights reads them: a NaN or inf among them is fz.NonFiniteError naming the tensors
+    (`allow_nonfinite=True`: a warning with the counts).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fz.init needs an nn.Module, got {type(model).__name__}")
@@ -132,7 +135,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
                   skeleton=skel, spec=spec, plan=plan)
     state = spec.offload(state) if spec.offload is not None and spec.offload.active else state
     if source is not None:
-        fill(state, *source)
+        fill(state, *source, allow_nonfinite=allow_nonfinite, who="fz.init")
     return state
 
 

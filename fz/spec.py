@@ -92,6 +92,9 @@ class Spec:
     nonfinite: NonFinite = "skip"
     """A NaN/inf gradient: "skip" leaves params and optimizer state as they were (counted in
     state.scaler['skipped']), "raise" stops on every rank. It never reaches the weights."""
+    skip_limit: int | None = 100
+    """The skipped step in a row (non-finite gradients, fp16 overflows) that raises
+    fz.NonFiniteError instead: a run that skips every step learns nothing. None never stops."""
 
     # --- the model: blocks, recomputation, initialisation, buffers ---
     wrap: Callable[[str, nn.Module], bool] | None = None
@@ -207,6 +210,9 @@ class Spec:
         if self.nonfinite not in NONFINITE:
             raise bad("nonfinite", self.nonfinite, f"must be one of {', '.join(map(repr, NONFINITE))}: a non-finite "
                       "gradient never reaches the weights")
+        if self.skip_limit is not None and (isinstance(self.skip_limit, bool) or not isinstance(self.skip_limit, int)
+                                            or self.skip_limit < 1):
+            raise bad("skip_limit", self.skip_limit, "must be an int >= 1 (steps in a row) or None (never stop)")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "must be a number of seconds > 0")
 

@@ -185,17 +185,19 @@ class Checkpointer:
             self._pending = pending
             _unwaited.add(self)
 
-    def restore(self, state: State, *, step: int | None = None, strict: bool = True,
-                with_client_state: bool = False) -> State | tuple[State, dict[str, Any]]:
+    def restore(self, state: State, *, step: int | None = None, strict: bool = True, with_client_state: bool = False,
+                allow_nonfinite: bool = False) -> State | tuple[State, dict[str, Any]]:
         """Load the latest committed step (or `step`) into the template `state`, which is donated.
 
         Any world size, ZeRO stage or precision: the template says which. A damaged checkpoint
         or one of another model raises ConfigError; `strict=False` loads what both have and
         warns (PartialRestoreWarning). `with_client_state=True` returns (state, client_state).
+        NaN or inf weights or moments: fz.NonFiniteError (allow_nonfinite=True: a warning).
         """
-        return self._restore(state, step, strict, with_client_state, stacklevel=4)
+        return self._restore(state, step, strict, with_client_state, stacklevel=4, allow_nonfinite=allow_nonfinite)
 
-    def _restore(self, state: State, step: int | None, strict: bool, with_client_state: bool, stacklevel: int):
+    def _restore(self, state: State, step: int | None, strict: bool, with_client_state: bool, stacklevel: int,
+                 allow_nonfinite: bool = False):
         expect_state(state, f"{self._who}restore")
         self._check_open("restore")
         self.wait()
@@ -204,7 +206,7 @@ class Checkpointer:
         with peers.translated():
             out = loader.load(state, self.root, self._group(state), step=step, strict=strict,
                               with_client_state=with_client_state, who=f"{self._who}restore", stacklevel=stacklevel,
-                              key=self._key)
+                              key=self._key, allow_nonfinite=allow_nonfinite)
         where = resolve(self.root, step)
         note = _world_note(where, state) if state.plan.rank == min(state.plan.ranks) else ""
         if note and not first:  # verbose=False silences the restore line, not this
@@ -358,8 +360,8 @@ def save(state: State, path: PathLike, *, step: int | None = None, client_state:
 
 
 def restore(state: State, path: PathLike, *, step: int | None = None, strict: bool = True,
-            with_client_state: bool = False, key: signing.Key = None,
-            verbose: bool = True) -> State | tuple[State, dict[str, Any]]:
+            with_client_state: bool = False, key: signing.Key = None, verbose: bool = True,
+            allow_nonfinite: bool = False) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
 
     The state comes first, as in fz.save (fz/ckpt/arguments.py says why); fz 0.1's
@@ -369,16 +371,18 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a checkpoint that this key did not
     sign is refused. `with_client_state=True` returns (state, client_state); `verbose=False`
     leaves out the restored line. A checkpoint DeepSpeed wrote (its save_dir, or a tag folder;
-    `step` N reads tag global_stepN) is imported: fz.import_deepspeed.
+    `step` N reads tag global_stepN) is imported: fz.import_deepspeed. A NaN or inf in the
+    weights or optimizer moments is fz.NonFiniteError naming them (allow_nonfinite=True: a warning).
     """
     state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
     expect_state(state, "fz.restore")
     wait_for_checkpoints()
     if ds_files.is_deepspeed(Path(path)):  # one DeepSpeed wrote: fz.import_deepspeed
-        new, client = import_deepspeed(state, path, tag=ds_files.unsigned_tag(Path(path), step, key), strict=strict)
+        new, client = import_deepspeed(state, path, tag=ds_files.unsigned_tag(Path(path), step, key), strict=strict,
+                                       allow_nonfinite=allow_nonfinite)
         return (new, client) if with_client_state else new
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
-    return ckpt._restore(state, step, strict, with_client_state, stacklevel=4)
+    return ckpt._restore(state, step, strict, with_client_state, stacklevel=4, allow_nonfinite=allow_nonfinite)
 
 
 def _world_note(where: Path, state: State) -> str:

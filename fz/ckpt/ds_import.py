@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from fz.ckpt.finite import Counts, report
 from fz.ckpt.pretrained import Place, _places, _put, _span
 from fz.errors import CheckpointError
 from fz.state import State, block_until_ready, expect_state
@@ -105,21 +106,24 @@ def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     return pairs, problems
 
 
-def _fill(places: list[Place], ck: Any, key: str, kind: str) -> None:
+def _fill(places: list[Place], ck: Any, key: str, kind: str, counts: Counts, canon: str) -> None:
     lo, hi = _span(places)
     if hi > lo:
         for at, chunk in ck.read(key, kind, lo, hi):
+            counts.see(canon, at, chunk, "" if kind == "fp32" else kind)
             _put(places, at, chunk)
 
 
 def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | None = None,
-                     strict: bool = True) -> tuple[State, dict[str, Any]]:
+                     strict: bool = True, allow_nonfinite: bool = False) -> tuple[State, dict[str, Any]]:
     """Load the DeepSpeed checkpoint at `path` (a save dir, whose `latest` names the tag, or a tag
     folder; `tag` picks another) into the template `state`: weights, Adam's moments and step,
     the step count, loss scale and buffers. Returns (state, client_state). Every rank calls it;
     each reads only what it holds. Names or shapes that differ are a CheckpointError listing them
     (strict=False: a warning, and the rest is loaded); so are moments the state's optimizer has
-    no place for. Pickled files are parsed, never run: a class outside DeepSpeed's is refused."""
+    no place for. Pickled files are parsed, never run: a class outside DeepSpeed's is refused. A NaN
+    or inf in the weights or moments is fz.NonFiniteError naming them, on every rank
+    (allow_nonfinite=True: a warning with the counts)."""
     from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
 
     expect_state(state, "fz.import_deepspeed")
@@ -137,13 +141,14 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
                 raise CheckpointError(msg)
             warnings.warn(msg, stacklevel=2)
         places = _places(state)
+        counts = Counts(state.plan, ("", *ck.moments))
         with torch.no_grad():
             for canon, key in pairs.items():
-                _fill(places[canon], ck, key, "fp32")
+                _fill(places[canon], ck, key, "fp32", counts, canon)
                 for kind in ck.moments:
                     target = moments.get(kind, {}).get(canon)
                     if target is not None and key in ck.params:
-                        _fill(target, ck, key, kind)
+                        _fill(target, ck, key, kind, counts, canon)
             for name, value in ck.buffers.items():
                 canon = state.skeleton.aliases.get(name, name)
                 if canon in state.buffers and state.buffers[canon].shape == value.shape:
@@ -155,4 +160,5 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
             if "scale" in scaler and ck.loss_scale is not None:
                 scaler["scale"] = torch.tensor(float(ck.loss_scale))
         new = state.replace(step=torch.full_like(state.step, int(ck.global_steps)), scaler=scaler)
+        report(counts.total(), allow_nonfinite, "fz.import_deepspeed", f"DeepSpeed checkpoint {ck.path}", 2)
         return new, dict(ck.client_state)

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.ckpt import manifest
+from fz.ckpt.finite import owned_locals, report, summed
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
@@ -131,13 +132,15 @@ def _template(state: State, saved: dict[str, Any]) -> tuple[dict[str, Tensor], d
 
 def load(state: State, path: PathLike, group, *, step: int | None = None, strict: bool = True,
          with_client_state: bool = False, who: str = "restore", stacklevel: int = 2,
-         key: bytes | None = None) -> State | tuple[State, dict[str, Any]]:
+         key: bytes | None = None, allow_nonfinite: bool = False) -> State | tuple[State, dict[str, Any]]:
     """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`
     over `group`; every rank calls it (the Checkpointer has checked the state and waited).
 
     A damaged checkpoint (missing, truncated or corrupted file) or one of another model
     raises ConfigError; with strict=False the tensors both share are loaded and the rest is
-    reported as a PartialRestoreWarning (`stacklevel` as in warnings.warn, from here).
+    reported as a PartialRestoreWarning (`stacklevel` as in warnings.warn, from here). A NaN or
+    inf in the weights or optimizer state is fz.NonFiniteError on every rank, once the template
+    is donated (`allow_nonfinite`: a warning; fz/ckpt/finite.py).
     """
     template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
     policy = state.spec.offload if state.spec.offload is not None and state.spec.offload.active else None
@@ -187,18 +190,20 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         warnings.warn(PartialRestoreWarning(
             f"{who}(strict=False) from {d}: {len(lines)} tensors not restored (warning.skipped lists them): "
             + "; ".join(lines[:_SHOWN]) + (" ..." if len(lines) > _SHOWN else ""), tuple(lines)), stacklevel=stacklevel)
-    err = None
+    err, found = None, {}  # found: {label: (non-finite values, values)} this rank counts
     try:
         dcp.load(load, storage_reader=SafeReader(d), process_group=group)
+        found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0)
     except CheckpointException as e:
         err = dcp_error(e, "loading checkpoint", d)
-    exchange(group, None, err, f"loading checkpoint {d}")
+    found = summed(exchange(group, found, err, f"loading checkpoint {d}"))
     if state.master is not None:
         _params_from_master(state)
     new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
     if policy is not None:
         new = policy(new)
     template.donate()
+    report(found, allow_nonfinite, who, f"checkpoint {d}", stacklevel)
     if with_client_state:
         return new, decode(client_json, extra)
     return new

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
+from fz.ckpt.finite import Counts, report
 from fz.ckpt.names import Match, match
 from fz.ckpt.weights import Entry, WeightFiles, read, read_all
 from fz.errors import CheckpointError
@@ -91,8 +93,9 @@ def _put(places: list[Place], at: int, chunk: Tensor) -> None:
             view[a - lo:z - lo].copy_(chunk[a - at:z - at])
 
 
-def _stream(places: list[Place], e: Entry, lo: int, hi: int) -> None:
+def _stream(places: list[Place], e: Entry, lo: int, hi: int, see: Callable[[int, Tensor], None]) -> None:
     for at, chunk in read(e, lo, hi):
+        see(at, chunk)
         _put(places, at, chunk)
 
 
@@ -101,21 +104,29 @@ def _span(places: list[Place]) -> tuple[int, int]:
     return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (0, 0)
 
 
-def fill(state: State, files: WeightFiles, m: Match) -> None:
-    """Write the matched tensors into `state`'s storage, where it lives (in place)."""
+def fill(state: State, files: WeightFiles, m: Match, *, allow_nonfinite: bool = False,
+         who: str = "fz.load_weights", stacklevel: int = 3) -> None:
+    """Write the matched tensors into `state`'s storage, where it lives (in place), counting the
+    NaN and inf of each parameter as it is read: fz.NonFiniteError on every rank naming them
+    (`allow_nonfinite`: a warning with the counts; fz/ckpt/finite.py)."""
     places = _places(state)
     entries = files.entries
+    counts = Counts(state.plan)
     with torch.no_grad():
         for c, key in sorted(m.direct.items(), key=lambda kv: (str(entries[kv[1]].file), entries[kv[1]].begin)):
             lo, hi = _span(places[c])
-            _guarded(key, entries[key], lambda e=entries[key], lo=lo, hi=hi, p=places[c]: _stream(p, e, lo, hi))
+            see = partial(counts.see, c)
+            _guarded(key, entries[key],
+                     lambda e=entries[key], lo=lo, hi=hi, p=places[c], s=see: _stream(p, e, lo, hi, s))
         for g in m.groups:
             converted = g.realize(state.skeleton.root, lambda k: _guarded(k, entries[k], lambda: read_all(entries[k])))
             for name, c in g.outputs.items():
                 t = converted.pop(name).reshape(-1)
+                counts.see(c, 0, t)
                 lo, hi = _span(places[c])
                 _put(places[c], lo, t[lo:hi])
                 del t
+    report(counts.total(), allow_nonfinite, who, f"weights {files.path}", stacklevel)
 
 
 def _guarded(key: str, e: Entry, fn):
@@ -127,7 +138,8 @@ def _guarded(key: str, e: Entry, fn):
         raise CheckpointError(f"cannot load {key!r} from weights file {e.file} ({type(err).__name__}: {err})") from err
 
 
-def load_weights(state: State, path: str | os.PathLike[str], *, strict: bool = True) -> State:
+def load_weights(state: State, path: str | os.PathLike[str], *, strict: bool = True,
+                 allow_nonfinite: bool = False) -> State:
     """Fill the parameters (and fp32 master weights) and the state_dict's buffers from a
     safetensors file, or a Hugging Face folder (`model.safetensors.index.json` and its shards,
     or `model.safetensors`).
@@ -139,10 +151,12 @@ def load_weights(state: State, path: str | os.PathLike[str], *, strict: bool = T
     NVMe files), one bounded chunk at a time. The optimizer state is kept. Missing, unexpected
     or mis-shaped tensors are a CheckpointError (a ConfigError) naming them, before anything is
     read (strict=False: a warning, and the tensors both have are loaded). Pickled weights are
-    never read. Returns the state (filled in place).
+    never read; a file whose header safetensors would refuse is refused. A NaN or inf in a
+    parameter is fz.NonFiniteError naming the tensors, on every rank (allow_nonfinite=True: a
+    warning with the counts). Returns the state (filled in place).
     """
     expect_state(state, "fz.load_weights")
     state = block_until_ready(state)
     files, m = resolve(path, state.plan, state.skeleton, state.buffers, strict)
-    fill(state, files, m)
+    fill(state, files, m, allow_nonfinite=allow_nonfinite)
     return state

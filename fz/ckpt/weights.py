@@ -15,7 +15,6 @@ whole shard even though every rank reads only its rows.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -25,15 +24,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fz.ckpt import st_header
+from fz.ckpt.st_header import DTYPES, open_regular, read_json
 from fz.errors import CheckpointError
 
-DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
-_FROM = {v: k for k, v in DTYPES.items()}
+__all__ = ["CHUNK_BYTES", "DTYPES", "Entry", "WeightFiles", "read", "read_all", "read_range"]
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 CHUNK_BYTES = 16 << 20  # one read's buffer: a tensor larger than this is read in pieces
 
 
@@ -52,37 +49,8 @@ class Entry:
 
 
 def _header(f: Path) -> dict[str, Entry]:
-    """The tensors of one safetensors file, from its header (checked against the file's size)."""
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            raw = fh.read(8)
-            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-            if not 0 < n <= min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"weights file {f} is not a safetensors file (no valid header: a pickled "
-                                      "checkpoint renamed, or a truncated file)")
-            header = json.loads(fh.read(n))
-    except OSError as e:
-        raise CheckpointError(f"weights file {f} cannot be read ({e.strerror or e})") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"weights file {f} is not a safetensors file (its header is not JSON: {e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"weights file {f} is not a safetensors file (its header is not a JSON object)")
-    out = {}
-    data = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = _FROM[info["dtype"]], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"weights file {f}: tensor {name!r} has a header entry fz cannot read "
-                                  f"({info!r}: {type(e).__name__} {e})") from e
-        if hi - lo != math.prod(shape) * dtype.itemsize or lo < 0 or data + hi > size:
-            raise CheckpointError(f"weights file {f} is damaged: tensor {name!r} of shape {shape} {dtype} needs bytes "
-                                  f"{lo}..{hi} of {size - data} (truncated, or the header does not match the data)")
-        out[name] = Entry(f, dtype, shape, data + lo)
-    return out
+    """The tensors of one safetensors file, from its header (validated: fz/ckpt/st_header.py)."""
+    return {name: Entry(f, dtype, shape, begin) for name, (dtype, shape, begin) in st_header.header(f).items()}
 
 
 def _refuse_pickles(folder: Path) -> None:
@@ -103,14 +71,14 @@ class WeightFiles:
         self.path = p = Path(path)
         self.entries: dict[str, Entry] = {}
         if p.is_dir():
-            if (p / INDEX).is_file():
+            if (p / INDEX).exists():
                 self.entries = self._indexed(p)
                 return
             files = sorted(p.glob("*.safetensors"))
             if not files:
                 _refuse_pickles(p)
-        elif p.is_file():
-            files = [p]
+        elif p.exists():
+            files = [p]  # a FIFO or a device is refused by the header's reader, never opened blocking
         else:
             raise CheckpointError(f"weights {p} do not exist")
         for f in files:
@@ -124,12 +92,10 @@ class WeightFiles:
     def _indexed(folder: Path) -> dict[str, Entry]:
         """The index's weight_map, each shard's header read once; every file it names must exist
         inside the folder and hold the tensors it is said to."""
-        try:
-            weight_map = json.loads((folder / INDEX).read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{folder / INDEX} is not a safetensors index ({type(e).__name__}: {e})") from e
+        index = read_json(folder / INDEX, what="safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{folder / INDEX} is not a safetensors index (it has no weight_map object)")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(str(file), []).append(name)
@@ -139,7 +105,7 @@ class WeightFiles:
             if Path(file).name != file or not file.endswith(".safetensors"):
                 raise CheckpointError(f"{folder / INDEX} names {file!r} for {names[0]!r}: not a .safetensors file in "
                                       "the folder")
-            if not f.is_file():
+            if not f.exists():
                 raise CheckpointError(f"{folder / INDEX} names {file} (for {len(names)} tensors, e.g. {names[0]!r}), "
                                       f"which does not exist in {folder}: a shard is missing (an interrupted "
                                       "download?)")
@@ -163,10 +129,7 @@ def read_range(file: Path, begin: int, dtype: torch.dtype, lo: int, hi: int, chu
     """Elements [lo, hi) of the `dtype` array whose element 0 is at byte `begin` of `file`, read
     with os.pread into one buffer per chunk of at most `chunk_bytes`."""
     step = max(1, chunk_bytes // dtype.itemsize)
-    try:
-        fd = os.open(file, os.O_RDONLY)
-    except OSError as err:
-        raise CheckpointError(f"{what} {file} cannot be opened ({err.strerror})") from err
+    fd = open_regular(file, what)
     try:
         at = lo
         while at < hi:

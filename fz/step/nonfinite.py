@@ -19,6 +19,10 @@ and the ranks whose loss was non-finite; the state given to the step is left unc
 fp16: an overflow is the loss scaler's business under both policies (skip the step and
 lower the scale, as DeepSpeed); `raise` raises when lowering cannot help: a non-finite loss,
 a static `loss_scale`, or a scale already at `min_loss_scale`.
+Never silence: the `Spec.skip_limit`-th skipped step in a row (fp16's overflows included) is
+fz.NonFiniteError under either policy, naming the first non-finite gradient; the count
+(`state.scaler["skipped_in_a_row"]`) is in the state, so it survives a restore and is the same
+on every rank.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.errors import NonFiniteError
+from fz.step.scaler import skipped_in_a_row
 
 Params = dict[str, Tensor]
 
@@ -87,14 +92,13 @@ class NonFinite:
         if not any(agreement.bad_grads):
             return False
         spec = self.spec
-        if spec.nonfinite == "skip":
-            return True
+        what = _describe(self.names, list(agreement.ranks), agreement.bad_grads, agreement.bad_losses)
         scaler_can_help = (spec.precision == "fp16" and not any(agreement.bad_losses)
                            and spec.loss_scaling.loss_scale == 0
                            and float(self.scaler["scale"]) > spec.loss_scaling.min_loss_scale)
-        if scaler_can_help:
-            return True  # an overflow the loss scaler answers by lowering the scale, as DeepSpeed
-        what = _describe(self.names, list(agreement.ranks), agreement.bad_grads, agreement.bad_losses)
+        if spec.nonfinite == "skip" or scaler_can_help:  # the latter: the loss scaler lowers the scale (DeepSpeed)
+            self._within_limit(what)
+            return True
         hint = ""
         if spec.precision == "fp16" and not any(agreement.bad_losses):
             hint = (" In fp16 the loss scale cannot go lower (a static loss_scale, or min_loss_scale reached), so "
@@ -103,3 +107,18 @@ class NonFinite:
             f"fz.train_step at step {self.step}: {what}. Spec(nonfinite='raise') stops here on every rank; the "
             f"state given to this step is unchanged.{hint} Check that batch and the model's numerics, or use "
             "Spec(nonfinite='skip') to skip such steps (counted in state.scaler['skipped']).")
+
+    def _within_limit(self, what: str) -> None:
+        """NonFiniteError when this skip would be the Spec.skip_limit-th in a row."""
+        limit, run = self.spec.skip_limit, skipped_in_a_row(self.scaler) + 1
+        if limit is None or run < limit:
+            return
+        scale = (f" The fp16 loss scale is {float(self.scaler['scale']):g} (min_loss_scale "
+                 f"{self.spec.loss_scaling.min_loss_scale:g})." if "scale" in self.scaler else "")
+        raise NonFiniteError(
+            f"fz.train_step at step {self.step}: {run} steps in a row were skipped (steps {self.step - run + 1} to "
+            f"{self.step}, Spec.skip_limit={limit}), so the weights stopped changing. At this step {what}.{scale} "
+            "Common causes: NaN or "
+            "inf weights (fz.load_weights names them), a loss that is not finite for any batch, a diverged learning "
+            "rate. The state given to this step is unchanged (skipped_in_a_row "
+            f"{run - 1}); Spec(skip_limit=None) never stops.")

@@ -4,7 +4,10 @@ At step K one rank gets a poisoned batch (a NaN or inf in its inputs) or a poiso
 gradient (an autograd hook in the model). `skip`: every rank's parameters, master weights
 and optimizer state are bit-identical to before the step, the skip is counted, and the
 run goes on. `raise`: every rank raises fz.NonFiniteError naming the step, and the state
-it was given still trains. One world-2 spawn runs every case.
+it was given still trains. Then Spec.skip_limit: a run whose every step is skipped (a NaN loss
+on rank 1, or fp16 overflows at the minimum loss scale) raises on every rank at the limit,
+naming the first non-finite gradient, the count surviving a checkpoint. One world-2 spawn runs
+every case.
 """
 from __future__ import annotations
 
@@ -104,8 +107,43 @@ def _case(rank, precision, stage, kind, policy, value, static_scale=True):
     return out
 
 
-def _all(rank, world):
+LIMIT = 3
+
+
+def _limit_case(rank, precision, ckpt):
+    """Steps bad (saved and restored after it), bad, good, bad, bad, bad: the sixth is the LIMIT-th
+    skip in a row. fp32: a NaN in rank 1's batch; fp16: an inf gradient with the scale at its floor."""
+    spec = fz.Spec(stage=3 if precision == "fp32" else 1, precision=precision, nonfinite="skip", skip_limit=LIMIT,
+                   loss_fn=_loss, optimizer=fz.optim.adamw(lr=1e-2), bucket_mb=0.001,
+                   loss_scaling=fz.LossScale(initial_scale_power=0, min_loss_scale=1.0))
+    torch.manual_seed(0)
+    state = fz.init(Net(), spec)
+    out: dict = {"in_a_row": []}
+    for step in range(6):
+        if step == 1:
+            fz.save(state, ckpt, verbose=False)
+            torch.manual_seed(0)
+            state = fz.restore(fz.init(Net(), spec), ckpt, verbose=False)
+        batch = _batch(step, rank)
+        if step != 2 and precision == "fp32" and rank == 1:
+            batch["x"][0, 0] = math.nan
+        if step != 2 and precision == "fp16":
+            ARMED.append(math.inf)
+        try:
+            state, _ = fz.train_step(state, batch)
+            out["in_a_row"].append(int(state.scaler["skipped_in_a_row"]))
+        except fz.NonFiniteError as e:
+            out["error"], out["error_step"] = str(e), step
+            break
+        finally:
+            ARMED.clear()
+    return out
+
+
+def _all(rank, world, tmp):
     res = {}
+    for precision in ("fp32", "fp16"):
+        res["limit", precision] = _limit_case(rank, precision, f"{tmp}/{precision}")
     for i, precision in enumerate(("fp32", "bf16", "fp16")):
         for stage in (0, 1, 2, 3):
             for j, kind in enumerate(("batch", "grad")):
@@ -117,8 +155,8 @@ def _all(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(2, _all, timeout=240)
+def results(tmp_path_factory):
+    return run_ranks(2, _all, str(tmp_path_factory.mktemp("ckpt")), timeout=240)
 
 
 def test_skip_leaves_params_and_optimizer_state_unchanged_on_every_rank(results):
@@ -155,8 +193,27 @@ def test_fp16_overflow_with_a_dynamic_scale_is_the_scalers_even_under_raise(resu
         assert all(torch.equal(a, b) for a, b in zip(out["before"], out["after"]))
 
 
+def test_a_run_that_skips_every_step_stops_at_skip_limit_on_every_rank(results):
+    """The count resets on an update, survives a save and restore, and is the same on every rank."""
+    for precision in ("fp32", "fp16"):
+        outs = [res["limit", precision] for res in results]
+        assert outs[0] == outs[1], precision  # every rank alike, the message included
+        out = outs[0]
+        assert out["in_a_row"] == [1, 2, 0, 1, 2] and out["error_step"] == 5, (precision, out)
+        msg = out["error"]
+        assert (f"fz.train_step at step 5: {LIMIT} steps in a row were skipped (steps 3 to 5, "
+                f"Spec.skip_limit={LIMIT}), so the weights stopped changing") in msg, msg
+        assert "the first non-finite gradient is '" in msg, msg
+    assert "the loss is non-finite on rank(s) [1]" in results[0]["limit", "fp32"]["error"]
+    assert "The fp16 loss scale is 1 (min_loss_scale 1)." in results[0]["limit", "fp16"]["error"]
+
+
 def test_nonfinite_policy_is_validated():
     with pytest.raises(fz.ConfigError, match="Spec.nonfinite='ignore'.*'skip', 'raise'"):
         fz.Spec(nonfinite="ignore")
     with pytest.raises(fz.ConfigError, match="timeout_s"):
         fz.Spec(timeout_s=0)
+    for bad in (0, -1, True, 2.5, "100"):
+        with pytest.raises(fz.ConfigError, match=r"Spec.skip_limit=.*must be an int >= 1 \(steps in a row\) or None"):
+            fz.Spec(skip_limit=bad)
+    assert fz.Spec().skip_limit == 100 and fz.Spec(skip_limit=None).skip_limit is None

@@ -1,0 +1,118 @@
+"""NaN and inf in loaded weights are named at load, not found later as a run that skips every step.
+
+A parameter loaded with a NaN makes every gradient non-finite, so `Spec(nonfinite="skip")` would
+skip every step without a word. The loaders (`fz.init(weights=)`, `fz.load_weights`,
+`fz.import_deepspeed`, `fz.restore`) count the non-finite values of each parameter (and, from a
+checkpoint, of the optimizer's moments) as the values arrive: each chunk read gets one mask of
+its own size, never a second read of the files nor a copy of the model. Each rank counts only
+its Shard(0) rows, even of a tensor it reads whole, so a shard group's sum counts every value
+once (on a 2-D mesh each replica group's sum is the same); every rank gets that sum and raises
+`fz.NonFiniteError` (or, with `allow_nonfinite=True`, warns with the counts) alike. Buffers are
+not checked: a mask buffer may hold -inf on purpose.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from fz.errors import NonFiniteError
+from fz.sharding.plan import ShardPlan
+from fz.sharding.settle import Handle
+
+_SHOWN = 8
+_CHUNK = 4 << 20  # elements per mask when a whole tensor is counted
+
+
+def nonfinite(t: Tensor) -> int:
+    """How many values of `t` are NaN or inf (0 for an integer tensor), in chunks of bounded masks."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0
+    flat, bad = t.detach().reshape(-1), 0
+    for piece in flat.split(_CHUNK):
+        ok = torch.isfinite(piece)
+        if not bool(ok.all()):
+            bad += piece.numel() - int(ok.sum())
+    return bad
+
+
+class Counts:
+    """Non-finite values of each parameter (and moment `kind`) read on this rank, counted over the
+    rows it holds in the Shard(0) layout: each shard group's ranks together count every row once."""
+
+    def __init__(self, plan: ShardPlan, kinds: tuple[str, ...] = ("",)):
+        self.plan, self.kinds = plan, kinds
+        self.slots = {name: s for name, (_, s) in sorted(plan.slots().items())}
+        self.bad: dict[tuple[str, str], int] = {}
+
+    def see(self, name: str, at: int, chunk: Tensor, kind: str = "") -> None:
+        """Count the non-finite values of elements [at, at + len(chunk)) of `name` that this rank counts."""
+        s = self.slots.get(name)
+        if s is None:  # a buffer
+            return
+        start, stop = s.local_rows(self.plan.shard_rank)
+        a, z = max(at, start * s.row_numel), min(at + chunk.numel(), stop * s.row_numel)
+        if a < z:
+            n = nonfinite(chunk.reshape(-1)[a - at:z - at])
+            if n:
+                self.bad[kind, name] = self.bad.get((kind, name), 0) + n
+
+    def total(self) -> dict[str, tuple[int, int]]:
+        """{label: (non-finite values, values)} summed over the shard group (each replica group holds
+        every row): the same on every rank of the mesh. One all-reduce of an int64 per parameter and kind."""
+        keys = [(k, n) for k in self.kinds for n in self.slots]
+        counts = torch.tensor([self.bad.get(key, 0) for key in keys], dtype=torch.int64)
+        if self.plan.shards > 1:
+            counts = counts.to(self.plan.device)
+            Handle([counts]).add(dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.plan.shard_group,
+                                                 async_op=True)).wait()
+        return {f"{n!r}" + (f" {k}" if k else ""): (int(c), self.slots[n].numel)
+                for (k, n), c in zip(keys, counts.tolist()) if c}
+
+
+def owned_locals(tensors: Mapping[str, Tensor], first_rank: bool) -> dict[str, tuple[int, int]]:
+    """{label: (non-finite values, values)} of a loaded state's tensors in memory (fz.restore),
+    each counted on the ranks whose local part no other rank counts: a DTensor where this rank is
+    the first along every mesh dimension it is replicated on; a plain tensor on the first rank."""
+    out = {}
+    for key, t in tensors.items():
+        if isinstance(t, DTensor):
+            coord: Sequence[int] = t.device_mesh.get_coordinate() or ()
+            if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+                continue
+            n = nonfinite(t._local_tensor)
+        else:
+            n = nonfinite(t) if first_rank else 0
+        if n:
+            out[repr(key.removeprefix("model/"))] = (n, t.numel())
+    return out
+
+
+def summed(per_rank: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, tuple[int, int]]:
+    """One {label: (non-finite values, values)} from every rank's `owned_locals` (exchanged as JSON)."""
+    out: dict[str, tuple[int, int]] = {}
+    for found in per_rank:
+        for label, (n, numel) in found.items():
+            out[label] = (out.get(label, (0, 0))[0] + n, numel)
+    return out
+
+
+def report(found: Mapping[str, tuple[int, int]], allow: bool, who: str, source: str, stacklevel: int = 2) -> None:
+    """NonFiniteError naming the tensors of `found` ({label: (non-finite values, values)}), or a
+    warning with the counts when `allow` (allow_nonfinite=True; `stacklevel` as in warnings.warn,
+    from the caller); nothing when it is empty."""
+    if not found:
+        return
+    shown = ", ".join(f"{label} {n} of {numel}" for label, (n, numel) in sorted(found.items())[:_SHOWN])
+    more = f", ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+    values = sum(n for n, _ in found.values())
+    what = f"{who}: {source} holds NaN or inf in {len(found)} tensors ({values} values): {shown}{more}"
+    if allow:
+        warnings.warn(f"{what}. Loaded as they are (allow_nonfinite=True).", stacklevel=stacklevel + 1)
+        return
+    raise NonFiniteError(f"{what}. Training from them would skip every step; pass allow_nonfinite=True to load "
+                         "them anyway (a warning).")
