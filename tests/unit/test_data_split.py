@@ -25,8 +25,8 @@ def accelerate_steps(n: int, world: int, rank: int, micro: int, accum: int, drop
     """What accelerate's BatchSamplerShard (transformers' Trainer, even_batches) gives this rank, by step
     (one process: the batch sampler itself, which accelerate's prepare_data_loader does not shard)."""
     sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(n)), micro, drop_last)
-    shard = accelerate_data.BatchSamplerShard(sampler, num_processes=world, process_index=rank) if world > 1 else sampler
-    batches = list(shard)
+    shard = accelerate_data.BatchSamplerShard(sampler, num_processes=world, process_index=rank)
+    batches = list(shard if world > 1 else sampler)
     return [batches[i:i + accum] for i in range(0, len(batches), accum)]
 
 
