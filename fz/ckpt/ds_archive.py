@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from fz.ckpt.ds_files import open_regular
+from fz.ckpt.regular import open_regular_file
 from fz.errors import CheckpointError
 
 MAX_PICKLE = 256 << 20  # a record larger than this is not a checkpoint's metadata
@@ -68,7 +68,7 @@ def _members(file: Path, z: zipfile.ZipFile, fh: BinaryIO, size: int) -> dict[st
 
 def open_archive(file: Path) -> Archive:
     """The archive of the torch.save file `file` (a regular file), its pickle read."""
-    with open_regular(file) as fh:
+    with open_regular_file(file) as fh:
         size = os.fstat(fh.fileno()).st_size
         if fh.read(4) != b"PK\x03\x04":
             raise CheckpointError(f"checkpoint file {file} is not a torch.save zip file (the legacy "

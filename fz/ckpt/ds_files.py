@@ -16,35 +16,18 @@ is made from it.
 """
 from __future__ import annotations
 
-import os
 import re
-import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 from fz.ckpt import signing
+from fz.ckpt.regular import open_regular_file
 from fz.errors import CheckpointError
 
 MODEL = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MAX_LATEST = 4096  # a tag name; a longer `latest` is not DeepSpeed's
-
-
-def open_regular(file: Path, what: str = "checkpoint file") -> BinaryIO:
-    """`file` opened for reading if it is a regular file; a FIFO, device or socket is refused
-    without blocking (opened non-blocking, checked with fstat)."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointError(f"{what} {file} cannot be read ({e.strerror or e})") from e
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
-        raise CheckpointError(f"{what} {file} is {kind}, not a regular file: not read")
-    return os.fdopen(fd, "rb")
 
 
 def inside(folder: Path, file: Path) -> Path:
@@ -58,7 +41,7 @@ def inside(folder: Path, file: Path) -> Path:
 
 def _latest(path: Path) -> str:
     """The tag `path/latest` names (its text, stripped: at most _MAX_LATEST bytes)."""
-    with open_regular(path / "latest", "DeepSpeed's `latest` file") as fh:
+    with open_regular_file(path / "latest", "DeepSpeed's `latest` file") as fh:
         raw = fh.read(_MAX_LATEST + 1)
     if len(raw) > _MAX_LATEST:
         raise CheckpointError(f"{path / 'latest'} is over {_MAX_LATEST} bytes: not a tag name (pass tag=...)")

@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from fz.ckpt.regular import read_small
 from fz.errors import CheckpointError, ConfigError
 
 PathLike = str | os.PathLike
@@ -123,10 +124,9 @@ def write_latest(root: Path, name: str) -> None:
 
 def read_latest(root: Path) -> str | None:
     """The step `latest` names; a CheckpointError when it does not match the step's manifest."""
-    try:
-        text = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
-    except FileNotFoundError:
+    if not (root / LATEST).exists() and not (root / LATEST).is_symlink():
         return None
+    text = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
     m = _LATEST_RE.match(text)
     if m is None:
         raise CheckpointError(f"{root / LATEST} is corrupted: it holds {text[:60]!r}, not 'step_<N> "

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
 
+from fz.ckpt.regular import open_regular
 from fz.errors import CheckpointError
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -27,22 +27,6 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 _FROM = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 Tensors = dict[str, tuple[torch.dtype, tuple[int, ...], int]]  # name: (dtype, shape, absolute byte offset)
-
-
-def open_regular(path: Path, what: str = "weights file") -> int:
-    """A read-only descriptor of `path`, which must be a regular file (opened without blocking:
-    opening a FIFO with no writer would wait forever)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise CheckpointError(f"{what} {path} cannot be opened ({e.strerror or e})") from e
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file")
-        raise CheckpointError(f"{what} {path} is not a regular file ({kind}): not read")
-    return fd
 
 
 def pread_exactly(fd: int, n: int, at: int) -> bytes:

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from fz.ckpt import st_header
-from fz.ckpt.st_header import DTYPES, open_regular, read_json
+from fz.ckpt.regular import open_regular
+from fz.ckpt.st_header import DTYPES, read_json
 from fz.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "Entry", "WeightFiles", "read", "read_all", "read_range"]

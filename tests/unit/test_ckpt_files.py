@@ -269,3 +269,14 @@ def test_latest_records_its_manifest_checksum_and_one_changed_byte_is_caught(tmp
         restore(fz.init(make_model(), spec(1, 1)), tmp_path)
     save(state, tmp_path, step=6)  # a save writes the new format again
     assert (tmp_path / "latest").read_text().startswith("step_6 manifest-crc32=")
+
+
+def test_a_latest_that_is_a_fifo_is_refused_without_blocking(small, tmp_path):
+    """fz's own pointer file is read as a regular file only: a FIFO named `latest` would block the reader."""
+    ck = tmp_path / "ck"
+    shutil.copytree(small[0] / "ck", ck)
+    (ck / "latest").unlink()
+    os.mkfifo(ck / "latest")
+    state, _ = train_fz(0, 1, 3, 1, steps=0)
+    with pytest.raises(fz.CheckpointError, match=r"latest is not a regular file \(a FIFO\)"):
+        restore(state, ck)

@@ -158,7 +158,7 @@ def _swap_fifo(root: Path, tmp_path: Path) -> str:
     f = h.optim_file(root, 1)
     f.unlink()
     os.mkfifo(f)
-    return f"{f} is a FIFO, not a regular file"
+    return f"{f} is not a regular file (a FIFO)"
 
 
 def _swap_symlink(root: Path, tmp_path: Path) -> str:
