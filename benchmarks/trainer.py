@@ -1,15 +1,20 @@
 """Hugging Face Trainer: the same script on transformers.Trainer + DeepSpeed and on fz.hf.Trainer,
-ZeRO stages 2 and 3, world 2 on CPU (gloo).
+ZeRO stages 2 and 3, world 2 on CPU (gloo), and on plain transformers.Trainer in one process.
 
-    OMP_NUM_THREADS=1 /work/venv-ds/bin/python benchmarks/trainer.py --rounds 2
-    OMP_NUM_THREADS=1 /work/venv-ds/bin/python benchmarks/trainer.py --engines fz3 --profile   # cProfile, rank 0
+    OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --rounds 2
+    OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --engines fz3 --profile   # cProfile, rank 0
 
-The worker is one Trainer script; the only difference between the engines is the import line
-(`from transformers import Trainer, TrainingArguments` for `ds*`, `from fz.hf import ...` for
-`fz*`) and both get `TrainingArguments(deepspeed=cfg)` with the same DeepSpeed config ("auto"
-values, an AdamW optimizer section, the stage). The model is a GPT-2 built from a config
-(byte vocabulary, dropout 0, seed 0), trained on windows of a few standard-library modules'
-source read in order (`train_sampling_strategy="sequential"`), fp32.
+(`../venv-ds`: a venv beside the checkout with torch, DeepSpeed and fz's `hf` extra; see
+RESULTS.md.) The worker is one Trainer script; the only difference between the engines is the
+import line (`from transformers import Trainer, TrainingArguments` for `ds*` and `hf`, `from
+fz.hf import ...` for `fz*`); `ds*` and `fz*` get `TrainingArguments(deepspeed=cfg)` with the
+same DeepSpeed config ("auto" values, an AdamW optimizer section, the stage). `hf` is plain
+transformers.Trainer (its AdamW) in one process with 2 threads and twice the per-device batch:
+the same global batch on the same 2 cores. The model is a GPT-2 built from a config (byte
+vocabulary, dropout 0, seed 0), trained on windows of a few standard-library modules' source
+read in order (`train_sampling_strategy="sequential"`), fp32. The windows have seeded random
+lengths from seq/4 to seq (`--fixed`: all seq), and each micro-batch is padded to its own
+longest row (labels -100 on the padding), as a padding collator does.
 
 Each engine run is a fresh world-2 group (benchmarks/_harness.launch, the equivalent of
 `torchrun --standalone --nproc-per-node 2`); with `--rounds R` every round runs all engines,
@@ -51,7 +56,7 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import finish, git_state, launch, load_average, markdown, median, report, rss_mb  # noqa: E402
 
-ENGINES = ["ds2", "fz2", "ds3", "fz3"]
+ENGINES = ["hf", "ds2", "fz2", "ds3", "fz3"]
 
 
 def parse_args():
@@ -65,6 +70,7 @@ def parse_args():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--fixed", action="store_true", help="every window seq tokens long (no padding)")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's trainer.train(); print the top costs")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -80,7 +86,7 @@ def ds_config(stage: int) -> dict:
 
 
 def worker(args) -> None:
-    engine, stage = args.worker[:2], int(args.worker[2])
+    engine, stage = args.worker[:2], int(args.worker[2:] or 0)
     if engine == "ds":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import argparse as _ap
@@ -96,21 +102,35 @@ def worker(args) -> None:
         from fz.hf import Trainer, TrainingArguments
     else:
         from transformers import Trainer, TrainingArguments
-    torch.set_num_threads(1)
+    torch.set_num_threads(2 if engine == "hf" else 1)
 
     class Windows(torch.utils.data.Dataset):
-        """Windows of `seq` bytes of some standard-library source; labels = inputs."""
+        """Windows of some standard-library source, `seq` bytes apart, each of a seeded length in
+        [seq / 4, seq] (all `seq` with --fixed)."""
 
         def __init__(self, seq: int):
             text = "".join(inspect.getsource(m) for m in (_ap, json, textwrap, inspect)).encode()
             data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
             self.rows = data[: len(data) // seq * seq].view(-1, seq)
+            g = torch.Generator().manual_seed(0)
+            self.lengths = [seq] * len(self.rows) if args.fixed else \
+                torch.randint(seq // 4, seq + 1, (len(self.rows),), generator=g).tolist()
 
         def __len__(self) -> int:
             return len(self.rows)
 
         def __getitem__(self, i: int) -> dict:
-            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+            return {"input_ids": self.rows[i, :self.lengths[i]]}
+
+    def pad(rows: list) -> dict:
+        """Each micro-batch padded to its own longest row (input 0, label -100, attention mask 0)."""
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r["input_ids"])] = r["input_ids"]
+            mask[i, :len(r["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
     stamps: dict = {"begin": [], "end": []}
 
@@ -122,7 +142,9 @@ def worker(args) -> None:
             stamps["end"].append(time.time())
 
     out_dir = tempfile.mkdtemp(prefix=f"fzbench-trainer-{args.worker}-")
-    targs = TrainingArguments(output_dir=out_dir, deepspeed=ds_config(stage), per_device_train_batch_size=args.batch,
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    targs = TrainingArguments(output_dir=out_dir, deepspeed=ds_config(stage) if engine != "hf" else None,
+                              per_device_train_batch_size=args.batch * 2 // world,
                               max_steps=args.steps, logging_steps=1, learning_rate=args.lr, warmup_steps=2,
                               weight_decay=0.01, max_grad_norm=1.0, seed=0, use_cpu=True, bf16=False, report_to=[],
                               save_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential")
@@ -133,7 +155,7 @@ def worker(args) -> None:
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     params = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(model=model, args=targs, train_dataset=Windows(args.seq), callbacks=[Clock()])
+    trainer = Trainer(model=model, args=targs, train_dataset=Windows(args.seq), data_collator=pad, callbacks=[Clock()])
     rank = targs.process_index
     prof = None
     if args.profile and rank == 0:
@@ -148,16 +170,20 @@ def worker(args) -> None:
         if engine == "ds":
             ran = (f"ZeRO {trainer.model_wrapped.zero_optimization_stage()}, "
                    f"{type(trainer.model_wrapped.basic_optimizer).__name__}")
+        elif engine == "hf":
+            ran = f"one process, {torch.get_num_threads()} threads, {type(trainer.optimizer).__name__}"
         else:
             ran = f"ZeRO {trainer.fz_state.spec.stage}, {type(trainer.fz_state.spec.optimizer).__name__}"
     except Exception as e:  # noqa: BLE001 - a label only
         ran = f"? ({e})"
     mine = {"rss_mb": rss_mb("VmHWM"), "first_step_s": stamps["end"][0] - T_START if stamps["end"] else None}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
     if rank == 0:
         out = {"begin": stamps["begin"], "end": stamps["end"], "loss": losses, "params": params,
-               "world": dist.get_world_size(), "ran": ran, "rss_mb": [m["rss_mb"] for m in every],
+               "world": len(every), "ran": ran, "rss_mb": [m["rss_mb"] for m in every],
                "first_step_s": max(m["first_step_s"] for m in every if m["first_step_s"] is not None)}
         if prof is not None:
             import io
@@ -174,7 +200,7 @@ def worker(args) -> None:
 def summary(r: dict, warmup: int, batch: int) -> dict:
     steps = [e - b for b, e in zip(r["begin"], r["end"])][warmup:]
     gaps = [b - a for a, b in zip(r["end"], r["end"][1:])][max(0, warmup - 1):]
-    per_step = batch * r["world"]
+    per_step = batch * 2  # the global batch: batch per rank x 2 ranks, or 2 x batch in one process
     return {"step": median(steps), "sps": per_step / median(gaps), "rss": max(r["rss_mb"]),
             "first": r["first_step_s"], "loss": r["loss"]}
 
@@ -198,8 +224,8 @@ def main() -> None:
         order = engines if rnd % 2 == 0 else engines[::-1]
         for e in order:
             t0 = time.monotonic()
-            res = launch([sys.executable, os.path.abspath(__file__), *argv, "--worker", e], 2, args.timeout,
-                         {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else None)
+            res = launch([sys.executable, os.path.abspath(__file__), *argv, "--worker", e], 1 if e == "hf" else 2,
+                         args.timeout, {"DS_ACCELERATOR": "cpu"} if e.startswith("ds") else None)
             runs[e].append(res)
             if "error" in res:
                 status = res["error"]
@@ -222,30 +248,29 @@ def main() -> None:
     def per_round(e, k):
         return [s[k] for s in ok.get(e, [])]
 
-    rows = []
-    for stage in sorted({int(e[2]) for e in engines}):
-        for e in (f"ds{stage}", f"fz{stage}"):
-            if e not in runs:
-                continue
-            if not ok[e]:
-                rows.append([e, f"FAILED: {runs[e][-1]['error']}"] + [""] * 6)
-                continue
-            ref = f"ds{stage}" if e.startswith("fz") and ok.get(f"ds{stage}") else None
+    def ratio(e: str, ref: str, k: str) -> str:
+        if not e.startswith("fz") or not ok.get(ref):
+            return "-"
+        return f"{median([a / b for a, b in zip(per_round(e, k), per_round(ref, k))]):.2f}x"
 
-            def ratio(k, ref=ref, e=e):
-                if ref is None:
-                    return "-"
-                xs = [a / b for a, b in zip(per_round(e, k), per_round(ref, k))]
-                return f"{median(xs):.2f}x"
-            rows.append([e, " / ".join(f"{1e3 * x:.0f}" for x in per_round(e, "step")),
-                         " / ".join(f"{x:.2f}" for x in per_round(e, "sps")), ratio("sps"),
-                         f"{median(per_round(e, 'rss')):.0f}", ratio("rss"),
-                         " / ".join(f"{x:.1f}" for x in per_round(e, "first")), ratio("first")])
-    print(markdown(["engine", "step ms (per round)", "samples/s (per round)", "samples/s fz/DS",
+    rows = []
+    stages = sorted({int(e[2]) for e in engines if e != "hf"})
+    for e in (["hf"] if "hf" in runs else []) + [f"{k}{st}" for st in stages for k in ("ds", "fz")]:
+        if e not in runs:
+            continue
+        if not ok[e]:
+            rows.append([e, f"FAILED: {runs[e][-1]['error']}"] + [""] * 7)
+            continue
+        ds = f"ds{e[2:]}"
+        rows.append([e, " / ".join(f"{1e3 * x:.0f}" for x in per_round(e, "step")),
+                     " / ".join(f"{x:.2f}" for x in per_round(e, "sps")), ratio(e, ds, "sps"), ratio(e, "hf", "sps"),
+                     f"{median(per_round(e, 'rss')):.0f}", ratio(e, ds, "rss"),
+                     " / ".join(f"{x:.1f}" for x in per_round(e, "first")), ratio(e, ds, "first")])
+    print(markdown(["engine", "step ms (per round)", "samples/s (per round)", "samples/s fz/DS", "samples/s fz/hf",
                     "peak RSS MB/rank (max rank, median)", "RSS fz/DS", "start to first step s", "first step fz/DS"],
                    rows))
     print()
-    for stage in sorted({int(e[2]) for e in engines}):
+    for stage in stages:
         a, b = ok.get(f"ds{stage}"), ok.get(f"fz{stage}")
         if a and b:
             la, lb = a[0]["loss"], b[0]["loss"]

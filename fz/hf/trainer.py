@@ -120,8 +120,9 @@ class Trainer(transformers.Trainer):
         if self.train_dataset is None:  # evaluate() or predict() only: the schedule is never used
             return 1, None
         if not per_epoch:
-            raise ConfigError("fz.hf.Trainer: set max_steps (the training set has no length, or fewer samples than "
-                              f"the {max(1, args.world_size)} ranks)")
+            raise ConfigError("fz.hf.Trainer: set max_steps (the training set has no length, or, with "
+                              "dataloader_drop_last, fewer samples than one micro-batch on each of the "
+                              f"{max(1, args.world_size)} ranks)")
         return math.ceil(args.num_train_epochs * per_epoch), per_epoch
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
