@@ -8,8 +8,9 @@ micro-batches are padded to their own longest row, so lengths differ per rank, m
 and step. fz.hf.Trainer at world 2 (ZeRO 0, 2, 3 from a DeepSpeed dict with "auto" values)
 against transformers.Trainer at world 1 with the same global batch (4 rows x accumulation),
 one epoch of 44 samples, whose last step is smaller (12 samples where the others have 16).
-Sequence classification is compared with transformers' Trainer at world 2 (DDP) instead:
-transformers' own loss for it changes with the world size (support/hf_pipeline.py says why).
+Sequence classification, and a causal LM that takes no `num_items_in_batch` (transformers
+then averages each micro-batch), are compared with transformers' Trainer at world 2 (DDP)
+instead: transformers' own loss for them changes with the world size (support/hf_pipeline.py).
 
 Tolerance: the losses are sums over the same tokens grouped otherwise (two ranks' partial
 sums, micro-batches of 2 rows instead of 4, padded to other lengths), so they agree to fp32

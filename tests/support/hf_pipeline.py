@@ -32,8 +32,9 @@ def texts(n: int = TEXTS, seed: int = 0) -> list[str]:
 
 
 def causal_lm_data(kind: str = "lm") -> list[dict[str, Any]]:
-    """Tokenized texts (lists, unpadded) for a causal LM: "lm" for DataCollatorForLanguageModeling,
-    "seq2seq" with labels = input_ids for DataCollatorForSeq2Seq, "classes" with a label per text."""
+    """Tokenized texts (lists, unpadded) for a causal LM: "lm" (and "mean") for
+    DataCollatorForLanguageModeling, "seq2seq" with labels = input_ids for DataCollatorForSeq2Seq,
+    "classes" with a label per text."""
     tk = tokenizer()
     rows = []
     for i, text in enumerate(texts()):
@@ -46,18 +47,23 @@ def causal_lm_data(kind: str = "lm") -> list[dict[str, Any]]:
     return rows
 
 
-def llama(classes: bool = False) -> torch.nn.Module:
+def llama(classes: bool = False, mean: bool = False) -> torch.nn.Module:
+    """The tiny Llama; `mean`: one that takes no num_items_in_batch (transformers then averages each
+    micro-batch and divides by the accumulation steps)."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=4 + WORDS, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                       num_labels=3)
-    return LlamaForSequenceClassification(cfg) if classes else LlamaForCausalLM(cfg)
+    model = LlamaForSequenceClassification(cfg) if classes else LlamaForCausalLM(cfg)
+    if mean:
+        model.accepts_loss_kwargs = False  # what transformers reads first
+    return model
 
 
 def collator(kind: str) -> Any:
     from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
-    if kind == "lm":
+    if kind in ("lm", "mean"):
         return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
     if kind == "seq2seq":
         return DataCollatorForSeq2Seq(tokenizer())
@@ -88,7 +94,7 @@ def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int |
     if stage is not None:
         settings["deepspeed"] = deepspeed(stage)
     settings.update(kw)
-    trainer = trainer_cls(model=llama(kind == "classes"), args=args_cls(**settings),
+    trainer = trainer_cls(model=llama(kind == "classes", kind == "mean"), args=args_cls(**settings),
                           train_dataset=causal_lm_data(kind), data_collator=collator(kind),
                           processing_class=tokenizer() if kind == "classes" else None)
     result = trainer.train()
@@ -107,13 +113,15 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "lm_z0": ("lm", 2, 0, {"include_num_input_tokens_seen": "non_padding"}),
     "seq2seq_z0": ("seq2seq", 2, 0, {}), "seq2seq_z3": ("seq2seq", 2, 3, {}),
     "classes_z0": ("classes", 2, 0, {}), "classes_z3": ("classes", 2, 3, {}),
+    "mean_z3": ("mean", 2, 3, {}),
 }
 
 
-# transformers' own loss for these depends on the world size (LlamaForSequenceClassification takes
-# num_items_in_batch but its loss does not use it, and compute_loss still multiplies by the ranks):
-# they are compared with transformers' Trainer at world 2 (DDP over gloo), in the same processes
-AT_WORLD_2 = ("classes",)
+# transformers' own loss for these depends on the world size, so they are compared with
+# transformers' Trainer at world 2 (DDP over gloo), in the same processes: LlamaForSequenceClassification
+# takes num_items_in_batch but its loss does not use it (and compute_loss still multiplies by the
+# ranks); a model that takes none averages each micro-batch, of 2 rows at world 2 and 4 at world 1
+AT_WORLD_2 = ("classes", "mean")
 
 
 def reference_key(name: str) -> str:
