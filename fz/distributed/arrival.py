@@ -8,8 +8,10 @@ a collective of something else (its heartbeat says so, fz/distributed/peers.py: 
 each other), and at the latest after Spec.timeout_s, naming the missing ranks and what
 they are doing. Its key is taken back, so a later call on every rank pairs up again.
 A missing rank whose heartbeat stops for PROBE seconds (killed, stopped) is a PeerError
-naming it, within seconds; a store that fails or does not answer (its host, rank 0, died
-or froze) is a PeerError naming the host. Every store call has a deadline (peers.call).
+naming it, within seconds, and so is one whose script ended with an uncaught exception
+(naming that error: it crashed, it did not skip the call); a store that fails or does not
+answer (its host, rank 0, died or froze) is a PeerError naming the host. Every store call
+has a deadline (peers.call).
 One store round trip per rank and call; nothing on a training step's path.
 """
 from __future__ import annotations
@@ -82,6 +84,10 @@ def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]
         if lost:
             _calls[ident] -= 1
             raise peers.lost_error(f"{peers.activity()}: {api} waited for rank(s) {lost} to call it too", lost)
+        crashed = {r: c for r in missing if (c := peers.crash_of(doings.get(r, ""))) is not None}
+        if crashed:  # it did not skip the call: its script died of an error (no advice about `if rank == 0:`)
+            _calls[ident] -= 1
+            raise peers.crash_error(f"{peers.activity()}: {api} waited for the other ranks to call it too", crashed)
         stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
         exited = {r: d for r, d in doings.items() if d.startswith(peers.EXITED)}
         if stuck or exited or time.monotonic() > deadline:

@@ -168,7 +168,7 @@ def _finish(how: str) -> None:
     if beat is None:
         return
     err = getattr(sys, "last_value", None)
-    said = EXITED + how + ("" if err is None else f" after an error ({type(err).__name__}: {str(err)[:160]})")
+    said = EXITED + how + ("" if err is None else f"{_CRASHED}{type(err).__name__}: {str(err)[:160]})")
 
     def tell() -> None:
         beat.store.set(f"fz/doing/{beat.rank}", said)
@@ -192,6 +192,28 @@ def lost_error(what: str, lost: Sequence[int]) -> PeerError:
     failed = True
     _first = PeerError(f"{what}: lost rank(s) {list(lost)}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)",
                        tuple(lost), _doing[1])
+    return _first
+
+
+_CRASHED = " after an error ("  # what an uncaught exception adds to a rank's EXITED
+
+
+def crash_of(said: str) -> str | None:
+    """The error that ended a rank's script ("RuntimeError: ..."), read from what it published as
+    it exited; None if its script ended without one."""
+    if not said.startswith(EXITED) or _CRASHED not in said:
+        return None
+    return said.split(_CRASHED, 1)[1].removesuffix(")")
+
+
+def crash_error(what: str, crashed: dict[int, str]) -> PeerError:
+    """The PeerError for ranks whose script ended with an uncaught exception ({rank: its error})."""
+    global failed, _first
+    failed = True
+    errors = "; ".join(f"rank {r}: {e}" for r, e in sorted(crashed.items()))
+    _first = PeerError(f"{what}: rank(s) {sorted(crashed)} crashed ({errors}); its output has the traceback. The "
+                       "job cannot go on without it: fix that error, then restart from the last checkpoint",
+                       tuple(sorted(crashed)), _doing[1])
     return _first
 
 
@@ -257,6 +279,9 @@ def peer_error(err: BaseException) -> PeerError:
         down = StoreDown(f"no answer within {PROBE:g} s")
         return store_lost(f"{activity()}: a collective failed ({_cause(err)})", down, step)
     exited = sorted(r for r, d in doings.items() if d.startswith(EXITED))
+    crashed = {r: c for r in exited if (c := crash_of(doings[r])) is not None}
+    if crashed and not lost:
+        return crash_error(f"{activity()}: a collective failed", crashed)
     limit = _limit(err)
     broken = sorted(r for r, d in doings.items() if FAILED_MID in d)
     same = sorted(r for r, d in doings.items() if d == activity())  # in this call still, not waiting: working
