@@ -56,19 +56,6 @@ def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:
     return True
 
 
-def _lost(missing: list[int], seen: dict[int, tuple[int, float]]) -> list[int]:
-    """The missing ranks whose heartbeat counter did not move for PROBE seconds (`seen`: each
-    one's last counter and since when)."""
-    now, lost = time.monotonic(), []
-    for r, count in peers.beats(missing).items():
-        last = seen.get(r)
-        if last is None or last[0] != count:
-            seen[r] = (count, now)
-        elif now - last[1] >= peers.PROBE:
-            lost.append(r)
-    return lost
-
-
 def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]], base: str, keys: list[str],
                   ranks: Sequence[int], rank: int) -> None:
     deadline = time.monotonic() + peers.timeout_s()
@@ -80,7 +67,7 @@ def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]
         if not missing:
             return
         doings = peers.published(missing)
-        lost = [r for r in _lost(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
+        lost = [r for r in peers.stopped(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
         if lost:
             _calls[ident] -= 1
             raise peers.lost_error(f"{peers.activity()}: {api} waited for rank(s) {lost} to call it too", lost)

@@ -104,3 +104,9 @@ def test_a_rank_lost_in_generate_is_a_peer_error_naming_it(sig):
     reset by peer" in 2 trials of 3); every collective of fz.generate is now waited by fz."""
     pytest.importorskip("transformers")
     check_trial(2, sig, 1, 5, job="generate", timeout_s=10.0)  # its ranks start (import transformers) apart
+
+
+def test_a_group_the_script_started_is_bounded_by_spec_timeout_not_by_its_own():
+    """init_process_group before fz.init, with gloo's timeout at 120 s: a frozen rank is still a
+    PeerError within Spec.timeout_s (3 s) plus the probe (fz's waits, not gloo's timeout)."""
+    check_trial(2, signal.SIGSTOP, 0, 7, job="own_group")

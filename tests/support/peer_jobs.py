@@ -3,9 +3,10 @@
 Started by tests/multirank/test_peers.py with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and the
 job's store hosted by the test (as torchrun's agent hosts it), so any rank may be the victim.
 It trains a small model until stopped, saving every few steps when CKPT_DIR is given (with
-FZ_TEST_JOB=generate it calls fz.generate on a tiny Llama instead), prints `ready` after its
-first step, and on fz.PeerError prints `PEERERROR <ranks> <step> <message>` and exits 3 (any
-other exception exits 1).
+FZ_TEST_JOB=generate it calls fz.generate on a tiny Llama instead; with FZ_TEST_JOB=own_group
+it starts the process group itself before fz.init), prints `ready` after its first step, and
+on fz.PeerError prints `PEERERROR <ranks> <step> <message>` and exits 3 (any other exception
+exits 1).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.nn as nn
@@ -42,6 +44,8 @@ def main() -> int:
     torch.set_num_threads(1)
     if os.environ.get("FZ_TEST_JOB") == "generate":
         return _generate(timeout_s, stage)
+    if os.environ.get("FZ_TEST_JOB") == "own_group":  # the script starts the group, with gloo's timeout at 120 s
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))
     spec = fz.Spec(stage=stage, timeout_s=timeout_s, loss_fn=lambda m, b: F.mse_loss(m(b), b), bucket_mb=0.002)
     torch.manual_seed(0)
     state = fz.init(Net(), spec)
