@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fz.compat import all_gather_single
+from fz.distributed.startup import watched
 from fz.errors import CheckpointError, ConfigError
 from fz.sharding.settle import Handle
 from fz.state import State
@@ -43,8 +44,10 @@ class GroupCache:
         hit = self._groups.get(ranks)
         if hit is not None and hit[0] is default:
             return hit[1]
-        timeout = timedelta(seconds=float(os.environ.get("FZ_CKPT_TIMEOUT", timeout_s)))
-        g = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+        limit = float(os.environ.get("FZ_CKPT_TIMEOUT", timeout_s))
+        g = watched("creating the checkpoint group", lambda: dist.new_group(  # a frozen store host: named
+            list(ranks), backend="gloo", timeout=timedelta(seconds=limit), use_local_synchronization=True),
+            ranks, dist.get_rank(), limit)
         self._groups[ranks] = (default, g)
         return g
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import fz
 from fz.ckpt import ds_files
+from fz.distributed import peers
 from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any]
     fz.save(state, save_dir / tag, client_state={**client_state, ENGINE_KEY: counters}, client_state_per_rank=True)
     if save_latest and state.plan.rank == 0:
         _write_latest(save_dir, tag)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # every rank sees `latest` once save_checkpoint returns (the group's timeout bounds it)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank sees `latest` once it returns
+        peers.wait_work(dist.barrier(async_op=True))  # within Spec.timeout_s: a lost rank is an fz.PeerError
 
 
 def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Path, dict[str, Any], dict] | None:

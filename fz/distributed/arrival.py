@@ -8,8 +8,10 @@ a collective of something else (its heartbeat says so, fz/distributed/peers.py: 
 each other), and at the latest after Spec.timeout_s, naming the missing ranks and what
 they are doing. Its key is taken back, so a later call on every rank pairs up again.
 A missing rank whose heartbeat stops for PROBE seconds (killed, stopped) is a PeerError
-naming it, within seconds; a store that fails or does not answer (its host, rank 0, died
-or froze) is a PeerError naming the host. Every store call has a deadline (peers.call).
+naming it, within seconds, and so is one whose script ended with an uncaught exception
+(naming that error: it crashed, it did not skip the call); a store that fails or does not
+answer (its host, rank 0, died or froze) is a PeerError naming the host. Every store call
+has a deadline (peers.call).
 One store round trip per rank and call; nothing on a training step's path.
 """
 from __future__ import annotations
@@ -54,19 +56,6 @@ def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:
     return True
 
 
-def _lost(missing: list[int], seen: dict[int, tuple[int, float]]) -> list[int]:
-    """The missing ranks whose heartbeat counter did not move for PROBE seconds (`seen`: each
-    one's last counter and since when)."""
-    now, lost = time.monotonic(), []
-    for r, count in peers.beats(missing).items():
-        last = seen.get(r)
-        if last is None or last[0] != count:
-            seen[r] = (count, now)
-        elif now - last[1] >= peers.PROBE:
-            lost.append(r)
-    return lost
-
-
 def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]], base: str, keys: list[str],
                   ranks: Sequence[int], rank: int) -> None:
     deadline = time.monotonic() + peers.timeout_s()
@@ -78,10 +67,14 @@ def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]
         if not missing:
             return
         doings = peers.published(missing)
-        lost = [r for r in _lost(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
+        lost = [r for r in peers.stopped(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
         if lost:
             _calls[ident] -= 1
             raise peers.lost_error(f"{peers.activity()}: {api} waited for rank(s) {lost} to call it too", lost)
+        crashed = {r: c for r in missing if (c := peers.crash_of(doings.get(r, ""))) is not None}
+        if crashed:  # it did not skip the call: its script died of an error (no advice about `if rank == 0:`)
+            _calls[ident] -= 1
+            raise peers.crash_error(f"{peers.activity()}: {api} waited for the other ranks to call it too", crashed)
         stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
         exited = {r: d for r, d in doings.items() if d.startswith(peers.EXITED)}
         if stuck or exited or time.monotonic() > deadline:

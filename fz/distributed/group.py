@@ -3,7 +3,8 @@
     fz.distributed.init()      # what fz.init does when no process group is running
 
 Under torchrun (`WORLD_SIZE` and friends in the environment) the default group is
-initialised from that environment, so every process joins the one job; a `WORLD_SIZE`
+initialised from that environment, so every process joins the one job, within a deadline
+(fz/distributed/startup.py); a `WORLD_SIZE`
 without the rest is an error naming what is missing, never a silent one-process run.
 Without `WORLD_SIZE` (a notebook, `python script.py`) fz starts a one-process group.
 """
@@ -15,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fz.distributed import startup
 from fz.errors import ConfigError
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -49,34 +51,23 @@ def _env_world() -> int | None:
     return world
 
 
-def _attempt_store(world: int, timeout: timedelta | None) -> dist.Store:
-    """torchrun's store, with keys of this restart attempt only. torchrun (2.13) keeps one store
-    across `--max-restarts` attempts and its env:// rendezvous does not prefix them, so a
-    restarted rank could read a dead process's gloo address and fail to connect (measured:
-    1 run in 3 here); a prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps them apart."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout or timedelta(minutes=30))
-    return dist.PrefixStore(f"fz/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
 def init(backend: str | None = None, timeout: timedelta | None = None) -> tuple[int, int]:
     """Start the default process group unless one is running; return (rank, world size).
 
     With `WORLD_SIZE` in the environment (torchrun sets it, with RANK, MASTER_ADDR and
-    MASTER_PORT) the group is initialised from the environment (`env://`); without it,
-    fz starts a one-process group. `backend` defaults to nccl with CUDA, else gloo. On
-    CUDA the current device becomes `LOCAL_RANK` (else rank modulo the device count).
+    MASTER_PORT) the group is initialised from the environment, every step of it within
+    `timeout` (else the last Spec.timeout_s): a rank that does not come, dies or freezes is
+    an fz.PeerError naming it; without it, fz starts a one-process group. `backend` defaults
+    to nccl with CUDA, else gloo. On CUDA the current device becomes `LOCAL_RANK` (else rank
+    modulo the device count).
     """
     global _own
     dev = device_type()
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev == "cuda" else "gloo")
         world = _env_world()
-        if world is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_attempt_store(world, timeout), rank=int(os.environ["RANK"]),
-                                    world_size=world, timeout=timeout)
-        elif world is not None:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        if world is not None:  # within `timeout` at every step, a missing rank named (fz/distributed/startup.py)
+            startup.start(backend, world, timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             _own = dist.group.WORLD

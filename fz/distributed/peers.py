@@ -24,14 +24,14 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch.distributed as dist
 
 from fz.distributed import guards
-from fz.distributed.storecall import StoreDown, call, store_host
+from fz.distributed.storecall import STORE_S, StoreDown, call, store_host, within
 from fz.errors import PeerError
 
 BEAT = 0.5  # s between heartbeats
@@ -45,7 +45,6 @@ failed = False  # a PeerError was raised in this process: exit does not wait for
 _first: PeerError | None = None  # that error: later failures repeat it without probing again
 _broken: str | None = None  # a step raised in the middle of its collectives: this process's state is unusable
 EXITED = "finished its script"  # what a rank publishes as it exits or ends its group (arrival checks it too)
-T = TypeVar("T")
 
 
 def timeout_s() -> float:
@@ -95,7 +94,10 @@ def _store() -> dist.Store | None:
 class _Heartbeat(threading.Thread):
     def __init__(self, store: dist.Store, rank: int):
         super().__init__(name="fz-heartbeat", daemon=True)
-        self.store, self.rank, self.stop = store, rank, threading.Event()
+        # a connection of its own: a group starting on `store` blocks its connection in long waits
+        self.source, self.store = store, within(store.clone, STORE_S) or store  # type: ignore[attr-defined]  # no stub
+        self.rank, self.stop = rank, threading.Event()
+        self.own = False  # started by fz's group start-up (on the store it made), not on the default group's
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -108,7 +110,6 @@ class _Heartbeat(threading.Thread):
                     return
                 # slow or frozen: beat again (a busy store host must not make this rank look lost)
             self.stop.wait(BEAT)
-
 
     def _beat(self, said: str) -> None:
         self.store.add(f"fz/hb/{self.rank}", 1)
@@ -127,22 +128,31 @@ def stop_heartbeat(timeout: float = 2.0) -> None:
         beat.join(timeout)
 
 
-
 def configure(timeout: float) -> None:
-    """Set the wait bound (Spec.timeout_s) and start this process's heartbeat (world > 1)."""
-    global _timeout_s, _beat
+    """Set the wait bound (Spec.timeout_s) and start this process's heartbeat (world > 1) on the
+    default group's store, unless fz started the group and its heartbeat already runs."""
+    global _timeout_s
     _timeout_s = float(timeout)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    beat = _beat
     store = _store()
+    if store is not None and not (beat is not None and beat.own and beat.is_alive()):
+        start_heartbeat(store, dist.get_rank())
+
+
+def start_heartbeat(store: dist.Store, rank: int, own: bool = False) -> None:
+    """Beat on `store` from now on (`own`: the store fz started the group on, before the group
+    exists: fz/distributed/startup.py; it stays the heartbeat's for that group)."""
+    global _beat
     with _lock:
-        if store is None or (_beat is not None and _beat.store is store and _beat.is_alive()):
+        if _beat is not None and _beat.source is store and _beat.is_alive():
             return
         if _beat is not None:
             _beat.stop.set()
-        _beat = _Heartbeat(store, dist.get_rank())
-        rank = dist.get_rank()
-        _bounded(lambda: store.delete_key(f"fz/exited/{rank}"), PROBE)  # a group started again: not done
+        _beat = _Heartbeat(store, rank)
+        _beat.own = own
+        within(lambda: store.delete_key(f"fz/exited/{rank}"), PROBE)  # a group started again: not done
         _beat.start()
     _install_stop()
 
@@ -168,22 +178,13 @@ def _finish(how: str) -> None:
     if beat is None:
         return
     err = getattr(sys, "last_value", None)
-    said = EXITED + how + ("" if err is None else f" after an error ({type(err).__name__}: {str(err)[:160]})")
+    said = EXITED + how + ("" if err is None else f"{_CRASHED}{type(err).__name__}: {str(err)[:160]})")
 
     def tell() -> None:
         beat.store.set(f"fz/doing/{beat.rank}", said)
         beat.store.set(f"fz/exited/{beat.rank}", "1")
 
-    _bounded(tell, 1.0)
-
-
-def _bounded(fn: Callable[[], T], seconds: float) -> T | None:
-    """fn() in a thread, or None if it does not return within `seconds` (a stopped store host)."""
-    box: list[T | None] = []
-    t = threading.Thread(target=lambda: box.append(_try(fn)), daemon=True)
-    t.start()
-    t.join(seconds)
-    return box[0] if box else None
+    within(tell, 1.0)
 
 
 def lost_error(what: str, lost: Sequence[int]) -> PeerError:
@@ -192,6 +193,28 @@ def lost_error(what: str, lost: Sequence[int]) -> PeerError:
     failed = True
     _first = PeerError(f"{what}: lost rank(s) {list(lost)}: no heartbeat for {PROBE:.1f} s (killed, stopped or hung)",
                        tuple(lost), _doing[1])
+    return _first
+
+
+_CRASHED = " after an error ("  # what an uncaught exception adds to a rank's EXITED
+
+
+def crash_of(said: str) -> str | None:
+    """The error that ended a rank's script ("RuntimeError: ..."), read from what it published as
+    it exited; None if its script ended without one."""
+    if not said.startswith(EXITED) or _CRASHED not in said:
+        return None
+    return said.split(_CRASHED, 1)[1].removesuffix(")")
+
+
+def crash_error(what: str, crashed: dict[int, str]) -> PeerError:
+    """The PeerError for ranks whose script ended with an uncaught exception ({rank: its error})."""
+    global failed, _first
+    failed = True
+    errors = "; ".join(f"rank {r}: {e}" for r, e in sorted(crashed.items()))
+    _first = PeerError(f"{what}: rank(s) {sorted(crashed)} crashed ({errors}); its output has the traceback. The "
+                       "job cannot go on without it: fix that error, then restart from the last checkpoint",
+                       tuple(sorted(crashed)), _doing[1])
     return _first
 
 
@@ -208,13 +231,6 @@ def store_lost(what: str, err: BaseException, step: int | None = None) -> PeerEr
     return _first
 
 
-def _try(fn: Callable[[], T]) -> T | None:
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001 - an unreachable store is reported as such
-        return None
-
-
 def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
     """(the ranks whose heartbeat stopped, or None if the store does not answer; each rank's
     published activity)."""
@@ -222,17 +238,17 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
     if beat is None:
         return None, {}
     store, me = beat.store, beat.rank
-    _bounded(lambda: store.add(f"fz/left/{me}", 1), PROBE)
+    within(lambda: store.add(f"fz/left/{me}", 1), PROBE)
 
     def read() -> tuple[list[int], list[int]]:
         return ([store.add(f"fz/hb/{r}", 0) for r in range(world)],
                 [store.add(f"fz/left/{r}", 0) + store.add(f"fz/exited/{r}", 0) for r in range(world)])
 
-    first = _bounded(read, PROBE)
+    first = within(read, PROBE)
     if first is None:
         return None, {}
     time.sleep(PROBE)
-    second = _bounded(read, PROBE)
+    second = within(read, PROBE)
     if second is None:
         return None, {}
     lost = [r for r in range(world) if r != me and first[0][r] == second[0][r] and not second[1][r]]
@@ -241,22 +257,26 @@ def probe(world: int) -> tuple[list[int] | None, dict[int, str]]:
         keys = [f"fz/doing/{r}" for r in range(world)]
         return {r: store.get(k).decode() for r, k in enumerate(keys) if r != me and store.check([k])}
 
-    return lost, _bounded(doings, PROBE) or {}
+    return lost, within(doings, PROBE) or {}
 
 
-def peer_error(err: BaseException) -> PeerError:
-    """`err` (a failed or timed-out collective) as a PeerError naming the lost ranks and the step."""
+def peer_error(err: BaseException, world: int | None = None) -> PeerError:
+    """`err` (a failed or timed-out collective) as a PeerError naming the lost ranks and the step
+    (`world`: the job's size, while its default group is still starting)."""
     global failed, _first
     if _first is not None or sys.is_finalizing():  # probed once already (or exiting: no threads now)
         return PeerError(str(_first or err), _first.ranks if _first else (), _first.step if _first else None)
     failed = True
     step = _doing[1]
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world or (dist.get_world_size() if dist.is_initialized() else 1)
     lost, doings = probe(world)
     if lost is None:
         down = StoreDown(f"no answer within {PROBE:g} s")
         return store_lost(f"{activity()}: a collective failed ({_cause(err)})", down, step)
     exited = sorted(r for r, d in doings.items() if d.startswith(EXITED))
+    crashed = {r: c for r in exited if (c := crash_of(doings[r])) is not None}
+    if crashed and not lost:
+        return crash_error(f"{activity()}: a collective failed", crashed)
     limit = _limit(err)
     broken = sorted(r for r, d in doings.items() if FAILED_MID in d)
     same = sorted(r for r, d in doings.items() if d == activity())  # in this call still, not waiting: working
@@ -320,12 +340,12 @@ def waiting() -> Iterator[None]:
 _MARKERS = ("reset by peer", "Connection closed", "Broken pipe", "timed out", "Timed out")
 
 
-def _is_comm_failure(err: BaseException) -> bool:
-    if isinstance(err, dist.DistBackendError) or any(m in str(err) for m in _MARKERS):
+def is_comm_failure(err: BaseException) -> bool:
+    if isinstance(err, dist.DistError) or any(m in str(err) for m in _MARKERS):
         return True
     failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: exception}
     if isinstance(failures, dict):
-        return any(_is_comm_failure(f[0] if isinstance(f, tuple) else f) for f in failures.values()
+        return any(is_comm_failure(f[0] if isinstance(f, tuple) else f) for f in failures.values()
                    if isinstance(f, BaseException) or isinstance(f, tuple))
     return False
 
@@ -338,7 +358,7 @@ def translated() -> Iterator[None]:
     except PeerError:
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if not _is_comm_failure(e):
+        if not is_comm_failure(e):
             raise
         raise peer_error(e) from e
 
@@ -372,13 +392,22 @@ def published(ranks: Iterable[int]) -> dict[int, str]:
     return call(lambda: {r: store.get(f"fz/doing/{r}").decode() for r in ranks if store.check([f"fz/doing/{r}"])})
 
 
-def beats(ranks: Iterable[int]) -> dict[int, int]:
-    """Each rank's heartbeat counter (StoreDown if the store does not answer)."""
+def stopped(ranks: Iterable[int], seen: dict[int, tuple[int, float]]) -> list[int]:
+    """The `ranks` whose heartbeat counter has not moved for PROBE seconds, by calls made while
+    waiting for them (`seen`: each one's last counter and since when; StoreDown if the store does
+    not answer). A rank that never beat counts from the first call."""
     beat = _beat
     if beat is None:
-        return {}
-    store = beat.store
-    return call(lambda: {r: store.add(f"fz/hb/{r}", 0) for r in ranks})
+        return []
+    store, now, lost = beat.store, time.monotonic(), []
+    counts = call(lambda: {q: store.add(f"fz/hb/{q}", 0) for q in ranks})
+    for r, count in counts.items():
+        last = seen.get(r)
+        if last is None or last[0] != count:
+            seen[r] = (count, now)
+        elif now - last[1] >= PROBE:
+            lost.append(r)
+    return lost
 
 
 def stuck_for(doing_text: str) -> float:

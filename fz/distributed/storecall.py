@@ -45,6 +45,23 @@ def call(fn: Callable[[], T], seconds: float = STORE_S) -> T:
     return value  # type: ignore[return-value]
 
 
+def within(fn: Callable[[], T], seconds: float) -> T | None:
+    """fn() in a thread, or None if it raises or does not return within `seconds` (a stopped
+    store host): for what is told on the way out or read for a diagnosis, never waited on."""
+    box: list[T | None] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 - an unreachable store is reported as such by the caller
+            box.append(None)
+
+    t = threading.Thread(target=run, daemon=True, name="fz-store-call")
+    t.start()
+    t.join(seconds)
+    return box[0] if box else None
+
+
 def store_host() -> tuple[str, tuple[int, ...]]:
     """Who hosts the job's store: torchrun's agent, or rank 0 (MASTER_ADDR/MASTER_PORT, env://)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -37,6 +37,7 @@ from fz.errors import ConfigError
 from fz.observe.memory import memory_report
 from fz.observe.progress import Bar
 from fz.observe.writers import CsvWriter, TensorBoardWriter, run_dir, run_name
+from fz.sharding.settle import Handle
 from fz.spec import Spec
 from fz.state import State
 from fz.step.batches import batch_leaves
@@ -160,7 +161,7 @@ class Monitor:
         every = mine
         if self.world > 1:
             every = mine.new_zeros(self.world * len(MEMORY))
-            all_gather_single(every, mine)
+            Handle([every, mine]).add(all_gather_single(every, mine, async_op=True)).wait()  # within Spec.timeout_s
         rows = every.view(self.world, len(MEMORY)).tolist()
         return {
             f"memory/rank{rank}/{name}_mb": v / _MB for rank, row in enumerate(rows) for name, v in zip(MEMORY, row)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fz.distributed import group as distributed
+from fz.distributed import peers, startup
 from fz.errors import ConfigError
 
 MESH_DIMS = ("replicate", "shard")
@@ -30,16 +31,24 @@ def make_mesh(mesh: DeviceMesh | None = None, shard_group_size: int | None = Non
               timeout: timedelta | None = None) -> DeviceMesh:
     """`mesh` itself (checked), else a mesh over the default process group: 1-D, or 2-D
     ("replicate", "shard") with groups of `shard_group_size` consecutive ranks. `timeout`
-    is the group's when fz starts it."""
+    bounds starting the default group (when fz starts it; it is gloo's timeout then) and the
+    mesh's groups, at every rank: a rank lost there is an fz.PeerError naming it."""
     if mesh is not None:
         return _checked(mesh, shard_group_size)
     dev = distributed.device_type()
-    _, world = distributed.init(timeout=timeout)  # torchrun's environment, else a one-process group
-    if shard_group_size is None or shard_group_size == world:
-        return init_device_mesh(dev, (world,), mesh_dim_names=("shard",))
-    if world % shard_group_size:
-        raise ConfigError(f"Spec.shard_group_size={shard_group_size} does not divide the world size {world}")
-    return init_device_mesh(dev, (world // shard_group_size, shard_group_size), mesh_dim_names=MESH_DIMS)
+    rank, world = distributed.init(timeout=timeout)  # torchrun's environment, else a one-process group
+    shape: tuple[int, ...] = (world,)
+    names: tuple[str, ...] = ("shard",)
+    if shard_group_size is not None and shard_group_size != world:
+        if world % shard_group_size:
+            raise ConfigError(f"Spec.shard_group_size={shard_group_size} does not divide the world size {world}")
+        shape, names = (world // shard_group_size, shard_group_size), MESH_DIMS
+    if world == 1:
+        return init_device_mesh(dev, shape, mesh_dim_names=names)
+    limit = peers.timeout_s() if timeout is None else timeout.total_seconds()
+    peers.configure(limit)  # the heartbeat runs before the mesh's groups start: a rank lost there is named
+    return startup.watched("creating the mesh's process groups", lambda: init_device_mesh(
+        dev, shape, mesh_dim_names=names), range(world), rank, limit)
 
 
 def _checked(mesh: DeviceMesh, shard_group_size: int | None) -> DeviceMesh:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fz.errors import ConfigError
 from fz.sharding.comm import Comm
+from fz.sharding.settle import Handle
 from fz.state import State, expect_state
 from fz.step.batches import on_device
 from fz.step.residency import deciding
@@ -119,5 +120,6 @@ def _unfinished(comm: Comm, this_peer_finished: bool, synced_gpus: bool, device:
     """HF's `_has_unfinished_sequences` with synced_gpus, over the shard group: True while any
     rank of it has a sequence still going."""
     flag = torch.tensor(0.0 if this_peer_finished else 1.0, device=comm.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM, group=comm.group)
+    sum_ = torch.distributed.ReduceOp.SUM  # waited within Spec.timeout_s: a rank lost meanwhile is an fz.PeerError
+    Handle([flag]).add(torch.distributed.all_reduce(flag, op=sum_, group=comm.group, async_op=True)).wait()
     return bool(flag.item() > 0)

@@ -34,6 +34,7 @@ from fz.errors import ConfigError
 from fz.log import logger
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm
+from fz.sharding.settle import Handle
 from fz.state import State
 from fz.step.runner import Runner, unit_buckets
 
@@ -178,7 +179,8 @@ def deciding(state: State, want: str | int, budget: float | None, api: str) -> C
         if want == "auto" and sharded and comm.world > 1:
             mine = torch.tensor(float(free_bytes(state.plan.device) if budget is None else budget),
                                 dtype=torch.float64, device=state.plan.device)
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=comm.group)
+            # waited within Spec.timeout_s: a rank lost meanwhile is an fz.PeerError
+            Handle([mine]).add(dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=comm.group, async_op=True)).wait()
             room = float(mine)
         chosen = choose(state, want, state.metrics["order"].tolist(), unit_buckets(state.skeleton, state.plan.buckets),
                         state.spec.prefetch, room, api)

@@ -1,6 +1,7 @@
 """Issue 27's faults: a frozen store host, a rank dying right before a collective API, a step
-that raised mid-collective, a rank stuck writing its part of a checkpoint. Every survivor
-raises an fz.PeerError saying what happened, within its bound; nothing hangs or aborts.
+that raised mid-collective, a rank stuck writing its part of a checkpoint; issue 40's: a rank
+that crashed before fz.save, a rank frozen or killed while fz.init starts the group. Every
+survivor raises an fz.PeerError saying what happened, within its bound; nothing hangs or aborts.
 
 Each test runs two ranks of tests/support/fault_jobs.py (rank 0 hosts the job's store).
 """
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from fz.distributed import peers
 from fz.distributed.storecall import STORE_S
@@ -137,3 +140,46 @@ def test_a_rank_killed_in_an_async_save_is_a_peer_error_naming_it(tmp_path):
     assert ranks == "[1]", msg
     assert "lost rank(s) [1]" in msg, msg
     assert took < timeout_s + peers.PROBE + MARGIN_S, msg
+
+
+CRASHES = [("crash_save", "fz.save at step 2: fz.save waited for the other ranks to call it too: rank(s) [1] crashed "
+                          "(rank 1: RuntimeError: injected: the data loader failed)"),
+           ("crash_step", "fz.train_step at step 2: a collective failed: rank(s) [1] crashed (rank 1: RuntimeError: "
+                          "injected: the data loader failed)")]
+
+
+@pytest.mark.parametrize("mode,said", CRASHES, ids=[m for m, _ in CRASHES])
+def test_a_rank_that_crashed_is_named_with_its_error_not_as_a_skipped_call(mode, said, tmp_path):
+    out = run_job(mode, 60.0, tmp_path, limit_s=60)
+    status, text = out[0]
+    assert status == 3, (status, text[-3000:])
+    ranks, took, msg = peer_error(text)
+    assert ranks == "[1]", msg
+    assert said in msg, msg
+    assert "if rank == 0" not in msg and "every rank must call" not in msg, msg  # it did not skip the call
+    assert took < peers.PROBE + MARGIN_S, msg  # not Spec.timeout_s=60
+    assert out[1][0] == 1 and "RuntimeError: injected: the data loader failed" in out[1][1], out[1]
+
+
+# (mode, victim, Spec.timeout_s, what the survivor's error says, the bound it must meet but for MARGIN_S)
+STARTS = [("stop_join", 1, 5.0, "fz.init: rank(s) [1] did not join the job within Spec.timeout_s=5 s", 5.0),
+          ("stop_start", 0, 30.0, "fz.init: starting the process group: the job's store, hosted by rank 0, does not "
+                                  "answer", STORE_S + peers.PROBE),
+          ("kill_start", 1, 30.0, "fz.init: starting the process group: lost rank(s) [1]: no heartbeat", peers.PROBE)]
+
+
+@pytest.mark.parametrize("mode,victim,timeout_s,said,bound", STARTS, ids=[m for m, *_ in STARTS])
+def test_a_rank_lost_while_fz_init_starts_the_group_is_a_peer_error_naming_it(mode, victim, timeout_s, said, bound,
+                                                                              tmp_path):
+    """Issue 40: torch's rendezvous waited 150 s and more for a frozen store host with
+    Spec.timeout_s=20, or raised a raw DistNetworkError; now a frozen rank is named within the
+    timeout, and one lost after it joined (frozen or killed) within seconds (a 30 s timeout
+    that does not fire)."""
+    survivor = 1 - victim
+    out = run_job(mode, timeout_s, tmp_path, limit_s=timeout_s + 60, ranks=(survivor,))
+    status, text = out[survivor]
+    assert status == 3, (status, text[-3000:])  # not a raw DistNetworkError, not a hang
+    ranks, took, msg = peer_error(text)
+    assert ranks == f"[{victim}]", msg
+    assert said in msg, msg
+    assert took < bound + MARGIN_S, msg
