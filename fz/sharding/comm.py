@@ -122,6 +122,15 @@ class Comm:
             return _done(h.add(self.link.all_reduce(t, average=False)), async_op)
         return _done(h.add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), async_op)
 
+    def sum_now(self, t: Tensor) -> None:
+        """Sum `t` (a few values) over every rank of the mesh, in place, on gloo's own connections:
+        never queued behind the shared-memory link's bucket collectives, such as the last step's
+        parameter gathers still in flight while the next forward starts."""
+        self._count_all_reduce(t, scalar=True)
+        if self.world > 1:
+            Handle([t]).add(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)).wait()
+        self.replica_sum(t, scalar=True)
+
     def reduce_scatter(self, out: Tensor, inp: Tensor, async_op: bool = False):
         """out = this rank's 1/world of the average of every rank's `inp` (rank-major)."""
         self.bytes["reduce_scatter"] += inp.numel() * inp.element_size()

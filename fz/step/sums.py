@@ -2,7 +2,9 @@
 
 A loss normalized over the whole step (transformers' Trainer divides by the label tokens of
 every micro-batch on every rank, `num_items_in_batch`) needs that count before the first
-forward. This is its all-reduce: within the shard group, then across replica groups, each wait
+forward. This is its all-reduce: within the shard group, then across replica groups, on gloo's own
+connections (the shared-memory link may still carry the last step's parameter gathers, which
+the next forward overlaps: a count queued behind them would wait for all of them), each wait
 bounded by Spec.timeout_s, a lost rank an fz.PeerError (fz/sharding/settle.py). Every rank
 calls it, as it calls train_step; it reads nothing of the state but its mesh.
 """
@@ -24,7 +26,5 @@ def sum_over_ranks(state: State, value: int | float | Tensor) -> Tensor:
     t = given.to(state.plan.device, torch.float64, copy=True)
     if len(state.plan.ranks) > 1:
         peers.doing("fz.sum_over_ranks", int(state.step))
-        comm = Comm(state.plan)
-        comm.all_reduce_sum(t, scalar=True)
-        comm.replica_sum(t, scalar=True)
+        Comm(state.plan).sum_now(t)  # not behind the last step's parameter gathers, which the forward overlaps
     return t if given.is_floating_point() else t.round().to(torch.int64)
