@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks on localhost, with a timeout, and collect what each returns.
 
-Spawning costs seconds, so tests batch many checks into one call. A rank that raises
-fails the call with that rank's traceback; a hang fails it after `timeout` seconds.
+Starting ranks costs time (they fork from a server that imported torch and fz once), so tests
+batch many checks into one call. A rank that raises fails the call with that rank's traceback;
+a hang fails it after `timeout` seconds.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any,
+            env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -42,12 +46,30 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
 
 
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "fz"]
+_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "PYTHONMALLOC")  # read once, as a process starts
+
+
+def _context() -> Any:
+    """A fork server that imported torch and fz once: each rank starts as its fork in a fraction of
+    a second, where a spawned one imports them again (seconds); it ran no collective and no thread
+    of the caller's. Ranks whose environment sets what a process reads only as it starts (malloc's
+    tunables) are spawned, so that it takes effect."""
+    if any(k.startswith(_AT_START) for k in os.environ):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
     """fn(rank, world, *args) on `world` fresh processes; returns the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, env), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     out: dict = {}
