@@ -65,9 +65,7 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
     for n, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise ConfigError(f"parameter {n!r} is {p.dtype}; fz keeps fp32 parameters (precision is set in the Spec)")
-    entries = bucket_entries(model, skel)
-    if not any(e[3] for e in entries):
-        raise ConfigError("every parameter of the model is frozen (requires_grad=False): there is nothing to train")
+    entries = bucket_entries(model, skel)  # every parameter frozen: an inference State (apply, eval_step, generate)
     shards = mesh.size(mesh.ndim - 1)
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))

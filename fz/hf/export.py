@@ -44,6 +44,7 @@ from fz.ckpt.layout import disk_full, fsync_path
 from fz.ckpt.safetensors_io import StreamWriter
 from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
+from fz.hf.peft_export import is_peft_model, save_peft
 from fz.observe.full_params import gathered, source_dtype
 from fz.state import State, expect_state
 
@@ -80,7 +81,7 @@ class _Entry:
 
 def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Module | None = None,
                     max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
-                    processing_class: Any = None) -> Exported:
+                    processing_class: Any = None, merged: bool = False) -> Exported:
     """Write `state`'s weights with its model's config as a transformers model folder `out`
     (the state first, then where, as fz.save).
 
@@ -100,10 +101,19 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
 
     Tied weights are written once, as transformers does: of names sharing one tensor, those its
     `_tied_weights_keys` declare are dropped (from_pretrained ties them again). Returns an Exported.
+
+    A PEFT model (`peft.PeftModel`) is written as PEFT writes it: its adapter only
+    (adapter_config.json, adapter_model.safetensors, from the fp32 masters), or with
+    `merged=True` the base model with the adapter merged in (fz/hf/peft_export.py).
     """
     expect_state(state, "fz.hf.save_pretrained")
     if model is None:
         model = state.skeleton.root
+    if is_peft_model(model):
+        files, tensors, nbytes = save_peft(state, out, model, merged=merged, processing_class=processing_class)
+        return Exported(out=str(out), files=tuple(files), shards=1, tensors=tensors, bytes=nbytes, dtype="float32")
+    if merged:
+        raise ConfigError("fz.hf.save_pretrained(merged=True) merges a PEFT adapter; the model is not a PeftModel")
     config = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
         raise ConfigError(f"fz.hf.save_pretrained: the model ({type(model).__name__}) is not a transformers "

@@ -45,6 +45,8 @@ from fz.hf import checkpoint_dirs as dirs
 from fz.hf import counts, data
 from fz.hf.arguments import spec_from_args, unsupported
 from fz.hf.export import save_pretrained
+from fz.hf.replaced import warn_not_called
+from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.observe.full_params import iter_full_params
 
@@ -83,6 +85,7 @@ class Trainer(transformers.Trainer):
         self.fz_spec = spec
         self.fz_state: fz.State | None = None
         self._refuse(kwargs)
+        warn_not_called(self, Trainer)
         self._loader: Any = None
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
@@ -160,6 +163,7 @@ class Trainer(transformers.Trainer):
                                   decay_names=self.get_decay_parameter_names(model))
             self._one_checkpointing(spec)
             self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss, accumulate="sum"))
+            shard_second_models(self, model, self.fz_state.spec)  # TRL's ref_model, ...: inference-only States
         return self.fz_state
 
     def _one_checkpointing(self, spec: fz.Spec) -> None:
@@ -389,10 +393,13 @@ class Trainer(transformers.Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A folder `from_pretrained` loads: config, sharded safetensors and their index, the
-        tokenizer; gathered from the State one bucket at a time. Every rank calls it."""
+        """What transformers' save_model writes: a folder `from_pretrained` loads (config, sharded
+        safetensors and their index; a PEFT model's adapter as PEFT writes it), the tokenizer and
+        training_args.bin; gathered from the State one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
         self._check_in("save_model")
-        save_pretrained(self.fz_state, output_dir or str(self.args.output_dir), model=self._model(),
-                        processing_class=self.processing_class)
+        out = output_dir or str(self.args.output_dir)
+        save_pretrained(self.fz_state, out, model=self._model(), processing_class=self.processing_class)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(out, "training_args.bin"))

@@ -1,14 +1,16 @@
 """`fz.hf.TrainingArguments`: transformers' arguments, whose `deepspeed` config fz reads.
 
 transformers' own TrainingArguments hands a `deepspeed=` config to Accelerate, which then
-needs DeepSpeed installed and sets DeepSpeed up as the engine. This subclass keeps the
+needs DeepSpeed installed and sets DeepSpeed up as the engine. These arguments keep the
 value in `args.deepspeed` (scripts and HfArgumentParser's `--deepspeed` flag read it as
-before) but sets the devices up as a plain run would, so fz's Trainer trains with it and
+before) but set the devices up as a plain run would, so fz's Trainer trains with it and
 DeepSpeed need not be installed. Nothing else changes: every field, default and check is
-transformers' own.
+transformers' own. `OnFzArguments` does this for any arguments class: `fz.hf.on_fz(trl.SFTConfig)`
+is SFTConfig with every field it has, on fz.
 """
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import os
 from typing import Any
@@ -18,32 +20,61 @@ import transformers
 from fz.errors import ConfigError
 
 
-@dataclasses.dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    """transformers.TrainingArguments; `deepspeed` (a JSON path or dict) is read by fz.hf.Trainer."""
+class OnFzArguments:
+    """The mixin: `deepspeed=` kept from Accelerate while the devices are set up, then checked
+    against the processes the launcher started. (It declares no field, nor an annotation: HfArgumentParser
+    reads the arguments class's own.)"""
 
     def __post_init__(self) -> None:
-        config, self.deepspeed = self.deepspeed, None
+        me: Any = self
+        config, me.deepspeed = me.deepspeed, None
         try:
-            super().__post_init__()
-            _ = self._setup_devices  # cached now, while no DeepSpeed config is visible to Accelerate
+            super().__post_init__()  # type: ignore[misc]  # the arguments class this mixes into
+            _ = self._setup_devices  # type: ignore[attr-defined]  # cached now, while Accelerate sees no DeepSpeed config
         finally:
-            self.deepspeed = config
+            me.deepspeed = config
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if launched > 1 and self.world_size == 1:
+        args: Any = self
+        if launched > 1 and args.world_size == 1:
             raise ConfigError(
                 f"TrainingArguments: the launcher started {launched} processes, but transformers set each up to train "
-                f"alone (parallel_mode={self.parallel_mode.value}, device {self.device}): each would train on the "
+                f"alone (parallel_mode={args.parallel_mode.value}, device {args.device}): each would train on the "
                 "same data. " + ("On a machine without a GPU pass use_cpu=True (--use_cpu), so that the processes "
-                                 "train together over gloo." if self.device.type == "cpu" else
+                                 "train together over gloo." if args.device.type == "cpu" else
                                  "Check that every process sees its GPU (CUDA_VISIBLE_DEVICES)."))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the arguments class it mixes into, with every field (`training_args.bin`, as
+        transformers' save_model writes it, loads without fz, as what Trainer + DeepSpeed saves)."""
+        base = next(c for c in type(self).__mro__[1:] if not issubclass(c, OnFzArguments))
+        return copyreg._reconstructor, (base, object, None), dict(self.__dict__)  # type: ignore[attr-defined]
 
-def as_fz_arguments(args: Any) -> TrainingArguments:
-    """`args` as fz's TrainingArguments (a transformers one is copied field by field)."""
-    if isinstance(args, TrainingArguments):
+
+@dataclasses.dataclass
+class TrainingArguments(OnFzArguments, transformers.TrainingArguments):
+    """transformers.TrainingArguments; `deepspeed` (a JSON path or dict) is read by fz.hf.Trainer."""
+
+
+_MADE: dict[type, type] = {transformers.TrainingArguments: TrainingArguments}
+
+
+def arguments_on_fz(cls: type) -> type:
+    """`cls` (a TrainingArguments subclass) with OnFzArguments mixed in: the same dataclass fields."""
+    if issubclass(cls, OnFzArguments):
+        return cls
+    if cls not in _MADE:
+        made = type(cls.__name__, (OnFzArguments, cls), {"__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__,
+                                                         "__doc__": f"{cls.__name__}, on fz (fz.hf.on_fz)."})
+        _MADE[cls] = dataclasses.dataclass(made)
+    return _MADE[cls]
+
+
+def as_fz_arguments(args: Any) -> Any:
+    """`args` as arguments on fz: of its own class with OnFzArguments (copied field by field)."""
+    if isinstance(args, OnFzArguments):
         return args
     if not isinstance(args, transformers.TrainingArguments):
         raise TypeError(f"fz.hf.Trainer: args must be a TrainingArguments, got {type(args).__name__}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return TrainingArguments(**values)
+    return arguments_on_fz(type(args))(**values)

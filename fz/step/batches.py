@@ -106,12 +106,13 @@ def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
     """`batch` cut into `n` micro-batches along the leading dimension of its tensors. Leaves with
     no batch dimension (0-d tensors such as transformers' `num_items_in_batch`, Python scalars,
     strings) go to every micro-batch unchanged; the other tensors must agree on their rows.
-    A MicroBatches is already cut: each must hold at most `micro` rows."""
+    A MicroBatches is already cut, as its collator made it: each must hold a tensor, of any rows
+    (a preference collator stacks each sample's chosen and rejected rows; a padding-free one packs
+    its sequences into one row and carries their lengths)."""
     if isinstance(batch, MicroBatches):
-        for i, b in enumerate(batch):
-            rows = rows_of(b)
-            if micro is not None and rows > micro:
-                raise ConfigError(f"micro-batch {i} of the step has {rows} rows, more than micro_batch={micro}")
+        for b in batch:
+            if not _rowed(b):
+                rows_of(b)  # the error that names what the micro-batch holds
         return list(batch)
     size = rows_of(batch)
     if size % n:

@@ -84,6 +84,10 @@ class StepInProgress:
             state = offload(state)
         self.state = state
         spec, plan, scaler = state.spec, state.plan, state.scaler
+        if not any(b.trainable for b in plan.buckets):
+            raise ConfigError(f"{what}: every parameter of this state's model is frozen (requires_grad=False): there "
+                              "is nothing to train. It serves fz.apply, fz.eval_step and fz.generate; to train, leave "
+                              "some parameters requiring grad before fz.init")
         if scaler is None:
             raise ConfigError(f"{what}: state.scaler is None; a state from fz.init has one (keep it)")
         self.scaler = scaler

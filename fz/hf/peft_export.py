@@ -1,0 +1,96 @@
+"""A PEFT model's State as PEFT writes it: the adapter (`adapter_config.json`,
+`adapter_model.safetensors`), or, on request, the base model with the adapter merged.
+
+`PeftModel.save_pretrained` writes only what trains: the adapters' weights under PEFT's names
+and their config. fz gathers the State's trainable parameters (their fp32 masters, one bucket at
+a time, every rank taking part) and hands them to PEFT's own writer on the writing rank, as
+`state_dict=`, so the folder is PEFT's byte for byte and `PeftModel.from_pretrained(base, out)`
+loads it. `merged=True` writes what `model.merge_and_unload().save_pretrained(out)` writes: the
+writing rank holds the whole model once, in a copy of the PeftModel with the State's weights,
+which PEFT merges (any adapter type PEFT merges); the user's model is left as it was.
+Written into a hidden folder and moved into place whole.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fz.ckpt.group import GroupCache, exchange, state_ranks
+from fz.distributed.arrival import arrive
+from fz.errors import ConfigError
+from fz.observe.full_params import gathered
+from fz.state import State
+
+_GROUPS = GroupCache()
+_TMP = ".fz-peft-"
+
+
+def is_peft_model(model: Any) -> bool:
+    """A peft.PeftModel (by what it has, so that peft need not be installed to ask)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model") and hasattr(model, "active_adapter")
+
+
+def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: bool = False,
+              processing_class: Any = None) -> tuple[list[str], int, int]:
+    """Write the PEFT `model`'s State to `out` (module docstring); every rank calls it. Returns the
+    files written, and the tensors and bytes gathered for them."""
+    plan = state.plan
+    what = f"fz.hf.save_pretrained of a PEFT model to {out}"
+    if len(plan.ranks) > 1:
+        arrive("fz.hf.save_pretrained", plan.ranks, plan.rank)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    writer = plan.rank == plan.ranks[0]
+    group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(plan.ranks) > 1 else None
+    keep: dict[str, Tensor] = {}
+    for name, t in gathered(state, False, "fz.hf.save_pretrained", copy=True):
+        if writer and (merged or name in trainable):
+            keep[name] = t.detach().to("cpu")
+    err, files = None, []
+    counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()))
+    if writer:
+        try:
+            files = _write(Path(out), model, keep, merged, processing_class)
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
+            err = e
+    if group is not None:
+        exchange(group, None, err, what)
+    elif err is not None:
+        raise err
+    return files, *counted
+
+
+def _write(out: Path, model: Any, tensors: dict[str, Tensor], merged: bool, processing_class: Any) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{_TMP}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out / f"{_TMP}{os.getpid()}"
+    tmp.mkdir()
+    try:
+        if merged:
+            copy_ = copy.deepcopy(model)
+            missing = {n for n, _ in copy_.named_parameters()} - set(tensors)
+            if missing:
+                raise ConfigError(f"fz.hf.save_pretrained(merged=True): the state holds no {sorted(missing)[0]!r}: "
+                                  "pass the PEFT model the state was made from")
+            with torch.no_grad():
+                copy_.load_state_dict(tensors, strict=False, assign=True)
+            copy_.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, state_dict=tensors, safe_serialization=True)
+        if processing_class is not None:
+            processing_class.save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        for name in files:
+            dst = out / name
+            if dst.is_dir():
+                shutil.rmtree(dst)
+            os.replace(tmp / name, dst)
+        return files
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

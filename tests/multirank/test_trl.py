@@ -1,0 +1,70 @@
+"""TRL's trainers on fz with one line, `fz.hf.on_fz(trl.SFTTrainer)` (issue 41), against TRL itself.
+
+Each TRL trainer runs as a TRL user writes it (its own config class with `deepspeed=`, its
+collators and loss), on fz at world 2 with ZeRO-3 from a DeepSpeed dict, and on plain TRL at
+world 1 with the same global batch (4 rows, 2 accumulation steps): SFT on text, packed, and
+prompt-completion (completion-only loss); DPO with a reference model (on fz an inference-only
+State sharded as the policy is) and with a LoRA policy and no reference (the adapter disabled);
+Reward. Logged losses and TRL's metrics agree to fp32 rounding (1e-5 relative: sums grouped
+otherwise over two ranks). A resumed SFT run is the uninterrupted one bit for bit; save_model
+writes the files TRL's writes.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from fz.testing.spawn import run_ranks  # noqa: E402
+
+from support.helpers import max_rel  # noqa: E402
+from support.trl_jobs import KINDS, fz_runs, reference_runs  # noqa: E402
+
+TOL = 1e-5
+METRICS = ("loss", "grad_norm", "learning_rate", "epoch", "mean_token_accuracy", "entropy", "accuracy", "margin",
+           "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trl"))
+    return run_ranks(2, fz_runs, out, timeout=600), run_ranks(1, reference_runs, out, timeout=600)[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trainer_logs_equal_trls_own_run(runs, kind):
+    fz2, ref = runs
+    want = ref[kind]
+    assert want["steps"] == len(want["logs"]) > 1
+    for r in fz2:
+        got = r[kind]
+        assert got["steps"] == want["steps"]
+        for key in METRICS:
+            ours = [log.get(key) for log in got["logs"]]
+            theirs = [log.get(key) for log in want["logs"]]
+            assert (ours[0] is None) == (theirs[0] is None), key
+            if theirs[0] is not None:
+                assert max_rel(ours, theirs) < TOL or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-6, \
+                    (kind, key, ours, theirs)
+
+
+def test_reference_model_is_an_inference_only_state_sharded_as_the_policy(runs):
+    for r in runs[0]:
+        ref = r["ref"]
+        assert ref["class"] == "OnFzModel" and ref["stage"] == 3
+        assert ref["params"] == ref["numel"] * 4 // 2  # its half of the fp32 parameters, on each of 2 ranks
+        assert ref["grads"] == 0 and ref["optimizer"] == 0
+
+
+def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(runs):
+    for r in runs[0]:
+        first, resumed = r["resume"]["first"], r["resume"]["resumed"]
+        assert len(first) == 5 and resumed[-3:] == first[-3:]
+        assert r["resume"]["same_weights"]
+
+
+def test_save_model_writes_the_files_trls_writes(runs):
+    fz2, ref = runs
+    assert fz2[0]["saved"] == ref["saved"]
+    assert {"config.json", "model.safetensors", "training_args.bin", "tokenizer.json"} <= set(ref["saved"])
