@@ -38,11 +38,13 @@ from fz.step.residency import deciding
 from fz.step.train import _forward
 
 
-def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+def generate(state: State, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, *,
              residency: str | int = "auto", budget: float | None = None, seed: int | None = None,
              **generation_kwargs: Any) -> Tensor:
     """Token ids, as the model's own `generate(input_ids, attention_mask, **generation_kwargs)`
     returns them, computed with the state's current weights (in eval mode); the state is unchanged.
+    Encoder-decoder models too (BART, T5; Whisper with `input_features=` in place of input_ids):
+    the encoder HF's generate runs directly runs on the state's weights as well.
 
     `residency`: "auto" (chosen from `budget` bytes per rank, default what is free now), "gather"
     (the whole model gathered once per call), "stream" (every unit gathered per forward) or k,
@@ -63,7 +65,9 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
                           "itself (a rank that finished keeps running forwards until every rank has)")
     plan = state.plan
     sharded = any(b.sharded_param for b in plan.buckets)
-    input_ids, attention_mask = on_device((input_ids, attention_mask), plan.device)
+    given = {"attention_mask": attention_mask} if attention_mask is not None else {}
+    given, generation_kwargs = on_device((given, generation_kwargs), plan.device)
+    inputs = () if input_ids is None else (on_device(input_ids, plan.device),)
 
     def run(runner, comm: Comm) -> Tensor:
         if seed is not None:
@@ -71,7 +75,7 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
         lockstep = sharded and comm.world > 1
         with _redirected(root, runner, comm if lockstep else None, plan.device, state.spec.compute_dtype):
             make: Any = root.generate  # GenerationMixin.generate, checked above
-            return make(input_ids, attention_mask=attention_mask, synced_gpus=lockstep, **generation_kwargs)
+            return make(*inputs, **given, synced_gpus=lockstep, **generation_kwargs)
 
     return _forward(state, run, what="fz.generate", collective=sharded,
                     residency=deciding(state, residency, budget, "fz.generate"))
@@ -79,40 +83,70 @@ def generate(state: State, input_ids: Tensor, attention_mask: Tensor | None = No
 
 class _redirected:
     """For one call: the root's forward runs on `runner` (each forward then releases what the
-    runner does not hold), and HF's end-of-loop check agrees over `comm`'s group."""
+    runner does not hold), and so does each submodule HF's generate calls directly (an
+    encoder-decoder's encoder and decoder, the root's other children): on the state's weights,
+    as from inside the root. HF's end-of-loop check agrees over `comm`'s group. A forward a
+    library set on the instance (TRL's fused head) is the one that runs, and is put back after."""
 
     def __init__(self, root: torch.nn.Module, runner: Any, comm: Comm | None, device: torch.device,
                  dtype: torch.dtype):
         self.root, self.runner, self.comm = root, runner, comm
         self.probe = None
-        if next(root.parameters(), None) is None:  # a skeleton with no parameters of its own (built on meta):
-            # HF's generate reads model.device / model.dtype from the first parameter
+        self.saved: list[tuple[torch.nn.Module, Any]] = []  # (module, its own instance forward or None)
+        first = next(root.parameters(), None)
+        if first is None or first.device != device:  # the skeleton's parameters are on meta (or none):
+            # HF's generate reads model.device / model.dtype from the first parameter (Whisper makes its
+            # decoder's first ids there)
             self.probe = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
 
-    def __enter__(self) -> None:
-        root, runner, inside = self.root, self.runner, [False]
-        if self.probe is not None:
-            root.register_parameter("_fz_device_probe", self.probe)
-        unbound = type(root).forward
+    def _direct(self) -> list[torch.nn.Module]:
+        """The submodules HF may call outside the root's forward: encoder, decoder, the root's children."""
+        root: Any = self.root
+        found = [getter() for getter in (getattr(root, "get_encoder", None), getattr(root, "get_decoder", None))
+                 if callable(getter)]
+        found += list(root.children())
+        out: list[torch.nn.Module] = []
+        for m in found:
+            if isinstance(m, torch.nn.Module) and m is not root and type(m).__name__ != "_UnitCall" and \
+                    all(m is not o for o in out):
+                out.append(m)
+        return out
 
-        @functools.wraps(root.forward)
+    def _wrap(self, module: torch.nn.Module, inside: list[bool], first: bool) -> None:
+        own = module.__dict__.get("forward")
+        call = own if own is not None else type(module).forward.__get__(module)
+        runner = self.runner
+
+        @functools.wraps(call)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if inside[0]:  # the runner calling the root itself
-                return unbound(root, *args, **kwargs)
+            if inside[0]:  # called from within a forward already running on the runner
+                return call(*args, **kwargs)
             inside[0] = True
             try:
-                return runner(*args, **kwargs)
+                return runner(*args, **kwargs) if first else runner.inside(call, *args, **kwargs)
             finally:
                 inside[0] = False
                 runner.release()  # streamed units dropped; the call order kept for the next prefetch
 
-        object.__setattr__(root, "forward", forward)
+        self.saved.append((module, own))
+        object.__setattr__(module, "forward", forward)
+
+    def __enter__(self) -> None:
+        inside = [False]
+        if self.probe is not None:
+            self.root.register_parameter("_fz_device_probe", self.probe)
+        self._wrap(self.root, inside, True)
+        for module in self._direct():
+            self._wrap(module, inside, False)
         if self.comm is not None:
-            object.__setattr__(root, "_has_unfinished_sequences", functools.partial(_unfinished, self.comm))
+            object.__setattr__(self.root, "_has_unfinished_sequences", functools.partial(_unfinished, self.comm))
 
     def __exit__(self, *exc: Any) -> None:
-        for name in ("forward", "_has_unfinished_sequences"):
-            self.root.__dict__.pop(name, None)
+        for module, own in reversed(self.saved):
+            module.__dict__.pop("forward", None)
+            if own is not None:
+                object.__setattr__(module, "forward", own)
+        self.root.__dict__.pop("_has_unfinished_sequences", None)
         self.root._parameters.pop("_fz_device_probe", None)
 
 

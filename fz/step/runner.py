@@ -212,6 +212,17 @@ class Runner:
         finally:
             self.read_tensors = {}
 
+    def inside(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn` (the forward of a submodule its caller runs directly, as HF's generate runs an
+        encoder-decoder's encoder) with the root's tensors bound, as when the root's forward calls
+        it: the blocks inside gather as usual."""
+        try:
+            with running(self):
+                self.bindings.bind(self.skel.units[0].module, self._unit_args(0))
+                return fn(*args, **kwargs)
+        finally:
+            self.read_tensors = {}
+
     def backward(self, loss: Tensor) -> None:
         """`loss.backward()` with unit calls still going to this runner (a checkpoint around blocks
         in the model's own forward calls them again in backward)."""
