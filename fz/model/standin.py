@@ -36,8 +36,8 @@ def _read(inner: nn.Module, name: str, where: str, unit: str) -> Any:
     (which fz holds) a ConfigError, modules a read-only `_Peek`."""
     if name.startswith("__"):
         raise AttributeError(name)
-    for kind in ("_parameters", "_buffers"):
-        if name in inner.__dict__.get(kind, {}):
+    for kind in ("_parameters", "_buffers"):  # a slot registered as None (Linear's bias=False) holds nothing of fz's
+        if inner.__dict__.get(kind, {}).get(name) is not None:
             raise _limit(f"reads {kind[1:-1].rstrip('s')} {f'{where}.{name}'!r}", unit)
     value = getattr(inner, name)
     return _Peek(value, f"{where}.{name}", unit) if isinstance(value, nn.Module) else value

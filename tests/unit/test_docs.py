@@ -29,8 +29,9 @@ EXPECT = {
     "docs/deepspeed.md": (["updates: 16", "resumed at update 10 after micro-batch 19",
                            "imported step 3 client state {'step': 3, 'note': 'x'}"],
                           ["ds_ckpt/latest", "ds_weights.safetensors"]),
-    "docs/huggingface.md": (["'eval_loss'", "TrainingArguments.learning_rate", "the logits of from_pretrained: True"],
-                            ["out/model.safetensors"]),
+    "docs/huggingface.md": (["'eval_loss'", "TrainingArguments.learning_rate", "the logits of from_pretrained: True",
+                             "token accuracy logged: True", "the logits of PeftModel.from_pretrained: True"],
+                            ["out/model.safetensors", "adapter/adapter_model.safetensors"]),
 }
 # The pages that show an fz command's output (a one-line bash block, then a text block), and which commands.
 SHOWN = {"docs/planning.md": [["estimate"]]}
