@@ -44,6 +44,7 @@ from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf import counts, data
 from fz.hf.arguments import spec_from_args, unsupported
+from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
@@ -52,20 +53,6 @@ from fz.observe.full_params import iter_full_params
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
-
-
-class _Evaluated(nn.Module):
-    """What `_wrap_model` returns: not the user's model, so Accelerate does not prepare (wrap,
-    move) it; `prediction_step` runs fz.apply on the State instead of calling it."""
-
-    trainer: Trainer
-
-    def __init__(self, trainer: Trainer):
-        super().__init__()
-        object.__setattr__(self, "trainer", trainer)  # not a submodule
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return fz.apply(self.trainer.fz_ready(), *args, **kwargs)
 
 
 class Trainer(transformers.Trainer):
@@ -337,29 +324,12 @@ class Trainer(transformers.Trainer):
 
     # ---------------------------------------------------------------- evaluation and the model
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return _Evaluated(self)
+        return Evaluated(self)
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
         """(loss, logits, labels) of one batch, from `fz.apply` on the State (every rank takes part)."""
-        inputs = self._prepare_inputs(inputs)
-        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
-        if ignore_keys is None:
-            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []) or [])
-        with torch.no_grad():
-            out = fz.apply(self.fz_ready(), **inputs)
-        loss = None
-        if has_labels:
-            loss = (out["loss"] if isinstance(out, dict) else out[0]).detach().mean()
-        if prediction_loss_only:
-            return loss, None, None
-        if isinstance(out, dict):
-            logits = tuple(v for k, v in out.items() if k not in [*ignore_keys, "loss"])
-        else:
-            logits = tuple(out[1:] if has_labels else out)
-        labels = tuple(inputs.get(k) for k in self.label_names) if has_labels else None
-        return (loss, logits[0] if len(logits) == 1 else logits,
-                labels[0] if labels is not None and len(labels) == 1 else labels)
+        return prediction(self, self._prepare_inputs(inputs), prediction_loss_only, ignore_keys)
 
     def _copy_weights_into_model(self) -> None:
         """The trained weights into `self.model` (in its dtype), so it is usable after train()."""
