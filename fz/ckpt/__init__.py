@@ -8,7 +8,7 @@
     $ fz consolidate ckpt model.safetensors --dtype bf16 # one file of the full weights
     $ fz inspect ckpt
 
-Modules: checkpointer (Checkpointer), functions (fz.save, fz.restore),
+Modules: checkpointer (Checkpointer), functions (fz.save, fz.restore, DeepSpeed's tag layout),
 arguments (the functions' argument order), saver, commit (putting a checkpoint in place,
 replacing one safely), loader, layout (directories, durable renames), manifest (checksums),
 signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,

@@ -158,6 +158,11 @@ class Checkpointer:
         each rank's own. Waits for this Checkpointer's previous save first and raises its error.
         A step already saved is replaced; the old copy stays readable until the new one is committed.
         """
+        self._save(state, step, client_state, client_state_per_rank)
+
+    def _save(self, state: State, step: int | None, client_state: dict[str, Any] | None, client_state_per_rank: bool,
+              target: Target | None = None) -> None:
+        """`save`, into `target` (a DeepSpeed tag folder: fz/ckpt/functions.py) or `root/step_<N>`."""
         expect_state(state, f"{self._who}save")
         self._check_open("save")
         self.wait()
@@ -168,7 +173,7 @@ class Checkpointer:
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
         t0, first = time.perf_counter(), self._reports(state)
-        target = Target(self.root, step_name(n))
+        target = target or Target(self.root, step_name(n))
         with peers.translated():  # a peer lost in a save's collectives is a PeerError
             job = saver.prepare(state, target, n, client_state, self.keep_last, self._group(state),
                                 stage=self.async_, client_per_rank=client_state_per_rank, key=self._key)

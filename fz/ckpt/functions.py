@@ -1,5 +1,6 @@
 """The function API, `fz.save` / `fz.restore`, as thin wrappers over a Checkpointer that shares one
-process group with every other call.
+process group with every other call; and `save_tag`, a checkpoint in DeepSpeed's layout
+(`<save_dir>/<tag>/` and a `latest` holding the tag), for fz.deepspeed's save_checkpoint.
 """
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 from fz.ckpt import arguments, ds_files, signing
 from fz.ckpt.checkpointer import Checkpointer, wait_for_checkpoints
+from fz.ckpt.commit import Target
 from fz.ckpt.ds_import import import_deepspeed
 from fz.ckpt.group import GroupCache
-from fz.ckpt.layout import PathLike
+from fz.ckpt.layout import LATEST, PathLike
+from fz.errors import ConfigError
 from fz.state import State, expect_state
 
 _FUNCTION_GROUPS = GroupCache()
@@ -63,3 +66,20 @@ def restore(state: State, path: PathLike, *, step: int | None = None, strict: bo
     ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
     return ckpt._restore(state, step, strict, with_client_state, stacklevel=4, allow_nonfinite=allow_nonfinite)
 
+
+def save_tag(state: State, save_dir: PathLike, tag: str, *, client_state: dict[str, Any] | None = None,
+             client_state_per_rank: bool = False, latest: bool = True, verbose: bool = True) -> Path:
+    """Write `state` as `<save_dir>/<tag>/` (DeepSpeed's layout: the tag folder is the checkpoint)
+    and, with `latest`, `<save_dir>/latest` holding the tag, as DeepSpeed's does; every rank calls
+    it. A tag already saved is replaced, its old copy readable until the new one is committed.
+    `fz.restore` reads the tag folder or the save_dir. Returns the tag folder."""
+    expect_state(state, "save_checkpoint")
+    if not isinstance(tag, str) or not tag or "/" in tag or tag in (".", "..", LATEST) \
+            or tag.endswith((".tmp", ".old", ".del")):
+        raise ConfigError(f"save_checkpoint tag={tag!r}: a tag is one folder name (e.g. 'global_step100'), not "
+                          f"{LATEST!r} and not ending in .tmp, .old or .del (the names of a save in progress)")
+    wait_for_checkpoints()
+    target = Target(Path(save_dir), tag, "tag" if latest else "keep")
+    ckpt = Checkpointer._for_functions(save_dir, groups=_FUNCTION_GROUPS, verbose=verbose)
+    ckpt._save(state, None, client_state, client_state_per_rank, target)
+    return target.final

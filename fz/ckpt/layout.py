@@ -12,6 +12,10 @@
 A crash at any moment leaves `latest` naming a complete directory, because a directory is
 renamed into place only after every file in it is fsynced, and `latest` is replaced (write
 `latest.tmp`, fsync, rename, fsync the root) only after that rename is durable.
+
+fz.deepspeed's `save_checkpoint` writes DeepSpeed's layout instead: `<save_dir>/<tag>/` is the
+checkpoint (the same files as a step_<N>), and `<save_dir>/latest` holds the tag alone, as
+DeepSpeed's does; `resolve` reads both, and the older `<save_dir>/<tag>/step_<N>/`.
 """
 from __future__ import annotations
 
@@ -180,6 +184,18 @@ def pointer(root: Path) -> tuple[str, str | None] | None:
         f"restore into {root / LATEST}")
 
 
+def _tag_folder(root: Path) -> Path | None:
+    """The folder a DeepSpeed-style `latest` (the tag alone, as fz.deepspeed's save_checkpoint
+    writes it) names in `root`, when that folder holds an fz checkpoint; else None."""
+    if not (root / LATEST).is_file():
+        return None
+    tag = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
+    if not tag or _LATEST_RE.match(tag) or "/" in tag or tag in (".", ".."):
+        return None
+    d = current(root, tag)
+    return d if (d / MANIFEST).is_file() or (d / LATEST).is_file() else None
+
+
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed directory (a name without .tmp/.del and a manifest, or the copy a
     replacing save set aside), ascending."""
@@ -196,8 +212,8 @@ def committed_steps(root: Path) -> list[int]:
 def resolve(path: PathLike, step: int | None = None) -> Path:
     """The checkpoint directory to read: `step_<step>`, else what `latest` names, else the newest.
 
-    `path` may also be a step directory itself. A name a save is replacing reads as its set-aside
-    copy (`current`).
+    `path` may also be a step directory itself, or a DeepSpeed save_dir or tag folder that
+    fz.deepspeed wrote. A name a save is replacing reads as its set-aside copy (`current`).
     """
     root = Path(path)
     aside = root.with_name(root.name + OLD) if root.name else root
@@ -215,6 +231,9 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
             have = committed_steps(root)
             raise CheckpointError(f"no checkpoint for step {step} in {root} (committed steps: {have or 'none'})")
         return d
+    tagged = _tag_folder(root)
+    if tagged is not None:
+        return resolve(tagged)  # fz.deepspeed's save_dir: `latest` holds a tag
     entry = pointer(root)
     if entry is not None:
         d = current(root, *entry)
