@@ -1,4 +1,5 @@
-"""A DeepSpeed engine script (seed 003's shape) on fz: its only change is the import line.
+"""A DeepSpeed engine script (the loop of DeepSpeed's Getting Started) on fz: its only change is
+the import line.
 
     fz run --num_gpus 2 examples/deepspeed_engine.py --deepspeed --deepspeed_config examples/ds_config.json \
         --save_dir out/ds_engine --steps 40 --save_interval 20
@@ -39,7 +40,7 @@ class Bytes(torch.utils.data.Dataset):
 
 
 class TinyLM(nn.Module):
-    """engine(batch) returns the loss, as seed 003's loop expects."""
+    """engine(batch) returns the loss, as the Getting Started loop expects."""
 
     def __init__(self, dim: int = 64, layers: int = 2):
         super().__init__()

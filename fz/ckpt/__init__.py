@@ -8,14 +8,16 @@
     $ fz consolidate ckpt model.safetensors --dtype bf16 # one file of the full weights
     $ fz inspect ckpt
 
-Modules: checkpointer (Checkpointer and the function API), arguments (the functions'
-argument order), saver, loader, layout (directories, durable renames), manifest (checksums),
+Modules: checkpointer (Checkpointer), functions (fz.save, fz.restore, DeepSpeed's tag layout),
+arguments (the functions' argument order), saver, commit (putting a checkpoint in place,
+replacing one safely), loader, layout (directories, durable renames), manifest (checksums),
 signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,
 agreement), reader (DCP files without torch.distributed), safetensors_io, export
 (consolidate, inspect), results (what those return), progress.
 """
-from fz.ckpt.checkpointer import Checkpointer, restore, save, wait_for_checkpoints
+from fz.ckpt.checkpointer import Checkpointer, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect
+from fz.ckpt.functions import restore, save
 from fz.ckpt.loader import PartialRestoreWarning
 from fz.ckpt.results import CheckpointInfo, Consolidated
 from fz.ckpt.safetensors_io import load_weights

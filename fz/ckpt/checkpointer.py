@@ -1,6 +1,6 @@
 """`fz.Checkpointer`: the checkpoints of one run under one root (orbax's CheckpointManager
-is the model), and the function API `fz.save` / `fz.restore` / `fz.wait_for_checkpoints`
-as thin wrappers over it.
+is the model), and `fz.wait_for_checkpoints`; `fz.save` / `fz.restore` wrap it
+(fz/ckpt/functions.py).
 
     with fz.Checkpointer("ckpt", keep_last=3, async_=True) as ckpt:
         if ckpt.latest_step() is not None:
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fz.background import on_next_call
-from fz.ckpt import arguments, ds_files, loader, manifest, saver, signing
-from fz.ckpt.ds_import import import_deepspeed
+from fz.ckpt import loader, manifest, saver, signing
+from fz.ckpt.commit import Target
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import META, PathLike, committed_steps, read_json, read_latest, resolve, step_name
 from fz.distributed import guards, peers
@@ -50,7 +50,7 @@ class _Pending:
     def __init__(self, job: saver.SaveJob, done=None):
         self.error: BaseException | None  # _finish's, if the save failed
         self.step, self.error, self.done = job.step, None, done
-        self.where = job.root / step_name(job.step)
+        self.where = job.target.final
         written = job.launch()
         self.thread = threading.Thread(target=self._finish, args=(job, written), name=f"fz-ckpt-{job.step}",
                                        daemon=False)
@@ -156,7 +156,13 @@ class Checkpointer:
         `client_state` (a JSON-able dict, tensors allowed) must be the same on every rank (a
         ConfigError names the keys that differ), unless `client_state_per_rank=True` saves
         each rank's own. Waits for this Checkpointer's previous save first and raises its error.
+        A step already saved is replaced; the old copy stays readable until the new one is committed.
         """
+        self._save(state, step, client_state, client_state_per_rank)
+
+    def _save(self, state: State, step: int | None, client_state: dict[str, Any] | None, client_state_per_rank: bool,
+              target: Target | None = None) -> None:
+        """`save`, into `target` (a DeepSpeed tag folder: fz/ckpt/functions.py) or `root/step_<N>`."""
         expect_state(state, f"{self._who}save")
         self._check_open("save")
         self.wait()
@@ -167,18 +173,19 @@ class Checkpointer:
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError(f"{self._who}save client_state must be a dict, got {type(client_state).__name__}")
         t0, first = time.perf_counter(), self._reports(state)
+        target = target or Target(self.root, step_name(n))
         with peers.translated():  # a peer lost in a save's collectives is a PeerError
-            job = saver.prepare(state, self.root, n, client_state, self.keep_last, self._group(state),
+            job = saver.prepare(state, target, n, client_state, self.keep_last, self._group(state),
                                 stage=self.async_, client_per_rank=client_state_per_rank, key=self._key)
             if not self.async_:
                 job.run()
         if not self.async_:
-            self._report(first, "saved", self.root / step_name(n), t0)
+            self._report(first, "saved", target.final, t0)
             return
         staged = time.perf_counter() - t0
         # If dcp.async_save raised on some ranks only, the others' DCP threads would wait for
         # them until the group's timeout; it fails only on bad arguments, the same on every rank.
-        pending = _Pending(job, lambda: self._report(first, "saved", self.root / step_name(n), t0,
+        pending = _Pending(job, lambda: self._report(first, "saved", target.final, t0,
                                                      f", training blocked {staged:.2f} s"))
         _install_exit_guards()
         with _lock:
@@ -332,57 +339,6 @@ def _install_exit_guards() -> None:
         _guards_installed = True
     atexit.register(_wait_at_exit)
     guards.before_destroy(wait_for_checkpoints, order=0)
-
-
-_FUNCTION_GROUPS = GroupCache()
-
-
-def save(state: State, path: PathLike, *, step: int | None = None, client_state: dict[str, Any] | None = None,
-         async_: bool = False, keep_last: int | None = None, client_state_per_rank: bool = False,
-         key: signing.Key = None, verbose: bool = True) -> None:
-    """Write `state` (and `client_state`) to `<path>/step_<N>`; every rank calls it.
-
-    N is `step` or the state's step. `client_state` (a JSON-able dict, tensors allowed) must be
-    the same on every rank (a ConfigError names the keys that differ), unless
-    `client_state_per_rank=True` saves each rank's own. `keep_last=K` deletes older steps
-    once this one is committed.
-    `async_=True` returns once the state is copied to host memory and finishes in the
-    background on a checkpoint-only process group; the next save or restore and
-    interpreter exit wait for it. Call `wait_for_checkpoints()` before
-    `dist.destroy_process_group()`, which would cut it off. `key` (else FZ_CKPT_KEY) signs it.
-    `verbose=False` leaves out the saved line.
-    """
-    state, path = arguments.state_and_path("fz.save", state, path)
-    expect_state(state, "fz.save")
-    wait_for_checkpoints()
-    ckpt = Checkpointer._for_functions(path, keep_last, async_, _FUNCTION_GROUPS, key, verbose)
-    ckpt.save(state, step=step, client_state=client_state, client_state_per_rank=client_state_per_rank)
-
-
-def restore(state: State, path: PathLike, *, step: int | None = None, strict: bool = True,
-            with_client_state: bool = False, key: signing.Key = None, verbose: bool = True,
-            allow_nonfinite: bool = False) -> State | tuple[State, dict[str, Any]]:
-    """Load the checkpoint `path` names (its `latest`, or `step`) into the template `state`.
-
-    The state comes first, as in fz.save (fz/ckpt/arguments.py says why); fz 0.1's
-    `restore(path, state)` still works and warns. Every rank calls it. A damaged checkpoint
-    (missing, truncated or corrupted file) or one of another model raises ConfigError; with
-    strict=False the tensors both share are loaded and the rest is reported as a
-    PartialRestoreWarning. With `key` (else FZ_CKPT_KEY) a checkpoint that this key did not
-    sign is refused. `with_client_state=True` returns (state, client_state); `verbose=False`
-    leaves out the restored line. A checkpoint DeepSpeed wrote (its save_dir, or a tag folder;
-    `step` N reads tag global_stepN) is imported: fz.import_deepspeed. A NaN or inf in the
-    weights or optimizer moments is fz.NonFiniteError naming them (allow_nonfinite=True: a warning).
-    """
-    state, path = arguments.state_and_path("fz.restore", state, path, old_order=True)
-    expect_state(state, "fz.restore")
-    wait_for_checkpoints()
-    if ds_files.is_deepspeed(Path(path)):  # one DeepSpeed wrote: fz.import_deepspeed
-        new, client = import_deepspeed(state, path, tag=ds_files.unsigned_tag(Path(path), step, key), strict=strict,
-                                       allow_nonfinite=allow_nonfinite)
-        return (new, client) if with_client_state else new
-    ckpt = Checkpointer._for_functions(path, groups=_FUNCTION_GROUPS, key=key, verbose=verbose)
-    return ckpt._restore(state, step, strict, with_client_state, stacklevel=4, allow_nonfinite=allow_nonfinite)
 
 
 def _world_note(where: Path, state: State) -> str:

@@ -3,6 +3,8 @@
     <root>/step_<N>/        a committed checkpoint (renamed from step_<N>.tmp when complete)
     <root>/step_<N>.tmp/    being written; never read
     <root>/step_<N>.del/    being pruned; never read
+    <root>/step_<N>.old/    the committed copy a save of step N again set aside (fz/ckpt/commit.py):
+                            read while step_<N> is missing or `latest`'s checksum is this copy's
     <root>/latest           "step_<N> manifest-crc32=<8 hex>": the newest committed checkpoint and
                             the crc32 of its manifest.json (replaced atomically); a `latest` that
                             holds only "step_<N>" (an older fz's) is read too
@@ -10,6 +12,10 @@
 A crash at any moment leaves `latest` naming a complete directory, because a directory is
 renamed into place only after every file in it is fsynced, and `latest` is replaced (write
 `latest.tmp`, fsync, rename, fsync the root) only after that rename is durable.
+
+fz.deepspeed's `save_checkpoint` writes DeepSpeed's layout instead: `<save_dir>/<tag>/` is the
+checkpoint (the same files as a step_<N>), and `<save_dir>/latest` holds the tag alone, as
+DeepSpeed's does; `resolve` reads both, and the older `<save_dir>/<tag>/step_<N>/`.
 """
 from __future__ import annotations
 
@@ -29,7 +35,9 @@ PathLike = str | os.PathLike
 LATEST = "latest"
 MANIFEST = "manifest.json"
 META = "fz.json"
+OLD = ".old"  # a committed copy set aside while a save replaces it (fz/ckpt/commit.py)
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_COPY_RE = re.compile(r"^step_(\d+)(?:\.old)?$")
 _LATEST_RE = re.compile(r"^(step_\d+)(?: manifest-crc32=([0-9a-f]{8}))?$")
 LOW_FREE = 64 << 20  # bytes: a write that fails with less than this free is blamed on a full disk
 
@@ -122,8 +130,29 @@ def write_latest(root: Path, name: str) -> None:
     replace_durable(root / LATEST, (name + (f" manifest-crc32={crc}" if crc else "") + "\n").encode())
 
 
+def current(root: Path, name: str, want: str | None = None) -> Path:
+    """The directory to read for the committed checkpoint `name` of `root`: `root/name`, or the
+    copy a save of the same name set aside (`name.old`) while `root/name` is missing or while
+    `want`, the manifest checksum `latest` records, is that copy's (fz/ckpt/commit.py)."""
+    final, old = root / name, root / (name + OLD)
+    if not old.is_dir():
+        return final
+    if not final.exists():
+        return old
+    if want is not None and manifest_crc(final) != want and manifest_crc(old) == want:
+        return old
+    return final
+
+
 def read_latest(root: Path) -> str | None:
     """The step `latest` names; a CheckpointError when it does not match the step's manifest."""
+    entry = pointer(root)
+    return None if entry is None else entry[0]
+
+
+def pointer(root: Path) -> tuple[str, str | None] | None:
+    """(the step `latest` names, the manifest checksum it records or None), checked against the
+    step's manifest; None without a `latest`."""
     if not (root / LATEST).exists() and not (root / LATEST).is_symlink():
         return None
     text = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
@@ -134,19 +163,20 @@ def read_latest(root: Path) -> str | None:
                               f"{committed_steps(root) or 'none'})")
     name, want = m.group(1), m.group(2)
     if want is None:  # the old format: the name only
-        return name
-    got = manifest_crc(root / name)
+        return name, None
+    got = manifest_crc(current(root, name, want))
     if got == want:
-        return name
-    match = [s for s in committed_steps(root) if step_name(s) != name and manifest_crc(root / step_name(s)) == want]
+        return name, want
+    match = [s for s in committed_steps(root)
+             if step_name(s) != name and manifest_crc(current(root, step_name(s))) == want]
     if match:
         raise CheckpointError(
             f"{root / LATEST} says {name}, but the manifest checksum it records ({want}) is {step_name(match[0])}'s: "
             f"it should say {step_name(match[0])} (the file was edited or damaged). Restore a step explicitly "
             f"(step={match[0]}, or step={name.split('_', 1)[1]} for the one it names; `fz inspect --step N`), or "
             f"write '{step_name(match[0])}' into {root / LATEST}")
-    if got is None and not (root / name).exists():
-        return name  # resolve() names the missing directory
+    if got is None and not current(root, name).exists():
+        return name, want  # resolve() names the missing directory
     raise CheckpointError(
         f"{root / LATEST} says {name}, but it records manifest checksum {want} and {name}'s manifest has "
         f"{got or 'none'}; no committed step has {want} (the file or {name} was changed). Restore a step "
@@ -154,24 +184,41 @@ def read_latest(root: Path) -> str | None:
         f"restore into {root / LATEST}")
 
 
+def _tag_folder(root: Path) -> Path | None:
+    """The folder a DeepSpeed-style `latest` (the tag alone, as fz.deepspeed's save_checkpoint
+    writes it) names in `root`, when that folder holds an fz checkpoint; else None."""
+    if not (root / LATEST).is_file():
+        return None
+    tag = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
+    if not tag or _LATEST_RE.match(tag) or "/" in tag or tag in (".", ".."):
+        return None
+    d = current(root, tag)
+    return d if (d / MANIFEST).is_file() or (d / LATEST).is_file() else None
+
+
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed directory (a name without .tmp/.del and a manifest), ascending."""
+    """Steps with a committed directory (a name without .tmp/.del and a manifest, or the copy a
+    replacing save set aside), ascending."""
     if not root.is_dir():
         return []
-    out = []
+    out = set()
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
+        m = _COPY_RE.match(p.name)
         if m and (p / MANIFEST).is_file():
-            out.append(int(m.group(1)))
+            out.add(int(m.group(1)))
     return sorted(out)
 
 
 def resolve(path: PathLike, step: int | None = None) -> Path:
     """The checkpoint directory to read: `step_<step>`, else what `latest` names, else the newest.
 
-    `path` may also be a step directory itself.
+    `path` may also be a step directory itself, or a DeepSpeed save_dir or tag folder that
+    fz.deepspeed wrote. A name a save is replacing reads as its set-aside copy (`current`).
     """
     root = Path(path)
+    aside = root.with_name(root.name + OLD) if root.name else root
+    if step is None and not root.exists() and aside.is_dir():
+        return resolve(aside)  # a save is replacing this folder, or one was cut off doing so
     if step is None and _STEP_RE.match(root.name) and not root.exists():
         have = committed_steps(root.parent)
         raise CheckpointError(f"no checkpoint {root}: there is no step {root.name.split('_', 1)[1]} in {root.parent} "
@@ -179,16 +226,19 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
     if step is None and (_STEP_RE.match(root.name) or any((root / n).exists() for n in (MANIFEST, META, ".metadata"))):
         return root  # a step directory itself
     if step is not None:
-        d = root / step_name(int(step))
+        d = current(root, step_name(int(step)))
         if not d.is_dir():
             have = committed_steps(root)
             raise CheckpointError(f"no checkpoint for step {step} in {root} (committed steps: {have or 'none'})")
         return d
-    name = read_latest(root)
-    if name is not None:
-        d = root / name
+    tagged = _tag_folder(root)
+    if tagged is not None:
+        return resolve(tagged)  # fz.deepspeed's save_dir: `latest` holds a tag
+    entry = pointer(root)
+    if entry is not None:
+        d = current(root, *entry)
         if not d.is_dir():
-            raise CheckpointError(f"{root / LATEST} names {name}, which does not exist")
+            raise CheckpointError(f"{root / LATEST} names {entry[0]}, which does not exist")
         return d
     steps = committed_steps(root)
     if not steps:
@@ -196,7 +246,7 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
         partial = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
         extra = f" (incomplete: {', '.join(partial[:5])})" if partial else ""
         raise CheckpointError(f"checkpoint path {root} {what}{extra}")
-    return root / step_name(steps[-1])
+    return current(root, step_name(steps[-1]))
 
 
 def clean_stale(root: Path) -> None:

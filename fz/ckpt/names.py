@@ -60,8 +60,8 @@ class Match:
 
     @property
     def problems(self) -> list[str]:
-        return ([f"missing: {n}" for n in self.missing] + [f"unexpected: {n}" for n in self.unexpected]
-                + [f"shape mismatch: {m}" for m in self.mismatched])
+        return ([f"shape mismatch: {m}" for m in self.mismatched] + [f"missing: {n}" for n in self.missing]
+                + [f"unexpected: {n}" for n in self.unexpected])  # the shapes first: they say why
 
 
 def _hf_rules(model: nn.Module | None):

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.ckpt.finite import Counts, report
+from fz.ckpt.mismatch import lead, listed
 from fz.ckpt.names import Match, match
 from fz.ckpt.weights import Entry, WeightFiles, read, read_all
 from fz.errors import CheckpointError
@@ -50,8 +51,9 @@ def resolve(path: str | os.PathLike[str], plan: ShardPlan, skeleton: Skeleton, b
     m = match(files.entries, targets_of(plan, skeleton, buffers), skeleton.aliases, skeleton.root)
     problems = m.problems
     if problems:
-        msg = (f"weights {path} do not match this model ({len(problems)} differences): " + "; ".join(problems[:8])
-               + ("; ..." if len(problems) > 8 else ""))
+        why, names = lead(path, skeleton.root, m), listed(m)
+        msg = (f"weights {path} do not match this model ({len(problems)} differences): {names}" if why is None
+               else f"weights {path} do not match this model: {why}. The {len(problems)} differences: {names}")
         if strict:
             raise CheckpointError(msg)
         warnings.warn(msg, stacklevel=3)

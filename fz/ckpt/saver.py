@@ -1,14 +1,16 @@
 """Writing one checkpoint: every rank writes its shards with DCP, then rank 0 commits it atomically.
 
 Phases (each ends in an agreement, so a failure on one rank fails every rank promptly):
-  1. prepare (caller's thread): rank 0 clears crashed leftovers and creates step_<N>.tmp;
-     an async save also copies its tensors to host memory here.
+  1. prepare (caller's thread): rank 0 settles crashed leftovers and creates <name>.tmp
+     (fz/ckpt/commit.py; <name> is step_<N>, or a DeepSpeed tag); an async save also copies its
+     tensors to host memory here.
   2. write: DCP writes this rank's shards (`dcp.save`, or `dcp.async_save`'s thread), then
      the rank writes its data position (data_<rank>.json) and fsyncs.
   3. checksum: each rank lists its own files' checksums, taken while DCP wrote them
      (fz/ckpt/writer.py; only data_<rank>.json is read back); rank 0 gathers them.
-  4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to step_<N>,
-     fsync the root, replace `latest`, prune to `keep_last`.
+  4. commit (rank 0): fz.json, manifest.json last, fsync the directory, rename to <name>
+     (setting aside a committed copy of that name until `latest` names the new one), fsync the
+     root, replace `latest`, prune to `keep_last` (fz/ckpt/commit.py).
 DCP has no commit step of its own (it writes into the directory it is given and has no
 manifest, rename or pruning), so phases 3-4 stay fz's; for an async save they run in a
 thread the Checkpointer starts once DCP's future is done.
@@ -22,7 +24,6 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,13 +35,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from fz.ckpt import layout, manifest, signing, space
+from fz.ckpt import commit, manifest, signing, space
+from fz.ckpt.commit import Target
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import INDEX, index_of
-from fz.ckpt.layout import META, disk_full, fsync_path, read_latest, step_name, write_durable
+from fz.ckpt.layout import META, disk_full, fsync_path, write_durable
 from fz.ckpt.tree import digests, encode, entries
 from fz.ckpt.writer import HashingWriter
-from fz.errors import CheckpointError, ConfigError
+from fz.errors import ConfigError
 from fz.state import State, block_until_ready
 from fz.storage.disk import DiskTensor, load
 from fz.version import __version__
@@ -104,13 +106,13 @@ class SaveJob:
     """One save after phase 1: the tensors to write and where. `run` does phases 2-4 in the
     caller's thread; `launch` starts phase 2 in DCP's thread and `finish` does the rest."""
 
-    def __init__(self, root: Path, step: int, tensors: dict[str, Tensor], rank_json: dict[str, Any],
+    def __init__(self, target: Target, step: int, tensors: dict[str, Tensor], rank_json: dict[str, Any],
                  meta: dict[str, Any], keep_last: int | None, group, rank: int, key: bytes | None = None):
-        self.root, self.step, self.tensors, self.rank_json = root, step, tensors, rank_json
+        self.target, self.step, self.tensors, self.rank_json = target, step, tensors, rank_json
         self.meta, self.keep_last, self.group, self.rank = meta, keep_last, group, rank
         self.key = key  # signs the manifest; its files' checksums are then sha256
         self.algorithm = signing.ALGORITHM if key is not None else manifest.ALGORITHM
-        self.tmp = root / (step_name(step) + ".tmp")
+        self.tmp = target.tmp
         self.writer: HashingWriter | None = None
 
     def _writer(self) -> HashingWriter:
@@ -190,18 +192,7 @@ class SaveJob:
         files.update(manifest.describe(self.tmp, rest, self.algorithm))
         manifest.write(self.tmp, files, self.key)  # last file of the checkpoint
         fsync_path(self.tmp)
-        final = self.root / step_name(self.step)
-        old = None
-        if final.exists():  # a committed step that `latest` does not name (checked in phase 1)
-            old = self.root / (final.name + ".del")
-            os.replace(final, old)
-        os.replace(self.tmp, final)
-        fsync_path(self.root)
-        layout.write_latest(self.root, final.name)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if self.keep_last is not None:
-            layout.prune(self.root, self.keep_last)
+        commit.into_place(self.target, self.keep_last)
 
 
 def _my_share(tensors: dict[str, Tensor], rank: int, world: int) -> dict[str, Tensor]:
@@ -238,36 +229,16 @@ def _tensor_totals(md) -> dict[str, int]:
     return out
 
 
-def _prepare_dir(root: Path, step: int) -> None:
-    """Phase 1 on rank 0: the root exists, leftovers are gone, step_<N>.tmp is empty."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".fz-write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"fz.save: cannot write the checkpoint directory {root}: {e.strerror or e} "
-                              f"({type(e).__name__}); choose a directory this process can create and write") from e
-    if read_latest(root) == step_name(step) and (root / step_name(step)).exists():
-        raise ConfigError(
-            f"step {step} is already the latest checkpoint in {root}; saving it again would first "
-            f"delete the only committed copy. Save under another step= or delete {root / step_name(step)}"
-        )
-    layout.clean_stale(root)
-    (root / (step_name(step) + ".tmp")).mkdir()
-    fsync_path(root)
-
-
 def _has_master(state: State) -> bool:
     # recorded in fz.json for `fz inspect`
     return state.master is not None
 
 
-def prepare(state: State, root: Path, step: int, client_state: dict[str, Any] | None, keep_last: int | None,
+def prepare(state: State, target: Target, step: int, client_state: dict[str, Any] | None, keep_last: int | None,
             group, *, stage: bool, client_per_rank: bool = False, key: bytes | None = None) -> SaveJob:
-    """Phase 1 on every rank, in the caller's thread, agreed across ranks. `stage` copies the
-    tensors to host memory here, so a rank that cannot (out of memory) fails every rank
-    before any background write starts. One `client_state` is saved for all ranks, so the
+    """Phase 1 on every rank, in the caller's thread, agreed across ranks (`step`: fz.json's).
+    `stage` copies the tensors to host memory here, so a rank that cannot (out of memory) fails
+    every rank before any background write starts. One `client_state` is saved for all ranks, so the
     ranks' must agree (compared by hash, on the agreement this phase ends with) unless
     `client_per_rank` saves each rank's own (in data_<rank>.json and client/<rank>/...). Every
     rank must hold the same `key` (or none): the same agreement compares their fingerprints."""
@@ -285,9 +256,9 @@ def prepare(state: State, root: Path, step: int, client_state: dict[str, Any] | 
             tensors.update(client_t)
             rank_json["client"] = client_json
         if stage:  # room for the disk tier's copy is checked first
-            tensors = space.staged(root / step_name(step), tensors, _stage)
+            tensors = space.staged(target.final, tensors, _stage)
         if rank == 0:
-            _prepare_dir(root, step)
+            commit.prepare(target)
         spec = state.spec
         meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
                 "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
@@ -295,11 +266,11 @@ def prepare(state: State, root: Path, step: int, client_state: dict[str, Any] | 
                 "signed": key is not None,
                 "state_dict_buffers": list(state.skeleton.persistent),
                 "client_state": {} if client_per_rank else client_json, "client_state_per_rank": client_per_rank}
-        job = SaveJob(root, step, tensors, rank_json, meta, keep_last, group, rank, key)
+        job = SaveJob(target, step, tensors, rank_json, meta, keep_last, group, rank, key)
         return job, [{} if client_per_rank else digests(client_json, client_t), signing.key_id(key)]
 
     done, err = run_local(local)
-    where = root / step_name(step)
+    where = target.final
     shared = exchange(group, None if done is None else done[1], err, f"preparing checkpoint {where}")
     differ = _differing_keys([hashes for hashes, _ in shared])
     keys = [key_id for _, key_id in shared]

@@ -27,9 +27,9 @@ def _offload_section(policy: Offload, tier: str) -> dict[str, Any]:
     return out
 
 
-def to_deepspeed(spec: Any, world_size: int = 1) -> dict[str, Any]:
+def to_deepspeed(spec: Any, world_size: int = 1, checkpoints: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config of `spec` (an fz.Spec, which imports fz.config: ZeRO, precision, batch
-    sizes, clipping, checkpointing)."""
+    sizes, clipping, checkpointing; `checkpoints`: the blocks it checkpoints, when known)."""
     elements = int(spec.bucket_mb * 2**20 / 4)
     zero: dict[str, Any] = {"stage": spec.stage, "reduce_bucket_size": elements, "allgather_bucket_size": elements}
     if spec.stage == 3:
@@ -57,8 +57,10 @@ def to_deepspeed(spec: Any, world_size: int = 1) -> dict[str, Any]:
     if policy is not None and "disk" in (policy.optimizer, policy.params):
         out["aio"] = {"thread_count": policy.io_threads}
     out["zero_optimization"] = zero
-    if spec.activation_checkpointing:
-        out["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": True}
+    if spec.activation_checkpointing:  # fz reads number_checkpoints as on; DeepSpeed only sizes contiguous buffers
+        # with it, off here (on, its `deepspeed.checkpointing.configure` asserts partitioned activations)
+        out["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                           "number_checkpoints": checkpoints or 1}
     prov = spec.provenance  # monitoring is fz.Monitor's; a Spec read from a config gives it back
     if prov is not None and "monitor.log_every" in prov:
         out["steps_per_print"] = prov["monitor.log_every"][0]
@@ -66,6 +68,6 @@ def to_deepspeed(spec: Any, world_size: int = 1) -> dict[str, Any]:
     return out
 
 
-def deepspeed_json(spec: Any, world_size: int = 1, indent: int | None = 2) -> str:
+def deepspeed_json(spec: Any, world_size: int = 1, indent: int | None = 2, checkpoints: int | None = None) -> str:
     import json
-    return json.dumps(to_deepspeed(spec, world_size), indent=indent)
+    return json.dumps(to_deepspeed(spec, world_size, checkpoints), indent=indent)

@@ -1,63 +1,66 @@
-"""DeepSpeed's checkpoint calls on fz checkpoints: `save_dir/<tag>/` and a `latest` file naming the tag.
+"""DeepSpeed's checkpoint calls on fz checkpoints, in DeepSpeed's layout: `save_dir/<tag>/` and a
+`latest` file holding the tag.
 
 `save_checkpoint(save_dir, tag, client_state)` writes an fz checkpoint (atomic, checksummed,
-pickle-free: fz.save) at `save_dir/<tag>`, then `save_dir/latest` (rank 0, atomically, once
-the checkpoint is committed). `load_checkpoint(load_dir, tag=None)` restores the tag `latest`
-names, or `tag`; a DeepSpeed checkpoint (DeepSpeed wrote it: `global_stepN/*_model_states.pt`)
-is imported (fz.import_deepspeed), so a run moves from DeepSpeed to fz mid-way. The engine's
-own counters ride in the client state under one key, taken out again on load.
+pickle-free) as the folder `save_dir/<tag>/` itself, then `save_dir/latest` (rank 0, atomically,
+once the folder is committed; fz/ckpt/functions.py: `save_tag`). A tag saved again is replaced,
+as DeepSpeed overwrites it, with the old copy readable until the new one is committed.
+`load_checkpoint(load_dir, tag=None)` restores the tag `latest` names, or `tag`: a folder fz
+wrote (this layout, or the older `<tag>/step_<N>/`), or one DeepSpeed wrote
+(`global_stepN/*_model_states.pt`: fz.import_deepspeed), so a run moves from DeepSpeed to fz
+mid-way. The engine's own counters ride in the client state under one key, taken out on load.
 """
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 import fz
 from fz.ckpt import ds_files
-from fz.distributed import peers
+from fz.ckpt.functions import save_tag
+from fz.ckpt.layout import OLD
 from fz.errors import CheckpointError
+from fz.log import logger
 
-log = logging.getLogger(__name__)
 ENGINE_KEY = "fz.deepspeed"  # the engine's counters in the client state
 LATEST = "latest"
 
 
-def _write_latest(save_dir: Path, tag: str) -> None:
-    tmp = save_dir / f".{LATEST}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / LATEST)
-
-
 def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any], counters: dict[str, int],
          save_latest: bool) -> None:
+    """Every rank; each sees `latest` once it returns (the commit ends in an agreement)."""
     if ENGINE_KEY in client_state:
         raise CheckpointError(f"save_checkpoint: client_state key {ENGINE_KEY!r} is the engine's own; rename it")
-    fz.save(state, save_dir / tag, client_state={**client_state, ENGINE_KEY: counters}, client_state_per_rank=True)
-    if save_latest and state.plan.rank == 0:
-        _write_latest(save_dir, tag)
-    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank sees `latest` once it returns
-        peers.wait_work(dist.barrier(async_op=True))  # within Spec.timeout_s: a lost rank is an fz.PeerError
+    save_tag(state, save_dir, tag, client_state={**client_state, ENGINE_KEY: counters}, client_state_per_rank=True,
+             latest=save_latest)
 
 
 def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Path, dict[str, Any], dict] | None:
-    """(state, path, client_state, engine counters), or None when no `latest` names a tag."""
+    """(state, path, client_state, engine counters), or None (warned) when no `latest` names a tag."""
     if tag is None:
-        latest = load_dir / LATEST
-        if not latest.is_file():
-            log.warning("load_checkpoint: %s has no '%s' file and no tag was given: nothing loaded", load_dir, LATEST)
+        if not (load_dir / LATEST).is_file():
+            _nothing_loaded(load_dir)
             return None
         tag = ds_files.latest_tag(load_dir)  # a tag folder of load_dir: DeepSpeed's would follow it anywhere
-    path = load_dir / tag
-    if not path.exists():
+    path, aside = load_dir / tag, load_dir / (tag + OLD)
+    if not path.exists() and not aside.is_dir():
         raise CheckpointError(f"load_checkpoint: {path} does not exist (tag {tag!r} in {load_dir})")
-    state, client = fz.restore(state, path, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
+    read = path if path.exists() else aside  # a save of this tag is replacing it, or was cut off doing so
+    state, client = fz.restore(state, read, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
     client = dict(client)
     counters = client.pop(ENGINE_KEY, {}) or {}
     return state, path, client, dict(counters)
+
+
+def _nothing_loaded(load_dir: Path) -> None:
+    """DeepSpeed's (None, None) with a warning a script cannot miss: what is there, what to pass."""
+    if not load_dir.exists():
+        what = "does not exist"
+    else:
+        tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.endswith((".tmp", OLD, ".del")))
+        what = (f"has no '{LATEST}' file (its folders: {', '.join(tags[:5])}{', ...' if len(tags) > 5 else ''}; "
+                "pass tag=... to load one)" if tags else f"has no '{LATEST}' file and no checkpoint")
+    logger("deepspeed").warning(
+        f"fz.deepspeed: load_checkpoint({str(load_dir)!r}): nothing loaded: {load_dir} {what}. The engine keeps its "
+        "initial state, and load_checkpoint returns (None, None), as DeepSpeed's does: check `if load_path is None` "
+        "before reading the client state")

@@ -233,9 +233,10 @@ class DeepSpeedEngine:
     def save_checkpoint(self, save_dir: str | Path, tag: Any = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
                         client_sd: dict[str, Any] | None = None) -> bool:
-        """`save_dir/<tag>` (default global_step<N>), an fz checkpoint with `client_state`; `latest`
-        names the tag. Every rank calls it. `client_sd` is DeepSpeed's tutorial's spelling of
-        `client_state` (seed 003), taken as the same."""
+        """`save_dir/<tag>/` (default global_step<N>), an fz checkpoint with `client_state`, in
+        DeepSpeed's layout; `latest` names the tag. A tag saved again is replaced, as DeepSpeed
+        does. Every rank calls it. `client_sd` is DeepSpeed's tutorial's spelling of
+        `client_state`, taken as the same."""
         from fz.deepspeed.checkpoints import save
         if client_sd is not None:
             if client_state:
@@ -256,7 +257,7 @@ class DeepSpeedEngine:
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
         """(path, client_state) of `load_dir/<tag>` (default: the tag `latest` names), an fz or a
         DeepSpeed checkpoint, restored into the engine's state at this world size and stage;
-        (None, None) when there is no `latest`, as DeepSpeed does."""
+        (None, None) and a warning (fz's logger) when there is no `latest`, as DeepSpeed does."""
         from fz.deepspeed.checkpoints import load
         off = [k for k, v in (("load_module_strict", not load_module_strict),
                               ("load_optimizer_states", not load_optimizer_states),

@@ -56,11 +56,13 @@ def peak_rss() -> int:
 
 def batch_counts(batch: Any) -> tuple[int, int | None]:
     """(rows, tokens) of this rank's batch: the leading dimension, and the elements of its first
-    integer tensor (token ids; None if it has none)."""
+    integer tensor of rows x positions (token ids; None if it has none: a model of features with
+    one class label per row takes no tokens, and gets no tokens/s)."""
     leaves = [x for x in batch_leaves(batch) if isinstance(x, Tensor) and x.dim()]
     if not leaves:
         return 0, None
-    ids = next((x for x in leaves if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool), None)
+    ids = next((x for x in leaves if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex()
+                and x.dtype != torch.bool), None)
     return leaves[0].shape[0], None if ids is None else ids.numel()
 
 

@@ -97,7 +97,7 @@ def _estimate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from fz.planning.ladder import plan
     gb = lambda x: None if x is None else x * GB  # noqa: E731
-    plan(_target(args), spec=_spec(args).replace(precision=args.precision), world_size=args.world_size,
+    plan(_target(args), spec=_spec(args), precision=args.precision, world_size=args.world_size,
          nodes=args.nodes, device_budget=gb(args.device_gb), host_budget=gb(args.host_gb), disk_budget=gb(args.disk_gb),
          nvme_path=args.nvme_path, margin=args.margin, micro_batch=args.micro_batch, seq_len=args.seq_len, report=print)
     return 0
@@ -111,7 +111,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     e.set_defaults(fn=_estimate)
     p = sub.add_parser("plan", help="the fastest configuration that fits this machine (or the given budgets)")
     p.add_argument("--world-size", type=int, default=None, help="ranks in all (default: this node's GPUs, else 1)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="where the ladder starts")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="where the ladder starts (default: bf16 for a GPU plan, fp32 for a CPU one)")
     p.add_argument("--device-gb", type=float, help="per-device budget: plan for that device, GPU here or not "
                    "(default: this machine's GPU; with none, device and host are one memory, --host-gb)")
     p.add_argument("--host-gb", type=float, help="per-host budget (default: this machine's RAM)")

@@ -1,9 +1,10 @@
-"""`fz.plan`: the seed's procedure for picking a configuration, as code.
+"""`fz.plan`: DeepSpeed's procedure for picking a configuration, as code.
 
 Start with the fastest configuration and, while it does not fit, take one step toward the
 most frugal (DeepSpeed's advice, each step keeping the previous ones): activation
 checkpointing, ZeRO-2, + optimizer offload to the host, ZeRO-3, + parameter offload to the
-host, lower precision (bf16), then NVMe for the optimizer state and the parameters. Each
+host, lower precision (bf16; a GPU plan starts there), then NVMe for the optimizer state and
+the parameters. Each
 candidate is checked with `fz.estimate` against the budgets less a safety margin (the
 estimate counts live bytes; the allocator keeps some freed memory, measured 5-20% on glibc),
 and the disk tier needs its bytes free, as `fz.init` requires (a step updates it in place).
@@ -14,13 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from torch import nn
+
 from fz.errors import ConfigError
 from fz.log import logger
 from fz.offload.policy import cpu, nvme
+from fz.planning.counts import model_counts
 from fz.planning.estimator import Estimate, estimate
 from fz.planning.machine import Budgets, local_devices, plan_budgets
 from fz.planning.render import plan_report
 from fz.spec import Spec
+from fz.step.runner import _wants_checkpoint
 
 GB = 2**30
 
@@ -48,6 +53,27 @@ def rungs(base: Spec, nvme_path: str, activations: bool = True) -> list[tuple[st
             spec = nxt
             out.append((name, spec))
     return out
+
+
+def start_precision(base: Spec, precision: str | None, budgets: Budgets) -> tuple[str, str]:
+    """(the precision the ladder starts at, why): `precision` if given, else the Spec's when not
+    fp32, else bf16 for a GPU plan (a device budget, or a GPU here: mixed precision is what a
+    GPU trains in) and fp32 for a CPU one."""
+    if precision is not None:
+        return precision, "as given"
+    if base.precision != "fp32":
+        return base.precision, "the Spec's"
+    if budgets.device is not None:
+        return "bf16", "the default for a GPU plan; --precision fp32 (precision='fp32') plans full precision"
+    return "fp32", "the default for a CPU plan; --precision bf16 (precision='bf16') plans mixed precision"
+
+
+def checkpointed(model: Any, spec: Spec) -> int | None:
+    """How many blocks `spec` checkpoints in `model` (None: raw counts, or none checkpointed)."""
+    if not spec.activation_checkpointing or not isinstance(model, nn.Module):
+        return None
+    units = model_counts(model, spec.wrap).unit_names[1:]
+    return sum(_wants_checkpoint(spec.activation_checkpointing, n, model.get_submodule(n)) for n in units) or None
 
 
 @dataclass(frozen=True)
@@ -87,11 +113,13 @@ def candidates(model: Any, *, base: Spec | None = None, world_size: int | None =
                device_budget: float | None = None, host_budget: float | None = None,
                disk_budget: float | None = None, nvme_path: str = "nvme", margin: float = 0.2,
                micro_batch: int | None = None, seq_len: int | None = None, batch: Any = None,
-               stop_at_first: bool = True) -> tuple[list[Candidate], Budgets]:
-    """The ladder's rungs, estimated and checked, up to the first that fits (or all of them)."""
+               stop_at_first: bool = True, precision: str | None = None) -> tuple[list[Candidate], Budgets]:
+    """The ladder's rungs, estimated and checked, up to the first that fits (or all of them),
+    starting at `start_precision`."""
     budgets = plan_budgets(nvme_path, device_budget, host_budget, disk_budget)
     world = world_size or local_devices() * nodes
     base = base or Spec()
+    base = base.replace(precision=start_precision(base, precision, budgets)[0])
     if micro_batch is not None and base.micro_batch is None:  # the micro-batch planned for is the Spec's
         base = base.replace(micro_batch=micro_batch)
     out: list[Candidate] = []
@@ -114,19 +142,23 @@ def plan(model: Any, *, spec: Spec | None = None, world_size: int | None = None,
          device_budget: float | None = None, host_budget: float | None = None,
          disk_budget: float | None = None, nvme_path: str = "nvme", margin: float = 0.2,
          micro_batch: int | None = None, seq_len: int | None = None, batch: Any = None,
-         report: Callable[[str], None] | None = None) -> Spec:
+         report: Callable[[str], None] | None = None, precision: str | None = None) -> Spec:
     """The fastest configuration of `spec` (optimizer, loss, batch...) that fits the budgets, in
     bytes (defaults: this machine's GPU memory, RAM and the free disk under `nvme_path`). A device
     budget plans for that device, GPU here or not; with none and no GPU the device is the host.
-    `report` (e.g. print) receives the budgets, why each faster rung was rejected, the Spec as
-    Python and its DeepSpeed JSON; without it, notes on the budgets go to the log."""
+    The ladder starts at `precision`, else the Spec's unless fp32, else bf16 for a GPU plan.
+    `report` (e.g. print) receives the budgets, the precision and what was counted, why each
+    faster rung was rejected, the Spec as Python and its DeepSpeed JSON; without it, notes on
+    the budgets go to the log."""
     if not 0 <= margin < 1:
         raise ConfigError(f"fz.plan: margin={margin!r} must be in [0, 1) (the fraction of each budget kept free)")
     found, budgets = candidates(model, base=spec, world_size=world_size, nodes=nodes, device_budget=device_budget,
                                 host_budget=host_budget, disk_budget=disk_budget, nvme_path=nvme_path,
-                                margin=margin, micro_batch=micro_batch, seq_len=seq_len, batch=batch)
+                                margin=margin, micro_batch=micro_batch, seq_len=seq_len, batch=batch,
+                                precision=precision)
     if report is not None:
-        report(plan_report(found, budgets))
+        start = start_precision(spec or Spec(), precision, budgets)
+        report(plan_report(found, budgets, start, checkpointed(model, found[-1].spec)))
     else:
         for note in budgets.notes:
             logger("planning").warning("fz.plan: %s", note)

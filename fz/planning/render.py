@@ -37,8 +37,12 @@ def spec_python(spec: Spec) -> str:
     return "fz.Spec(" + ", ".join(parts) + ")"
 
 
-def plan_report(found: list, budgets: Budgets) -> str:
-    """The budgets (and any note on them), each rung's needs and verdict, the chosen Spec."""
+def plan_report(found: list, budgets: Budgets, start: tuple[str, str] | None = None,
+                checkpoints: int | None = None) -> str:
+    """The budgets (and any note on them), the precision it starts at (`start`: the precision and
+    why) and what each estimate counts and leaves out, each rung's needs and verdict, the chosen
+    Spec and its DeepSpeed JSON (`checkpoints`: the blocks it checkpoints), with what that JSON
+    cannot turn on by itself."""
     if budgets.device is None:  # device is host
         kind = f"{budgets.host / GB:.2f} GB memory (device = host: no device budget given and no GPU here)"
     else:
@@ -47,6 +51,9 @@ def plan_report(found: list, budgets: Budgets) -> str:
     lines = [f"fz plan: {est0.num_params / 1e6:,.1f}M parameters, {est0.world_size} rank(s) on {est0.nodes} node(s); "
              f"budget {kind}, {budgets.disk / GB:.2f} GB free disk"]
     lines += [f"  note: {n}" for n in budgets.notes]
+    if start is not None:
+        lines.append(f"  precision: {start[0]} ({start[1]})")
+    lines += _counted(est0, budgets)
     for c in found:
         e = c.estimate
         need = f"device {e.per_device / GB:.2f} GB, host {e.per_host / GB:.2f} GB, disk {e.per_disk / GB:.2f} GB"
@@ -56,10 +63,32 @@ def plan_report(found: list, budgets: Budgets) -> str:
     if chosen.fits:
         lines += ["chosen:", f"  {chosen.name}", f"  {_uses(chosen.estimate, budgets)}", "",
                   "spec = " + spec_python(chosen.spec), "",
-                  "DeepSpeed config:", deepspeed_json(chosen.spec, chosen.estimate.world_size)]
+                  "DeepSpeed config:", deepspeed_json(chosen.spec, chosen.estimate.world_size, checkpoints=checkpoints)]
+        if chosen.spec.activation_checkpointing:
+            lines.append(CHECKPOINTING)
     else:
         lines.append("nothing fits")
     return "\n".join(lines)
+
+
+CHECKPOINTING = (
+    'activation checkpointing: the "activation_checkpointing" section configures DeepSpeed\'s checkpointing but does '
+    "not turn it on. With Hugging Face's Trainer pass TrainingArguments(gradient_checkpointing=True) (fz.hf reads it "
+    "too); in a DeepSpeed engine script the model calls deepspeed.checkpointing.checkpoint on its blocks; fz "
+    "(Spec.from_deepspeed, fz.deepspeed) turns it on from the section alone.")
+
+
+def _counted(e: Estimate, budgets: Budgets) -> list[str]:
+    """What every rung's estimate counts, and what it leaves out."""
+    states = "parameters, gradients, " + ("fp32 master weights, " if e.precision != "fp32" else "") + \
+        "the optimizer's state, buffers, stage-3 gathers, reductions and offload tiers (fz.estimate)"
+    rest = ("the CUDA context and " if budgets.device is not None else "") + "the allocator's cached memory " \
+        "(the margin)"
+    if e.activations is None:
+        return [f"  counted: {states}",
+                "  not counted: activations (no batch shape given: --micro-batch and --seq-len, or micro_batch= and "
+                f"seq_len= / batch=, trace one micro-batch); {rest}"]
+    return [f"  counted: {states}, and the activations of one traced micro-batch", f"  not counted: {rest}"]
 
 
 def _uses(e: Estimate, budgets: Budgets) -> str:

@@ -204,10 +204,12 @@ def test_the_chosen_plan_runs_within_its_budget(tmp_path, monkeypatch):
         assert sum(r["peak"] for r in runs) <= budget, (rung, budget, runs)
 
 
-def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys):
+def test_plan_picks_stage0_for_example_and_nvme_for_headline(capsys, monkeypatch):
     """This machine's budgets (RAM, free disk of the NVMe path): the example GPT trains at stage 0,
     the offload benchmark's 2.5B-parameter model needs stage 3 with NVMe (estimated on the meta device)."""
     from fz.cli import main
+    from fz.planning import machine
+    monkeypatch.setattr(machine, "gpu_memory", lambda: None)  # a CPU plan (fp32) on a GPU machine too
     assert main(["plan", "--model", "examples/train_gpt.py:default_model", "--loss-fn", "examples/train_gpt.py:lm_loss",
                  "--micro-batch", "8", "--seq-len", "129", "--world-size", "2"]) == 0
     out = capsys.readouterr().out

@@ -28,8 +28,12 @@ def _is_latest(src, dst) -> bool:
     return _name(src) == "latest.tmp"
 
 
-def _is_prune(src, dst) -> bool:
+def _is_prune(src, dst) -> bool:  # pruning, or dropping the copy a replacing save set aside
     return _name(dst).endswith(".del") and not _name(src).endswith(".tmp")
+
+
+def _is_set_aside(src, dst) -> bool:  # a save of a committed step moves the old copy aside
+    return _name(dst).endswith(".old")
 
 
 # point: (functions to wrap as (module, attribute), "before"/"after", which calls)
@@ -39,6 +43,7 @@ POINTS: dict[str, tuple[list[tuple[str, str]], str, Callable[..., bool]]] = {
     "write_begin": (_DCP_SAVE, "before", None),  # sync: dcp.save; async: what dcp.async_save's thread calls
     "written": (_DCP_SAVE, "after", None),
     "checksummed": ([("fz.ckpt.manifest", "write")], "before", None),
+    "set_aside": ([("os", "replace")], "after", _is_set_aside),  # only when the step is already committed
     "before_rename": ([("os", "replace")], "before", _is_commit),
     "renamed": ([("os", "replace")], "after", _is_commit),
     "latest_tmp_written": ([("os", "replace")], "before", _is_latest),

@@ -7,6 +7,9 @@ function at each phase boundary to SIGKILL itself there: see ckpt_hooks.POINTS),
 between the rename and the `latest` update, and random-time kills from outside. Each child
 saves step 2, trains to step 4 and saves step 4 with keep_last=1 (so pruning runs too);
 random-kill children then keep saving that state as steps 5, 6, ... until the kill lands.
+Replacing children (`replace_*`) then train to step 6 and save it as step 4 again, killed at
+each point of that save, the old copy's set-aside included: step 4 restores as the old copy
+until `latest` names the new one, and as the new one after.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ POINTS = ["start", "write_begin", "written", "checksummed", "before_rename", "re
           "latest_updated", "pruning", "done"]
 AFTER_COMMIT = {"latest_updated", "pruning", "done"}  # `latest` already names step_4 there
 KILLS = [*POINTS, *(f"async_{p}" for p in POINTS)]
+REPLACE_KILLS = [f"replace_{p}" for p in [*POINTS[:4], "set_aside", *POINTS[4:]]]
 RANDOM_KILLS = 6
 
 
@@ -39,7 +43,8 @@ def _spec():
     return spec(1, 1)
 
 
-def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool = False) -> None:
+def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool = False,
+           replace: bool = False) -> None:
     import fz
     from fz.ckpt import save, wait_for_checkpoints
 
@@ -54,18 +59,23 @@ def _child(root: Path, kill: str, ready_fd: int = -1, ref: str = "", loop: bool 
     save(state, root, keep_last=1)
     for b in data[2:]:
         state, _ = fz.train_step(state, b[0] % 64)
+    p4 = fz.full_params(state)
+    if replace:  # step 4 is committed: train on and save that step again
+        save(state, root, keep_last=1)
+        for b in data[2:]:
+            state, _ = fz.train_step(state, b[0] % 64)
     async_ = kill.startswith("async_")
     if kill:
-        arm(kill[len("async_"):] if async_ else kill, "kill")
+        arm(kill.split("_", 1)[1] if async_ or replace else kill, "kill")
     if ready_fd >= 0:
         os.write(ready_fd, b"x")
     t = time.perf_counter()
-    save(state, root, keep_last=1, async_=async_)
+    save(state, root, step=4, keep_last=1, async_=async_)
     wait_for_checkpoints()
     for step in range(5, 1000 if loop else 0):  # random kills: keep saving until the kill lands
         save(state, root, step=step, keep_last=1)
     if ref:
-        torch.save({"step_2": p2, "step_4": fz.full_params(state), "seconds": time.perf_counter() - t}, ref)
+        torch.save({2: p2, 4: p4, int(state.step): fz.full_params(state), "seconds": time.perf_counter() - t}, ref)
 
 
 def _async_then_exit(root: Path) -> None:
@@ -105,9 +115,12 @@ def _status(pid: int) -> str:
 
 def worker(base: Path) -> dict:
     out = {"none": _status(_fork(_child, base / "none", "", -1, str(base / "ref.pt")))}
+    out["replace"] = _status(_fork(_child, base / "replace", "", -1, str(base / "ref_replace.pt"), False, True))
     seconds = torch.load(base / "ref.pt")["seconds"]
     for p in KILLS:
         out[p] = _status(_fork(_child, base / p, p))
+    for p in REPLACE_KILLS:
+        out[p] = _status(_fork(_child, base / p, p, -1, "", False, True))
     rnd = random.Random(0)
     for i in range(RANDOM_KILLS):
         r, w = os.pipe()
@@ -126,7 +139,7 @@ def worker(base: Path) -> dict:
 def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     import fz
     from fz.ckpt import manifest, restore, save
-    from fz.ckpt.layout import read_latest
+    from fz.ckpt.layout import committed_steps, current, pointer, read_latest, step_name
 
     here = Path(__file__).parents[1]  # tests/; the child imports the fz this process imported, not an installed one
     path = os.pathsep.join([str(here), str(Path(fz.__file__).parent.parent)])
@@ -135,9 +148,8 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     status = json.loads(res.stdout.strip().splitlines()[-1])
-    assert status["none"] == "exited", res.stderr[-3000:]
-    ref = torch.load(tmp_path / "ref.pt")
-    want = {2: ref["step_2"], 4: ref["step_4"]}
+    assert status["none"] == status["replace"] == "exited", res.stderr[-3000:]
+    want = {**torch.load(tmp_path / "ref.pt"), **torch.load(tmp_path / "ref_replace.pt")}  # params by train step
 
     def same(state, step):
         got = fz.full_params(state)
@@ -146,19 +158,22 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     assert status["async_exit"] == "exited" and read_latest(tmp_path / "async_exit") == "step_0", status
     manifest.verify(tmp_path / "async_exit" / "step_0")
     leftovers = {}
-    for name in ["none", *KILLS, *(f"random{i}" for i in range(RANDOM_KILLS))]:
+    for name in ["none", "replace", *KILLS, *REPLACE_KILLS, *(f"random{i}" for i in range(RANDOM_KILLS))]:
         root = tmp_path / name
-        if name != "none":
+        if name not in ("none", "replace"):
             assert status[name] == "killed", (name, status[name])
         latest = read_latest(root)
-        manifest.verify(root / latest)  # `latest` names a complete checkpoint
+        manifest.verify(current(root, latest, pointer(root)[1]))  # `latest` names a complete checkpoint
         if name in KILLS:
             assert latest == ("step_4" if name.replace("async_", "") in AFTER_COMMIT else "step_2"), (name, latest)
-        assert same(restore(fz.init(_model(), _spec()), root), 2 if latest == "step_2" else 4), name
-        for d in root.glob("step_*"):  # every other committed checkpoint (the previous one) is intact
-            if d.name != latest and d.is_dir() and not d.name.endswith((".tmp", ".del")):
-                n = int(d.name[5:])
-                assert same(restore(fz.init(_model(), _spec()), root, step=n), 2 if n == 2 else 4), (name, d.name)
+        trained = {"step_2": 2, "step_4": 4}.get(latest, 4)
+        if name.startswith("replace"):  # the old step 4 until `latest` names the new one (trained to 6)
+            assert latest == "step_4", (name, latest)
+            trained = 6 if name == "replace" or name[len("replace_"):] in AFTER_COMMIT else 4
+        assert same(restore(fz.init(_model(), _spec()), root), trained), name
+        for n in committed_steps(root):  # every other committed checkpoint (the previous one) is intact
+            if step_name(n) != latest:
+                assert same(restore(fz.init(_model(), _spec()), root, step=n), 2 if n == 2 else 4), (name, n)
         # the next save clears the leftovers of the crash and commits
         leftovers[name] = sorted(p.name for p in root.iterdir())
         save(fz.init(_model(), _spec()), root, step=9999, keep_last=1)

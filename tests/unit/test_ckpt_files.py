@@ -134,8 +134,10 @@ def test_keep_last_latest_and_resaving(tmp_path):
         save(state, tmp_path, step=step, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
     assert _latest(tmp_path) == "step_6"
-    with pytest.raises(ConfigError, match="already the latest"):
-        save(state, tmp_path, step=6)
+    later, _ = train_fz(0, 1, 1, 1, steps=2)
+    save(later, tmp_path, step=6)  # the step `latest` names, saved again (a script run twice): replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]
+    assert int(restore(fz.init(make_model(), spec(1, 1)), tmp_path).step) == 2  # the new copy
     save(state, tmp_path, step=4)  # a step `latest` does not name may be replaced; `latest` = the last save
     assert _latest(tmp_path) == "step_4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_4", "step_6"]

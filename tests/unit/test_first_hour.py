@@ -104,3 +104,36 @@ def test_restoring_at_another_world_size_says_what_keeps_the_global_batch(tmp_pa
                         (1, r"^$")):
         (tmp_path / "fz.json").write_text(json.dumps({"world": saved}))
         assert re.search(says, _world_note(tmp_path, st)), _world_note(tmp_path, st)
+
+
+def test_weights_of_another_size_lead_with_the_shapes_and_the_configs_sizes(tmp_path):
+    """A file of a wider Net: the shape mismatch comes first, before the names that differ; an
+    HF folder of a larger config: its config.json's sizes against this model's config."""
+    from safetensors.torch import save_file
+    wide = {"lin.weight": torch.zeros(2, 8), "lin.bias": torch.zeros(2), "extra.weight": torch.zeros(2)}
+    save_file(wide, str(tmp_path / "wide.safetensors"))
+    with pytest.raises(fz.CheckpointError, match=r"do not match this model: 1 tensor\(s\) have other shapes than "
+                                                 r"this model's \(e\.g\. lin\.weight is \(2, 8\) in the file, \(2, 4\) "
+                                                 r"here\): they are of another size of model\. .* The 2 differences: "
+                                                 r"shape mismatch: lin\.weight .*; unexpected: extra\.weight$"):
+        fz.load_weights(fz.init(Net(), fz.Spec()), tmp_path / "wide.safetensors")
+
+    tr = pytest.importorskip("transformers")
+
+    def llama(hidden: int, layers: int):
+        torch.manual_seed(0)
+        return tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
+                                                  num_hidden_layers=layers, num_attention_heads=2,
+                                                  num_key_value_heads=1, max_position_embeddings=16))
+    llama(32, 3).save_pretrained(tmp_path / "big")
+    with torch.device("meta"):
+        small = llama(16, 2)
+    with pytest.raises(fz.CheckpointError) as e:
+        fz.init(small, fz.Spec(), weights=tmp_path / "big")
+    said = str(e.value)
+    assert said.startswith(f"weights {tmp_path / 'big'} do not match this model: they are of another size of model: "
+                           f"{tmp_path / 'big' / 'config.json'} has hidden_size=32, intermediate_size=64, "
+                           "num_hidden_layers=3, head_dim=16, this model's config hidden_size=16, "
+                           "intermediate_size=32, num_hidden_layers=2, head_dim=8. Build the model from that config "
+                           f"(transformers: AutoConfig.from_pretrained('{tmp_path / 'big'}'))"), said
+    assert re.search(r"\. The \d+ differences: shape mismatch: ", said), said  # the shapes, before the names

@@ -1,0 +1,139 @@
+"""fz.deepspeed's checkpoints at world 1: DeepSpeed's layout (`dir/<tag>/`, `latest` holding the tag),
+a tag saved again replaced as DeepSpeed overwrites it (a copy readable at every moment of the
+replacement), the older `dir/<tag>/step_<N>/` layout still loading, and a load with nothing to
+load saying so."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import fz
+import fz.deepspeed as deepspeed
+from fz.deepspeed.checkpoints import ENGINE_KEY
+
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.lin(x), y)
+
+
+def _engine(updates: int = 0):
+    engine, *_ = deepspeed.initialize(model=Net(), config=CONFIG)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(updates):
+        engine.backward(engine(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)))
+        engine.step()
+    return engine
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return fz.full_params(engine.state)
+
+
+def _same(a, b) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_save_checkpoint_writes_deepspeeds_layout_and_a_rerun_replaces_the_tag(tmp_path):
+    first, second = _engine(2), _engine(3)
+    first.save_checkpoint(tmp_path, tag="run", client_state={"epoch": 1})
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run"] and (tmp_path / "latest").read_text() == "run"
+    assert (tmp_path / "run" / "manifest.json").is_file() and not list((tmp_path / "run").glob("step_*"))
+    second.save_checkpoint(tmp_path, tag="run", client_state={"epoch": 2})  # the script run again: DeepSpeed overwrites
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run"]
+    engine = _engine()
+    path, client = engine.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "run") and client == {"epoch": 2} and engine.global_steps == 3
+    assert _same(_weights(engine), _weights(second))
+    state, client = fz.restore(fz.init(Net(), fz.Spec()), tmp_path, with_client_state=True)  # the save_dir, as fz's
+    assert client["epoch"] == 2 and int(state.step) == 3
+    with pytest.raises(fz.ConfigError, match=r"tag='a/b': a tag is one folder name"):
+        second.save_checkpoint(tmp_path, tag="a/b")
+
+
+def test_a_replacing_save_cut_off_at_any_point_leaves_a_copy_load_checkpoint_finds(tmp_path):
+    """The moments of a replacement (fz/ckpt/commit.py), made by hand: the old copy set aside, then
+    the new one in place beside it. Each loads a complete copy; the next save settles it."""
+    old, new = _engine(2), _engine(3)
+    old.save_checkpoint(tmp_path / "new", tag="t")
+    new.save_checkpoint(tmp_path / "new", tag="t2")  # the new copy, to move in by hand
+    old.save_checkpoint(tmp_path, tag="t")
+    os.replace(tmp_path / "t", tmp_path / "t.old")  # 1: set aside, nothing at t
+    engine = _engine()
+    assert engine.load_checkpoint(tmp_path)[0] == str(tmp_path / "t") and engine.global_steps == 2
+    assert int(fz.restore(fz.init(Net(), fz.Spec()), tmp_path / "t").step) == 2
+    shutil.copytree(tmp_path / "new" / "t2", tmp_path / "t")  # 2: the new copy in place, the old not yet dropped
+    engine = _engine()
+    engine.load_checkpoint(tmp_path)
+    assert engine.global_steps == 3 and _same(_weights(engine), _weights(new))
+    old.save_checkpoint(tmp_path, tag="other")  # the next save settles the cut-off one
+    assert sorted(os.listdir(tmp_path)) == ["latest", "new", "other", "t"]
+    os.replace(tmp_path / "t", tmp_path / "t.old")
+    old.save_checkpoint(tmp_path, tag="t")  # saving the tag itself settles it first, then replaces it
+    assert sorted(os.listdir(tmp_path)) == ["latest", "new", "other", "t"]
+
+
+def test_the_older_tag_step_layout_still_loads_and_is_replaced(tmp_path):
+    """An older fz wrote `dir/<tag>/step_<N>/` (fz.save into the tag folder)."""
+    engine = _engine(2)
+    counters = {"global_samples": 8, "micro_steps": 2}
+    fz.save(engine.state, tmp_path / "global_step2", client_state={"epoch": 1, ENGINE_KEY: counters},
+            client_state_per_rank=True)
+    (tmp_path / "latest").write_text("global_step2")
+    loaded = _engine()
+    path, client = loaded.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "global_step2") and client == {"epoch": 1} and loaded.global_steps == 2
+    assert loaded.global_samples == 8 and _same(_weights(loaded), _weights(engine))
+    engine.save_checkpoint(tmp_path)  # the same tag again: now in DeepSpeed's layout
+    assert (tmp_path / "global_step2" / "manifest.json").is_file() and sorted(os.listdir(tmp_path)) == [
+        "global_step2", "latest"]
+
+
+def test_load_checkpoint_with_nothing_to_load_returns_none_and_warns(tmp_path, caplog):
+    fz_log = fz.log.logger()  # "fz": its own console handler, not propagated to the root (fz/log.py)
+    fz_log.addHandler(caplog.handler)
+    engine = _engine(1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fz"):
+            assert engine.load_checkpoint(tmp_path / "absent") == (None, None)
+            (tmp_path / "d" / "global_step5").mkdir(parents=True)
+            assert engine.load_checkpoint(tmp_path / "d") == (None, None)
+    finally:
+        fz_log.removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2 and all("nothing loaded" in s and "returns (None, None)" in s for s in said), said
+    assert f"{tmp_path / 'absent'} does not exist" in said[0]
+    assert "has no 'latest' file (its folders: global_step5; pass tag=... to load one)" in said[1]
+    assert engine.global_steps == 1  # the engine keeps what it had
+
+
+def test_a_tag_deepspeed_wrote_stays_readable_while_fz_replaces_it(tmp_path):
+    """A run DeepSpeed started, continued on fz, saving the same tag: DeepSpeed's folder, set aside
+    (a save cut off there), still loads; the next save puts it back, then replaces it."""
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "stage3_fp32" / "ckpt", ckpt)
+    os.replace(ckpt / "global_step3", ckpt / "global_step3.old")
+    cfg = {**m.ds_config(2, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
+    path, client = engine.load_checkpoint(ckpt)
+    assert path == str(ckpt / "global_step3") and client == {"step": 3, "note": "x"} and engine.global_steps == 3
+    engine.save_checkpoint(ckpt, client_state=client)  # global_step3 again
+    assert sorted(os.listdir(ckpt)) == ["global_step3", "latest"]
+    assert (ckpt / "global_step3" / "manifest.json").is_file()  # fz's now
+    again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
+    assert again.load_checkpoint(ckpt)[1] == {"step": 3, "note": "x"} and _same(_weights(again), _weights(engine))
