@@ -3,6 +3,7 @@ ZeRO stages 2 and 3, world 2 on CPU (gloo), and on plain transformers.Trainer in
 
     OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --rounds 2
     OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --engines fz3 --profile   # cProfile, rank 0
+    OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --trl --rounds 2          # TRL's SFTTrainer
 
 (`../venv-ds`: a venv beside the checkout with torch, DeepSpeed and fz's `hf` extra; see
 RESULTS.md.) The worker is one Trainer script; the only difference between the engines is the
@@ -71,6 +72,8 @@ def parse_args():
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--fixed", action="store_true", help="every window seq tokens long (no padding)")
+    p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer (fz: fz.hf.on_fz(trl.SFTTrainer)) on the "
+                   "windows as text, its own collator and loss")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's trainer.train(); print the top costs")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -83,6 +86,28 @@ def ds_config(stage: int) -> dict:
             "optimizer": {"type": "AdamW",
                           "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
             "zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer whose ids are the bytes (the GPT-2 here has a vocabulary of 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2's byte -> character map (ByteLevel's)
+    char = dict(zip(printable + others, map(chr, printable + [256 + i for i in range(len(others))])))
+    vocab = {ch: b for b, ch in char.items()}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    zero = char[0]  # byte 0 (absent from source text) as padding and end of text
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token=zero, eos_token=zero)
+
+
+def sft_texts(windows):
+    """The windows as a text dataset, one less byte each (SFT adds the end-of-text token)."""
+    import datasets
+    rows = [bytes(windows[i]["input_ids"][:-1].tolist()).decode("latin-1") for i in range(len(windows))]
+    return datasets.Dataset.from_dict({"text": rows})
 
 
 def worker(args) -> None:
@@ -143,11 +168,20 @@ def worker(args) -> None:
 
     out_dir = tempfile.mkdtemp(prefix=f"fzbench-trainer-{args.worker}-")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    extra: dict = {}
+    if args.trl:  # TRL's SFT on the same windows, as text: its config class, collator and loss
+        import trl
+        if engine == "fz":
+            import fz.hf
+            Trainer, TrainingArguments = fz.hf.on_fz(trl.SFTTrainer), fz.hf.on_fz(trl.SFTConfig)
+        else:
+            Trainer, TrainingArguments = trl.SFTTrainer, trl.SFTConfig
+        extra = {"max_length": args.seq, "packing": False, "gradient_checkpointing": False}
     targs = TrainingArguments(output_dir=out_dir, deepspeed=ds_config(stage) if engine != "hf" else None,
                               per_device_train_batch_size=args.batch * 2 // world,
                               max_steps=args.steps, logging_steps=1, learning_rate=args.lr, warmup_steps=2,
                               weight_decay=0.01, max_grad_norm=1.0, seed=0, use_cpu=True, bf16=False, report_to=[],
-                              save_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential")
+                              save_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential", **extra)
     config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
                         n_head=args.width // 64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=0, eos_token_id=0)
@@ -155,7 +189,12 @@ def worker(args) -> None:
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     params = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(model=model, args=targs, train_dataset=Windows(args.seq), data_collator=pad, callbacks=[Clock()])
+    if args.trl:
+        trainer = Trainer(model=model, args=targs, train_dataset=sft_texts(Windows(args.seq)),
+                          processing_class=byte_tokenizer(), callbacks=[Clock()])
+    else:
+        trainer = Trainer(model=model, args=targs, train_dataset=Windows(args.seq), data_collator=pad,
+                          callbacks=[Clock()])
     rank = targs.process_index
     prof = None
     if args.profile and rank == 0:
