@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import torch
 
 import fz
-from fz.step import pending
+from fz.step import pending, stream
 from fz.storage import io as offload_io
 from fz.storage.disk import load
 from fz.testing.gpt import lm_loss
@@ -25,6 +26,7 @@ from fz.testing.spawn import run_ranks
 from support.helpers import make_model, rank_batches, spec
 
 STEPS, SKIP = 5, 2
+HOLD_S = 60.0  # how long the update thread waits for the test to look (only a step that waited reaches it)
 ARMED: list[float] = []
 CASES = [(stage, precision) for stage in (2, 3) for precision in ("fp32", "bf16")]
 
@@ -52,7 +54,21 @@ def _trajectory(rank, root, stage, precision, pipe):
         writes[0] += 1
         return real(self, *a, **k)
 
+    # the update thread starts its work only once the step has returned and been looked at, so
+    # that a step that returns without waiting for it is seen streaming however fast the disk is
+    # (a step that waited instead would hold for HOLD_S, then be seen not streaming: the failure)
+    releases, real_start = [threading.Event()], stream.start_inflight
+
+    def held_start(gate, run, after):
+        released = releases[-1]  # this step's: a later step's clear cannot hold it again
+
+        def held():
+            released.wait(HOLD_S)
+            run()
+        real_start(gate, held, after)
+
     offload_io.IOPool.write = counted
+    stream.start_inflight = held_start
     losses, streaming, skip_writes = [], [], None
     try:
         for i, b in enumerate(rank_batches(2, 1, STEPS)):
@@ -61,9 +77,11 @@ def _trajectory(rank, root, stage, precision, pipe):
                 before = writes[0]
                 if rank == 1:
                     ARMED.append(float("inf"))
+            releases.append(threading.Event())
             state, loss = fz.train_step(state, b[rank])
             ARMED.clear()
             streaming.append(pending.inflight())
+            releases[-1].set()
             if i == SKIP:
                 skip_writes = writes[0] - before
             losses.append(repr(float(loss)))
@@ -71,6 +89,9 @@ def _trajectory(rank, root, stage, precision, pipe):
         report = fz.memory_report(state).total
     finally:
         offload_io.IOPool.write = real
+        stream.start_inflight = real_start
+        for released in releases:
+            released.set()
     return dict(losses=losses, values=values, streaming=streaming, skip_writes=skip_writes, report=report)
 
 
@@ -102,8 +123,8 @@ def test_only_stage_3_with_parameters_on_disk_streams_on(runs, case):
     for rank in range(2):
         waits, streams = runs[rank][(*case, False)], runs[rank][(*case, True)]
         assert not any(waits["streaming"])
-        if stage == 3:  # update steps return with the update still streaming (a 0.05 MB buffer: many groups)
-            assert sum(s for i, s in enumerate(streams["streaming"]) if i != SKIP) >= 2, streams["streaming"]
+        if stage == 3:  # every update step returns with its update still streaming
+            assert all(s for i, s in enumerate(streams["streaming"]) if i != SKIP), streams["streaming"]
         else:  # stage 2's parameters are all-gathered after the update: it must be done
             assert not any(streams["streaming"])
 

@@ -51,10 +51,13 @@ def test_model_without_parameters():
         fz.init(nn.ReLU(), fz.Spec())
 
 
-def test_all_frozen_model():
+def test_all_frozen_model_is_an_inference_state_that_refuses_to_train():
     model = make_model().requires_grad_(False)
-    with pytest.raises(fz.ConfigError, match="frozen"):
-        fz.init(model, fz.Spec())
+    state = fz.init(model, spec(0, 1))  # what TRL's reference model is: evaluated, never trained
+    batch = rank_batches(1, 1, 1)[0][0]
+    assert torch.isfinite(fz.eval_step(state, batch))
+    with pytest.raises(fz.ConfigError, match="every parameter of this state's model is frozen"):
+        fz.train_step(state, batch)
 
 
 def test_loss_fn_returning_non_scalar():
