@@ -7,12 +7,19 @@ or does nothing, as DeepSpeed's engine makes it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fz.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fz.deepspeed.engine import DeepSpeedEngine
+
+class DeepSpeedEngine(Protocol):
+    """What the views read of fz/deepspeed/engine.py's engine, which makes them (a Protocol, so
+    neither file imports the other back)."""
+
+    @property
+    def loss_scale(self) -> float: ...
+    def get_lr(self) -> list[float]: ...
+    def _lr_count(self) -> int: ...
 
 
 class EngineOptimizer:
