@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from fz.background import on_next_call
-from fz.ckpt import arguments, ds_files, loader, manifest, saver, signing
-from fz.ckpt.ds_import import import_deepspeed
+from fz.ckpt import arguments, loader, manifest, saver, signing
+from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.deepspeed.importer import import_deepspeed
 from fz.ckpt.group import GroupCache, state_ranks
 from fz.ckpt.layout import META, PathLike, committed_steps, read_json, read_latest, resolve, step_name
 from fz.distributed import guards, peers

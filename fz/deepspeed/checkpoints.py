@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 import fz
-from fz.ckpt import ds_files
+from fz.ckpt.deepspeed import files as ds_files
 from fz.distributed import peers
 from fz.errors import CheckpointError
 

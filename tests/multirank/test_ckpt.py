@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import fz
 from fz.ckpt import restore, save, wait_for_checkpoints
 from fz.ckpt.export import consolidate
-from fz.ckpt.safetensors_io import load_weights
+from fz.ckpt.hf.safetensors_io import load_weights
 from fz.ckpt.tree import opt_leaves
 from fz.errors import ConfigError
 from fz.testing.spawn import run_ranks

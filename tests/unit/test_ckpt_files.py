@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 import fz
 from fz.ckpt import Checkpointer, PartialRestoreWarning, restore, save
-from fz.ckpt.safetensors_io import load_weights
+from fz.ckpt.hf.safetensors_io import load_weights
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.testing.gpt import GPT, GPTConfig
@@ -171,7 +171,7 @@ def test_checkpointer_steps_validation_and_close(tmp_path):
 def test_stream_writer_takes_boxes_in_any_order(tmp_path):
     from safetensors.torch import load_file
 
-    from fz.ckpt.safetensors_io import StreamWriter
+    from fz.ckpt.hf.safetensors_io import StreamWriter
 
     a, b, c = torch.arange(60.).reshape(3, 4, 5), torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.tensor(7.)
     w = StreamWriter(tmp_path / "x.safetensors", [("a", a.dtype, a.shape), ("b", b.dtype, b.shape), ("c", c.dtype, ())])
