@@ -154,6 +154,7 @@ def test_only_frozen_triton_leak_reports_are_ignored():
     assert _stderr_of_a_clean_exit(other) == ' - leaked instance 0x7f0a of type "fz.Thing"\n'
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_fifty_short_world2_stage3_jobs_with_checkpoints_all_exit_cleanly(tmp_path):
     res = subprocess.run([sys.executable, str(TESTS / "support" / "exit_jobs.py"), str(tmp_path), str(JOBS),
                           str(PARALLEL)], env=ENV, capture_output=True, text=True, timeout=900)

@@ -22,6 +22,8 @@ from fz.testing.spawn import free_port
 
 from support.timing import MARGIN_S, Slowdown, slowdown
 
+pytestmark = pytest.mark.slow  # the slow tier: .ci/run runs it (-m slow)
+
 JOB = Path(__file__).parents[1] / "support" / "fault_jobs.py"
 
 

@@ -150,6 +150,7 @@ def _start_sshd(d: Path, port: int):
     raise AssertionError("sshd did not start")
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_two_node_agents_and_two_ssh_hosts_train_as_one_node_does(tmp_path):
     """World 2 three ways, the same losses: one node (2 processes), two node agents (node ranks
     0 and 1, one rendezvous) on this machine, and two "hosts" (localhost, 127.0.0.1) over ssh."""
@@ -169,6 +170,7 @@ def test_two_node_agents_and_two_ssh_hosts_train_as_one_node_does(tmp_path):
     assert over_ssh == one, (one, over_ssh)
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_exit_codes_and_signals_are_forwarded(tmp_path):
     """A failing job's exit code is fz run's (torchrun's: 1 when a worker fails); SIGTERM to fz run
     stops every node's processes and exits 128 + 15."""

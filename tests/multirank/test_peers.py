@@ -26,6 +26,8 @@ from fz.testing.spawn import free_port
 
 from support.timing import MARGIN_S, Slowdown
 
+pytestmark = pytest.mark.slow  # the slow tier: .ci/run runs it (-m slow)
+
 JOB = Path(__file__).parents[1] / "support" / "peer_jobs.py"
 TIMEOUT_S = 3.0
 
