@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from fz.errors import ConfigError
 
 
-class DeepSpeedEngine(Protocol):
+class Engine(Protocol):
     """What the views read of fz/deepspeed/engine.py's engine, which makes them (a Protocol, so
     neither file imports the other back)."""
 
@@ -25,7 +25,7 @@ class DeepSpeedEngine(Protocol):
 class EngineOptimizer:
     """`optimizer` from initialize: `param_groups[i]["lr"]` is the next update's lr."""
 
-    def __init__(self, engine: DeepSpeedEngine, groups: int):
+    def __init__(self, engine: Engine, groups: int):
         self._engine, self.groups = engine, groups
 
     @property
@@ -51,7 +51,7 @@ class EngineOptimizer:
 class EngineSchedule:
     """`lr_scheduler` from initialize: its lr follows the engine's updates."""
 
-    def __init__(self, engine: DeepSpeedEngine):
+    def __init__(self, engine: Engine):
         self._engine = engine
 
     def get_last_lr(self) -> list[float]:
