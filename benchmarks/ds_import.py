@@ -116,7 +116,7 @@ def same(fz_out: Path, ds_out: Path) -> int:
     zero_to_fp32's folder (one file, or shards and their index)."""
     import torch
 
-    from fz.ckpt.weights import WeightFiles, read
+    from fz.ckpt.hf.weights import WeightFiles, read
     a, b = WeightFiles(fz_out).entries, WeightFiles(ds_out).entries
     if set(a) != set(b):
         raise AssertionError(f"names differ: {sorted(set(a) ^ set(b))[:5]}")

@@ -54,8 +54,8 @@ def write_folder(args: argparse.Namespace, folder: str) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from fz.ckpt.hf_folder import INDEX, filenames, shards
-    from fz.ckpt.safetensors_io import StreamWriter
+    from fz.ckpt.hf.folder import INDEX, filenames, shards
+    from fz.ckpt.hf.safetensors_io import StreamWriter
     cfg = config(args)
     marker = os.path.join(folder, "config.json")
     if os.path.exists(os.path.join(folder, INDEX)) and json.load(open(marker)).get("num_hidden_layers") == args.layers:

@@ -5,7 +5,7 @@
 """
 from fz import data, distributed, offload, optim
 from fz.ckpt import Checkpointer, CheckpointInfo, Consolidated, load_weights, restore, save, wait_for_checkpoints
-from fz.ckpt.ds_import import import_deepspeed
+from fz.ckpt.deepspeed.importer import import_deepspeed
 from fz.errors import CheckpointError, ConfigError, NonFiniteError, OffloadError, PeerError
 from fz.init_state import init
 from fz.observe.comm_report import CommReport, comm_report

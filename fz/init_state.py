@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from fz.background import raise_background_failures
-from fz.ckpt.pretrained import fill, resolve
+from fz.ckpt.hf.pretrained import fill, resolve
 from fz.distributed import peers
 from fz.errors import ConfigError
 from fz.model.leaves import fetches_root

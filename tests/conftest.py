@@ -1,7 +1,42 @@
+"""Shared set-up: one thread per process, the machine's measured load for bounds on wall time
+(`load`), and the suite's two tiers. The default run (the README's test command) leaves out the
+tests marked `slow`: fault injection with real timeouts, end-to-end scripts and launchers,
+peak-memory measurements of large models; so it stays within minutes as the suite grows.
+`-m slow` runs them alone, as .ci/run does right after the default run (every test runs in CI);
+`FZ_SLOW=1` runs both tiers."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from support.timing import Slowdown  # noqa: E402
+
 torch.set_num_threads(1)
+
+SLOW_TIER = ".venv/bin/python -m pytest -q -m slow"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FZ_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
+        return  # both tiers, or a selection that names the slow one
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config._fz_slow_left = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = getattr(config, "_fz_slow_left", 0)
+    if left:
+        terminalreporter.write_line(f"{left} tests of the slow tier not run here: `{SLOW_TIER}` runs them "
+                                    "(.ci/run does, after this run)")
+
+
+@pytest.fixture(scope="module")
+def load() -> Slowdown:
+    """The machine's slowdown around a module's multi-rank runs (tests/support/timing.py): the
+    fixture that runs them does it `with load:`, and a test bounds a time by `load.scaled(quiet_s)`."""
+    return Slowdown()

@@ -8,19 +8,23 @@
     $ fz consolidate ckpt model.safetensors --dtype bf16 # one file of the full weights
     $ fz inspect ckpt
 
-Modules: checkpointer (Checkpointer), functions (fz.save, fz.restore, DeepSpeed's tag layout),
-arguments (the functions' argument order), saver, commit (putting a checkpoint in place,
-replacing one safely), loader, layout (directories, durable renames), manifest (checksums),
-signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,
-agreement), reader (DCP files without torch.distributed), safetensors_io, export
-(consolidate, inspect), results (what those return), progress.
+Modules, by format: fz's own here: checkpointer (Checkpointer), functions (fz.save, fz.restore,
+DeepSpeed's tag layout), arguments (the functions' argument order), saver, commit (putting a
+checkpoint in place, replacing one safely), loader, layout (directories, durable renames), manifest
+(checksums), signing (keyed manifests), tree (state <-> keys), group (checkpoint process groups,
+agreement), reader, index and chunk (DCP files without torch.distributed or unpickling), writer,
+space, finite (NaN/inf counted as weights load), regular (regular files only), export
+(consolidate, inspect), results (what those return), progress. Hugging Face's safetensors and
+folders in fz/ckpt/hf/, DeepSpeed's checkpoints in fz/ckpt/deepspeed/: each imports only fz/ckpt's
+base (regular, signing, layout, finite, progress, results) and the formats below it (hf, then
+deepspeed); the rest of fz/ckpt is above them (tests/unit/test_layering.py).
 """
 from fz.ckpt.checkpointer import Checkpointer, wait_for_checkpoints
 from fz.ckpt.export import consolidate, inspect
 from fz.ckpt.functions import restore, save
+from fz.ckpt.hf.safetensors_io import load_weights
 from fz.ckpt.loader import PartialRestoreWarning
 from fz.ckpt.results import CheckpointInfo, Consolidated
-from fz.ckpt.safetensors_io import load_weights
 
 __all__ = ["CheckpointInfo", "Checkpointer", "Consolidated", "PartialRestoreWarning", "consolidate", "inspect",
            "load_weights", "restore", "save", "wait_for_checkpoints"]

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import torch
 
-from fz.ckpt import ds_export, ds_files, hf_folder, manifest, signing
+from fz.ckpt import manifest, signing
+from fz.ckpt.deepspeed import export as ds_export
+from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.hf import folder as hf_folder
+from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.progress import Progress
 from fz.ckpt.reader import CheckpointReader
 from fz.ckpt.results import CheckpointInfo, Consolidated
-from fz.ckpt.safetensors_io import StreamWriter
 from fz.errors import CheckpointError, ConfigError
 from fz.spec import PRECISIONS
 
@@ -66,10 +69,10 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     `key` (or FZ_CKPT_KEY) the checkpoint must be signed with it, and is verified even with
     verify=False. Returns what it wrote (a Consolidated).
     A DeepSpeed checkpoint (a save_dir with `latest`, or a tag folder; `step` N reads tag
-    global_stepN) is consolidated as DeepSpeed's zero_to_fp32 does it (fz/ckpt/ds_export.py).
+    global_stepN) is consolidated as DeepSpeed's zero_to_fp32 does it (fz/ckpt/deepspeed/export.py).
     (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
     """
-    if ds_files.is_deepspeed(Path(ckpt)):  # a DeepSpeed save_dir or tag folder: fz/ckpt/ds_export.py
+    if ds_files.is_deepspeed(Path(ckpt)):  # a DeepSpeed save_dir or tag folder: fz/ckpt/deepspeed/export.py
         tag = ds_files.unsigned_tag(Path(ckpt), step, key)
         return ds_export.consolidate(ckpt, out, cast=_dtype(dtype), progress=progress, hf=hf,
                                      max_shard_size=max_shard_size, tag=tag)

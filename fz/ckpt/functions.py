@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fz.ckpt import arguments, ds_files, signing
+from fz.ckpt import arguments, signing
 from fz.ckpt.checkpointer import Checkpointer, wait_for_checkpoints
 from fz.ckpt.commit import Target
-from fz.ckpt.ds_import import import_deepspeed
+from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.deepspeed.importer import import_deepspeed
 from fz.ckpt.group import GroupCache
 from fz.ckpt.layout import LATEST, PathLike
 from fz.errors import ConfigError

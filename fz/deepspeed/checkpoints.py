@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import fz
-from fz.ckpt import ds_files
+from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.functions import save_tag
 from fz.ckpt.layout import OLD
 from fz.errors import CheckpointError

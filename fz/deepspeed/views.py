@@ -7,18 +7,25 @@ or does nothing, as DeepSpeed's engine makes it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fz.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fz.deepspeed.engine import DeepSpeedEngine
+
+class Engine(Protocol):
+    """What the views read of fz/deepspeed/engine.py's engine, which makes them (a Protocol, so
+    neither file imports the other back)."""
+
+    @property
+    def loss_scale(self) -> float: ...
+    def get_lr(self) -> list[float]: ...
+    def _lr_count(self) -> int: ...
 
 
 class EngineOptimizer:
     """`optimizer` from initialize: `param_groups[i]["lr"]` is the next update's lr."""
 
-    def __init__(self, engine: DeepSpeedEngine, groups: int):
+    def __init__(self, engine: Engine, groups: int):
         self._engine, self.groups = engine, groups
 
     @property
@@ -44,7 +51,7 @@ class EngineOptimizer:
 class EngineSchedule:
     """`lr_scheduler` from initialize: its lr follows the engine's updates."""
 
-    def __init__(self, engine: DeepSpeedEngine):
+    def __init__(self, engine: Engine):
         self._engine = engine
 
     def get_last_lr(self) -> list[float]:

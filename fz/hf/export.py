@@ -38,10 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from fz.ckpt.group import GroupCache, exchange, state_ranks
-from fz.ckpt.hf_folder import INDEX, WEIGHTS, filenames, shard_size
-from fz.ckpt.hf_folder import shards as cut
+from fz.ckpt.hf.folder import INDEX, WEIGHTS, filenames, shard_size
+from fz.ckpt.hf.folder import shards as cut
+from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import disk_full, fsync_path
-from fz.ckpt.safetensors_io import StreamWriter
 from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.hf.peft_export import is_peft_model, save_peft

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,10 +21,25 @@ from fz.errors import ConfigError
 from fz.offload.transfer import pinned_copy
 from fz.sharding.buckets import Bucket
 from fz.storage.disk import DiskTensor, load
-from fz.storage.store import ALIGN, check_directory, store_for
+from fz.storage.store import ALIGN, IOSettings, check_directory, store_for
 
-if TYPE_CHECKING:  # policy.py applies a policy through this module
-    from fz.offload.policy import Offload
+
+class Policy(IOSettings, Protocol):
+    """What moving leaves reads of a policy (fz/offload/policy.py's Offload, which applies itself
+    through this module: a Protocol here, so neither file imports the other back)."""
+
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def params(self) -> str: ...
+    @property
+    def direct_io(self) -> bool: ...
+    @property
+    def disk_path(self) -> str: ...
+    @property
+    def active(self) -> bool: ...
+    def check_stage(self, stage: int) -> None: ...
+
 
 PART_ALIGN = 64
 
@@ -86,7 +101,7 @@ def _slot_parts(plan, b: Bucket, mflat: Tensor | None, by_param) -> list[list[Te
             for s, m in zip(b.slots, masters)]
 
 
-def write_opt_bucket(policy: Offload, plan, b: Bucket, parts: list[list[Tensor]]) -> list[list[DiskTensor]]:
+def write_opt_bucket(policy: Policy, plan, b: Bucket, parts: list[list[Tensor]]) -> list[list[DiskTensor]]:
     """Write one bucket's optimizer parts into a new file; the DiskTensors that now hold them."""
     sizes = [[_round(t.numel() * t.element_size(), PART_ALIGN) for t in ts] for ts in parts]
     groups = group_slots([sum(s) for s in sizes], int(policy.buffer_mb * 2**20), b)
@@ -126,7 +141,7 @@ def _to_tier(t: Tensor, tier: str, device: torch.device, pin: bool) -> Tensor:
     return t.to(device)
 
 
-def _opt_on_disk(policy: Offload, b: Bucket, mflat: Tensor | None, by_param) -> bool:
+def _opt_on_disk(policy: Policy, b: Bucket, mflat: Tensor | None, by_param) -> bool:
     """Whether the bucket's optimizer state is already one file laid out for this policy's buffers."""
     tensors = ([mflat] if mflat is not None else []) + [
         leaf._local_tensor for s in b.slots for _, leaf in by_param.get(s.name, [])
@@ -136,7 +151,7 @@ def _opt_on_disk(policy: Offload, b: Bucket, mflat: Tensor | None, by_param) -> 
             and getattr(next(iter(blobs)), "group_bytes", None) == int(policy.buffer_mb * 2**20))
 
 
-def apply_policy(policy: Offload, state):
+def apply_policy(policy: Policy, state):
     """`state` with every offloadable leaf in `policy`'s tier (leaves already there are kept)."""
     policy.check_stage(state.spec.stage)
     state.check_alive("an offload policy")
@@ -176,7 +191,7 @@ def apply_policy(policy: Offload, state):
                                spec=spec.replace(offload=policy if policy.active else None))
 
 
-def _bucket_to_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, by_param) -> dict[int, Tensor]:
+def _bucket_to_disk(policy: Policy, plan, b: Bucket, mflat: Tensor | None, by_param) -> dict[int, Tensor]:
     """Write one bucket's master weights and optimizer tensors to a new file: {id(old local): DiskTensor}."""
     parts = _slot_parts(plan, b, mflat, by_param)
     disk = write_opt_bucket(policy, plan, b, parts)
@@ -190,7 +205,7 @@ def _bucket_to_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, by_p
     return replaced
 
 
-def bucket_init_on_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, local_opt: Any):
+def bucket_init_on_disk(policy: Policy, plan, b: Bucket, mflat: Tensor | None, local_opt: Any):
     """fz.init's path for the disk tier, one bucket at a time (so the whole optimizer state is
     never in memory): (master storage on disk or None, the bucket's optimizer state on disk)."""
     from fz.sharding.opt_state import wrap_opt_state
@@ -205,7 +220,7 @@ def bucket_init_on_disk(policy: Offload, plan, b: Bucket, mflat: Tensor | None, 
     return (replaced[id(mflat)] if mflat is not None else None), pytree.tree_map(swap, tree)
 
 
-def check_room_at_init(policy: Offload, plan, optimizer, mixed: bool) -> None:
+def check_room_at_init(policy: Policy, plan, optimizer, mixed: bool) -> None:
     """fz.init's check before anything is written: the bytes the disk tier will hold, from a
     meta-device run of the optimizer's init."""
     if "disk" not in (policy.optimizer, policy.params):
@@ -224,7 +239,7 @@ def check_room_at_init(policy: Offload, plan, optimizer, mixed: bool) -> None:
     check_directory(policy.disk_path, need)
 
 
-def _check_room(policy: Offload, state, by_param) -> None:
+def _check_room(policy: Policy, state, by_param) -> None:
     """Before anything is written: the directory exists, is writable and has room for the bytes
     that will live there (a step writes its update in place: fz/step/stream.py)."""
     if "disk" not in (policy.optimizer, policy.params):
@@ -244,7 +259,7 @@ def _check_room(policy: Offload, state, by_param) -> None:
         check_directory(policy.disk_path, need)
 
 
-def param_to_disk(policy: Offload, plan, b: Bucket, local: Tensor) -> DiskTensor:
+def param_to_disk(policy: Policy, plan, b: Bucket, local: Tensor) -> DiskTensor:
     """A bucket's parameter shard written to a new file (one contiguous file per rank and bucket)."""
     store = store_for(policy.disk_path, policy.direct_io)
     blob = store.new_blob(f"param-rank{plan.rank}-b{b.index}", local.numel() * local.element_size())
@@ -253,7 +268,7 @@ def param_to_disk(policy: Offload, plan, b: Bucket, local: Tensor) -> DiskTensor
     return d
 
 
-def _move_params(policy: Offload, plan, b: Bucket, f: DTensor, spec) -> DTensor:
+def _move_params(policy: Policy, plan, b: Bucket, f: DTensor, spec) -> DTensor:
     local = f._local_tensor
     if not b.sharded_param:  # replicated parameters are needed whole by every forward
         return f if not isinstance(local, DiskTensor) else DTensor(_to_tier(local, "device", plan.device, False),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fz.errors import ConfigError
+from fz.offload.move import apply_policy
 
 TIERS = ("device", "host", "disk")
 
@@ -89,7 +90,6 @@ class Offload:
 
     def __call__(self, state: Any) -> Any:  # fz.State (a layer above) -> fz.State
         """`state` with its leaves moved to this policy's tiers (a new state; the old one is unchanged)."""
-        from fz.offload.move import apply_policy
         return apply_policy(self, state)
 
     def replace(self, **changes: Any) -> Offload:

@@ -12,7 +12,6 @@ gradients as the optimizer reads them (fp32), and activations traced from one mi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -28,6 +27,7 @@ from fz.offload.policy import Offload
 from fz.planning.activations import default_batch, trace
 from fz.planning.buffers import link_bytes, pool_idle
 from fz.planning.counts import ModelCounts, model_counts
+from fz.planning.estimate import KINDS, Estimate
 from fz.precision import PRECISIONS
 from fz.sharding.buckets import Bucket, make_buckets
 from fz.sharding.opt_state import _param_key, is_placed_leaf
@@ -36,124 +36,6 @@ from fz.spec import Spec
 from fz.step.grads import MAX_INFLIGHT
 from fz.step.runner import _wants_checkpoint, keep_budget
 from fz.storage.checksum import table_bytes
-
-KINDS = ("params", "master", "moments", "grads", "buffers")
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted bytes of one configuration. Per-rank fields are the largest rank's (rank 0:
-    Shard(0) gives the first ranks the most rows); `per_host` and `per_disk` add up the ranks
-    of one node."""
-
-    world_size: int
-    nodes: int
-    stage: int
-    precision: str
-    num_params: int
-    params: int  # as memory_report: this rank's parameter storage (any tier)
-    grads: int  # as memory_report: the step's gradient buffers, in the parameters' dtype
-    master: int  # fp32 master weights (mixed precision)
-    optimizer: int  # the optimizer's own state (Adam: two moments); memory_report's opt = master + optimizer
-    buffers: int  # the model's buffers
-    gather: int  # stage 3: gathered buckets alive at once (the root's own and the units in flight: _gather)
-    reduce: int  # gradient reductions in flight (their own buffers)
-    grads_update: int  # gradients as the update reads them (fp32 copies in mixed precision)
-    sync: int  # stages 1-2: the all-gathers' inputs (and padded buckets' buffers) until they land (fz/sharding/sync.py)
-    io_buffers: int  # the disk tier's host buffers
-    activations: int | None  # at the forward's end, traced from one micro-batch (None: no batch given)
-    backward_start: int | None  # activations + one op's gradients at backward's first op (fz/planning/activations.py)
-    backward_units: int | None  # activations + gradients at the worst point of the units' backward
-    model_copy: int  # a model built normally (not on the meta device): its fp32 values on the host
-    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # per rank, as memory_report.tiers
-    ranks_per_node: int = 1
-    # one parameter's optimizer state and master rows: the disk tier's I/O buffer must hold it
-    largest_opt_part: int = 0
-    update_loaded: int = 0  # parameters on disk: the bucket read into memory (read ahead, or being updated)
-    gather_summed: int = 0  # the part of `gather` that is gradients summed over a bucket's several users
-    accumulated: int = 0  # grad_accum > 1, replicated gradients (stages 0-1): summed in full across micro-batches
-    pool_idle: int = 0  # the disk tier: idle host buffers kept for reuse (shards read from disk), at most
-    pool_idle_cpu: int = 0  # the same where host and device are one memory (the step's buffers too), at most
-    link: int = 0  # a CPU run's ranks of one host: the buffer their collectives share (fz/distributed/shm.py)
-
-    @property
-    def backward(self) -> int | None:
-        """Activations + gradients at backward's worst point."""
-        if self.backward_start is None:
-            return None
-        return max(self.backward_start, self.backward_units or 0)
-
-    @property
-    def model_states(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer
-
-    @property
-    def per_device(self) -> int:
-        """Peak device bytes of one rank during a step (the sum of `device_peak()`'s terms)."""
-        return sum(v for _, v in self.device_peak()[1])
-
-    def device_peak(self) -> tuple[str, list[tuple[str, int]]]:
-        """(when the device peaks, [(term, bytes)] that add up to `per_device`): what stays on the
-        device for the whole step, plus the worst of three moments. Backward's first op holds every
-        activation and the gathered units, no gradient made or reduced yet; then backward frees a
-        block's activations as it makes the block's gradients (`backward_units` is its worst
-        point) with reductions in flight; the update holds the gradients as it reads them and, at
-        stages 1-2, the all-gathers' inputs."""
-        resident = [(f"{k} (resident)", v) for k, v in self.tiers["device"].items() if k != "grads"]
-        grads = ("gradients for the update", self.grads_update)
-        if (self.backward_units or 0) > self.grads_update:
-            grads = ("activations + gradients, units' backward", self.backward_units or 0)
-        moments = {
-            "backward's first op": [("activations + first op's gradients", self.backward_start or 0),
-                                    ("gathered units", self.gather - self.gather_summed),
-                                    ("accumulated gradients", self.accumulated)],
-            "backward": [("gathered units", self.gather), ("reductions in flight", self.reduce),
-                         ("accumulated gradients", self.accumulated), grads],
-            "the update": [("gathered units", self.gather), ("gradients for the update", self.grads_update),
-                           ("all-gather inputs (sync)", self.sync)],
-        }
-        when = max(moments, key=lambda m: sum(v for _, v in moments[m]))  # the first of equals
-        return when, resident + moments[when]
-
-    def host_terms(self) -> list[tuple[str, int]]:
-        """[(term, bytes)] of one rank's host memory: they add up to `per_rank_host`."""
-        pool = [("idle buffers kept for reuse (at most)", self.pool_idle)] if self.pool_idle else []
-        return [*self.tiers["host"].items(), *pool, ("model copy (built off meta)", self.model_copy)]
-
-    @property
-    def one_memory(self) -> int:
-        """Peak bytes of one rank where host and device are one memory (a CPU-only run). The
-        host gradients of an offloaded optimizer stay in their buffers from step to step (kept
-        by the process's pool, as pinned ones are on a GPU: fz/offload/host_grads.py), so they
-        add to backward's worst point. Parameters on disk add one bucket read into memory: read
-        ahead for the next gather in backward, being updated in the streamed update."""
-        host_grads = self.tiers["host"].get("grads", 0)
-        if not host_grads:
-            return self.per_device + self.per_rank_host - self.pool_idle + self.pool_idle_cpu + self.link
-        resident = sum(v for k, v in self.tiers["device"].items() if k != "grads") + \
-            sum(self.tiers["host"].values()) + self.model_copy + self.pool_idle_cpu + self.link
-        during_backward = self.reduce + self.update_loaded + (self.backward or 0)
-        return resident + self.gather + max(during_backward, self.sync + self.update_loaded)
-
-    @property
-    def per_rank_host(self) -> int:
-        return sum(v for _, v in self.host_terms())
-
-    @property
-    def per_host(self) -> int:
-        """Host memory of one node: every local rank's host tier, I/O buffers and model copy."""
-        return self.ranks_per_node * self.per_rank_host
-
-    @property
-    def per_disk(self) -> int:
-        """Bytes the disk tier holds on one node, which is also the free space it needs: a step
-        writes its update in place (fz/step/stream.py), and fz.init checks for this much."""
-        return self.ranks_per_node * sum(self.tiers["disk"].values())
-
-    def __str__(self) -> str:
-        """Each total, then the terms it is the sum of (fz/planning/render.py)."""
-        from fz.planning.render import estimate_text
-        return estimate_text(self)
 
 
 def _rank_plan(buckets: Sequence[Bucket], world: int, shards: int, rank: int = 0) -> ShardPlan:

@@ -1,16 +1,12 @@
-"""Text for `fz plan` and `fz.estimate`: each rung's verdict, the chosen Spec as Python, its DeepSpeed JSON; an
-estimate's totals with the terms they sum."""
+"""Text for `fz plan`: each rung's verdict, the chosen Spec as Python, its DeepSpeed JSON (an estimate's own
+text is fz/planning/estimate.py's)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from fz.config.export import deepspeed_json
 from fz.offload.policy import Offload
+from fz.planning.estimate import Estimate
 from fz.planning.machine import Budgets
 from fz.spec import Spec
-
-if TYPE_CHECKING:
-    from fz.planning.estimator import Estimate
 
 GB = 2**30
 SHOWN = ("stage", "precision", "activation_checkpointing", "micro_batch", "grad_accum", "clip_grad_norm",
@@ -99,26 +95,3 @@ def _uses(e: Estimate, budgets: Budgets) -> str:
                f"{budgets.host / GB:.2f} GB memory{disk}"
     return f"uses device {e.per_device / GB:.2f} GB of {budgets.device / GB:.2f} GB, host " \
            f"{e.per_host / GB:.2f} GB of {budgets.host / GB:.2f} GB{disk}"
-
-
-def estimate_text(est: Estimate) -> str:
-    """`str(fz.estimate(...))`: each total, then every term it is the sum of, so the lines add up."""
-    gb = lambda x: f"{x / 2**30:8.2f} GB"  # noqa: E731
-
-    def block(title: str, total: int, terms: list[tuple[str, int]]) -> list[str]:
-        return [f"  {title:<44}{gb(total)}", *(f"    {k:<42}{gb(v)}" for k, v in terms if v)]
-
-    when, device = est.device_peak()
-    n = est.ranks_per_node
-    lines = [f"fz estimate: {est.num_params / 1e6:,.1f}M params, ZeRO stage {est.stage}, {est.precision}, "
-             f"{est.nodes} node(s) x {n} rank(s)",
-             *block("model states per rank (as fz.memory_report)", est.model_states,
-                    [("params", est.params), ("grads", est.grads), ("master", est.master),
-                     ("optimizer", est.optimizer)]),
-             *block(f"per device, at its peak ({when})", est.per_device, device),
-             *block("per rank on the host", est.per_rank_host, est.host_terms()),
-             f"  {f'per host ({n} rank(s) x the line above)':<44}{gb(est.per_host)}"]
-    if est.per_disk:
-        lines += [*block("on disk per rank", est.per_disk // n, list(est.tiers["disk"].items())),
-                  f"  {f'on disk per node ({n} rank(s))':<44}{gb(est.per_disk)}"]
-    return "\n".join(lines)

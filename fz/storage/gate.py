@@ -13,12 +13,9 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from fz.errors import OffloadError
-
-if TYPE_CHECKING:
-    from fz.storage.disk import Blob
+from fz.storage.blob import Blob
 
 DEADLINE_S = 3600.0  # an update streams one rank's whole optimizer state; a disk this slow has failed
 

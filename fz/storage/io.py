@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from fz.storage.disk import Blob
+from fz.storage.blob import Blob
 
 
 def _buffer(nbytes: int, pin: bool) -> Tensor:

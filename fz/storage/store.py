@@ -17,7 +17,7 @@ import warnings
 from typing import Protocol
 
 from fz.errors import ConfigError
-from fz.storage.disk import Blob
+from fz.storage.blob import Blob
 from fz.storage.io import IOPool
 from fz.storage.scratch import SCRATCH
 

@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # the slow tier: .ci/run runs it (-m slow)
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12

@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fz
 import fz.observe.full_params as fp
-from fz.ckpt.safetensors_io import StreamWriter
+from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.hf import save_pretrained
 from fz.sharding.comm import Comm
 

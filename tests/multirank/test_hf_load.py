@@ -201,6 +201,7 @@ def test_tied_names_in_either_form(folders, tmp_path):
 # -- resident memory -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_peak_rss_of_a_load_and_a_write_back_is_bounded_by_the_largest_tensor(tmp_path):
     """40 tensors of 8 MiB (320 MiB, 5 shards) into stage 3 with parameters on NVMe, in a fresh
     process: what the load adds to the resident memory (VmHWM, reset just before) stays under 3x

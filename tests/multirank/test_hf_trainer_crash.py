@@ -21,6 +21,8 @@ from fz.testing.spawn import run_ranks  # noqa: E402
 
 from support.hf_crash_jobs import STEPS, train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the slow tier: .ci/run runs it (-m slow)
+
 CRASHES = [(4, 1, "fz_write"), (6, 0, "fz_commit"), (8, 0, "state_json")]
 
 

@@ -33,9 +33,10 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, load):
     out = str(tmp_path_factory.mktemp("hf_pipeline"))
-    return run_ranks(2, fz_runs, out, timeout=600), run_ranks(1, reference_runs, out, timeout=600)[0]
+    with load:
+        return run_ranks(2, fz_runs, out, timeout=600), run_ranks(1, reference_runs, out, timeout=600)[0]
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -62,13 +63,14 @@ def test_total_flos_and_tokens_seen_are_counted_over_both_ranks(runs):
     assert fz2[0]["lm_z0"]["total_flos"] == fz2[1]["lm_z0"]["total_flos"]
 
 
-def test_save_model_or_evaluate_on_one_rank_fails_fast_naming_the_call_and_the_fix(runs):
+def test_save_model_or_evaluate_on_one_rank_fails_fast_naming_the_call_and_the_fix(runs, load):
     fz2, _ = runs
     said, seconds = fz2[0]["one_rank"]["save_model"]
     assert "trainer.save_model()" in said and "trainer.is_world_process_zero()" in said, said
-    assert seconds < 150  # well before Spec.timeout_s (300 s): the missing rank was seen elsewhere
+    fast = min(load.scaled(150), 300)  # before Spec.timeout_s (300 s): the missing rank was seen elsewhere
+    assert seconds < fast, (seconds, load)
     said, seconds = fz2[1]["one_rank"]["evaluate"]
-    assert "trainer.evaluate()" in said and seconds < 150, said
+    assert "trainer.evaluate()" in said and seconds < fast, (said, seconds, load)
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint_lists_the_checkpoints(runs):

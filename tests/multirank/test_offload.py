@@ -354,6 +354,7 @@ _RSS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_nvme_offload_lowers_peak_rss_by_most_of_the_offloaded_bytes(tmp_path):
     def run(kind):
         out = subprocess.run([sys.executable, "-c", _RSS, kind, str(tmp_path)], capture_output=True, text=True,

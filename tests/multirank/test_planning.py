@@ -66,6 +66,7 @@ def test_estimate_equals_memory_report(world, tmp_path):
     assert len(results[0]) >= 12
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_peak_within_10_percent(tmp_path, monkeypatch):
     """Peak RSS above the baseline vs the estimate's one-memory peak (host = device on this CPU).
     glibc's dynamic mmap threshold would keep freed blocks of up to 32 MB in the heap, so RSS
@@ -185,6 +186,7 @@ def test_plan_ladder_and_deepspeed_json(tmp_path, capsys):
             assert getattr(back, f) == getattr(c.spec, f), (c.name, f)
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_the_chosen_plan_runs_within_its_budget(tmp_path, monkeypatch):
     """A budget too small for stage 0 (world 2) and one only the NVMe rung fits (world 1): the
     plan chosen in each fresh process trains, and its ranks' measured peaks stay within the budget."""

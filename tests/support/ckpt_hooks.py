@@ -3,12 +3,14 @@ phase boundary of a save (in the process that saves; production code has no hook
 
     arm("renamed", "kill")          # SIGKILL right after step_<N>.tmp is renamed to step_<N>
     arm("write_begin", "sleep=0.5") # hold every DCP write (sync or async) back 0.5 s
+    hold = Hold(); arm("write_begin", hold); ...; hold.release()  # held until the test lets it go
 """
 from __future__ import annotations
 
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +55,27 @@ POINTS: dict[str, tuple[list[tuple[str, str]], str, Callable[..., bool]]] = {
 }
 
 
-def _act(action: str) -> None:
-    if action == "kill":
+class Hold:
+    """An action that holds what it is armed at until `release()`: a save that returned while its
+    write was held did not wait for the write, however slow the machine. If nothing releases it
+    (the save waited for its own write), it goes on after `limit_s` and `held_out` says so."""
+
+    def __init__(self, limit_s: float = 60.0) -> None:
+        self.limit_s, self.held_out = limit_s, False
+        self._go = threading.Event()
+
+    def __call__(self) -> None:
+        if not self._go.wait(self.limit_s):
+            self.held_out = True
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def _act(action: str | Callable[[], None]) -> None:
+    if callable(action):
+        action()
+    elif action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action.startswith("sleep="):
         time.sleep(float(action[len("sleep="):]))
@@ -62,8 +83,9 @@ def _act(action: str) -> None:
         raise ValueError(f"unknown action {action!r}")
 
 
-def arm(point: str, action: str) -> Callable[[], None]:
-    """Do `action` ("kill" or "sleep=S") at `point`; returns a function that disarms it."""
+def arm(point: str, action: str | Callable[[], None]) -> Callable[[], None]:
+    """Do `action` ("kill", "sleep=S" or a function such as a Hold) at `point`; returns a function
+    that disarms it."""
     import importlib
 
     targets, when, match = POINTS[point]

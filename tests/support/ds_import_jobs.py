@@ -35,7 +35,7 @@ def _spec(stage: int, precision: str, world: int):
 
 
 def _moments(state) -> dict[str, torch.Tensor]:
-    from fz.ckpt.ds_import import _adam_states
+    from fz.ckpt.deepspeed.importer import _adam_states
     out = {}
     for adam in _adam_states(state.opt_state):
         for kind, field in (("exp_avg", "mu"), ("exp_avg_sq", "nu")):

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 POINTS = ["start", "write_begin", "written", "checksummed", "before_rename", "renamed", "latest_tmp_written",
@@ -136,6 +137,7 @@ def worker(base: Path) -> dict:
     return out
 
 
+@pytest.mark.slow  # the slow tier (.ci/run: -m slow)
 def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     import fz
     from fz.ckpt import manifest, restore, save

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fz.ckpt import ds_checkpoint
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed import checkpoint as ds_checkpoint
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.ckpt.export import consolidate
 from fz.errors import CheckpointError
 

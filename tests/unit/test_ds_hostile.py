@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import fz
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.cli import main
 from fz.errors import CheckpointError
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from fz.ckpt import ds_pickle
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
-from fz.ckpt.ds_pickle import DSObject, Lazy
+from fz.ckpt.deepspeed import unpickle as ds_pickle
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed.unpickle import DSObject, Lazy
 from tests.support import ds_synth
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
@@ -79,7 +79,7 @@ def test_synthetic_values_across_sub_groups(tmp_path: Path) -> None:
 _WORKER = r"""
 import json, sys, torch
 from pathlib import Path
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.ckpt.export import consolidate
 from tests.support.peak_worker import rss
 torch.set_num_threads(1)
@@ -123,7 +123,7 @@ def test_peak_rss_is_one_chunk(big: tuple[Path, list[tuple[str, tuple[int, ...]]
     numel = sum(math.prod(s) for _, s in params)
     assert numel * 4 > 195e6 and got["elements"] == 3 * numel + 7000
     assert got["read"] < LIMIT_MB << 20 and got["all"] < LIMIT_MB << 20, got
-    from fz.ckpt.weights import WeightFiles, read
+    from fz.ckpt.hf.weights import WeightFiles, read
     entries = WeightFiles(out).entries
     assert len(entries) == len(params) + 2
     for j, (name, shape) in enumerate(params):

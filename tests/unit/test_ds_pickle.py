@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fz.ckpt import ds_opcodes, ds_pickle
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed import opcodes as ds_opcodes
+from fz.ckpt.deepspeed import unpickle as ds_pickle
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.errors import CheckpointError
 
 from support import ds_hostile as h

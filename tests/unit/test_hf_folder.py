@@ -1,4 +1,4 @@
-"""`fz consolidate --hf` (fz/ckpt/hf_folder.py): shard sizes as transformers spells them, shards
+"""`fz consolidate --hf` (fz/ckpt/hf/folder.py): shard sizes as transformers spells them, shards
 cut at the limit, and a write that fails leaves the earlier folder whole and nothing half-written."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 from safetensors.torch import load_file
 
 import fz
-from fz.ckpt import consolidate, safetensors_io
-from fz.ckpt.hf_folder import shard_size, shards
+from fz.ckpt import consolidate
+from fz.ckpt.hf import safetensors_io
+from fz.ckpt.hf.folder import shard_size, shards
 
 from support.helpers import make_model, spec
 

@@ -84,3 +84,40 @@ def test_no_cycles_between_packages():
     for start in graph:
         visit(start, [start])
     assert not cycles, cycles[:5]
+
+
+CKPT_LAYERS = [  # inside fz/ckpt, lowest first; every other module of fz/ckpt (fz's own format, the API) is above
+    {"regular", "signing", "layout", "finite", "progress", "results"},  # what every format shares
+    {"hf"},  # Hugging Face's files: safetensors, from_pretrained folders
+    {"deepspeed"},  # DeepSpeed's checkpoints: read with hf's bounded reads, consolidated with its safetensors writer
+]
+CKPT_LAYER = {part: i for i, layer in enumerate(CKPT_LAYERS) for part in layer}
+
+
+def _ckpt_part(module: str) -> str:
+    """fz.ckpt.hf.folder -> hf; fz.ckpt.saver -> saver; fz.ckpt -> __init__."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_checkpoint_formats_import_only_downward():
+    """fz/ckpt/'s base, then fz/ckpt/hf/, then fz/ckpt/deepspeed/, then fz's own checkpoints."""
+    top = len(CKPT_LAYERS)
+    up = []
+    for path in (FZ / "ckpt").rglob("*.py"):
+        rel = path.relative_to(FZ.parent).with_suffix("")
+        here = _ckpt_part(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "fz.ckpt":
+                names = [f"fz.ckpt.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = _ckpt_part(name) if name.startswith("fz.ckpt.") else None
+                if target and target != here and CKPT_LAYER.get(target, top) > CKPT_LAYER.get(here, top):
+                    up.append(f"{path.relative_to(FZ.parent)}:{node.lineno}: {here} imports {target}")
+    assert not up, "imports running back up inside fz/ckpt:\n" + "\n".join(sorted(up))

@@ -16,7 +16,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 import fz
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 
 from support import ds_models as m
 from support.ds_import_jobs import DATA, _spec

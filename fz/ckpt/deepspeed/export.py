@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from fz.ckpt import hf_folder
-from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.hf import folder as hf_folder
+from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import PathLike
 from fz.ckpt.progress import Progress
 from fz.ckpt.results import Consolidated
-from fz.ckpt.safetensors_io import StreamWriter
 
 
 def tensors(ck: DeepSpeedCheckpoint, cast: torch.dtype | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

@@ -3,7 +3,7 @@
 `StreamWriter` writes the header (known up front from shapes and dtypes) and then each
 tensor's bytes as it comes, so exporting never holds more than one tensor: safetensors'
 own `save_file` needs the whole dict in memory. Reading them back into a state is
-`fz.load_weights` (fz/ckpt/pretrained.py, re-exported here).
+`fz.load_weights` (fz/ckpt/hf/pretrained.py, re-exported here).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fz.ckpt.hf.pretrained import load_weights
+from fz.ckpt.hf.weights import DTYPES
 from fz.ckpt.layout import PathLike, fsync_path
-from fz.ckpt.pretrained import load_weights
-from fz.ckpt.weights import DTYPES
 from fz.errors import CheckpointError, ConfigError
 
 __all__ = ["DTYPES", "StreamWriter", "load_weights"]

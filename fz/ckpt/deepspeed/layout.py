@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fz.ckpt.ds_pickle import Lazy
+from fz.ckpt.deepspeed.unpickle import Lazy
 
 
 @dataclass(frozen=True)

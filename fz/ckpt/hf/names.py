@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fz.ckpt.weights import Entry
+from fz.ckpt.hf.weights import Entry
 from fz.errors import CheckpointError
 
 

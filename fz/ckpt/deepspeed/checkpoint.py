@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
-from fz.ckpt import ds_files, ds_layout, ds_pickle, ds_ranks
-from fz.ckpt.ds_layout import Piece
-from fz.ckpt.ds_pickle import DSObject, Lazy
-from fz.ckpt.weights import CHUNK_BYTES
+from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.deepspeed import layout as ds_layout
+from fz.ckpt.deepspeed import ranks as ds_ranks
+from fz.ckpt.deepspeed import unpickle as ds_pickle
+from fz.ckpt.deepspeed.layout import Piece
+from fz.ckpt.deepspeed.unpickle import DSObject, Lazy
+from fz.ckpt.hf.weights import CHUNK_BYTES
 from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fz.ckpt.names import Match
+from fz.ckpt.hf.names import Match
 
 _SIZE = re.compile(r"size|dim|layer|head|vocab|embd|position|expert", re.I)
 

@@ -1,8 +1,8 @@
 """`fz.import_deepspeed`: a DeepSpeed checkpoint (stage 0-3, fp32/fp16/bf16, or universal) into a state.
 
-The checkpoint is read by `DeepSpeedCheckpoint` (fz/ckpt/ds_checkpoint.py: its pickles parsed
+The checkpoint is read by `DeepSpeedCheckpoint` (fz/ckpt/deepspeed/checkpoint.py: its pickles parsed
 without running code) one parameter at a time, each rank reading only the elements it holds,
-in bounded chunks, straight into the tier the state keeps them in (fz/ckpt/pretrained.py's
+in bounded chunks, straight into the tier the state keeps them in (fz/ckpt/hf/pretrained.py's
 places). So memory is bounded by a chunk, never the model, and the checkpoint restores into
 any fz stage and world size. What comes across:
 - the fp32 master weights (and the compute-dtype parameters cast from them);
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fz.ckpt.finite import Counts, report
-from fz.ckpt.pretrained import Place, _places, _put, _span
+from fz.ckpt.hf.pretrained import Place, _places, _put, _span
 from fz.errors import CheckpointError
 from fz.state import State, block_until_ready, expect_state
 
@@ -124,7 +124,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
     no place for. Pickled files are parsed, never run: a class outside DeepSpeed's is refused. A NaN
     or inf in the weights or moments is fz.NonFiniteError naming them, on every rank
     (allow_nonfinite=True: a warning with the counts)."""
-    from fz.ckpt.ds_checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
+    from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
 
     expect_state(state, "fz.import_deepspeed")
     state = block_until_ready(state)

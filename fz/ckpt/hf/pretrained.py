@@ -23,9 +23,9 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.ckpt.finite import Counts, report
-from fz.ckpt.mismatch import lead, listed
-from fz.ckpt.names import Match, match
-from fz.ckpt.weights import Entry, WeightFiles, read, read_all
+from fz.ckpt.hf.mismatch import lead, listed
+from fz.ckpt.hf.names import Match, match
+from fz.ckpt.hf.weights import Entry, WeightFiles, read, read_all
 from fz.errors import CheckpointError
 from fz.model.skeleton import Skeleton
 from fz.sharding.plan import ShardPlan

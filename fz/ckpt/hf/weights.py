@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fz.ckpt import st_header
+from fz.ckpt.hf import st_header
+from fz.ckpt.hf.st_header import DTYPES, read_json
 from fz.ckpt.regular import open_regular
-from fz.ckpt.st_header import DTYPES, read_json
 from fz.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "Entry", "WeightFiles", "read", "read_all", "read_range"]
@@ -50,7 +50,7 @@ class Entry:
 
 
 def _header(f: Path) -> dict[str, Entry]:
-    """The tensors of one safetensors file, from its header (validated: fz/ckpt/st_header.py)."""
+    """The tensors of one safetensors file, from its header (validated: fz/ckpt/hf/st_header.py)."""
     return {name: Entry(f, dtype, shape, begin) for name, (dtype, shape, begin) in st_header.header(f).items()}
 
 

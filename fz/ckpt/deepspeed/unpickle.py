@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fz.ckpt import ds_opcodes
-from fz.ckpt.ds_archive import Archive, open_archive
-from fz.ckpt.ds_opcodes import Call, Class, DSObject, Refused
-from fz.ckpt.weights import CHUNK_BYTES, read_range
+from fz.ckpt.deepspeed import opcodes as ds_opcodes
+from fz.ckpt.deepspeed.archive import Archive, open_archive
+from fz.ckpt.deepspeed.opcodes import Call, Class, DSObject, Refused
+from fz.ckpt.hf.weights import CHUNK_BYTES, read_range
 from fz.errors import CheckpointError
 
 __all__ = ["DSObject", "Lazy", "load", "materialize", "read"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fz.ckpt import ds_pickle
-from fz.ckpt.ds_pickle import Lazy
+from fz.ckpt.deepspeed import unpickle as ds_pickle
+from fz.ckpt.deepspeed.unpickle import Lazy
 from fz.errors import CheckpointError
 
 
