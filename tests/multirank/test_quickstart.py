@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -28,6 +30,7 @@ def run(cwd: Path, *launch: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # an end-to-end script, three times (the README's own run is in test_docs)
 def test_readme_quickstart_runs_twice_then_under_torchrun(tmp_path):
     (tmp_path / "quickstart.py").write_text(quickstart())
     root = tmp_path / "checkpoints" / "quickstart"

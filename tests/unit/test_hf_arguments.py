@@ -399,6 +399,7 @@ def test_the_trainer_names_every_setting_it_cannot_honour_at_construction(tmp_pa
                      "- neftune_noise_alpha=5.0", "- optim='adamw_8bit'"], lines
 
 
+@pytest.mark.slow  # a launcher end to end: torchrun, two processes importing transformers
 def test_processes_launched_together_without_use_cpu_on_a_cpu_machine_name_the_fix(tmp_path):
     """Under torchrun on a machine without a GPU, transformers sets each process up alone unless
     use_cpu=True: fz.hf says so at once instead of training each on the same data."""
