@@ -16,10 +16,13 @@ in-memory step keeps the running sum in the parameters' dtype, ZeRO's 2 bytes).
 
 What the update then reads are these fp32 host buffers: the non-finite check, the
 global norm and the clip all run on the host, beside the optimizer.
+
+Each reduced gradient crosses down once per micro-batch in the dtype it was reduced in
+(`moved["grads"]`, counted in `add`, where the copy is issued), and is widened to fp32 on the host.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
@@ -34,8 +37,10 @@ MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds it
 class HostGrads:
     """One step's gradients on the host: {bucket index: fp32 buffer} filled as buckets are reduced."""
 
-    def __init__(self, pool: PinnedPool, device: torch.device, owner: object | None = None):
+    def __init__(self, pool: PinnedPool, device: torch.device, owner: object | None = None,
+                 moved: Counter | None = None):
         self.pool, self.device = pool, device
+        self.moved = moved  # the step's device->host bytes by kind (Comm.d2h): gradients count as "grads"
         self.owner = owner  # what the pool keeps plain buffers for (the state's plan): `_kept`
         self.acc: dict[int, Tensor] = {}
         self.copies: deque = deque()  # (index, Transfer, staging buffer or None)
@@ -44,6 +49,8 @@ class HostGrads:
     def add(self, index: int, out: Tensor) -> None:
         """Queue `out` (a reduced gradient on the device, this micro-batch's) to be added into
         bucket `index`'s host buffer; `out` may be dropped by the caller at once."""
+        if self.moved is not None:
+            self.moved["grads"] += out.numel() * out.element_size()
         if self.device.type != "cuda":  # one memory: add straight into the host buffer
             self._accumulate(index, out)
             return
