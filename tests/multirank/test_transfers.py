@@ -148,3 +148,24 @@ def test_nothing_offloaded_nothing_counted(runs):
     for res in results:
         assert res["none"] == [({}, {})]
 
+
+def test_narrow_gradients_widen_on_the_host_to_the_same_bits():
+    """Later micro-batches add a bf16 gradient into the fp32 host buffer a chunk at a time
+    through a widened scratch (3x torch's mixed-dtype add here): the same sums, bit for bit."""
+    from collections import Counter
+
+    from fz.offload.host_grads import WIDEN_CHUNK, HostGrads
+    from fz.offload.transfer import PinnedPool
+
+    n = 2 * WIDEN_CHUNK + 3
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(3)]
+    moved: Counter = Counter()
+    host = HostGrads(PinnedPool(pin=False, max_bytes=None), torch.device("cpu"), moved=moved)
+    for p in parts:
+        host.add(0, p)
+    want = parts[0].float()
+    for p in parts[1:]:
+        want.add_(p)  # torch's own fp32 += bf16
+    assert torch.equal(host.acc[0], want)
+    assert moved == {"grads": 3 * n * 2}  # each crossed once, in bf16
