@@ -16,10 +16,18 @@ in-memory step keeps the running sum in the parameters' dtype, ZeRO's 2 bytes).
 
 What the update then reads are these fp32 host buffers: the non-finite check, the
 global norm and the clip all run on the host, beside the optimizer.
+
+Each reduced gradient crosses down once per micro-batch in the dtype it was reduced in
+(`moved["grads"]`, counted in `add`, where the copy is issued), and is widened to fp32 on the
+host: the bus carries the fewest bytes, the host pays one pass (0.55 ns an element on one
+core of the CPU machine; benchmarks/widen.py, benchmarks/RESULTS.md "Where gradients are
+widened"). Widening on the device would double the bus's bytes in bf16/fp16 and spare that
+pass; which costs less on a GPU host is not measured yet. With `reduce_dtype` fp32 (the
+default) at several ranks the reduction itself runs in fp32: they arrive wide already.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
@@ -29,21 +37,31 @@ from fz.offload.transfer import PinnedPool, Transfer
 from fz.sharding.buckets import Bucket
 
 MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds its device buffer until done
+# elements widened at a time into a 4 MiB scratch before an fp32 add: torch's mixed-dtype add
+# (fp32 += bf16) runs at 3.0 ns an element on one core of the CPU machine, widen-then-add at
+# 0.93-0.97, the same bits (benchmarks/widen.py; RESULTS.md "Where gradients are widened").
+# Smaller chunks pay the intra-op pool's start-up more often.
+WIDEN_CHUNK = 1 << 20
 
 
 class HostGrads:
     """One step's gradients on the host: {bucket index: fp32 buffer} filled as buckets are reduced."""
 
-    def __init__(self, pool: PinnedPool, device: torch.device, owner: object | None = None):
+    def __init__(self, pool: PinnedPool, device: torch.device, owner: object | None = None,
+                 moved: Counter | None = None):
         self.pool, self.device = pool, device
+        self.moved = moved  # the step's device->host bytes by kind (Comm.d2h): gradients count as "grads"
         self.owner = owner  # what the pool keeps plain buffers for (the state's plan): `_kept`
         self.acc: dict[int, Tensor] = {}
         self.copies: deque = deque()  # (index, Transfer, staging buffer or None)
         self.lent: list[Tensor] = []  # pool buffers held by `acc`, given back by `release`
+        self.scratch: Tensor | None = None  # WIDEN_CHUNK fp32 elements, made at the first narrow add
 
     def add(self, index: int, out: Tensor) -> None:
         """Queue `out` (a reduced gradient on the device, this micro-batch's) to be added into
         bucket `index`'s host buffer; `out` may be dropped by the caller at once."""
+        if self.moved is not None:
+            self.moved["grads"] += out.numel() * out.element_size()
         if self.device.type != "cuda":  # one memory: add straight into the host buffer
             self._accumulate(index, out)
             return
@@ -61,7 +79,7 @@ class HostGrads:
         g = g.reshape(-1)
         acc = self.acc.get(index)
         if acc is not None:
-            acc.add_(g)
+            self._add(acc, g)
         elif g.dtype == torch.float32 and g.device.type == "cpu" and g.is_pinned() and self.device.type == "cuda":
             self.acc[index] = g  # the staging buffer already is the fp32 host buffer: keep it
             self.lent.append(g)
@@ -70,6 +88,18 @@ class HostGrads:
             acc.copy_(g)
             self.acc[index] = acc
             self.lent.append(acc)
+
+    def _add(self, acc: Tensor, g: Tensor) -> None:
+        """acc += g in fp32; a narrower `g` is widened a chunk at a time (the exact same sums)."""
+        if g.dtype == acc.dtype or g.device != acc.device:
+            acc.add_(g)
+            return
+        if self.scratch is None:
+            self.scratch = torch.empty(WIDEN_CHUNK, dtype=acc.dtype)
+        for lo in range(0, acc.numel(), WIDEN_CHUNK):
+            part = acc[lo:lo + WIDEN_CHUNK]
+            wide = self.scratch[:part.numel()].copy_(g[lo:lo + WIDEN_CHUNK])
+            part.add_(wide)
 
     def drain(self) -> None:
         """Wait for every copy and add it in: the host buffers are whole when this returns."""

@@ -67,9 +67,15 @@ class Comm:
     ZeRO's collectives run within the shard group (`world` ranks, this one is `rank`);
     on a 2-D mesh, `replica_mean` averages across the groups (`replicas` of them), counted
     apart as "inter_*". A Comm lives for one step (or one eval): states share none.
+
+    It also counts the step's copies between the host tier and the device (`h2d`, `d2h`:
+    kind -> bytes), at the one place each is issued, from the tiers the offload policy
+    (`offload`) puts tensors in, not from where they happen to be: on a CPU-only machine host
+    and device are one memory and the copies are no-ops or plain copies, yet they are counted
+    as a GPU would make them, so the CPU tests see the traffic of a GPU run (comm_report).
     """
 
-    def __init__(self, plan, reduce_dtype: torch.dtype = torch.float32):
+    def __init__(self, plan, reduce_dtype: torch.dtype = torch.float32, offload=None):
         self.group, self.world, self.rank = plan.shard_group, plan.shards, plan.shard_rank
         self.replica_group, self.replicas = plan.replica_group, plan.replicas
         self.reduce_dtype = reduce_dtype  # gradients are summed in this dtype
@@ -79,6 +85,12 @@ class Comm:
         self.ranks = plan.shard_ranks
         self.device = plan.device
         self._tag = 0  # point-to-point messages of one exchange share a tag; every rank counts alike
+        # the tiers of this step's parameter shards and optimizer state (an fz.offload.Offload or None):
+        # off the device, their copies to and from it are counted (integer adds, no sync)
+        self.params_off = offload is not None and offload.params != "device"
+        self.opt_off = offload is not None and offload.optimizer != "device"
+        self.h2d: Counter = Counter()  # "forward", "recompute", "other" -> bytes up
+        self.d2h: Counter = Counter()  # "grads", "other" -> bytes down
 
     def replica_mean(self, t: Tensor, async_op: bool = False):
         """Average `t` across the replica groups (a 2-D mesh's only inter-group traffic)."""

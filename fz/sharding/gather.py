@@ -8,6 +8,11 @@ would save for backward (a weight, or a view of one) by a small marker, so the g
 bucket dies with the unit's forward. When backward unpacks a marker, the bucket is
 gathered once more and kept until its gradients have been reduce-scattered. Activations
 are saved as usual: nothing is recomputed.
+
+Where the shards live off the device (offloaded parameters, `Comm.params_off`), each gather
+starts with this rank's shard crossing up (the whole bucket with one rank): counted in
+`comm.h2d` by what the gather is for, "forward" or "recompute" (backward's gathers, and
+those prefetched for it), where the copy is issued.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ class Gatherer:
 
     def __init__(self, comm: Comm, live: LiveCounter):
         self.comm, self.live = comm, live
+        self.kind = "forward"  # what gathers are for now: "recompute" while backward runs (the Runner sets it)
         self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
 
@@ -88,21 +94,29 @@ class Gatherer:
             return read.result()
         return shard.load(pooled=True) if isinstance(shard, DiskTensor) else shard
 
-    def _local(self, bucket: Bucket, shard: Tensor) -> Tensor:
-        return self._source(bucket, shard).to(self.comm.device, non_blocking=True)
+    def _local(self, bucket: Bucket, shard: Tensor, kind: str) -> Tensor:
+        src = self._source(bucket, shard)
+        self._count_up(kind, src.numel() * src.element_size())
+        return src.to(self.comm.device, non_blocking=True)
 
-    def prefetch(self, bucket: Bucket, shard: Tensor) -> None:
+    def _count_up(self, kind: str, nbytes: int) -> None:
+        if self.comm.params_off:  # the shard lives on the host (or was read from disk into it)
+            self.comm.h2d[kind] += nbytes
+
+    def prefetch(self, bucket: Bucket, shard: Tensor, kind: str | None = None) -> None:
+        """Start gathering `bucket` for `kind` (default: what gathers are for now)."""
         if self.comm.world == 1 or bucket.index in self.inflight:
             return
         full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
-        self.inflight[bucket.index] = (full, self.comm.all_gather(full, self._local(bucket, shard.detach()),
-                                                                  async_op=True), bucket.full_numel)
+        local = self._local(bucket, shard.detach(), kind or self.kind)
+        self.inflight[bucket.index] = (full, self.comm.all_gather(full, local, async_op=True), bucket.full_numel)
         self.live.acquire(bucket.full_numel)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
         """The bucket's full parameters (a shard on the disk tier is read first)."""
         if self.comm.world == 1:  # each parameter copied once, from wherever the shard lives, to the device
             src = self._source(bucket, shard)
+            self._count_up(self.kind, bucket.full_numel * src.element_size())
             outs = tuple(t.to(self.comm.device, non_blocking=True, copy=True) for t in unpack(src, bucket))
         else:
             if bucket.index in self.inflight:
@@ -112,7 +126,7 @@ class Gatherer:
             else:
                 self.live.unprefetched += 1
                 full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
-                self.comm.all_gather(full, self._local(bucket, shard))
+                self.comm.all_gather(full, self._local(bucket, shard, self.kind))
             outs = _unpacked(full, bucket)
         self.live.track(outs, bucket.full_numel)
         return outs

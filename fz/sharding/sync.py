@@ -59,8 +59,9 @@ class ParamSync:
             self._launch(b, flat, mflat)
 
     def _launch(self, b: Bucket, flat: Tensor, mflat: Tensor | None) -> None:
-        if mflat is not None:  # this rank's updated rows, in the parameters' dtype
-            shard = mflat.to(flat.dtype)
+        if mflat is not None:  # this rank's updated rows, in the parameters' dtype, where the parameters live
+            shard = mflat.to(flat.device, flat.dtype)
+            _count_cast(self.comm, shard, mflat)
         else:
             shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
             for dst, src in zip(shard_views(shard, b, self.rank), local_rows_of_full(flat, b, self.rank)):
@@ -161,7 +162,7 @@ def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
     layouts agree (done now), an all-gather where a replicated parameter was updated in
     shards (returned as a ParamSync that runs during the next forward; None if there is none)."""
     todo = []
-    for b, flat, mflat in zip(plan.buckets, flats, mflats):
+    for b, flat, mflat in zip(plan.buckets, flats, mflats):  # (a bucket's masters live with the optimizer state)
         if not b.trainable:
             continue
         gathered = not b.sharded_param and isinstance(b.place.opt, Shard) and plan.shards > 1
@@ -169,4 +170,17 @@ def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
             todo.append((b, flat, mflat))
         elif mflat is not None:
             flat.copy_(mflat)  # same layout: a cast copy
+            _count_cast(comm, flat, mflat)
     return ParamSync(comm, plan.shard_rank, todo) if todo else None
+
+
+def _count_cast(comm: Comm, cast: Tensor, master: Tensor) -> None:
+    """The cast copy from the masters into the parameters (`cast`: the result) crosses between
+    host and device where the optimizer state and the parameters live in different tiers: up
+    (the host update's parameters going back), in the parameters' dtype (a blocking copy_ to
+    CUDA casts on the host first), or down (masters on the device, parameters offloaded), in
+    the masters' (it casts on the host after)."""
+    if comm.opt_off and not comm.params_off:
+        comm.h2d["other"] += cast.numel() * cast.element_size()
+    elif comm.params_off and not comm.opt_off:
+        comm.d2h["other"] += master.numel() * master.element_size()

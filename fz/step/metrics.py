@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "scalar", "inter_all_reduce", "inter_scalar")
+# copies between the host tier and the device, by direction and kind (Comm.h2d / Comm.d2h)
+TRANSFER_KINDS = ("h2d_forward", "h2d_recompute", "h2d_other", "d2h_grads", "d2h_other")
 
 
 def _i64(v: int) -> Tensor:
@@ -24,6 +26,7 @@ def initial_metrics(lr: float | None = None, loss_scale: float = 1.0) -> dict[st
     return {
         "order": torch.zeros(0, dtype=torch.int64),  # units in forward call order (stage 3 prefetches by it)
         "comm": {k: _i64(0) for k in COMM_KINDS},  # payload bytes of each collective kind
+        "transfers": {k: _i64(0) for k in TRANSFER_KINDS},  # bytes between host tier and device
         "grad_norm": torch.tensor(math.nan),  # global norm before clipping (NaN: not clipped)
         "lr": torch.tensor(math.nan if lr is None else lr, dtype=torch.float64),
         "loss_scale": torch.tensor(float(loss_scale)),
@@ -40,6 +43,9 @@ def step_metrics(order: Sequence[int], comm, live, norm: Tensor | None, lr: floa
     out["order"] = torch.tensor(list(order), dtype=torch.int64)
     for k in COMM_KINDS:
         out["comm"][k] = _i64(int(comm.bytes.get(k, 0)))
+    for k in TRANSFER_KINDS:
+        direction, kind = k.split("_", 1)
+        out["transfers"][k] = _i64(int(getattr(comm, direction).get(kind, 0)))
     if norm is not None:
         out["grad_norm"] = norm.detach().float().reshape(())
     if scaler is not None:

@@ -105,11 +105,11 @@ class StepInProgress:
         self.buffers = state.buffers if donate else {n: t.clone() for n, t in state.buffers.items()}
         self.before = versions(self.buffers)
         self.agreement = Agreement(plan, state.step, batch, spec.weight_by_rows, what, spec.accumulate)
-        self.comm = Comm(plan, spec.grad_reduce_dtype)
+        self.comm = Comm(plan, spec.grad_reduce_dtype, offload)
         self.scale = float(scaler.get("scale", 1.0))
         self.leaves = [f.detach().requires_grad_(b.trainable) for f, b in zip(flats, plan.buckets)]
         # optimizer state off the device: gradients follow it to the host as each bucket is reduced
-        self.host = (HostGrads(pool_for(offload), plan.device, owner=plan)
+        self.host = (HostGrads(pool_for(offload), plan.device, owner=plan, moved=self.comm.d2h)
                      if offload is not None and offload.optimizer != "device" else None)
         self.reducer = GradReducer(plan, self.comm, self.leaves, self.host)
         state.skeleton.set_mode(True)  # train_step trains: dropout on, BatchNorm on batch statistics

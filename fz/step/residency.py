@@ -147,7 +147,7 @@ class ResidentRunner(Runner):
             self.held[index] = super()._gathered(index)
         return self.held[index]
 
-    def _prefetch_units(self, unit: int, direction: int) -> None:
+    def _prefetch_units(self, unit: int, direction: int, kind: str | None = None) -> None:
         """Forward prefetch (no backward runs here) of the next units not held."""
         order = self.order
         if not self.prefetch or unit not in order or direction < 0:

@@ -100,10 +100,11 @@ class Runner:
             self.backward_seen.add(unit)
             self._prefetch_units(unit, -1)
 
-    def _prefetch_units(self, unit: int, direction: int) -> None:
+    def _prefetch_units(self, unit: int, direction: int, kind: str | None = None) -> None:
         """Start gathering the next `prefetch` units after (1) or before (-1) `unit` in call
         order (direction 0: `unit` itself), and reading the one after those if its shards
-        live on disk (offload), so its gather finds them in memory."""
+        live on disk (offload), so its gather finds them in memory. `kind`: what the gathers are
+        for (comm.h2d's count of offloaded shards), by default what the gatherer does now."""
         order = self.order
         if not self.prefetch or unit not in order:
             return
@@ -116,7 +117,7 @@ class Runner:
                     continue  # still gathered since its forward, or its backward needs no parameter (an embedding)
                 for b in self.unit_buckets[order[j]]:
                     if b.sharded_param and k <= self.prefetch:
-                        self.gatherer.prefetch(b, self.leaves[b.index])
+                        self.gatherer.prefetch(b, self.leaves[b.index], kind)
                     elif b.sharded_param:  # one unit further: a shard on disk starts its read
                         self.gatherer.read_ahead(b, self.leaves[b.index])
 
@@ -202,7 +203,7 @@ class Runner:
         finally:
             self.in_unit = False
         if self.order and index == self.order[-1] and index in self._saver.marked:
-            self._prefetch_units(index, 0)  # its backward comes first: gather it while the head and loss run
+            self._prefetch_units(index, 0, "recompute")  # its backward comes first: gathered while the loss runs
         return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -226,12 +227,12 @@ class Runner:
     def backward(self, loss: Tensor) -> None:
         """`loss.backward()` with unit calls still going to this runner (a checkpoint around blocks
         in the model's own forward calls them again in backward)."""
-        self.in_backward = True
+        self.in_backward, self.gatherer.kind = True, "recompute"
         try:
             with running(self), pooled_backward(self.plan.device, compiled=self.compiled is not None):
                 loss.backward()
         finally:
-            self.in_backward = False
+            self.in_backward, self.gatherer.kind = False, "forward"
 
     @property
     def _saver(self) -> ParamSaver:

@@ -51,8 +51,11 @@ Params = dict[str, Tensor]
 def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str],
                 norms: GradNorms | None = None):
     """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
-    there and back; a no-op copy on a CPU-only machine."""
+    there and back (counted as comm's "other"); a no-op copy on a CPU-only machine."""
     host = torch.device("cpu")
+    if spec.precision == "fp32" and not comm.params_off:  # no masters: `params` are the device's own
+        comm.d2h["other"] += (nbytes := sum(p.numel() * p.element_size() for p in params.values()))
+        comm.h2d["other"] += nbytes
     grads = {k: g.to(host, non_blocking=True) for k, g in grads.items()}
     on_host = {k: p.to(host) for k, p in params.items()}
     new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded, norms)  # norms of the same values
@@ -214,7 +217,7 @@ class _Streamer:
 
     def __init__(self, spec, policy, comm, plan, store, local_opt, grads, flats, mflats, sharded, donate, groups,
                  new_blob):
-        self.spec, self.policy, self.plan, self.store = spec, policy, plan, store
+        self.spec, self.policy, self.plan, self.store, self.comm = spec, policy, plan, store, comm
         self.local_opt, self.grads, self.flats, self.mflats = local_opt, grads, flats, mflats
         self.donate, self.groups, self.new_blob = donate, groups, new_blob
         self.every = set(plan.slots())
@@ -318,6 +321,8 @@ class _Streamer:
                                   zip(g.names, views, pviews)}
                 else:  # fp32 parameters are their own master: updated on the host beside their state, copied back
                     opt_params = {n: pv.to(buf.device) for n, pv in zip(g.names, pviews)}
+                    if not self.comm.params_off:  # from the device (comm.d2h: "other")
+                        self.comm.d2h["other"] += sum(pv.numel() * pv.element_size() for pv in pviews)
                 sub = _subtree(_scalars_copied(self.local_opt, self.every), set(g.names), self.every, replace)
                 new_sub = self.spec.optimizer.step({n: self.grads.pop(n) for n in g.names}, sub, opt_params,
                                                    **self.extra)
@@ -325,6 +330,8 @@ class _Streamer:
                 for n, pv in zip(g.names, pviews):
                     if opt_params[n] is not pv:
                         pv.copy_(opt_params[n])
+                if not self.comm.params_off:  # the updated rows went up to the device's parameters
+                    self.comm.h2d["other"] += sum(pv.numel() * pv.element_size() for pv in pviews)
                 self.results.append(new_sub)
                 write = io.write(self.new_blob[b.index], g.start, g.length, buf)
                 write.add_done_callback(functools.partial(self._write_done, b.index))
