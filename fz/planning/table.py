@@ -39,12 +39,14 @@ def estimate_table(model_or_counts: Any, *, gpus_per_node: int = 1, nodes: int =
     counts = model_counts(model_or_counts, (spec or Spec()).wrap)
     world = gpus_per_node * nodes
     base = (spec or Spec()).replace(precision=precision)
+    unit = "" if counts.largest_unit == counts.largest_layer else \
+        f" ({int(counts.largest_unit / 1e6)}M in fz's largest unit)"
     lines = [
         "Estimated memory needed for params, optim states and gradients for a:",
         f"HW: Setup with {nodes} node{'s' if nodes > 1 else ''}, {gpus_per_node} GPU{'s' if gpus_per_node > 1 else ''}"
         " per node.",
-        f"SW: Model with {round(counts.num_params / 1e6)}M total params, "
-        f"{round(counts.largest_layer / 1e6)}M largest layer params; fz, {precision}, "
+        f"SW: Model with {int(counts.num_params / 1e6)}M total params, "  # rounded down, as DeepSpeed prints them
+        f"{int(counts.largest_layer / 1e6)}M largest layer params{unit}; fz, {precision}, "
         f"{'activations of one micro-batch included' if micro_batch else 'no activations'}.",
         "  per CPU  |  per GPU |   Options",
     ]
