@@ -4,6 +4,10 @@ computes one; ladder.py and render.py read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fz.planning.beside import Beside
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -147,9 +151,17 @@ class Estimate:
         writes its update in place (fz/step/stream.py), and fz.init checks for this much."""
         return self.ranks_per_node * sum(self.tiers["disk"].values())
 
+    def beside_deepspeed(self) -> Beside | None:
+        """The per-GPU and per-CPU figures split into DeepSpeed's estimator's terms and fz's extras,
+        beside DeepSpeed's figures for the same counts (fz/planning/beside.py); None where
+        DeepSpeed's estimators have no row (stages 0-1, NVMe, fp32)."""
+        from fz.planning.beside import beside
+        return beside(self)
+
     def __str__(self) -> str:
-        """Each total, then the terms it is the sum of."""
-        return _text(self)
+        """Each total, then the terms it is the sum of; then the same figures beside DeepSpeed's."""
+        side = self.beside_deepspeed()
+        return _text(self) + ("" if side is None else "\n" + str(side))
 
 
 def _text(est: Estimate) -> str:
