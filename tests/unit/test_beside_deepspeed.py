@@ -196,3 +196,26 @@ def test_quotes_match_live_deepspeed():
             got = next(z2)
             assert tuple(got) == deepspeed_figures(2, psi, layer, gpn, nodes, off) == ds_zero2(psi, gpn, nodes, off)
 
+
+def test_docs_tables_are_these_figures():
+    """docs/planning.md's two side-by-side tables: each row's four figures, as fz and DeepSpeed give them."""
+    from pathlib import Path
+    page = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    rows = {"ZeRO-3, parameters and optimizer on the CPU": ROWS[0], "ZeRO-3, optimizer on the CPU": ROWS[1],
+            "ZeRO-3, nothing offloaded": ROWS[2], "ZeRO-2, optimizer on the CPU": ROWS[3],
+            "ZeRO-2, nothing offloaded": ROWS[4]}
+    seen = 0
+    for key, head in (("llama_7b", "| Llama 7B, 8 GPUs"), ("t0_3b", "| T0_3B, 1 GPU")):
+        make, gpus, psi, layer, _ = CASES[key]
+        model = make()
+        table = page[page.index(head):].split("\n\n")[0].splitlines()[2:]
+        assert [line.split(" | ")[0][2:] for line in table] == list(rows)
+        for line in table:
+            stage, off = rows[line.split(" | ")[0][2:]]
+            est = fz.estimate(model, spec=fz.Spec(stage=stage, precision="bf16", offload=off), world_size=gpus)
+            cpu, gpu = ds_zero3(psi, layer, gpus, 1, off is not None, off is not None and off.params == "host") \
+                if stage == 3 else ds_zero2(psi, gpus, 1, off is not None)
+            want = [f"{x / 2**30:.2f}" for x in (est.per_device, gpu, est.per_host, cpu)]
+            assert line.strip(" |").split(" | ")[1:] == want, (key, line)
+            seen += 1
+    assert seen == 10
