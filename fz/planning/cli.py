@@ -1,6 +1,7 @@
 """`fz estimate` and `fz plan`: the estimator table and the automatic plan from the command line.
 
     fz estimate --params 2.8e9 --largest-layer 65e6 --gpus-per-node 8 --nodes 1
+    fz estimate --params 2.8e9 --largest-layer 65e6 --stage 3 --offload-optimizer cpu --offload-param cpu
     fz estimate --model pkg.mod:factory [--loss-fn pkg.mod:fn] [--micro-batch 4 --seq-len 1024]
     fz plan --model path/to/file.py:factory [--world-size 2] [--device-gb 80 --host-gb 512 --disk-gb 2000]
 
@@ -79,6 +80,9 @@ def _spec(args: argparse.Namespace) -> Spec:
 
 def _estimate(args: argparse.Namespace) -> int:
     from fz.planning.table import estimate_table
+    if args.stage is not None:
+        print(_one(args))
+        return 0
     print(
         estimate_table(
             _target(args),
@@ -92,6 +96,21 @@ def _estimate(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _one(args: argparse.Namespace) -> str:
+    """`--stage`: one row of the table, term by term, beside DeepSpeed's terms where it has them."""
+    from fz.planning.estimator import estimate
+    from fz.planning.table import options
+    want = f"offload_param={args.offload_param:<4}, offload_optimizer={args.offload_optimizer:<4}"
+    found = dict(options(args.stage, args.nvme_path))
+    if want not in found:
+        rows = "; ".join(" ".join(k.split()) for k in found)
+        raise ConfigError(f"fz estimate --stage {args.stage}: no row offloads param={args.offload_param}, "
+                          f"optimizer={args.offload_optimizer}; the rows are: {rows}")
+    spec = _spec(args).replace(stage=args.stage, precision=args.precision, offload=found[want])
+    return str(estimate(_target(args), spec=spec, world_size=args.gpus_per_node * args.nodes, nodes=args.nodes,
+                        micro_batch=args.micro_batch, seq_len=args.seq_len))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -108,6 +127,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     e = sub.add_parser("estimate", help="memory per GPU / CPU / disk for every stage and offload (DeepSpeed's table)")
     e.add_argument("--gpus-per-node", "--num-gpus", type=int, default=1)
     e.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    e.add_argument("--stage", type=int, choices=[0, 1, 2, 3],
+                   help="one row, term by term (beside DeepSpeed's terms where its estimator has the row)")
+    e.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"], help="with --stage")
+    e.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"], help="with --stage")
     e.set_defaults(fn=_estimate)
     p = sub.add_parser("plan", help="the fastest configuration that fits this machine (or the given budgets)")
     p.add_argument("--world-size", type=int, default=None, help="ranks in all (default: this node's GPUs, else 1)")

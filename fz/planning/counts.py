@@ -5,6 +5,12 @@ skeleton and bucket order `fz.init` uses, or from raw counts (total parameters, 
 layer), as DeepSpeed's estimator takes them: then every layer is one unit of one tensor,
 and the root holds none, as at stage 3 with offloaded parameters, where the root's leaves
 (embeddings, head) are fetched per use like blocks (fz/model/leaves.py).
+
+Two sizes are kept apart because DeepSpeed's users compare them: the *largest layer* is
+DeepSpeed's (`model_to_params` in deepspeed/runtime/zero/stage3.py: the most parameters one
+module holds itself, a 7B Llama's 131M-parameter embedding), the number its estimator is
+given; the *largest unit* is what one fz gather holds at most (a whole block, or the root's
+embedding and head together when the root is not fetched per use: 262M there).
 """
 from __future__ import annotations
 
@@ -43,14 +49,15 @@ class ModelCounts:
     model: nn.Module | None  # None for raw counts (no activations can be traced)
     fetches_root: bool = True  # the root's leaves are units (raw counts: every layer is one)
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param -> the units gathering it, when several do
+    largest_layer: int = 0  # DeepSpeed's largest layer: the most parameters one module holds itself
 
     @property
     def num_params(self) -> int:
         return sum(math.prod(e[1]) for e in self.entries)
 
     @property
-    def largest_layer(self) -> int:
-        """Elements of the largest unit (the root included): what one gather holds at most."""
+    def largest_unit(self) -> int:
+        """Elements of the largest unit (the root included): what one fz gather holds at most."""
         per: dict = {}
         for _, shape, unit, _ in self.entries:
             per[unit] = per.get(unit, 0) + math.prod(shape)
@@ -66,7 +73,7 @@ def model_counts(model_or_counts: nn.Module | Counts | tuple[float, float],
         buffers = sum(b.numel() * b.element_size() for b in model_or_counts.buffers())
         return ModelCounts(tuple(bucket_entries(model_or_counts, skel)),
                            tuple("" if u.leaf else u.name for u in skel.units), buffers, model_or_counts,
-                           skel.fetches_root, skel.shared)
+                           skel.fetches_root, skel.shared, deepspeed_largest_layer(model_or_counts))
     if isinstance(model_or_counts, tuple) and len(model_or_counts) == 2:
         model_or_counts = Counts(int(model_or_counts[0]), int(model_or_counts[1]))
     if not isinstance(model_or_counts, Counts):
@@ -78,4 +85,11 @@ def model_counts(model_or_counts: nn.Module | Counts | tuple[float, float],
     for i in range(layers):
         numel = min(largest, total - i * largest)
         entries.append((f"layer{i}", torch.Size((numel,)), i + 1, True))
-    return ModelCounts(tuple(entries), ("", *(f"layer{i}" for i in range(layers))), 0, None)
+    return ModelCounts(tuple(entries), ("", *(f"layer{i}" for i in range(layers))), 0, None, largest_layer=largest)
+
+
+def deepspeed_largest_layer(model: nn.Module) -> int:
+    """DeepSpeed's largest layer, as its `model_to_params` (deepspeed/runtime/zero/stage3.py) counts
+    it: over every module, the parameters it holds itself (`parameters(recurse=False)`), so a
+    block of several Linears counts as its largest Linear. Its estimator is given this number."""
+    return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)

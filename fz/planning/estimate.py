@@ -4,6 +4,10 @@ computes one; ladder.py and render.py read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fz.planning.beside import Beside
 
 KINDS = ("params", "master", "moments", "grads", "buffers")
 
@@ -43,6 +47,19 @@ class Estimate:
     pool_idle: int = 0  # the disk tier: idle host buffers kept for reuse (shards read from disk), at most
     pool_idle_cpu: int = 0  # the same where host and device are one memory (the step's buffers too), at most
     link: int = 0  # a CPU run's ranks of one host: the buffer their collectives share (fz/distributed/shm.py)
+    # the parts of `gather` (with gather_summed; the prefetched units are the rest: `gather_prefetched`)
+    gather_root: int = 0  # the root's own buckets, gathered for the whole step (the root not fetched per use)
+    gather_unit: int = 0  # the largest unit, gathered while it runs
+    gather_kept: int = 0  # units `live_buckets` keeps from forward to backward
+    grads_update_narrow: int = 0  # the part of grads_update that is the 16-bit sum kept beside its fp32 copy
+    largest_layer: int = 0  # DeepSpeed's largest layer (parameters one module holds itself), in parameters
+    largest_unit: int = 0  # the most parameters one fz gather holds (a unit), in parameters
+    offload: tuple[str, str] = ("device", "device")  # (optimizer's tier, parameters' tier)
+
+    @property
+    def gather_prefetched(self) -> int:
+        """The units in flight beside the largest one (the `prefetch` ones over several ranks)."""
+        return self.gather - self.gather_root - self.gather_unit - self.gather_kept - self.gather_summed
 
     @property
     def backward(self) -> int | None:
@@ -71,17 +88,33 @@ class Estimate:
         grads = ("gradients for the update", self.grads_update)
         if (self.backward_units or 0) > self.grads_update:
             grads = ("activations + gradients, units' backward", self.backward_units or 0)
+        gathered = self.gathered()
         moments = {
             "backward's first op": [("activations + first op's gradients", self.backward_start or 0),
-                                    ("gathered units", self.gather - self.gather_summed),
-                                    ("accumulated gradients", self.accumulated)],
-            "backward": [("gathered units", self.gather), ("reductions in flight", self.reduce),
+                                    *gathered[:-1], ("accumulated gradients", self.accumulated)],
+            "backward": [*gathered, ("reductions in flight", self.reduce),
                          ("accumulated gradients", self.accumulated), grads],
-            "the update": [("gathered units", self.gather), ("gradients for the update", self.grads_update),
+            "the update": [*gathered, ("gradients for the update", self.grads_update),
                            ("all-gather inputs (sync)", self.sync)],
         }
         when = max(moments, key=lambda m: sum(v for _, v in moments[m]))  # the first of equals
         return when, resident + moments[when]
+
+    def gathered(self) -> list[tuple[str, int]]:
+        """Stage 3's gathered bytes (`gather`) by kind, the summed gradients last: the root's own
+        buckets, held for the step; the running unit (counted as the largest); the units prefetched
+        beside it; those `live_buckets` keeps from forward to backward; the gradient of a weight
+        several units gather, summed until its last use's backward."""
+        return [("gathered: the root's own, for the step", self.gather_root),
+                (f"gathered: running unit (largest, {self.gather_unit / self._el / 1e6:,.1f}M)", self.gather_unit),
+                ("gathered: prefetched units", self.gather_prefetched),
+                ("gathered: kept (live_buckets)", self.gather_kept),
+                ("gathered: summed shared-weight gradient", self.gather_summed)]
+
+    @property
+    def _el(self) -> int:
+        """Bytes of one parameter in the compute dtype."""
+        return 4 if self.precision == "fp32" else 2
 
     def host_terms(self) -> list[tuple[str, int]]:
         """[(term, bytes)] of one rank's host memory: they add up to `per_rank_host`."""
@@ -118,9 +151,17 @@ class Estimate:
         writes its update in place (fz/step/stream.py), and fz.init checks for this much."""
         return self.ranks_per_node * sum(self.tiers["disk"].values())
 
+    def beside_deepspeed(self) -> Beside | None:
+        """The per-GPU and per-CPU figures split into DeepSpeed's estimator's terms and fz's extras,
+        beside DeepSpeed's figures for the same counts (fz/planning/beside.py); None where
+        DeepSpeed's estimators have no row (stages 0-1, NVMe, fp32)."""
+        from fz.planning.beside import beside
+        return beside(self)
+
     def __str__(self) -> str:
-        """Each total, then the terms it is the sum of."""
-        return _text(self)
+        """Each total, then the terms it is the sum of; then the same figures beside DeepSpeed's."""
+        side = self.beside_deepspeed()
+        return _text(self) + ("" if side is None else "\n" + str(side))
 
 
 def _text(est: Estimate) -> str:

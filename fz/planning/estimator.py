@@ -12,7 +12,7 @@ gradients as the optimizer reads them (fp32), and activations traced from one mi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -130,7 +130,8 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers["host"]["io_buffers"] = io
     if sums:
         tiers["host"]["checksums"] = sums
-    gather, summed = _gather(spec, buckets, el, counts, shards)
+    g = _gather(spec, buckets, el, counts, shards)
+    update = (0, 0) if host_grads else _grads_update(buckets, el, mixed, shards, spec)
     return Estimate(
         world_size,
         nodes,
@@ -142,9 +143,9 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         master,
         opt,
         counts.buffer_bytes,
-        gather,
+        sum(g),
         _reduce(spec, buckets, shards, el, host_grads),
-        0 if host_grads else _grads_update(buckets, el, mixed, shards, spec),
+        update[0] + update[1],
         _sync(buckets, el, shards),
         io,
         *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
@@ -153,22 +154,40 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         world_size // nodes,
         largest_part,
         _update_loaded(policy, buckets, el),
-        summed,
+        g.summed,
         0 if host_grads else _accumulated(buckets, el, shards, spec),
         *(pool_idle(spec, buckets, el, policy) if io and policy else (0, 0)),
         link_bytes(buckets, shards),
+        g.root,
+        g.unit,
+        g.kept,
+        update[1],
+        counts.largest_layer,
+        counts.largest_unit,
+        (policy.optimizer, policy.params) if policy else ("device", "device"),
     )
 
 
-def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int) -> tuple[int, int]:
+class Gathered(NamedTuple):
+    """The parts of stage 3's gathered bytes (`Estimate.gather` is their sum): what the estimate
+    beside DeepSpeed's names one by one (fz/planning/beside.py)."""
+
+    root: int  # the root's own buckets, gathered for the whole step (root not fetched per use)
+    unit: int  # the largest unit, gathered while it runs
+    prefetched: int  # the rest of the units in flight beside it (`prefetch`, over several ranks)
+    kept: int  # units `live_buckets` keeps from forward to backward
+    summed: int  # the summed gradient of a bucket several units gather (a tied embedding and head)
+
+
+def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int) -> Gathered:
     """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
     the units in flight: the running one and, over several ranks, the `prefetch` ones after it
-    in call order (taken as the model's order; all of a unit's buckets at once); the units
-    `live_buckets` keeps from forward to backward (at most as many as the buckets it leaves
-    room for; the largest, to be safe); the gradient of a bucket several units gather (a tied
-    embedding and head), held from its first use's backward to its last (fz/sharding/uses.py).
-    At one rank each parameter is copied once to the device, whatever tier its shard is in.
-    Returns (all of it, the summed gradients' part)."""
+    in call order (taken as the model's order; all of a unit's buckets at once), counted as the
+    largest unit and the rest of the worst window (which holds at least the largest unit); the
+    units `live_buckets` keeps from forward to backward (at most as many as the buckets it
+    leaves room for; the largest, to be safe); the gradient of a bucket several units gather (a
+    tied embedding and head), held from its first use's backward to its last (fz/sharding/uses.py).
+    At one rank each parameter is copied once to the device, whatever tier its shard is in."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]
     units: dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
@@ -183,8 +202,9 @@ def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts,
     window = max((sum(sizes[i:i + running]) for i in range(len(sizes))), default=0)
     widest = max((len(bs) for bs in units.values()), default=0)
     kept = max(0, keep_budget(spec.live_buckets, spec.prefetch, len(root), widest, counts.fetches_root))
-    held = sum(b.full_numel for b in root) + sum(sorted(sizes, reverse=True)[:kept])
-    return (held + window + summed) * el, summed * el
+    unit = max(sizes, default=0)
+    return Gathered(sum(b.full_numel for b in root) * el, unit * el, (window - unit) * el,
+                    sum(sorted(sizes, reverse=True)[:kept]) * el, summed * el)
 
 
 def _reduce(spec: Spec, buckets: Sequence[Bucket], shards: int, el: int, host_grads: bool) -> int:
@@ -207,15 +227,18 @@ def _reduce(spec: Spec, buckets: Sequence[Bucket], shards: int, el: int, host_gr
     return inflight * rb
 
 
-def _grads_update(buckets: Sequence[Bucket], el: int, mixed: bool, shards: int, spec: Spec) -> int:
+def _grads_update(buckets: Sequence[Bucket], el: int, mixed: bool, shards: int, spec: Spec) -> tuple[int, int]:
     """Gradients as the update holds them (this rank's rows when the optimizer state is sharded):
     the last micro-batch's sum stays in the reduce dtype when that is wider (fp32); a narrower
-    sum (one rank, or a low reduce_dtype) is copied to fp32 for the optimizer beside itself."""
+    sum (one rank, or a low reduce_dtype) is copied to fp32 for the optimizer beside itself.
+    Returns (what the optimizer reads, the narrower sum kept beside it: 0 when none is)."""
     rb = PRECISIONS[spec.reduce_dtype or "fp32"].itemsize
     kept = max(el, rb) if shards > 1 else el
     n = sum(b.shard_numel if shards > 1 and (isinstance(b.place.grad, Shard) or isinstance(b.place.opt, Shard))
             else b.full_numel for b in buckets if b.trainable)
-    return n * (kept + (4 if mixed and kept < 4 else 0))
+    if mixed and kept < 4:
+        return n * 4, n * kept
+    return n * kept, 0
 
 
 def _accumulated(buckets: Sequence[Bucket], el: int, shards: int, spec: Spec) -> int:

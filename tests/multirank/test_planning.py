@@ -109,7 +109,7 @@ def test_seed_table_raw_counts():
                          "  per CPU  |  per GPU |   Options"]
     assert len(lines) == 4 + 2 * (5 + 3 + 3 + 1)  # zero_init 1/0 x the offload options of stages 3, 2, 1, 0
     psi, layer, gb = 2783e6, 65e6, 2**30
-    row = {line.split("| ")[2]: line for line in lines[4:]}
+    row = {line.split("| ")[2].split("  (DeepSpeed: ")[0]: line for line in lines[4:]}
     def cols(key):
         cpu, gpu = row[key].split("|")[:2]
         return float(cpu.strip()[:-2]) * gb, float(gpu.strip()[:-2]) * gb
@@ -242,10 +242,11 @@ def test_cli_estimate_raw_counts(capsys):
 
 
 def _printed_blocks(text: str) -> list[tuple[str, float, list[float]]]:
-    """(title, total GB, [term GB]) of each block `str(fz.estimate(...))` prints."""
+    """(title, total GB, [term GB]) of each block `str(fz.estimate(...))` prints (before the figures
+    beside DeepSpeed's, which test_beside_deepspeed.py checks)."""
     import re
     blocks: list = []
-    for line in text.splitlines()[1:]:
+    for line in text.split("\n  beside DeepSpeed's")[0].splitlines()[1:]:
         m = re.match(r"^( {2,4})(\S.*?)\s+(-?\d+\.\d\d) GB$", line)
         assert m, line
         if len(m.group(1)) == 2:

@@ -207,6 +207,27 @@ def llama_3b() -> nn.Module:
                                                   num_attention_heads=32, vocab_size=32000))
 
 
+def llama_7b() -> nn.Module:
+    """Llama-2-7B's shape (6,738.4M parameters; its 131.1M-parameter embedding is DeepSpeed's largest
+    layer) on the meta device: the 8-GPU case docs/planning.md sets beside DeepSpeed's estimator."""
+    import transformers as tr
+    with torch.device("meta"):
+        return tr.LlamaForCausalLM(tr.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                                  num_attention_heads=32, vocab_size=32000))
+
+
+def t0_3b() -> nn.Module:
+    """bigscience/T0_3B's shape (T5 v1.1 XL: 2,849.8M parameters, a 65.8M-parameter embedding shared
+    by encoder and decoder, an untied head) on the meta device: DeepSpeed's own estimator example."""
+    import transformers as tr
+    cfg = tr.T5Config(vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_heads=32,
+                      feed_forward_proj="gated-gelu")
+    with torch.device("meta"):
+        t0 = tr.T5ForConditionalGeneration(cfg)
+        t0.lm_head.weight = nn.Parameter(torch.empty(32128, 2048))  # transformers 5 ties T5's head; T0_3B's is not
+    return t0
+
+
 def hf_loss(model, batch):
     return model(**batch).loss
 

@@ -34,7 +34,7 @@ EXPECT = {
                             ["out/model.safetensors", "adapter/adapter_model.safetensors"]),
 }
 # The pages that show an fz command's output (a one-line bash block, then a text block), and which commands.
-SHOWN = {"docs/planning.md": [["estimate"]]}
+SHOWN = {"docs/planning.md": [["estimate"], ["estimate"], ["estimate"]]}
 
 
 def text(page: str) -> str:
