@@ -10,6 +10,8 @@ import fz
 from fz.optim import kernel
 from fz.optim.base import GradientTransformation, step_casting
 
+from support.helpers import make_model, rank_batches, spec
+
 HYPER = [(1e-3, (0.9, 0.999), 0.01), (3e-4, (0.8, 0.95), 0.1), (1e-2, (0.3, 0.99), 0.0)]
 
 
@@ -79,6 +81,27 @@ def test_the_kernel_runs_where_it_can(monkeypatch):
     assert used and not any(used)
 
 
+def _train(policy, steps: int = 3):
+    state = fz.init(make_model(), spec(3, 1, precision="bf16", offload=policy))
+    for per_rank in rank_batches(1, 1, steps):
+        state, _ = fz.train_step(state, per_rank[0])
+    out = {k: v.clone() for k, v in fz.full_params(state).items()}
+    out.update({"master/" + k: v._local_tensor.clone() for k, v in (state.master or {}).items()})
+    return out
+
+
+@pytest.mark.parametrize("policy", ["none", "cpu", "cpu-params"])
+def test_train_steps_agree_with_the_two_pass_update(policy, monkeypatch):
+    """bf16 with fp32 masters at world 1, several steps: the same bits with the kernel and without."""
+    make = {"none": fz.offload.none, "cpu": fz.offload.cpu, "cpu-params": lambda: fz.offload.cpu(params=True)}[policy]
+    fast = _train(make())
+    monkeypatch.setenv("FZ_HOST_KERNEL", "0")
+    slow = _train(make())
+    assert fast.keys() == slow.keys()
+    for k in fast:
+        assert torch.equal(_bits(fast[k]), _bits(slow[k])), k
+
+
 def test_a_step_without_cast_gets_the_copy_after():
     """A transformation whose own `step` takes no `cast=` (a user's) still has its parameters cast."""
 
@@ -92,3 +115,31 @@ def test_a_step_without_cast_gets_the_copy_after():
     low = {"w": torch.zeros(5, dtype=torch.bfloat16)}
     step_casting(tx, {"w": torch.ones(5)}, tx.init(params), params, low)
     assert torch.equal(low["w"], torch.full((5,), 0.5, dtype=torch.bfloat16))
+
+
+class _OneUsed(torch.nn.Module):
+    """Two layers; the loss reads only the first, so `Spec.skip_unused` leaves the second as it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_skipped_parameters_keep_their_bf16_values():
+    """The update writes the bf16 parameters as it goes; those `skip_unused` puts back are cast back too."""
+    start = _OneUsed().state_dict()
+    for policy in (fz.offload.none(), fz.offload.cpu(params=True)):
+        state = fz.init(_OneUsed(), fz.Spec(stage=3, precision="bf16", skip_unused=True, offload=policy,
+                                            optimizer=fz.optim.adamw(lr=0.1, weight_decay=0.5),
+                                            loss_fn=lambda model, x: model(x).square().mean()))
+        for i in range(2):
+            state, _ = fz.train_step(state, torch.randn(4, 16, generator=torch.Generator().manual_seed(i)))
+        masters, low = fz.full_params(state), fz.full_params(state, "compute")
+        for k in ("unused.weight", "unused.bias"):
+            assert torch.equal(masters[k], start[k]), (policy, k)
+            assert low[k].dtype == torch.bfloat16 and torch.equal(low[k], start[k].to(torch.bfloat16)), (policy, k)
+        assert not torch.equal(masters["used.weight"], start["used.weight"])
