@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from fz.optim.base import GradientTransformation, Params, chain, lr_at, owned
+from fz.optim.base import GradientTransformation, Params, cast_into, chain, lr_at, owned
+from fz.optim.kernel import adamw_
 from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 
@@ -15,8 +16,10 @@ def adamw(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float =
     """AdamW with decoupled weight decay, as torch.optim.AdamW.
 
     The chain is the definition; its `step` runs torch's fused AdamW kernel (one pass over
-    each shard instead of a dozen), with the chain's state layout and results. That kernel
-    always corrects the bias, so `bias_correction=False` (DeepSpeed's option) runs the chain.
+    each shard instead of a dozen), with the chain's state layout and results; on the host,
+    with `cast=`, fz's kernel of the same arithmetic that also writes the bf16 parameters in
+    that pass (fz/optim/kernel.py). Both always correct the bias, so `bias_correction=False`
+    (DeepSpeed's option) runs the chain.
     """
     t = chain(scale_by_adam(*betas, eps, bias_correction), add_decayed_weights(weight_decay),
               scale_by_learning_rate(lr))
@@ -27,26 +30,35 @@ def adamw(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float =
 
 @dataclass(frozen=True, eq=False)
 class _FusedAdamW(GradientTransformation):
-    """adamw: `update` is the chain's; `step` is the same step in torch's fused kernel."""
+    """adamw: `update` is the chain's; `step` is the same step in torch's fused kernel (on the host
+    with `cast=`, in fz's one-pass kernel of the same arithmetic)."""
 
     lr: LR
     betas: tuple[float, float]
     eps: float
     weight_decay: float
 
-    def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, **extra: Any) -> tuple:
+    def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, cast: Params | None = None,
+             **extra: Any) -> tuple:
         keys = list(grads)
         tensors = [*(params[k] for k in keys), *(grads[k] for k in keys)]
         if not tensors or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
-            return GradientTransformation.step(self, grads, state, params, donate=donate, **extra)
+            return GradientTransformation.step(self, grads, state, params, donate=donate, cast=cast, **extra)
         adam, decay, lr_state = state
         mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
         count = adam.count + 1
         value = lr_at(self.lr, int(lr_state.count))
         step = torch.tensor(float(count), device=tensors[0].device)  # fused CUDA kernels take it on the device
-        torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, [], [step] * len(keys),
-                            lr=value, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
-                            eps=self.eps, amsgrad=False, maximize=False)
+        if step.device.type == "cpu":  # the host: the kernel that also writes `cast` in its pass
+            adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, step, lr=value, beta1=self.betas[0],
+                   beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
+                   cast=[(cast or {}).get(k) for k in keys])
+        else:
+            torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, [],
+                                [step] * len(keys), lr=value, beta1=self.betas[0], beta2=self.betas[1],
+                                weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
+            if cast:
+                cast_into(cast, params)
         return (AdamState(count, dict(zip(keys, mu)), dict(zip(keys, nu))), decay,
                 type(lr_state)(lr_state.count + 1, torch.tensor(value, dtype=torch.float64)))
 

@@ -8,11 +8,14 @@ other ranks comes in `extra`, explicitly:
 - `donate=True`: the caller gives up `updates` and `state` (as `jax.jit(donate_argnums)`
   does): the new values may be written into their buffers. Without it a transformation
   never modifies its inputs.
-`step(grads, state, params, **extra)` is update + apply_updates (params updated in place);
-a transformation may give it a faster kernel of the same meaning (adamw does).
+`step(grads, state, params, **extra)` is update + apply_updates (params updated in place),
+with `cast=` the updated values copied into lower-precision tensors too; a transformation may
+give it a faster kernel of the same meaning (adamw does: on the host, one pass for both).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +32,14 @@ class GradientTransformation:
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]
 
-    def step(self, grads: Params, state: Any, params: Params, **extra: Any) -> Any:
-        """Apply one update to `params` in place; returns the new state."""
+    def step(self, grads: Params, state: Any, params: Params, *, cast: Params | None = None, **extra: Any) -> Any:
+        """Apply one update to `params` in place; returns the new state. `cast`: {name: tensor}
+        to receive the updated values in its own dtype (the bf16 parameters of fp32 masters); a
+        transformation with a fused kernel may write them in the update's own pass."""
         updates, state = self.update(grads, state, params, **extra)
         apply_updates(params, updates)
+        if cast:
+            cast_into(cast, params)
         return state
 
 
@@ -56,6 +63,31 @@ def apply_updates(params: Params, updates: Params) -> None:
     """params += updates, in place, one fused op over all tensors."""
     keys = list(updates)
     torch._foreach_add_([params[k] for k in keys], [updates[k] for k in keys])
+
+
+def cast_into(cast: Params, params: Params) -> None:
+    """cast[k] = params[k] in cast[k]'s dtype, for every k of `cast`."""
+    keys = list(cast)
+    if keys:
+        torch._foreach_copy_([cast[k] for k in keys], [params[k] for k in keys])
+
+
+def step_casting(tx: GradientTransformation, grads: Params, state: Any, params: Params, cast: Params,
+                 **extra: Any) -> Any:
+    """`tx.step`, with the updated `params` cast into `cast` (in the update's pass where `tx` can);
+    a transformation whose own `step` takes no `cast` gets the copy after it."""
+    if not cast:
+        return tx.step(grads, state, params, **extra)
+    if _takes_cast(type(tx).step):
+        return tx.step(grads, state, params, cast=cast, **extra)
+    state = tx.step(grads, state, params, **extra)
+    cast_into(cast, params)
+    return state
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_cast(step: Callable[..., Any]) -> bool:
+    return "cast" in inspect.signature(step).parameters
 
 
 def owned(tensors: list[Tensor], donate: bool) -> list[Tensor]:

@@ -156,6 +156,12 @@ def local_data(t: Tensor) -> tuple[Tensor, ParamSync | None]:
     return t, None
 
 
+def gathered(plan, b: Bucket) -> bool:
+    """Whether bucket `b`'s parameters come back by an all-gather after the update (a replicated
+    parameter updated in shards); else from the masters by a cast in place, in the same layout."""
+    return not b.sharded_param and isinstance(b.place.opt, Shard) and plan.shards > 1
+
+
 def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
                      mflats: Sequence[Tensor | None]) -> ParamSync | None:
     """Make every rank's parameters equal the updated (master) shards: a cast copy where the
@@ -165,8 +171,7 @@ def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
     for b, flat, mflat in zip(plan.buckets, flats, mflats):  # (a bucket's masters live with the optimizer state)
         if not b.trainable:
             continue
-        gathered = not b.sharded_param and isinstance(b.place.opt, Shard) and plan.shards > 1
-        if gathered:
+        if gathered(plan, b):
             todo.append((b, flat, mflat))
         elif mflat is not None:
             flat.copy_(mflat)  # same layout: a cast copy

@@ -223,7 +223,8 @@ class StepInProgress:
                     raise
                 del inputs, norms
                 local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
-                new_sync = start_param_sync(comm, plan, flats, [None] * len(mflats) if up.cast else mflats)
+                sources = [None if i in up.cast else m for i, m in enumerate(mflats)]  # masters still to cast
+                new_sync = start_param_sync(comm, plan, flats, sources)
         del grads, params
         if release is not None:
             release()

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from fz.errors import ConfigError
 from fz.offload.move import PART_ALIGN, _round, group_slots, master_slot_views
-from fz.optim.base import global_norm
+from fz.optim.base import global_norm, step_casting
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.opt_state import merge_opt_states
 from fz.step.pending import join_inflight, start_inflight
@@ -49,16 +49,18 @@ Params = dict[str, Tensor]
 
 
 def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str],
-                norms: GradNorms | None = None):
+                norms: GradNorms | None = None, cast: Params | None = None):
     """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
-    there and back (counted as comm's "other"); a no-op copy on a CPU-only machine."""
+    there and back (counted as comm's "other"); a no-op copy on a CPU-only machine. `cast`:
+    parameters in host memory that the update writes as it goes (fz/step/updaters.py: host_casts)."""
     host = torch.device("cpu")
     if spec.precision == "fp32" and not comm.params_off:  # no masters: `params` are the device's own
         comm.d2h["other"] += (nbytes := sum(p.numel() * p.element_size() for p in params.values()))
         comm.h2d["other"] += nbytes
     grads = {k: g.to(host, non_blocking=True) for k, g in grads.items()}
     on_host = {k: p.to(host) for k, p in params.items()}
-    new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded, norms)  # norms of the same values
+    # norms: of the same values
+    new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded, norms, cast)
     for k, p in params.items():
         if on_host[k] is not p:
             p.copy_(on_host[k], non_blocking=True)
@@ -324,11 +326,13 @@ class _Streamer:
                     if not self.comm.params_off:  # from the device (comm.d2h: "other")
                         self.comm.d2h["other"] += sum(pv.numel() * pv.element_size() for pv in pviews)
                 sub = _subtree(_scalars_copied(self.local_opt, self.every), set(g.names), self.every, replace)
-                new_sub = self.spec.optimizer.step({n: self.grads.pop(n) for n in g.names}, sub, opt_params,
-                                                   **self.extra)
+                # parameters in host memory are written by the update's own pass (fz/optim/kernel.py)
+                cast = {n: pv for n, pv in zip(g.names, pviews) if opt_params[n] is not pv and pv.device.type == "cpu"}
+                new_sub = step_casting(self.spec.optimizer, {n: self.grads.pop(n) for n in g.names}, sub, opt_params,
+                                       cast, **self.extra)
                 _copy_back(sub, new_sub, replace)
                 for n, pv in zip(g.names, pviews):
-                    if opt_params[n] is not pv:
+                    if opt_params[n] is not pv and n not in cast:
                         pv.copy_(opt_params[n])
                 if not self.comm.params_off:  # the updated rows went up to the device's parameters
                     self.comm.h2d["other"] += sum(pv.numel() * pv.element_size() for pv in pviews)

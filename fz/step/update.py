@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.optim.base import global_norm
+from fz.optim.base import global_norm, step_casting
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
@@ -136,13 +136,15 @@ def shard_sum_fn(comm: Comm, sharded: set[str]):
 
 
 def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Params,
-                    sharded: set[str], norms: GradNorms | None = None) -> tuple[Any, Tensor | None]:
+                    sharded: set[str], norms: GradNorms | None = None,
+                    cast: Params | None = None) -> tuple[Any, Tensor | None]:
     """Clip, then update the local shards in place (the step owns every buffer it passes: they
     are donated); returns (the optimizer's new local state, the global grad norm or None).
-    `norms`: the gradients' norms, when the step took them already (its non-finite check)."""
+    `norms`: the gradients' norms, when the step took them already (its non-finite check);
+    `cast`: parameters to receive their updated masters (fz/step/updaters.py: host_casts)."""
     extra = dict(donate=True, norm_sq=norm_sq_fn(comm, sharded), shard_sum=shard_sum_fn(comm, sharded))
     norm = None
     if spec.clip_grad_norm is not None:
         norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
         scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
-    return spec.optimizer.step(grads, opt_state, params, **extra), norm
+    return step_casting(spec.optimizer, grads, opt_state, params, cast or {}, **extra), norm

@@ -6,10 +6,12 @@
 
 Every updater takes the step's `UpdateInputs` and returns an `Updated`: the optimizer's new
 local state, the global gradient norm (None without clipping), and the parameter and master
-storage the new state holds. `cast` says the parameters already hold the update (the disk
-tier casts each group as it writes it); otherwise the stage 1-2 gathers start from the
-masters. `Spec.skip_unused` (device and host only: the disk tier streams group by group and
-the Spec refuses it there) restores the parameters no rank used, as torch skips them.
+storage the new state holds. `cast` names the buckets whose parameters already hold the
+update: the disk tier casts each group as it writes it, and where parameters and fp32 masters
+share a layout in host memory the update writes the parameters in its own pass (`host_casts`;
+fz/optim/kernel.py); the others are cast or gathered from the masters after it.
+`Spec.skip_unused` (device and host only: the disk tier streams group by group and the Spec
+refuses it there) restores the parameters no rank used, as torch skips them.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from typing import Any
 
 from torch import Tensor
 
+from fz.optim.base import cast_into
 from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
+from fz.sharding.sync import gathered
 from fz.spec import Spec
 from fz.step.stream import disk_update, host_update
 from fz.step.unused import put_back, snapshot
@@ -51,27 +55,44 @@ class Updated:
     norm: Tensor | None
     flats: list[Tensor]
     mflats: list[Tensor | None]
-    cast: bool  # the parameters already hold the update (nothing to cast from the masters)
+    cast: frozenset[int]  # buckets whose parameters already hold the update (nothing to cast from the masters)
 
 
 Updater = Callable[[Spec, Comm, ShardPlan, UpdateInputs], Updated]
 
 
+def host_casts(plan: ShardPlan, flats: list[Tensor], mflats: list[Tensor | None]) -> tuple[Params, frozenset[int]]:
+    """({name: its parameter's local view}, the buckets they cover): where parameters and fp32
+    masters share a layout in host memory, the update writes the parameters as it goes (one pass
+    over the masters, not a second one to cast them after); gathered buckets and device memory
+    keep their own way (an all-gather, a copy to the device)."""
+    cast: Params = {}
+    done = set()
+    for b, flat, mflat in zip(plan.buckets, flats, mflats):
+        if (b.trainable and mflat is not None and not gathered(plan, b) and flat.device.type == "cpu"
+                and mflat.device.type == "cpu"):
+            cast.update(zip((s.name for s in b.slots), plan.master_locals(flat, b)))
+            done.add(b.index)
+    return cast, frozenset(done)
+
+
 def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
     """Device and host: the optimizer over `params` in place, the skipped parameters put back."""
     def update(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
+        cast, done = host_casts(plan, x.flats, x.mflats)
         kept = snapshot(x.skip, x.params, x.local_opt) if x.skip else None
-        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded, x.norms)
+        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded, x.norms, cast)
         if kept is not None:
             put_back(*kept, x.params, local_opt)
-        return Updated(local_opt, norm, x.flats, x.mflats, cast=False)
+            cast_into({n: cast[n] for n in kept[0] if n in cast}, x.params)  # their parameters as they were
+        return Updated(local_opt, norm, x.flats, x.mflats, cast=done)
     return update
 
 
 def _on_disk(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
     local_opt, norm, mflats, flats = disk_update(spec, spec.offload, comm, plan, x.local_opt, x.grads, x.flats,
                                                  x.mflats, x.sharded, x.donate, x.norms, x.after)
-    return Updated(local_opt, norm, flats, mflats, cast=True)
+    return Updated(local_opt, norm, flats, mflats, cast=frozenset(range(len(flats))))
 
 
 UPDATERS: dict[str, Updater] = {
