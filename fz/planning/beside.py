@@ -18,8 +18,55 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fz.planning.estimate import Estimate
+
+class Estimate(Protocol):
+    """What this module reads of fz/planning/estimate.py's Estimate, which calls it (a Protocol,
+    not an import of that module: no estimate <-> beside circle)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def nodes(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def num_params(self) -> int: ...
+
+    @property
+    def ranks_per_node(self) -> int: ...
+
+    @property
+    def gather_root(self) -> int: ...
+
+    @property
+    def gather_unit(self) -> int: ...
+
+    @property
+    def gather_kept(self) -> int: ...
+
+    @property
+    def gather_prefetched(self) -> int: ...
+
+    @property
+    def grads_update_narrow(self) -> int: ...
+
+    @property
+    def largest_layer(self) -> int: ...
+
+    @property
+    def offload(self) -> tuple[str, str]: ...
+
+    def device_peak(self) -> tuple[str, list[tuple[str, int]]]: ...
+
+    def host_terms(self) -> list[tuple[str, int]]: ...
 
 BUFFER_FACTOR = 1.5  # DeepSpeed's default additional_buffer_factor (both functions)
 
@@ -95,7 +142,8 @@ def beside(est: Estimate) -> Beside | None:
     if est.stage not in (2, 3) or est.precision == "fp32" or not est.largest_layer \
             or est.offload not in (("device", "device"), ("host", "device"), ("host", "host")):
         return None  # DeepSpeed has no row offloading the parameters without the optimizer
-    est = dataclasses.replace(est, activations=None, backward_start=None, backward_units=None)  # model states
+    # model states only
+    est = dataclasses.replace(_dataclass(est), activations=None, backward_start=None, backward_units=None)
     psi, layer, nodes, gpn = est.num_params, est.largest_layer, est.nodes, est.ranks_per_node
     opt_off, params_off = est.offload[0] == "host", est.offload[1] == "host"
     ds_cpu, ds_gpu = deepspeed_figures(est.stage, psi, layer, gpn, nodes, opt_off, params_off)
@@ -218,3 +266,9 @@ def _cpu(est: Estimate) -> list[Term]:
 def _extra(out: list[Term], name: str, v: int) -> None:
     if v:
         out.append(Term(name, v, None))
+
+
+def _dataclass(est: Estimate) -> Any:
+    """The Estimate itself, for dataclasses.replace (a frozen dataclass behind the Protocol)."""
+    assert dataclasses.is_dataclass(est) and not isinstance(est, type)
+    return est

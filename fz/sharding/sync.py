@@ -61,7 +61,7 @@ class ParamSync:
     def _launch(self, b: Bucket, flat: Tensor, mflat: Tensor | None) -> None:
         if mflat is not None:  # this rank's updated rows, in the parameters' dtype, where the parameters live
             shard = mflat.to(flat.device, flat.dtype)
-            _count_cast(self.comm, shard, mflat)
+            count_cast(self.comm, shard, mflat)
         else:
             shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
             for dst, src in zip(shard_views(shard, b, self.rank), local_rows_of_full(flat, b, self.rank)):
@@ -175,11 +175,11 @@ def start_param_sync(comm: Comm, plan, flats: Sequence[Tensor],
             todo.append((b, flat, mflat))
         elif mflat is not None:
             flat.copy_(mflat)  # same layout: a cast copy
-            _count_cast(comm, flat, mflat)
+            count_cast(comm, flat, mflat)
     return ParamSync(comm, plan.shard_rank, todo) if todo else None
 
 
-def _count_cast(comm: Comm, cast: Tensor, master: Tensor) -> None:
+def count_cast(comm: Comm, cast: Tensor, master: Tensor) -> None:
     """The cast copy from the masters into the parameters (`cast`: the result) crosses between
     host and device where the optimizer state and the parameters live in different tiers: up
     (the host update's parameters going back), in the parameters' dtype (a blocking copy_ to

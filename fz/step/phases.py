@@ -30,7 +30,7 @@ from fz.rng import forked as rng_forked
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
 from fz.sharding.pack import checked_flats
-from fz.sharding.sync import Arriving, start_param_sync
+from fz.sharding.sync import Arriving, count_cast, start_param_sync
 from fz.state import State, expect_state
 from fz.step.agree import Agreement
 from fz.step.batches import scalar_loss
@@ -224,6 +224,9 @@ class StepInProgress:
                 del inputs, norms
                 local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
                 sources = [None if i in up.cast else m for i, m in enumerate(mflats)]  # masters still to cast
+                for i in up.cast:  # cast by the update's own pass: counted as the copy it stands for
+                    if (master := mflats[i]) is not None:
+                        count_cast(comm, flats[i], master)
                 new_sync = start_param_sync(comm, plan, flats, sources)
         del grads, params
         if release is not None:
