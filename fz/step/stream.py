@@ -29,7 +29,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -39,32 +38,13 @@ from fz.optim.base import global_norm, step_casting
 from fz.optim.transforms import scale_to_max_norm
 from fz.sharding.opt_state import merge_opt_states
 from fz.step.pending import join_inflight, start_inflight
-from fz.step.update import GradNorms, apply_optimizer, norm_sq_fn, shard_sum_fn
+from fz.step.update import GradNorms, norm_sq_fn, shard_sum_fn
 from fz.storage.disk import DiskTensor
 from fz.storage.gate import Gate
 from fz.storage.scratch import SCRATCH
 from fz.storage.store import ALIGN, store_for
 
 Params = dict[str, Tensor]
-
-
-def host_update(spec, comm, local_opt: Any, grads: Params, params: Params, sharded: set[str],
-                norms: GradNorms | None = None, cast: Params | None = None):
-    """The optimizer on the host: gradients (and fp32 parameters without master weights) copied
-    there and back (counted as comm's "other"); a no-op copy on a CPU-only machine. `cast`:
-    parameters in host memory that the update writes as it goes (fz/step/updaters.py: host_casts)."""
-    host = torch.device("cpu")
-    if spec.precision == "fp32" and not comm.params_off:  # no masters: `params` are the device's own
-        comm.d2h["other"] += (nbytes := sum(p.numel() * p.element_size() for p in params.values()))
-        comm.h2d["other"] += nbytes
-    grads = {k: g.to(host, non_blocking=True) for k, g in grads.items()}
-    on_host = {k: p.to(host) for k, p in params.items()}
-    # norms: of the same values
-    new_opt, norm = apply_optimizer(spec, comm, local_opt, grads, on_host, sharded, norms, cast)
-    for k, p in params.items():
-        if on_host[k] is not p:
-            p.copy_(on_host[k], non_blocking=True)
-    return new_opt, norm
 
 
 def _no_global_norm(tree):

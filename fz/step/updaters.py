@@ -1,7 +1,7 @@
 """Where the optimizer runs, chosen once from the Spec: one table, one signature.
 
     device  the optimizer state lives with the parameters: update in place (fz/step/update.py)
-    host    the state is in host memory: the update runs there (fz/step/stream.py: host_update)
+    host    the state is in host memory: the update runs there (fz/step/host_update.py)
     disk    the state (and at stage 3 maybe the parameters) is in files: streamed group by group
 
 Every updater takes the step's `UpdateInputs` and returns an `Updated`: the optimizer's new
@@ -26,7 +26,8 @@ from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
 from fz.sharding.sync import gathered
 from fz.spec import Spec
-from fz.step.stream import disk_update, host_update
+from fz.step.host_update import host_update
+from fz.step.stream import disk_update
 from fz.step.unused import put_back, snapshot
 from fz.step.update import GradNorms, apply_optimizer
 
