@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fz.distributed import peers
+from fz.distributed.rows import Rows, check_sizes, fill, spans, sum_in_rank_order
 
 SLOT_MAX = 4 << 20  # bytes a rank copies per chunk, at most (2-8 MiB measured alike): 2 slots per rank are mapped
 _ALIGN = 64 << 10
@@ -93,17 +94,27 @@ class Link:
 
     def all_gather(self, out: Tensor, inp: Tensor) -> LinkWork:
         """out ([n * m], rank-major) = every rank's `inp` ([m]), in rank order."""
-        _check(out, inp, self.n * inp.numel(), inp.numel())
-        return self._submit(lambda: self._all_gather(out.view(self.n, -1), inp))
+        check_sizes(out, inp, self.n * inp.numel(), inp.numel())
+        return self.all_gather_rows([[(0, row)] for row in out.view(self.n, -1)], inp)
+
+    def all_gather_rows(self, rows: Rows, inp: Tensor | None) -> LinkWork:
+        """Every rank's `inp` ([m]) lands in its `rows[q]`, wherever they are (the parameters' own
+        layout: nothing to unpack); `inp` None: ours is in `rows[me]` already."""
+        return self._submit(lambda: self._all_gather(rows, None if inp is None else inp.view(-1)))
 
     def reduce_scatter(self, out: Tensor, inp: Tensor, average: bool) -> LinkWork:
         """out ([m]) = the sum (or mean) over ranks of row `me` of every rank's `inp` ([n * m])."""
-        _check(out, inp, out.numel(), self.n * out.numel())
-        return self._submit(lambda: self._reduce_scatter(out.view(-1), inp.reshape(self.n, -1), average))
+        check_sizes(out, inp, out.numel(), self.n * out.numel())
+        return self.reduce_scatter_rows(out, [[(0, row)] for row in inp.reshape(self.n, -1)], average)
+
+    def reduce_scatter_rows(self, out: Tensor, rows: Rows, average: bool) -> LinkWork:
+        """As `reduce_scatter`, each rank's input read where it is: `rows[q]` holds the pieces of
+        its row q (none packed first); elements no view covers are zeros."""
+        return self._submit(lambda: self._reduce_scatter(out.view(-1), rows, average))
 
     def all_reduce(self, t: Tensor, average: bool) -> LinkWork:
         """t = the sum (or mean) of every rank's `t`, in place."""
-        _check(t, t, t.numel(), t.numel())
+        check_sizes(t, t, t.numel(), t.numel())
         return self._submit(lambda: self._all_reduce(t.view(-1), average))
 
     # -- one chunk at a time ------------------------------------------------------------------
@@ -112,33 +123,42 @@ class Link:
         base = (rank * 2 + self.seq % 2) * self.slot
         return self.buf[base:base + numel * dtype.itemsize].view(dtype)
 
-    def _all_gather(self, rows: Tensor, inp: Tensor) -> None:
-        x = rows[self.me]  # our piece goes to its row first, whatever its layout (no copy of it made)
-        if x.data_ptr() != inp.data_ptr() or not inp.is_contiguous():
-            x.view(inp.shape).copy_(inp)
-        m, step = rows.shape[1], self.slot // x.element_size()
+    def _all_gather(self, rows: Rows, x: Tensor | None) -> None:
+        for at, view in rows[self.me] if x is not None else ():  # ours to its place first (unless there)
+            if view.data_ptr() != x[at:].data_ptr():  # type: ignore[index]  # (x is not None here)
+                view.copy_(x[at:at + view.numel()])  # type: ignore[index]
+        dtype = next(v.dtype for q in rows for _, v in q)
+        m = max(at + v.numel() for q in rows for at, v in q)  # (the same on every rank: so are the rows)
+        step = self.slot // dtype.itemsize
         for o in range(0, m, step):
             k = min(step, m - o)
-            self._piece(self.me, k, x.dtype).copy_(x[o:o + k])
-            self._meet(0, x.dtype, m, o)
+            fill(self._piece(self.me, k, dtype), spans(rows[self.me], o, k))
+            self._meet(0, dtype, m, o)
             for q in range(self.n):
                 if q != self.me:
-                    rows[q, o:o + k].copy_(self._piece(q, k, x.dtype))
+                    piece = self._piece(q, k, dtype)
+                    for at, view in spans(rows[q], o, k):
+                        view.copy_(piece[at:at + view.numel()])
             self.seq += 1
 
-    def _reduce_scatter(self, out: Tensor, parts: Tensor, average: bool) -> None:
-        n, me, m = self.n, self.me, parts.shape[1]
-        step = self.slot // (parts.element_size() * n)
+    def _reduce_scatter(self, out: Tensor, rows: Rows, average: bool) -> None:
+        n, me, m = self.n, self.me, out.numel()
+        step = self.slot // (out.element_size() * n)
         for o in range(0, m, step):
             k = min(step, m - o)
-            mine = self._piece(me, n * k, parts.dtype).view(n, k)
+            mine = self._piece(me, n * k, out.dtype).view(n, k)
             for q in range(n):
                 if q != me:
-                    mine[q].copy_(parts[q, o:o + k])
-            self._meet(1, parts.dtype, m, o)
-            terms = [parts[me, o:o + k] if q == me else self._piece(q, n * k, parts.dtype).view(n, k)[me]
-                     for q in range(n)]
-            sum_in_rank_order(out[o:o + k], terms, average)
+                    fill(mine[q], spans(rows[q], o, k))
+            self._meet(1, out.dtype, m, o)
+            theirs = [None if q == me else self._piece(q, n * k, out.dtype).view(n, k)[me] for q in range(n)]
+            own = list(spans(rows[me], o, k))
+            if sum(v.numel() for _, v in own) < k:
+                out[o:o + k].zero_()  # the padding: zeros on every rank
+            for at, view in own:
+                c = view.numel()
+                sum_in_rank_order(out[o + at:o + at + c], [view if t is None else t[at:at + c] for t in theirs],
+                                  average)
             self.seq += 1
 
     def _all_reduce(self, x: Tensor, average: bool) -> None:
@@ -191,6 +211,7 @@ class Link:
         return work
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # (per thread) views the step made under no_grad are written here
         while True:
             job, work = self.jobs.get()
             if job is None:  # closed: the FIFOs go with the thread that uses them, once
@@ -224,25 +245,6 @@ class Link:
             self.jobs.put((None, None))
         if wait > 0 and threading.current_thread() is not self.thread:
             self.thread.join(wait)
-
-
-def sum_in_rank_order(out: Tensor, terms: list[Tensor], average: bool) -> None:
-    """out = the ranks' terms added in rank order (divided by their count): every sum fz makes of
-    the ranks' gradients, here and in the pairwise exchange (fz/sharding/comm.py), so both give
-    the same bits on every rank."""
-    torch.add(terms[0], terms[1], out=out)
-    for t in terms[2:]:
-        out.add_(t)
-    if average:
-        out.div_(len(terms))
-
-
-def _check(out: Tensor, inp: Tensor, out_numel: int, inp_numel: int) -> None:
-    """At the call, not in the link's thread: a wrong argument is the caller's error, not a peer's."""
-    if not out.is_contiguous() or out.numel() != out_numel or inp.numel() != inp_numel or out.dtype != inp.dtype:
-        raise ValueError(f"a shared-memory collective needs a contiguous output of {out_numel} elements and an "
-                         f"input of {inp_numel}, of one dtype; got {tuple(out.shape)} {out.dtype}, "
-                         f"{'' if out.is_contiguous() else 'not contiguous, '}and {tuple(inp.shape)} {inp.dtype}")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

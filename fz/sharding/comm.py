@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fz.compat import all_gather_single, reduce_scatter_single
 from fz.distributed import shm
+from fz.distributed.rows import Rows, sum_in_rank_order
 from fz.sharding.buckets import Bucket
 from fz.sharding.settle import Handle
 from fz.storage.scratch import SCRATCH
@@ -172,7 +173,7 @@ class Comm:
         self._tag = (self._tag + 1) % _TAGS
 
         def total() -> None:
-            shm.sum_in_rank_order(out, [parts[q] if q == r else recv[others.index(q)] for q in range(n)], True)
+            sum_in_rank_order(out, [parts[q] if q == r else recv[others.index(q)] for q in range(n)], True)
         h.then = total
         return h
 
@@ -192,6 +193,49 @@ class Comm:
             return _done(h, async_op)
         h = Handle([out, inp])
         return _done(h.add(all_gather_single(out, inp, group=self.group, async_op=True)), async_op)
+
+
+    def reduce_scatter_params(self, out: Tensor, tensors: Sequence[Tensor | None], bucket: Bucket,
+                              async_op: bool = False):
+        """out = this rank's rows of the average over ranks of `tensors` (full-shape, one per slot,
+        None = zeros): `reduce_scatter` of their `pack`, read in place where the ranks share memory."""
+        if self.link is None:
+            return self.reduce_scatter(out, pack(tensors, bucket, out.dtype, out.device), async_op)
+        self.bytes["reduce_scatter"] += bucket.padded_numel * out.element_size()
+        rows = rows_by_rank(tensors, bucket)
+        return _done(Handle([out]).add(self.link.reduce_scatter_rows(out, rows, average=True)), async_op)
+
+    def all_gather_params(self, flat: Tensor, inp: Tensor | None, bucket: Bucket, async_op: bool = False,
+                          counted: bool = False):
+        """flat (the bucket's full layout) = every rank's shard `inp`: `all_gather` then
+        `unpack_into`, written in place where the ranks share memory (`counted`: as all_gather).
+        `inp` None: this rank's rows are in `flat` already (ranks that share memory only)."""
+        if self.link is None:
+            assert inp is not None, "a gather of rows in place needs a shared-memory link"
+            full = SCRATCH.empty(bucket.padded_numel, inp.dtype, inp.device)
+            h = self.all_gather(full, inp, async_op=True, counted=counted)
+            h.then = lambda: unpack_into(full, bucket, flat)
+            return _done(h, async_op)
+        if not counted:
+            self.bytes["all_gather"] += bucket.padded_numel * flat.element_size()
+        rows = rows_by_rank(full_views(flat, bucket), bucket)
+        held = [flat] if inp is None else [flat, inp]
+        return _done(Handle(held).add(self.link.all_gather_rows(rows, inp)), async_op)
+
+
+def rows_by_rank(tensors: Sequence[Tensor | None], bucket: Bucket) -> Rows:
+    """Where each rank's shard of a bucket is, in full-shape `tensors` (one per slot, None: zeros):
+    for a link's collectives (fz/distributed/rows.py)."""
+    rows: Rows = [[] for _ in range(bucket.shards)]
+    for s, t in zip(bucket.slots, tensors):
+        if t is None:
+            continue
+        flat = t.reshape(-1)
+        for q in range(bucket.shards):
+            start, stop = s.local_rows(q)
+            if stop > start:
+                rows[q].append((s.shard_offset, flat[start * s.row_numel:stop * s.row_numel]))
+    return rows
 
 
 def _regions(buf: Tensor, bucket: Bucket):

@@ -107,10 +107,22 @@ class Gatherer:
         """Start gathering `bucket` for `kind` (default: what gathers are for now)."""
         if self.comm.world == 1 or bucket.index in self.inflight:
             return
-        full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
+        full = self._buffer(bucket, shard.dtype)
         local = self._local(bucket, shard.detach(), kind or self.kind)
-        self.inflight[bucket.index] = (full, self.comm.all_gather(full, local, async_op=True), bucket.full_numel)
+        self.inflight[bucket.index] = (full, self._all_gather(full, local, bucket), bucket.full_numel)
         self.live.acquire(bucket.full_numel)
+
+    def _buffer(self, bucket: Bucket, dtype: torch.dtype) -> Tensor:
+        """Where a gather lands: the parameters' layout where ranks share memory (written in place
+        by the link), else the collective's rank-major one."""
+        if self.comm.link is not None:
+            return SCRATCH.empty(bucket.full_numel, dtype, self.comm.device)
+        return SCRATCH.empty(bucket.padded_numel, dtype, self.comm.device)
+
+    def _all_gather(self, full: Tensor, local: Tensor, bucket: Bucket) -> Handle:
+        if self.comm.link is not None:
+            return self.comm.all_gather_params(full, local, bucket, async_op=True)
+        return self.comm.all_gather(full, local, async_op=True)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
         """The bucket's full parameters (a shard on the disk tier is read first)."""
@@ -125,9 +137,9 @@ class Gatherer:
                 self.live.release(bucket.full_numel)
             else:
                 self.live.unprefetched += 1
-                full = SCRATCH.empty(bucket.padded_numel, shard.dtype, self.comm.device)
-                self.comm.all_gather(full, self._local(bucket, shard, self.kind))
-            outs = _unpacked(full, bucket)
+                full = self._buffer(bucket, shard.dtype)
+                self._all_gather(full, self._local(bucket, shard, self.kind), bucket).wait()
+            outs = tuple(full_views(full, bucket)) if self.comm.link is not None else _unpacked(full, bucket)
         self.live.track(outs, bucket.full_numel)
         return outs
 

@@ -11,9 +11,10 @@ collective of its own (a bounded pipeline would have to, and could hang).
 The gathers land in the parameters' own storage (as DeepSpeed's flat buffer), not in a
 second full-size one: the bucket's flat buffer is given up to the step (its old values are
 not read again: this rank's updated rows are copied out first) and viewed rank-major as the
-gather's output. When it arrives, a bucket whose rank-major and parameter-major layouts
-differ (several parameters, or rows split unevenly) is reordered through one bucket-sized
-scratch buffer at a time. Only where padding makes the gathered bucket larger than the
+gather's output. Ranks that share memory (fz/distributed/shm.py) write each rank's rows
+straight to their place; otherwise, when it arrives, a bucket whose rank-major and
+parameter-major layouts differ (several parameters, or rows split unevenly) is reordered
+through one bucket-sized scratch buffer at a time. Only where padding makes the gathered bucket larger than the
 parameters' storage does a bucket get a buffer of its own. What stays alive until the next
 forward is each bucket's local rows (the gather's input): 1/N of the parameters.
 
@@ -52,18 +53,27 @@ class ParamSync:
 
     def __init__(self, comm: Comm, shard_rank: int, todo: Sequence[tuple[Bucket, Tensor, Tensor | None]]):
         self.comm, self.rank = comm, shard_rank
-        self.inflight: list[tuple[Bucket, Tensor, Tensor, tuple[Handle, Tensor]]] = []  # (b, flat, out, (work, input))
+        # (bucket, flat, the gather's output (None: flat, in place), (work, its input))
+        self.inflight: list[tuple[Bucket, Tensor, Tensor | None, tuple[Handle, Tensor | None]]] = []
         self.waiting = {b.index for b, _, _ in todo}  # buckets not up to date yet
         for b, flat, mflat in todo:  # the bytes belong to the step that made the update
             comm.bytes["all_gather"] += b.padded_numel * flat.element_size()
             self._launch(b, flat, mflat)
 
     def _launch(self, b: Bucket, flat: Tensor, mflat: Tensor | None) -> None:
+        shard: Tensor | None = None
         if mflat is not None:  # this rank's updated rows, in the parameters' dtype, where the parameters live
             shard = mflat.to(flat.device, flat.dtype)
             count_cast(self.comm, shard, mflat)
-        else:
-            shard = torch.zeros(b.shard_numel, dtype=flat.dtype, device=flat.device)
+        if self.comm.link is not None and flat.is_contiguous():  # ranks sharing memory write in place
+            # (without masters this rank's rows are in place already: the link reads them there)
+            work = self.comm.all_gather_params(flat, shard, b, async_op=True, counted=True)
+            self.inflight.append((b, flat, None, (work, shard)))
+            return
+        if shard is None:
+            shard = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
+            for lo, hi in b.shard_gaps(self.rank):
+                shard[lo:hi].zero_()
             for dst, src in zip(shard_views(shard, b, self.rank), local_rows_of_full(flat, b, self.rank)):
                 dst.copy_(src)
         # the parameters' own storage, when the gathered bucket fits it (no padding)
@@ -75,9 +85,9 @@ class ParamSync:
     def _complete_oldest(self) -> None:
         b, flat, full, (work, shard) = self.inflight.pop(0)
         work.wait()  # the gather's input (`shard`) goes with this entry
-        if full is not flat:
+        if full is not None and full is not flat:  # (None: gathered in the parameters' layout)
             unpack_into(full, b, flat)
-        elif not rank_major_is_param_major(b):
+        elif full is flat and not rank_major_is_param_major(b):
             unpack_into(full.clone(), b, flat)  # one bucket's scratch, freed at once
         self.waiting.discard(b.index)
 

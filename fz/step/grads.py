@@ -63,9 +63,8 @@ class GradReducer:
         if comm.world == 1:
             self.pending.append((b, pack(grads, b, dtype, grads[0].device), None, dtype, "shard"))
         else:
-            buf = pack(grads, b, comm.reduce_dtype, grads[0].device)
-            out = SCRATCH.empty(b.shard_numel, comm.reduce_dtype, buf.device)
-            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), dtype, "shard"))
+            out = SCRATCH.empty(b.shard_numel, comm.reduce_dtype, grads[0].device)
+            self.pending.append((b, out, comm.reduce_scatter_params(out, grads, b, async_op=True), dtype, "shard"))
         self._bound()
 
     def _bound(self) -> None:
@@ -113,9 +112,9 @@ class GradReducer:
         if comm.world == 1:
             self.pending.append((b, g, None, g.dtype, "shard" if sharded_opt else "full"))
         elif sharded_opt:
-            buf = pack(full_views(g, b), b, comm.reduce_dtype, g.device)
             out = SCRATCH.empty(b.shard_numel, comm.reduce_dtype, g.device)
-            self.pending.append((b, out, comm.reduce_scatter(out, buf, async_op=True), g.dtype, "shard"))
+            work = comm.reduce_scatter_params(out, full_views(g, b), b, async_op=True)
+            self.pending.append((b, out, work, g.dtype, "shard"))
         else:  # all-reduce in place
             red = g if g.dtype == comm.reduce_dtype else g.to(comm.reduce_dtype)
             self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype, "full"))

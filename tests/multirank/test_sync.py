@@ -1,11 +1,12 @@
 """Stages 1-2: the updated rows are all-gathered into the parameters' own storage (fz/sharding/sync.py).
 
 DeepSpeed gathers into its flat parameter buffer; so does fz now, and no second full-size
-parameter buffer lives beside the parameters between the update and the next forward. A
-bucket whose gathered layout differs from the parameters' (several parameters) is reordered
-through a scratch buffer when it arrives; one that padding makes larger keeps a buffer of
-its own. The model here has both (an odd vocabulary pads its embedding's bucket), and its
-losses match a single-process run's.
+parameter buffer lives beside the parameters between the update and the next forward. Ranks
+that share memory write every bucket in place, each rank's rows where they belong. Over gloo
+(FZ_COLLECTIVES=pairwise) a bucket whose gathered layout differs from the parameters' (several
+parameters) is reordered through a scratch buffer when it arrives; one that padding makes
+larger keeps a buffer of its own. The model here has both (an odd vocabulary pads its
+embedding's bucket), and its losses match a single-process run's either way.
 """
 from __future__ import annotations
 
@@ -26,24 +27,28 @@ def _model():
 
 
 def _gathers(rank, world):
+    import os
+
     from fz.sharding.sync import Arriving
     out = {}
-    for stage in (1, 2):
-        for precision in ("fp32", "bf16"):
-            state = fz.init(_model(), spec(stage, 1, precision=precision, bucket_mb=0.01))
-            losses, checked = [], []
-            for per_rank in rank_batches(world, 1, 3, cfg=ODD):
-                state, loss = fz.train_step(state, per_rank[rank])
-                sync = next(t._local_tensor._sync for t in state.param_flats if isinstance(t._local_tensor, Arriving))
-                for b, flat, full, (_work, shard) in sync.inflight:
-                    leaf = state.param_flats[b.index]._local_tensor
-                    checked.append(dict(
-                        padded=b.padded_numel != b.full_numel, slots=len(b.slots),
-                        in_place=full is flat,  # the gather's output is the parameters' storage
-                        leaf_is_flat=leaf._data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(),
-                        shard_small=shard.numel() == b.shard_numel < b.full_numel))
-                losses.append(float(loss))
-            out[(stage, precision)] = dict(losses=losses, checked=checked)
+    for mode, stage, precision in [(m, s, p) for m in ("auto", "pairwise") for s in (1, 2) for p in ("fp32", "bf16")]:
+        os.environ["FZ_COLLECTIVES"] = mode
+        state = fz.init(_model(), spec(stage, 1, precision=precision, bucket_mb=0.01))
+        losses, checked = [], []
+        for per_rank in rank_batches(world, 1, 3, cfg=ODD):
+            state, loss = fz.train_step(state, per_rank[rank])
+            sync = next(t._local_tensor._sync for t in state.param_flats if isinstance(t._local_tensor, Arriving))
+            for b, flat, full, (_work, shard) in sync.inflight:
+                leaf = state.param_flats[b.index]._local_tensor
+                checked.append(dict(
+                    padded=b.padded_numel != b.full_numel, slots=len(b.slots),
+                    in_place=full is flat or full is None,  # the gather's output is the parameters' storage
+                    rank_major=full is not None,  # (None: each rank's rows written where they belong)
+                    leaf_is_flat=leaf._data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(),
+                    shard_small=(shard is None and mode == "auto" and precision == "fp32")  # read in place
+                    or shard.numel() == b.shard_numel < b.full_numel))
+            losses.append(float(loss))
+        out[(mode, stage, precision)] = dict(losses=losses, checked=checked)
     return out
 
 
@@ -59,16 +64,21 @@ def _single(precision):
 def test_gathers_land_in_the_parameters_own_storage():
     results = run_ranks(2, _gathers, timeout=200)
     want = {p: _single(p) for p in ("fp32", "bf16")}
-    for (stage, precision), r in results[0].items():
+    for (mode, stage, precision), r in results[0].items():
         c = r["checked"]
         assert c and all(x["leaf_is_flat"] and x["shard_small"] for x in c), (stage, precision, c)
-        assert all(x["in_place"] != x["padded"] for x in c), (stage, precision, c)  # only padding gets a buffer
+        if mode == "auto":  # shared memory: no bucket has a buffer of its own, or a rank-major layout
+            assert all(x["in_place"] and not x["rank_major"] for x in c), (stage, precision, c)
+        else:
+            assert all(x["in_place"] != x["padded"] for x in c), (stage, precision, c)  # only padding gets a buffer
         assert any(x["slots"] > 1 and x["in_place"] for x in c), c  # a reordered bucket is exercised
         assert any(x["padded"] for x in c), c  # and a padded one
         tol = 1e-5 if precision == "fp32" else 2e-2
         for a, b in zip(r["losses"], want[precision]):
             assert abs(a - b) <= tol * abs(b), (stage, precision, r["losses"], want[precision])
-    assert results[0][(1, "fp32")]["losses"] == results[1][(1, "fp32")]["losses"]
+    assert results[0][("auto", 1, "fp32")]["losses"] == results[1][("auto", 1, "fp32")]["losses"]
+    for key, r in results[0].items():  # the same bits whichever way the ranks exchange them
+        assert r["losses"] == results[0][("pairwise", *key[1:])]["losses"], key
 
 
 def test_stages_1_and_2_at_their_formula():
