@@ -176,7 +176,8 @@ class Gathered(NamedTuple):
     unit: int  # the largest unit, gathered while it runs
     prefetched: int  # the rest of the units in flight beside it (`prefetch`, over several ranks)
     kept: int  # units `live_buckets` keeps from forward to backward
-    summed: int  # the summed gradient of a bucket several units gather (a tied embedding and head)
+    summed: int  # the summed gradient of a bucket several units gather (a tied embedding and head); in
+    # forward the same bucket's parameters, held from its first use to its last (never both at once)
 
 
 def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int) -> Gathered:
@@ -186,7 +187,8 @@ def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts,
     largest unit and the rest of the worst window (which holds at least the largest unit); the
     units `live_buckets` keeps from forward to backward (at most as many as the buckets it
     leaves room for; the largest, to be safe); the gradient of a bucket several units gather (a
-    tied embedding and head), held from its first use's backward to its last (fz/sharding/uses.py).
+    tied embedding and head), held from its first use's backward to its last (fz/sharding/uses.py),
+    the size of its parameters, which forward holds from their first use to their last.
     At one rank each parameter is copied once to the device, whatever tier its shard is in."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]

@@ -81,10 +81,13 @@ class Gatherer:
         self.kind = "forward"  # what gathers are for now: "recompute" while backward runs (the Runner sets it)
         self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
+        self.users: dict[int, int] = {}  # buckets several units use (a tied embedding and head) -> how many
+        self.held: dict[int, tuple[tuple[Tensor, ...], int]] = {}  # this forward's gathers of those, uses left
 
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
         """Start reading a shard that lives on disk, so its gather finds it in memory."""
-        if isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight:
+        if (isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight
+                and bucket.index not in self.held):
             self.reads[bucket.index] = _READS.submit(shard.load, pooled=True)
 
     def _source(self, bucket: Bucket, shard: Tensor) -> Tensor:
@@ -105,7 +108,7 @@ class Gatherer:
 
     def prefetch(self, bucket: Bucket, shard: Tensor, kind: str | None = None) -> None:
         """Start gathering `bucket` for `kind` (default: what gathers are for now)."""
-        if self.comm.world == 1 or bucket.index in self.inflight:
+        if self.comm.world == 1 or bucket.index in self.inflight or bucket.index in self.held:
             return
         full = self._buffer(bucket, shard.dtype)
         local = self._local(bucket, shard.detach(), kind or self.kind)
@@ -125,7 +128,30 @@ class Gatherer:
         return self.comm.all_gather(full, local, async_op=True)
 
     def gather(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
-        """The bucket's full parameters (a shard on the disk tier is read first)."""
+        """The bucket's full parameters (a shard on the disk tier is read first). A bucket several
+        units use is gathered once a forward, by the first, and held until the last has taken it
+        (DeepSpeed keeps a parameter reused within its `stage3_max_reuse_distance` alike): each
+        use gets views of its own (its own autograd node), no second transfer."""
+        held = self.held.get(bucket.index) if self.kind == "forward" else None
+        if held is not None:
+            outs, left = held
+            if left > 1:
+                self.held[bucket.index] = (outs, left - 1)
+            else:
+                del self.held[bucket.index]
+            views = tuple(t.view_as(t) for t in outs)
+            self.live.track(views, bucket.full_numel)  # (the held ones are let go: one bucket, counted once)
+            return views
+        outs = self._gathered(bucket, shard)
+        if self.kind == "forward" and self.users.get(bucket.index, 1) > 1:
+            self.held[bucket.index] = (outs, self.users[bucket.index] - 1)
+        return outs
+
+    def end_forward(self) -> None:
+        """Let go of what a forward held for uses that did not come (a unit not called)."""
+        self.held.clear()
+
+    def _gathered(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
         if self.comm.world == 1:  # each parameter copied once, from wherever the shard lives, to the device
             src = self._source(bucket, shard)
             self._count_up(self.kind, bucket.full_numel * src.element_size())
@@ -144,6 +170,7 @@ class Gatherer:
         return outs
 
     def close(self) -> None:
+        self.held.clear()
         for _index, (_, work, numel) in list(self.inflight.items()):
             work.wait()
             self.live.release(numel)  # prefetched, never used: no longer alive

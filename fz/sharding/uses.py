@@ -1,7 +1,8 @@
 """One gradient per gathered bucket and micro-batch: the sum over every gather of it.
 
-At stage 3 a bucket is gathered once per use: a parameter the embedding and the LM head
-share is gathered by each (fz/model/leaves.py), a block called twice is gathered twice.
+At stage 3 each use of a bucket has a gather of its own: a parameter the embedding and the
+LM head share is gathered once a forward and each gets views of it (fz/sharding/gather.py),
+a block called twice is gathered twice.
 Each gather's backward gives the bucket's gradient from that use. Reduce-scattering each
 and adding the shards would add the ranks' terms in another order than the one tensor
 used twice that autograd sums (and than stages 0-2 do), so the runner counts a bucket's

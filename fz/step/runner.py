@@ -5,13 +5,15 @@ storage for replicated buckets, a just-in-time all-gather for sharded ones (whos
 saved-for-backward copies are markers, so the gathered tensors die with the unit's
 forward and are gathered again for its backward: see fz/sharding/gather.py). The root's
 own buckets are gathered when the model's forward starts and held until backward ends;
-a bucket several units use (a tied embedding and head) is gathered by each, and its
-gradient is passed on once, the sum over its uses (fz/sharding/uses.py).
+a bucket several units use (a tied embedding and head) is gathered once a forward and held
+until its last user has run, and its gradient is passed on once, the sum over its uses
+(fz/sharding/uses.py).
 """
 from __future__ import annotations
 
 import fnmatch
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +77,7 @@ class Runner:
         self.root_tensors: dict[str, Tensor] = {}
         self.read_tensors: dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
         self.gatherer = Gatherer(comm, self.live)
+        self.gatherer.users = shared_buckets(self.unit_buckets)
         self.saver: ParamSaver | None = ParamSaver(self.gatherer, self._on_regather)  # None once disposed
         self.uses = GradUses(grad_sink) if grad_sink is not None else None
         self.backward_seen: set = set()
@@ -212,6 +215,7 @@ class Runner:
                 return self._run_unit(0, args, kwargs)
         finally:
             self.read_tensors = {}
+            self.gatherer.end_forward()
 
     def inside(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn` (the forward of a submodule its caller runs directly, as HF's generate runs an
@@ -223,6 +227,7 @@ class Runner:
                 return fn(*args, **kwargs)
         finally:
             self.read_tensors = {}
+            self.gatherer.end_forward()
 
     def backward(self, loss: Tensor) -> None:
         """`loss.backward()` with unit calls still going to this runner (a checkpoint around blocks
@@ -277,6 +282,12 @@ def unit_buckets(skel: Skeleton, buckets: Sequence[Bucket]) -> list[list[Bucket]
         mine = {where[c].index: where[c] for _, c in unit.params if where[c].unit != 0}
         out.append(sorted(mine.values(), key=lambda b: b.index))
     return out
+
+
+def shared_buckets(unit_buckets: Sequence[Sequence[Bucket]]) -> dict[int, int]:
+    """Sharded buckets that more than one unit gathers (a tied embedding and head) -> how many."""
+    users = Counter(b.index for ub in unit_buckets[1:] for b in ub if b.sharded_param)
+    return {i: n for i, n in users.items() if n > 1}
 
 
 def keep_budget(live_buckets: int, prefetch: int, root: int, widest: int, fetches_root: bool) -> int:
