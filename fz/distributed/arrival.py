@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from fz.distributed import peers
+from fz.distributed import beats, peers
 from fz.errors import ConfigError
 
 STUCK_S = 2.0  # a missing rank waiting this long in another collective will not come
@@ -66,8 +66,8 @@ def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]
         missing = [r for r, k in zip(ranks, keys) if not peers.call(lambda k=k: store.check([k]))]  # type: ignore[misc]
         if not missing:
             return
-        doings = peers.published(missing)
-        lost = [r for r in peers.stopped(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
+        doings = beats.published(missing)
+        lost = [r for r in beats.stopped(missing, seen) if not doings.get(r, "").startswith(peers.EXITED)]
         if lost:
             _calls[ident] -= 1
             raise peers.lost_error(f"{peers.activity()}: {api} waited for rank(s) {lost} to call it too", lost)
@@ -75,7 +75,7 @@ def _wait_for_all(store: dist.Store, api: str, ident: tuple[str, tuple[int, ...]
         if crashed:  # it did not skip the call: its script died of an error (no advice about `if rank == 0:`)
             _calls[ident] -= 1
             raise peers.crash_error(f"{peers.activity()}: {api} waited for the other ranks to call it too", crashed)
-        stuck = {r: d for r, d in doings.items() if peers.stuck_for(d) >= STUCK_S}
+        stuck = {r: d for r, d in doings.items() if beats.stuck_for(d) >= STUCK_S}
         exited = {r: d for r, d in doings.items() if d.startswith(peers.EXITED)}
         if stuck or exited or time.monotonic() > deadline:
             peers.call(lambda: store.delete_key(f"{base}/{rank}"))

@@ -24,7 +24,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -383,34 +383,7 @@ def store_for(ranks: Sequence[int]) -> dist.Store | None:
     return beat.store if len(ranks) > 1 and beat is not None and beat.is_alive() else None
 
 
-def published(ranks: Iterable[int]) -> dict[int, str]:
-    """What each of `ranks` last said it was doing (ranks that said nothing are left out)."""
+def heartbeat_store() -> dist.Store | None:
+    """The store this process's heartbeat talks to (None before one starts): fz/distributed/beats.py."""
     beat = _beat
-    if beat is None:
-        return {}
-    store = beat.store
-    return call(lambda: {r: store.get(f"fz/doing/{r}").decode() for r in ranks if store.check([f"fz/doing/{r}"])})
-
-
-def stopped(ranks: Iterable[int], seen: dict[int, tuple[int, float]]) -> list[int]:
-    """The `ranks` whose heartbeat counter has not moved for PROBE seconds, by calls made while
-    waiting for them (`seen`: each one's last counter and since when; StoreDown if the store does
-    not answer). A rank that never beat counts from the first call."""
-    beat = _beat
-    if beat is None:
-        return []
-    store, now, lost = beat.store, time.monotonic(), []
-    counts = call(lambda: {q: store.add(f"fz/hb/{q}", 0) for q in ranks})
-    for r, count in counts.items():
-        last = seen.get(r)
-        if last is None or last[0] != count:
-            seen[r] = (count, now)
-        elif now - last[1] >= PROBE:
-            lost.append(r)
-    return lost
-
-
-def stuck_for(doing_text: str) -> float:
-    """Seconds a published activity says its rank has been waiting for the others (0: not waiting)."""
-    m = re.search(r"\(waiting for other ranks for (\d+) s\)$", doing_text)
-    return float(m.group(1)) if m else 0.0
+    return None if beat is None else beat.store

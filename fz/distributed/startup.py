@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from fz.distributed import peers
+from fz.distributed import beats, peers
 from fz.distributed.storecall import StoreDown, call
 from fz.errors import PeerError
 
@@ -124,8 +124,8 @@ def watched(what: str, fn: Callable[[], T], ranks: Sequence[int], me: int, limit
             if box:
                 break
             try:
-                lost = peers.stopped(others, seen)
-                said = peers.published(others) if time.monotonic() > deadline else {}
+                lost = beats.stopped(others, seen)
+                said = beats.published(others) if time.monotonic() > deadline else {}
             except StoreDown as e:
                 raise peers.store_lost(f"{peers.activity()}: {what}", e) from e
             if lost:
