@@ -194,7 +194,6 @@ class Comm:
         h = Handle([out, inp])
         return _done(h.add(all_gather_single(out, inp, group=self.group, async_op=True)), async_op)
 
-
     def reduce_scatter_params(self, out: Tensor, tensors: Sequence[Tensor | None], bucket: Bucket,
                               async_op: bool = False):
         """out = this rank's rows of the average over ranks of `tensors` (full-shape, one per slot,
@@ -207,15 +206,10 @@ class Comm:
 
     def all_gather_params(self, flat: Tensor, inp: Tensor | None, bucket: Bucket, async_op: bool = False,
                           counted: bool = False):
-        """flat (the bucket's full layout) = every rank's shard `inp`: `all_gather` then
-        `unpack_into`, written in place where the ranks share memory (`counted`: as all_gather).
-        `inp` None: this rank's rows are in `flat` already (ranks that share memory only)."""
-        if self.link is None:
-            assert inp is not None, "a gather of rows in place needs a shared-memory link"
-            full = SCRATCH.empty(bucket.padded_numel, inp.dtype, inp.device)
-            h = self.all_gather(full, inp, async_op=True, counted=counted)
-            h.then = lambda: unpack_into(full, bucket, flat)
-            return _done(h, async_op)
+        """Ranks that share memory only (`self.link`): flat (the bucket's full layout) = every
+        rank's shard `inp`, each rank's rows written in place (`all_gather` and `unpack_into` in
+        one); `inp` None: this rank's rows are in `flat` already. `counted`: as all_gather's."""
+        assert self.link is not None, "an all-gather into the parameters' layout needs a shared-memory link"
         if not counted:
             self.bytes["all_gather"] += bucket.padded_numel * flat.element_size()
         rows = rows_by_rank(full_views(flat, bucket), bucket)
