@@ -35,6 +35,8 @@ def parse_args(argv=None):
                    help="cpuadam: DeepSpeedCPUAdam (falls back to torch.optim.AdamW, and says so in RESULT, "
                    "if its op cannot be built); torch: torch.optim.AdamW on the CPU partitions")
     p.add_argument("--no-act-ckpt", action="store_true", help="no activation checkpointing")
+    p.add_argument("--phase-steps", type=int, default=0, help="after the timed steps, this many more with forward, "
+                   "backward and step timed apart (the device synchronised between them)")
     return p.parse_args(argv)
 
 
@@ -170,14 +172,32 @@ def run(a) -> dict:
         print(f"step {i}  loss {losses[-1]:.4f}  {times[-1]:.2f} s", flush=True)
 
     median = statistics.median(times[1:] or times)
+    device_peak, device_reserved_peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    phases = []
+    for _ in range(a.phase_steps):
+        tokens = data[:a.micro].to("cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = lm_loss(engine, tokens)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+        print(f"phases: forward {phases[-1][0]:.3f} s, backward {phases[-1][1]:.3f} s, step {phases[-1][2]:.3f} s",
+              flush=True)
     ru_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = dict(
         impl="deepspeed", deepspeed=deepspeed.__version__, torch=torch.__version__,
         cuda=torch.version.cuda, device=torch.cuda.get_device_name(0), accelerator=get_accelerator()._name,
         params=n, losses=losses, step_times_s=times, median_step_s=median,
         tokens_per_s=a.micro * a.seq / median,
-        device_peak_gb=torch.cuda.max_memory_allocated() / 2**30,
-        device_reserved_peak_gb=torch.cuda.max_memory_reserved() / 2**30,
+        device_peak_gb=device_peak / 2**30, device_reserved_peak_gb=device_reserved_peak / 2**30,
+        phases_s=phases,
         # ru_maxrss: the whole process's peak (init included; VmHWM's reset can lower it on Linux, so
         # the larger of it and the peak read before the reset)
         host_peak_gb=max(ru_peak, init_host_peak) / 2**30,

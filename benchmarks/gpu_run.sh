@@ -2,7 +2,8 @@
 # On a GPU machine with torch preinstalled and no network (the project's lent H100):
 # install what it lacks from .whl/ (torchdata and xxhash, cp312 manylinux; DeepSpeed and its needs for the comparison),
 # then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
-# `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py). Logs go to $OUT (default /tmp/fz-gpu).
+# `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py), `compare`
+# (the two headlines with their diagnostics, as RESULTS.md records them). Logs go to $OUT (default /tmp/fz-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fz-gpu}
@@ -21,6 +22,16 @@ for what in "$@"; do
     smoke) python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 2>&1 | tee "$OUT/smoke.log" ;;
     snapshot) timeout 300 python3 benchmarks/gpu_peak_snapshot.py 2>&1 | tee "$OUT/snapshot.log" ;;
     deepspeed) timeout 480 python3 benchmarks/gpu_offload_deepspeed.py 2>&1 | tee "$OUT/deepspeed.log" ;;
+    # RESULTS.md's headline, fz then DeepSpeed on the same machine, with where the time and memory go:
+    # fz's variants (phases timed apart), its peak's largest blocks, a profile; DeepSpeed's phases
+    compare)
+      python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 \
+        --variants "base;prefetch=0;land=thread;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/smoke.log"
+      timeout 300 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 12 --profile "$OUT/profile" \
+        --variants "base;prefetch=0;widen=device;widen=device,copies=2;widen=device,streams=2;land=thread;land=thread,streams=2,copies=2" \
+        2>&1 | tee "$OUT/fz.log"
+      timeout 240 python3 benchmarks/gpu_offload_deepspeed.py --same-batch --lr 3e-4 --weight-decay 0.01 --steps 4 \
+        --phase-steps 2 2>&1 | tee "$OUT/deepspeed.log" ;;
     *) echo "unknown: $what" ;;
   esac
 done

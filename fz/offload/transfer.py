@@ -30,7 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
+# uploads on a stream of their own, beside the downloads' (both copy engines at once), or one
+# stream for both directions
+SPLIT_DIRECTIONS = False
 _POOLS: dict[tuple, PinnedPool] = {}
 SLAB_BYTES = 256 * 2**20  # the smallest slab state tensors are carved from (a bigger tensor gets a slab its size)
 OPEN_SLABS = 4  # slabs with room kept open for the next tensors
@@ -41,14 +44,14 @@ SLAB_ALIGN = 64
 before_copy: Callable[[torch.cuda.Stream], None] | None = None
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream host<->device copies of `device` run on (None off CUDA)."""
+def copy_stream(device: torch.device, up: bool = False) -> torch.cuda.Stream | None:
+    """The side stream host<->device copies of `device` run on (None off CUDA); `up`: a host->device one's."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = torch.device("cuda", index)
+    key = (torch.device("cuda", index), up and SPLIT_DIRECTIONS)
     if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device=key)
+        _STREAMS[key] = torch.cuda.Stream(device=key[0])
     return _STREAMS[key]
 
 
@@ -62,7 +65,7 @@ class Transfer:
         if cuda is None:
             dst.copy_(src)
             return
-        stream = copy_stream(cuda)
+        stream = copy_stream(cuda, up=dst.is_cuda and not src.is_cuda)
         assert stream is not None  # a CUDA device has one
         stream.wait_stream(torch.cuda.current_stream(cuda))
         if before_copy is not None:
@@ -80,6 +83,36 @@ class Transfer:
             self.event.synchronize()
             self.event = None
         return self.dst
+
+    def done(self) -> bool:
+        """Whether the copy has finished (the host has not waited for it)."""
+        return self.event is None or self.event.query()
+
+
+class Upload:
+    """A host->device copy on the copy stream that the device waits for, not the host: `wait()`
+    makes the current stream wait for the copy's event and returns `dst`. The source is held
+    until the copy is `done()`, so a reused host buffer is not written while it is read."""
+
+    def __init__(self, dst: Tensor, src: Tensor):
+        self.src: Tensor | None = src
+        self.copy = Transfer(dst, src)
+
+    def wait(self) -> Tensor:
+        event = self.copy.event
+        if event is not None:
+            torch.cuda.current_stream(self.copy.dst.device).wait_event(event)
+        return self.copy.dst
+
+    def done(self) -> bool:
+        if self.src is not None and self.copy.done():
+            self.src = None
+        return self.src is None
+
+    def finish(self) -> None:
+        """The host waits for the copy (before its source may change)."""
+        self.copy.wait()
+        self.src = None
 
 
 

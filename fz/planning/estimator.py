@@ -130,7 +130,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers["host"]["io_buffers"] = io
     if sums:
         tiers["host"]["checksums"] = sums
-    g = _gather(spec, buckets, el, counts, shards)
+    g = _gather(spec, buckets, el, counts, shards, params_off=policy is not None and policy.params != "device")
     update = (0, 0) if host_grads else _grads_update(buckets, el, mixed, shards, spec)
     return Estimate(
         world_size,
@@ -180,7 +180,8 @@ class Gathered(NamedTuple):
     # forward the same bucket's parameters, held from its first use to its last (never both at once)
 
 
-def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int) -> Gathered:
+def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts, shards: int,
+            params_off: bool = False) -> Gathered:
     """Stage 3 (fz/step/runner.py): the root's own gathered buckets, held for the whole step;
     the units in flight: the running one and, over several ranks, the `prefetch` ones after it
     in call order (taken as the model's order; all of a unit's buckets at once), counted as the
@@ -189,7 +190,8 @@ def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts,
     leaves room for; the largest, to be safe); the gradient of a bucket several units gather (a
     tied embedding and head), held from its first use's backward to its last (fz/sharding/uses.py),
     the size of its parameters, which forward holds from their first use to their last.
-    At one rank each parameter is copied once to the device, whatever tier its shard is in."""
+    At one rank each parameter is copied once to the device, whatever tier its shard is in, and
+    only offloaded shards are prefetched (their uploads; `params_off`)."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]
     units: dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)
@@ -200,7 +202,7 @@ def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts,
             units.setdefault(u, []).append(b)
         summed += b.full_numel if b.trainable and len(users) > 1 else 0
     sizes = [sum(b.full_numel for b in units[u]) for u in sorted(units)]
-    running = 1 + (spec.prefetch if shards > 1 else 0)  # one rank has nothing to prefetch
+    running = 1 + (spec.prefetch if shards > 1 or params_off else 0)  # one rank prefetches uploads only
     window = max((sum(sizes[i:i + running]) for i in range(len(sizes))), default=0)
     widest = max((len(bs) for bs in units.values()), default=0)
     kept = max(0, keep_budget(spec.live_buckets, spec.prefetch, len(root), widest, counts.fetches_root))

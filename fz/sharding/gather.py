@@ -12,13 +12,16 @@ are saved as usual: nothing is recomputed.
 Where the shards live off the device (offloaded parameters, `Comm.params_off`), each gather
 starts with this rank's shard crossing up (the whole bucket with one rank): counted in
 `comm.h2d` by what the gather is for, "forward" or "recompute" (backward's gathers, and
-those prefetched for it), where the copy is issued.
+those prefetched for it), where the copy is issued. With one rank a prefetch is that upload
+alone, queued on the copy stream (`Uploader`): it runs beside the running unit's kernels,
+and the device, not the host, waits for it.
 """
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -69,15 +72,34 @@ class LiveCounter:
             weakref.finalize(t, release)
 
 
+class Upload(Protocol):
+    """A host->device copy in flight (fz/offload/transfer.py's): `wait` makes the device wait
+    for it and returns the destination; `done`, whether its source may be let go; `finish`,
+    the host waits for it."""
+
+    def wait(self) -> Tensor: ...
+
+    def done(self) -> bool: ...
+
+    def finish(self) -> None: ...
+
+
+Uploader = Callable[[Tensor, Tensor], Upload]  # (device buffer, host source) -> the copy, started
+
+
 class Gatherer:
     """A step's all-gathers of sharded buckets: on demand, or prefetched asynchronously.
 
     Prefetch decisions depend only on the model's call order (the same on every rank),
-    so every rank issues the same collectives in the same order.
+    so every rank issues the same collectives in the same order. With one rank there is
+    nothing to gather: a prefetch uploads an offloaded shard (`uploader`) ahead of use.
     """
 
-    def __init__(self, comm: Comm, live: LiveCounter):
-        self.comm, self.live = comm, live
+    def __init__(self, comm: Comm, live: LiveCounter, uploader: Uploader | None = None):
+        self.comm, self.live, self.uploader = comm, live, uploader
+        # one rank: bucket index -> (device buffer, its upload, elements)
+        self.uploading: dict[int, tuple[Tensor, Upload, int]] = {}
+        self.uploads: list[Upload] = []  # used, maybe still copying: their sources are held until done
         self.kind = "forward"  # what gathers are for now: "recompute" while backward runs (the Runner sets it)
         self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
@@ -87,7 +109,7 @@ class Gatherer:
     def read_ahead(self, bucket: Bucket, shard: Tensor) -> None:
         """Start reading a shard that lives on disk, so its gather finds it in memory."""
         if (isinstance(shard, DiskTensor) and bucket.index not in self.reads and bucket.index not in self.inflight
-                and bucket.index not in self.held):
+                and bucket.index not in self.uploading and bucket.index not in self.held):
             self.reads[bucket.index] = _READS.submit(shard.load, pooled=True)
 
     def _source(self, bucket: Bucket, shard: Tensor) -> Tensor:
@@ -107,8 +129,17 @@ class Gatherer:
             self.comm.h2d[kind] += nbytes
 
     def prefetch(self, bucket: Bucket, shard: Tensor, kind: str | None = None) -> None:
-        """Start gathering `bucket` for `kind` (default: what gathers are for now)."""
-        if self.comm.world == 1 or bucket.index in self.inflight or bucket.index in self.held:
+        """Start gathering `bucket` for `kind` (default: what gathers are for now); with one rank,
+        uploading its offloaded shard."""
+        if bucket.index in self.inflight or bucket.index in self.uploading or bucket.index in self.held:
+            return
+        if self.comm.world == 1:
+            if self.uploader is not None and self.comm.params_off:
+                src = self._source(bucket, shard.detach())
+                self._count_up(kind or self.kind, src.numel() * src.element_size())
+                full = self._device_buffer(src)
+                self.uploading[bucket.index] = (full, self.uploader(full, src), bucket.full_numel)
+                self.live.acquire(bucket.full_numel)
             return
         full = self._buffer(bucket, shard.dtype)
         local = self._local(bucket, shard.detach(), kind or self.kind)
@@ -151,11 +182,24 @@ class Gatherer:
         """Let go of what a forward held for uses that did not come (a unit not called)."""
         self.held.clear()
 
+    def _device_buffer(self, src: Tensor) -> Tensor:
+        return SCRATCH.empty(src.numel(), src.dtype, self.comm.device)
+
     def _gathered(self, bucket: Bucket, shard: Tensor) -> tuple[Tensor, ...]:
-        if self.comm.world == 1:  # each parameter copied once, from wherever the shard lives, to the device
-            src = self._source(bucket, shard)
-            self._count_up(self.kind, bucket.full_numel * src.element_size())
-            outs = tuple(t.to(self.comm.device, non_blocking=True, copy=True) for t in unpack(src, bucket))
+        if self.comm.world == 1:  # the bucket copied once, from wherever the shard lives, to the device
+            self.uploads = [u for u in self.uploads if not u.done()]
+            if bucket.index in self.uploading:
+                full, upload, _ = self.uploading.pop(bucket.index)
+                upload.wait()
+                self.uploads.append(upload)
+                self.live.release(bucket.full_numel)
+            else:
+                src = self._source(bucket, shard)
+                self._count_up(self.kind, bucket.full_numel * src.element_size())
+                if self.comm.params_off:
+                    self.live.unprefetched += 1
+                full = self._device_buffer(src).copy_(src, non_blocking=True)
+            outs = tuple(unpack(full, bucket))
         else:
             if bucket.index in self.inflight:
                 full, work, _ = self.inflight.pop(bucket.index)
@@ -175,6 +219,13 @@ class Gatherer:
             work.wait()
             self.live.release(numel)  # prefetched, never used: no longer alive
         self.inflight.clear()
+        for _, upload, numel in self.uploading.values():
+            upload.finish()  # its source (a parameter shard) may change next
+            self.live.release(numel)
+        self.uploading.clear()
+        for upload in self.uploads:
+            upload.finish()
+        self.uploads.clear()
         for read in self.reads.values():
             read.exception()  # a read nobody used: let it finish (its error, if any, is not this step's)
         self.reads.clear()

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from fz.errors import ConfigError
 from fz.model.skeleton import Skeleton
 from fz.model.standin import running
+from fz.offload.transfer import Upload
 from fz.sharding.buckets import Bucket
 from fz.sharding.comm import Comm
 from fz.sharding.gather import Gatherer, LiveCounter, ParamSaver, gather_bucket
@@ -76,7 +77,7 @@ class Runner:
         self.kept: set = set()  # units whose gathered buckets this forward keeps for backward
         self.root_tensors: dict[str, Tensor] = {}
         self.read_tensors: dict[str, Tensor] = {}  # root leaves' parameters this forward read outside their call
-        self.gatherer = Gatherer(comm, self.live)
+        self.gatherer = Gatherer(comm, self.live, Upload)  # one rank: offloaded shards' uploads on the copy stream
         self.gatherer.users = shared_buckets(self.unit_buckets)
         self.saver: ParamSaver | None = ParamSaver(self.gatherer, self._on_regather)  # None once disposed
         self.uses = GradUses(grad_sink) if grad_sink is not None else None
@@ -98,7 +99,11 @@ class Runner:
         return [t.view(s.shape) for s, t in zip(b.slots, leaf.split([s.numel for s in b.slots]))]
 
     def _on_regather(self, b: Bucket, unit: int) -> None:
-        """Backward reached `unit`: start gathering the unit before it."""
+        self._backward_reached(unit)
+
+    def _backward_reached(self, unit: int) -> None:
+        """Backward reached `unit` (a marker unpacked, or its checkpoint recomputing it): start
+        gathering the unit before it."""
         if unit not in self.backward_seen:
             self.backward_seen.add(unit)
             self._prefetch_units(unit, -1)
@@ -171,6 +176,8 @@ class Runner:
         return self.cast_copies[c][0]
 
     def _run_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        if self.in_backward and self.checkpointed[index]:
+            self._backward_reached(index)  # its recompute: the unit before it is next
         module, tensors = self.skel.units[index].module, self._unit_args(index)
         if self.compiled:
             return self.compiled[index](module, tensors, args, kwargs)
@@ -191,7 +198,10 @@ class Runner:
         if self.checkpointed[index] and torch.is_grad_enabled():
             # activation checkpointing around the functional call (never inside the module):
             # the unit, its gather included, runs again in backward
-            return checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
+            out = checkpoint(self._run_unit, index, args, kwargs, use_reentrant=False)
+            if self.order and index == self.order[-1]:
+                self._prefetch_units(index, 0, "recompute")  # its recompute comes first: gathered while the loss runs
+            return out
         n = self.sharded[index]
         if not (n and torch.is_grad_enabled()):
             return self._run_unit(index, args, kwargs)

@@ -63,6 +63,7 @@ def _checks(rank, world):
                  offload=fz.offload.cpu(params=True))
         state, reports = _steps(fz.init(_untied(), s), rank, world)
         out["stage3", precision, ac, reduce] = (reports, _buckets(state, rank))
+        out["unprefetched", precision, ac, reduce] = int(state.metrics["unprefetched"])
     s = spec(3, 2, precision="bf16", offload=fz.offload.cpu(params=True))
     state, reports = _steps(fz.init(_untied(), s), rank, world, steps=1, accum=2)
     out["accum2"] = (reports, _buckets(state, rank))
@@ -103,6 +104,17 @@ def test_stage3_offloaded_params_cross_once_each_way(runs, case):
         for h2d, d2h in reports:  # every step alike: the counts are the step's, not a running sum
             assert h2d == {"forward": forward, "recompute": recompute}, (rank, h2d)
             assert d2h == {"grads": grads}, (rank, d2h)
+
+
+@pytest.mark.parametrize("case", STAGE3, ids=lambda c: f"{c[0]}-ac{int(c[1])}-reduce{c[2] or 'fp32'}")
+def test_every_upload_but_the_first_is_prefetched(runs, case):
+    """Once a step has learned the call order, each offloaded shard's transfer is in flight
+    before its unit runs (at one rank the upload alone, on the copy stream), for the forward
+    and for backward, recomputed blocks (activation checkpointing) too. This GPT's root holds
+    no parameter of its own (its leaves are units): the first unit's starts as the root runs."""
+    _, results = runs
+    for res in results:
+        assert res[("unprefetched", *case)] == 0
 
 
 def test_micro_batches_each_move_their_own(runs):

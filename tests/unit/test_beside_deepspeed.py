@@ -114,8 +114,10 @@ def test_every_term_is_deepspeeds_or_a_named_extra(case, stage, offload):
 def test_the_extras_of_the_two_cases():
     """What fz holds beyond DeepSpeed's 4·L with parameters and optimizer on the CPU: for the 7B Llama on
     8 GPUs a whole decoder block (202.4M) gathered, not one module (its embedding, 131.1M), the next block
-    prefetched, and the fp32 reduce-scatter buffers; for T0_3B on one GPU only the gradient of the
-    embedding encoder and decoder share, summed until its last use."""
+    prefetched, and the fp32 reduce-scatter buffers; for T0_3B on one GPU the gradient of the
+    embedding encoder and decoder share, summed until its last use, and the next unit's upload in
+    flight (one GPU prefetches the uploads of offloaded parameters: the window beside the embedding
+    holds another 65.8M-parameter unit, its head)."""
     spec = fz.Spec(stage=3, precision="bf16", offload=fz.offload.cpu(params=True))
     block, layer = 202_383_360, 131_072_000
     side = fz.estimate(llama_7b(), spec=spec, world_size=8).beside_deepspeed()
@@ -126,15 +128,18 @@ def test_the_extras_of_the_two_cases():
     assert set(extras) <= {"the model's buffers"}  # Llama's rotary table: 256 bytes
     side = fz.estimate(t0_3b(), spec=spec, world_size=1).beside_deepspeed()
     assert {t.name: t.fz for t in side.gpu if t.deepspeed is None} == {
-        "summed gradient of a weight several units share": 2 * 65_798_144}
+        "summed gradient of a weight several units share": 2 * 65_798_144, "prefetched units": 2 * 65_798_144}
 
 
 def test_raw_counts_on_one_gpu_are_deepspeeds_figure():
     """Given DeepSpeed's own inputs (each layer one unit, nothing shared), fz's per-GPU figure with
-    parameters and optimizer on the CPU is DeepSpeed's 4·L: one layer gathered, one gradient copied."""
+    parameters and optimizer on the CPU is DeepSpeed's 4·L (one layer gathered, one gradient copied)
+    and the next layer's upload in flight, 2·L; without prefetch exactly DeepSpeed's."""
     for psi, layer in ((2_783_000_000, 65_000_000), (2_849_757_184, 65_798_144)):
-        est = fz.estimate((psi, layer), stage=3, precision="bf16", offload=fz.offload.cpu(params=True))
-        assert est.per_device == ds_zero3(psi, layer, 1, 1, True, True)[1] == 4 * layer
+        spec = fz.Spec(stage=3, precision="bf16", offload=fz.offload.cpu(params=True))
+        est = fz.estimate((psi, layer), spec=spec)
+        assert est.per_device == ds_zero3(psi, layer, 1, 1, True, True)[1] + 2 * layer == 6 * layer
+        assert fz.estimate((psi, layer), spec=spec.replace(prefetch=0, live_buckets=2)).per_device == 4 * layer
         assert est.per_host == 18 * psi  # DeepSpeed's 18·Ψ before its 1.5 factor
 
 
