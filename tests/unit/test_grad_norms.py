@@ -56,3 +56,25 @@ def test_a_gradient_too_large_for_an_fp32_norm_counts_as_non_finite():
     """Its norm overflows, so clipping could not scale it: the step skips (or raises) instead."""
     grads = {"a": torch.full((4,), 3e19), "b": torch.ones(2)}
     assert int(GradNorms(grads, set(), 1).first_nonfinite()) == 1
+
+
+def test_host_norms_on_several_threads_are_foreach_norms_bits():
+    """Large host tensors' norms run side by side on threads (fz/optim/norms.py): each is still one
+    vector_norm of the whole tensor, so the values are torch._foreach_norm's, bit for bit, in order."""
+    from fz.optim.norms import PARALLEL_MIN, norms
+    g = torch.Generator().manual_seed(0)
+    sizes = [(3 * PARALLEL_MIN + 5, 1.0), (7, 2.0), (PARALLEL_MIN, 1e-3), (2 * PARALLEL_MIN, 1e3), (0, 1.0)]
+    tensors = [torch.randn(n, generator=g) * s for n, s in sizes]
+    tensors.append(torch.randn(4 * PARALLEL_MIN, generator=g)[::2])  # a strided view
+    tensors.append(torch.full((PARALLEL_MIN,), float("inf")))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            got = norms(tensors)
+            want = torch._foreach_norm(tensors, 2)
+            assert len(got) == len(want)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    finally:
+        torch.set_num_threads(threads)
+    assert norms([]) == []
