@@ -19,6 +19,7 @@ from fz.model.materialize import InitialValues, module_seed
 from fz.model.signature import signature
 from fz.model.skeleton import bucket_entries, build_skeleton
 from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, param_to_disk
+from fz.optim import kernel
 from fz.optim.transforms import current_lr
 from fz.rng import seeded
 from fz.sharding.buckets import Bucket, make_buckets
@@ -69,6 +70,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
     shards = mesh.size(mesh.ndim - 1)
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))
+    offload = spec.offload if spec.offload is not None and spec.offload.active else None
+    if spec.precision != "fp32" and (device.type == "cpu" or (offload is not None and offload.optimizer != "device")):
+        kernel.prepare()  # the host update's kernel compiles while the state is built (fz/optim/kernel.py)
     check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     connect(plan)  # ranks of one host share memory for their collectives (a collective itself)
     comm = Comm(plan)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from fz.optim.base import GradientTransformation, Params, cast_into, chain, lr_at, owned
 from fz.optim.kernel import adamw_
@@ -39,10 +40,14 @@ class _FusedAdamW(GradientTransformation):
     weight_decay: float
 
     def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, cast: Params | None = None,
-             **extra: Any) -> tuple:
+             grad_mul: Tensor | None = None, **extra: Any) -> tuple:
+        """`grad_mul`: the gradients are multiplied by it first (the clip's factor): in the host
+        kernel's own pass, else in place before torch's."""
         keys = list(grads)
         tensors = [*(params[k] for k in keys), *(grads[k] for k in keys)]
         if not tensors or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
+            if grad_mul is not None:
+                torch._foreach_mul_(list(grads.values()), grad_mul)
             return GradientTransformation.step(self, grads, state, params, donate=donate, cast=cast, **extra)
         adam, decay, lr_state = state
         mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
@@ -52,8 +57,10 @@ class _FusedAdamW(GradientTransformation):
         if step.device.type == "cpu":  # the host: the kernel that also writes `cast` in its pass
             adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, step, lr=value, beta1=self.betas[0],
                    beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
-                   cast=[(cast or {}).get(k) for k in keys])
+                   cast=[(cast or {}).get(k) for k in keys], grad_mul=grad_mul)
         else:
+            if grad_mul is not None:
+                torch._foreach_mul_([grads[k] for k in keys], grad_mul)
             torch._fused_adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, [],
                                 [step] * len(keys), lr=value, beta1=self.betas[0], beta2=self.betas[1],
                                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)

@@ -73,12 +73,19 @@ def cast_into(cast: Params, params: Params) -> None:
 
 
 def step_casting(tx: GradientTransformation, grads: Params, state: Any, params: Params, cast: Params,
-                 **extra: Any) -> Any:
+                 grad_mul: Tensor | None = None, **extra: Any) -> Any:
     """`tx.step`, with the updated `params` cast into `cast` (in the update's pass where `tx` can);
-    a transformation whose own `step` takes no `cast` gets the copy after it."""
+    a transformation whose own `step` takes no `cast` gets the copy after it. `grad_mul` (a 0-d
+    tensor: the clip's factor) multiplies the gradients first: inside `tx.step` where it takes
+    one (the host AdamW kernel's pass), else in place before it. The gradients are donated."""
+    if grad_mul is not None:
+        if _takes(type(tx).step, "grad_mul"):
+            extra["grad_mul"] = grad_mul
+        else:
+            torch._foreach_mul_(list(grads.values()), grad_mul)
     if not cast:
         return tx.step(grads, state, params, **extra)
-    if _takes_cast(type(tx).step):
+    if _takes(type(tx).step, "cast"):
         return tx.step(grads, state, params, cast=cast, **extra)
     state = tx.step(grads, state, params, **extra)
     cast_into(cast, params)
@@ -86,8 +93,8 @@ def step_casting(tx: GradientTransformation, grads: Params, state: Any, params: 
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_cast(step: Callable[..., Any]) -> bool:
-    return "cast" in inspect.signature(step).parameters
+def _takes(step: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(step).parameters
 
 
 def owned(tensors: list[Tensor], donate: bool) -> list[Tensor]:

@@ -9,7 +9,8 @@
 //
 // The arithmetic is torch's fused CPU AdamW (torch._fused_adamw_ on float tensors: AdamW mode, no
 // amsgrad, maximize or grad scale) operation for operation, in the same at::vec operations: the
-// same roundings, so the same bits. The element ranges are torch's too: at::parallel_for over
+// same roundings, so the same bits. `grad_mul` (the clip's factor, a float) multiplies each gradient
+// as it is read: the one fp32 rounding of `grad.mul_(factor)` before the step, without its pass. The element ranges are torch's too: at::parallel_for over
 // 64-byte units, and only whole vectors here; the caller hands the last numel % vec_size elements
 // of a tensor (which torch computes in scalar code) to torch itself.
 #include <ATen/Parallel.h>
@@ -48,7 +49,7 @@ extern "C" int fz_vec_size() { return Vec::size(); }
 // `step` is the step count as torch reads it (a float, widened).
 extern "C" void fz_adamw_bf16(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                               uint16_t* out, int64_t n, double lr, double beta1, double beta2,
-                              double weight_decay, double eps, double step) {
+                              double weight_decay, double eps, double step, double grad_mul) {
   // the scalars as torch derives them: in double, then each rounded once to float
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2_sqrt = std::sqrt(1 - std::pow(beta2, step));
@@ -63,6 +64,8 @@ extern "C" void fz_adamw_bf16(float* param, const float* grad, float* exp_avg, f
   const Vec bc2_sqrt = Vec(float(bias_correction2_sqrt));
   const Vec eps_v = Vec(float(eps));
   const Vec neg_step = Vec(float(-step_size));
+  const bool scaled = grad_mul != 1.0;
+  const Vec gmul = Vec(float(grad_mul));
   const bool stream = reinterpret_cast<uintptr_t>(out) % (Vec::size() * sizeof(uint16_t)) == 0;
   at::parallel_for(0, (n + kUnit - 1) / kUnit, 0, [=](int64_t begin, int64_t end) {
     begin *= kUnit;
@@ -81,7 +84,8 @@ extern "C" void fz_adamw_bf16(float* param, const float* grad, float* exp_avg, f
         _mm_prefetch(reinterpret_cast<const char*>(v + d + kAhead), _MM_HINT_T0);
       }
       Vec pv = Vec::loadu(p + d);
-      const Vec gv = Vec::loadu(g + d);
+      Vec gv = Vec::loadu(g + d);
+      if (scaled) gv = gv * gmul;
       if (decay) pv = pv * keep;
       Vec mv = Vec::loadu(m + d);
       mv = at::vec::fmadd(lerp_coeff, gv - mv, Vec::blendv(gv, mv, small));

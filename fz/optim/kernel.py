@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -91,9 +92,27 @@ def _build(cxx: str, capability: str) -> Path:
     return lib
 
 
-@functools.lru_cache(maxsize=1)
+_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-kernel-build")
+_READY: Future | None = None  # the build `prepare` started
+
+
+def prepare() -> None:
+    """Start building and loading the kernel in the background: fz.init calls it where the update
+    will run on the host, so its compile (seconds) overlaps the init instead of the first step."""
+    global _READY
+    if _READY is None and enabled():
+        _READY = _BUILDER.submit(_load)
+
+
 def _library() -> tuple[ctypes.CDLL, int] | None:
     """(the loaded kernel, its vector size), or None where it cannot run here (`why_not` says why)."""
+    if _READY is not None:
+        return _READY.result()
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL, int] | None:
     global why_not
     capability = torch.backends.cpu.get_cpu_capability()
     cxx = compiler()
@@ -108,7 +127,7 @@ def _library() -> tuple[ctypes.CDLL, int] | None:
         _log.warning("fz: the one-pass host AdamW kernel %s; the update casts the parameters in a second pass "
                      "(same results, slower)", why_not)
         return None
-    lib.fz_adamw_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_double] * 6
+    lib.fz_adamw_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_double] * 7
     lib.fz_adamw_bf16.restype = None
     found = (lib, int(lib.fz_vec_size()))
     if not _agrees(found):
@@ -121,20 +140,24 @@ def _library() -> tuple[ctypes.CDLL, int] | None:
 
 def adamw_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
            exp_avg_sqs: Sequence[Tensor], step: Tensor, *, lr: float, beta1: float, beta2: float,
-           weight_decay: float, eps: float, cast: Sequence[Tensor | None] | None = None) -> None:
-    """torch._fused_adamw_ over the lists (in place), then each `params[i]` cast into `cast[i]`
-    (None: not cast): in one pass where the kernel runs, else torch's kernel and a cast copy."""
+           weight_decay: float, eps: float, cast: Sequence[Tensor | None] | None = None,
+           grad_mul: Tensor | None = None) -> None:
+    """`torch._foreach_mul_(grads, grad_mul)` (the clip's factor, a 0-d fp32 tensor; None: none), then
+    torch._fused_adamw_ over the lists (in place), then each `params[i]` cast into `cast[i]` (None:
+    not cast): in one pass where the kernel runs, else torch's kernels and a cast copy. The
+    gradients are the caller's to drop: what they hold afterwards is not defined."""
     cast = list(cast) if cast is not None else [None] * len(params)
     wanted = enabled() and any(c is not None and _fits(c, p) for c, p in zip(cast, params))
     _run(_library() if wanted else None, params, grads, exp_avgs, exp_avg_sqs, step, cast,
-         dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps))
+         dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps), grad_mul)
 
 
 def _run(found: tuple[ctypes.CDLL, int] | None, params: Sequence[Tensor], grads: Sequence[Tensor],
          exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], step: Tensor, cast: list[Tensor | None],
-         hyper: dict[str, float]) -> None:
+         hyper: dict[str, float], grad_mul: Tensor | None = None) -> None:
     rest: list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]] = []
     count = float(step.item()) if found is not None else 0.0  # torch's kernel reads the step as a float
+    mul = float(grad_mul.item()) if found is not None and grad_mul is not None else 1.0  # an fp32 value, exact
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, cast):
         if found is None or c is None or not _fits(c, p, g, m, v):
             rest.append((p, g, m, v, c))
@@ -143,12 +166,15 @@ def _run(found: tuple[ctypes.CDLL, int] | None, params: Sequence[Tensor], grads:
         n = p.numel()
         whole = n - n % width
         lib.fz_adamw_bf16(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), whole,
-                          hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["weight_decay"], hyper["eps"], count)
+                          hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["weight_decay"], hyper["eps"], count,
+                          mul)
         if whole < n:  # the last partial vector: torch's scalar code, as in its own call
             tail = [t.view(-1)[whole:] for t in (p, g, m, v, c)]
             rest.append((tail[0], tail[1], tail[2], tail[3], tail[4]))
     if rest:
         ps, gs, ms, vs, cs = (list(x) for x in zip(*rest))
+        if grad_mul is not None:
+            torch._foreach_mul_(gs, grad_mul)
         torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=hyper["lr"], beta1=hyper["beta1"],
                             beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
                             amsgrad=False, maximize=False)
@@ -166,11 +192,12 @@ def _fits(out: Tensor, *tensors: Tensor) -> bool:
 
 def _agrees(found: tuple[ctypes.CDLL, int]) -> bool:
     """The kernel against torch's fused AdamW and cast on random values (tails, decay and none,
-    both lerp branches, three steps): every bit of masters, moments and bf16 parameters equal."""
+    both lerp branches, a clip's factor and none, three steps): every bit of masters, moments and
+    bf16 parameters equal."""
     lib, width = found
     gen = torch.Generator().manual_seed(0)
     n = 64 * width + width // 2 + 1
-    for beta1, beta2, decay in ((0.9, 0.999, 0.01), (0.3, 0.95, 0.0)):
+    for beta1, beta2, decay, mul in ((0.9, 0.999, 0.01, None), (0.3, 0.95, 0.0, 0.3718)):
         p = torch.randn(n, generator=gen) * torch.logspace(-20, 6, n)
         ref = [p, torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
         got = [t.clone() for t in ref]
@@ -178,8 +205,9 @@ def _agrees(found: tuple[ctypes.CDLL, int]) -> bool:
             g = torch.randn(n, generator=gen) * torch.logspace(-12, 2, n)
             step = torch.tensor(count)
             hyper = dict(lr=1e-3, beta1=beta1, beta2=beta2, weight_decay=decay, eps=1e-8)
-            _run(None, [ref[0]], [g], [ref[1]], [ref[2]], step, [ref[3]], hyper)
-            _run(found, [got[0]], [g], [got[1]], [got[2]], step, [got[3]], hyper)
+            factor = None if mul is None else torch.tensor(mul)
+            _run(None, [ref[0]], [g.clone()], [ref[1]], [ref[2]], step, [ref[3]], hyper, factor)
+            _run(found, [got[0]], [g], [got[1]], [got[2]], step, [got[3]], hyper, factor)
         if not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                                b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
                    for a, b in zip(ref, got)):

@@ -183,10 +183,14 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def clip_factor(norm: Tensor, max_norm: float) -> Tensor:
+    """What clipping to `max_norm` multiplies tensors of global norm `norm` by (torch's clip_grad_norm_)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def scale_to_max_norm(tensors: list[Tensor], norm: Tensor, max_norm: float) -> None:
     """Scale `tensors` in place so that their norm `norm` becomes at most `max_norm` (torch's clip_grad_norm_)."""
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(tensors, coef)
+    torch._foreach_mul_(tensors, clip_factor(norm, max_norm))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

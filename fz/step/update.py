@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 
 from fz.optim.base import global_norm, step_casting
 from fz.optim.norms import norms
-from fz.optim.transforms import scale_to_max_norm
+from fz.optim.transforms import clip_factor
 from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
 from fz.step.grads import GradReducer
@@ -144,8 +144,8 @@ def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Par
     `norms`: the gradients' norms, when the step took them already (its non-finite check);
     `cast`: parameters to receive their updated masters (fz/step/updaters.py: host_casts)."""
     extra = dict(donate=True, norm_sq=norm_sq_fn(comm, sharded), shard_sum=shard_sum_fn(comm, sharded))
-    norm = None
-    if spec.clip_grad_norm is not None:
+    norm, factor = None, None
+    if spec.clip_grad_norm is not None:  # the clip's factor, applied in the update's own pass where it can
         norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
-        scale_to_max_norm(list(grads.values()), norm, spec.clip_grad_norm)
-    return step_casting(spec.optimizer, grads, opt_state, params, cast or {}, **extra), norm
+        factor = clip_factor(norm, spec.clip_grad_norm)
+    return step_casting(spec.optimizer, grads, opt_state, params, cast or {}, factor, **extra), norm
