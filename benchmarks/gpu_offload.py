@@ -127,13 +127,14 @@ def profile_step(state, batch, folder: str, cuda: bool):
 
 def snapshot_step(state, batch, top: int):
     """One step with the allocator's history recorded; its peak's largest live blocks, logged."""
-    from gpu_peak_snapshot import peak_blocks
+    from gpu_peak_snapshot import by_site, peak_blocks
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=500_000)
     state, _ = fz_step(state, batch, True)
     torch.cuda.synchronize()
-    peak, blocks = peak_blocks(torch.cuda.memory._snapshot(), top)
+    peak, alive = peak_blocks(torch.cuda.memory._snapshot(), None)
+    blocks = alive[:top]
     torch.cuda.memory._record_memory_history(enabled=None)
     log.info("snapshot step: max_memory_allocated %.2f GB (%.2f GB above the %.2f GB before it); replayed peak "
              "%.2f GB above the recording's start; its largest blocks:", torch.cuda.max_memory_allocated() / 2**30,
@@ -142,6 +143,9 @@ def snapshot_step(state, batch, top: int):
         frames = [f for f in e["frames"] if "/fz/" in f["filename"] or "/torch/" in f["filename"]][:4]
         log.info("  %8.1f MB  %s", e["size"] / 2**20,
                  " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames))
+    log.info("the peak's %d blocks by where they were made:", len(alive))
+    for site, nbytes, count in by_site(alive)[:2 * top]:
+        log.info("  %8.1f MB in %4d blocks  %s", nbytes / 2**20, count, site)
     return state
 
 

@@ -20,8 +20,8 @@ from gpu_common import add_model_args
 log = logging.getLogger("fz.bench")
 
 
-def peak_blocks(snapshot: dict, top: int) -> tuple[int, list]:
-    """(peak bytes above the recording's start, the `top` largest blocks alive at that peak)."""
+def peak_blocks(snapshot: dict, top: int | None) -> tuple[int, list]:
+    """(peak bytes above the recording's start, the `top` largest blocks alive at that peak; None: all)."""
     cur = peak = 0
     live: dict = {}
     at: dict = {}
@@ -35,6 +35,21 @@ def peak_blocks(snapshot: dict, top: int) -> tuple[int, list]:
             cur -= e["size"]
             del live[e["addr"]]
     return peak, sorted(at.values(), key=lambda e: -e["size"])[:top]
+
+
+def by_site(blocks: list) -> list[tuple[str, int, int]]:
+    """The blocks' bytes by where they were allocated (the innermost fz frame, else torch's, else
+    '(C++: autograd, kernels)'), largest first: [(site, bytes, blocks)]."""
+    sites: dict[str, list[int]] = {}
+    for e in blocks:
+        frames = [f for f in e["frames"] if "/fz/" in f["filename"]] or \
+                 [f for f in e["frames"] if "/torch/" in f["filename"]]
+        site = (f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames
+                else "(C++: autograd, kernels)")
+        acc = sites.setdefault(site, [0, 0])
+        acc[0] += e["size"]
+        acc[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in sites.items()), key=lambda x: -x[1])
 
 
 def main() -> None:
