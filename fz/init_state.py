@@ -18,7 +18,9 @@ from fz.model.leaves import fetches_root
 from fz.model.materialize import InitialValues, module_seed
 from fz.model.signature import signature
 from fz.model.skeleton import bucket_entries, build_skeleton
+from fz.offload.host_grads import reserve_host_grads
 from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, param_to_disk
+from fz.offload.transfer import pool_for
 from fz.optim import kernel
 from fz.optim.transforms import current_lr
 from fz.rng import seeded
@@ -125,6 +127,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
         opt_state = wrap_opt_state(host_tree(spec.optimizer.init(opt_params), pin) if host_opt
                                    else spec.optimizer.init(opt_params), plan)
 
+    if host_opt and device.type == "cuda" and spec.offload is not None and spec.offload.active:
+        # pinning is slow: the step's fp32 host gradients are pinned now, not by the first step
+        reserve_host_grads(pool_for(spec.offload), buckets, plan.shards)
     rng = seeded(module_seed(spec.seed, f"rank{plan.rank}"), plan.device)
     scaler = init_scaler(spec)
     try:

@@ -155,14 +155,25 @@ class HostGrads:
         return t.is_pinned() or (self.device.type != "cuda" and self.owner is not None)
 
 
-def host_grad_bytes(buckets: Sequence[Bucket], shards: int) -> int:
-    """Bytes of the step's fp32 host gradient buffers (what `HostGrads.acc` holds at the update):
-    this rank's shard of each trainable bucket whose gradient or optimizer state is sharded over
-    several ranks, the whole bucket otherwise. memory_report and fz.estimate both count this."""
+def host_grad_numels(buckets: Sequence[Bucket], shards: int) -> list[int]:
+    """Elements of each of the step's fp32 host gradient buffers (what `HostGrads.acc` holds at the
+    update): this rank's shard of each trainable bucket whose gradient or optimizer state is sharded
+    over several ranks, the whole bucket otherwise."""
     from torch.distributed.tensor import Shard
-    n = 0
+    out = []
     for b in buckets:
         if b.trainable:
             sharded = b.sharded_param or isinstance(b.place.grad, Shard) or isinstance(b.place.opt, Shard)
-            n += b.shard_numel if sharded and shards > 1 else b.full_numel
-    return 4 * n
+            out.append(b.shard_numel if sharded and shards > 1 else b.full_numel)
+    return out
+
+
+def host_grad_bytes(buckets: Sequence[Bucket], shards: int) -> int:
+    """Bytes of the step's fp32 host gradient buffers: memory_report and fz.estimate both count this."""
+    return 4 * sum(host_grad_numels(buckets, shards))
+
+
+def reserve_host_grads(pool: PinnedPool, buckets: Sequence[Bucket], shards: int) -> None:
+    """Pin the step's fp32 host gradient buffers now (fz.init on a GPU), at their exact sizes:
+    the first step then finds them in the pool (`PinnedPool.reserve`)."""
+    pool.reserve([(n, torch.float32) for n in host_grad_numels(buckets, shards)])

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +128,23 @@ class PinnedPool:
         self.lock = threading.Lock()  # `keep_only` may run from a finalizer, on any thread
         self.owners: set[int] = set()  # ids of the owners of kept plain buffers (`give`)
 
+    def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
+        """Pin now the buffers a step will take: each (numel, dtype) asked for gets a buffer carved
+        at its exact size from pinned slabs (`Slabs`) to wait in the pool, unless one of that size
+        waits there already, within `max_bytes`. fz.init reserves the step's fp32 host gradients:
+        pinned by the first step, their 11 GB took seconds of it on an H200 host, and torch's
+        allocator rounded each up to a power of two."""
+        if not self.pin:
+            return
+        with self.lock:
+            for (numel, dtype), n in Counter(sizes).items():
+                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                for _ in range(n - len(self.free.get((numel, dtype), []))):
+                    if self.max_bytes is not None and self.pinned_bytes + nbytes > self.max_bytes:
+                        return
+                    self.free.setdefault((numel, dtype), []).append(_slabs().empty(numel, dtype))
+                    self.pinned_bytes += nbytes
+
     def take(self, numel: int, dtype: torch.dtype, pin: bool = True) -> Tensor:
         """A 1-D host buffer of `numel` elements (uninitialised); `pin=False`: never newly pinned."""
         with self.lock:
@@ -193,7 +211,11 @@ class Slabs:
 
     def copy(self, t: Tensor) -> Tensor:
         """A contiguous host copy of `t` in a slab."""
-        nbytes = t.numel() * t.element_size()
+        return self.empty(t.numel(), t.dtype).view(t.shape).copy_(t)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """An uninitialised 1-D host tensor of `numel` elements in a slab."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         size = -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
         fits = [o for o in self.open if o[0].numel() - o[1] >= size]
         if fits:
@@ -205,7 +227,7 @@ class Slabs:
         slab, used = entry
         entry[1] += size
         self.open = sorted(self.open, key=lambda o: o[1] - o[0].numel())[:OPEN_SLABS]  # most room first
-        return slab[used:used + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        return slab[used:used + nbytes].view(dtype)
 
 
 _SLABS: Slabs | None = None  # the process's pinned slabs, made at the first pinned copy
@@ -217,10 +239,14 @@ def pinned_copy(t: Tensor) -> Tensor:
         return t
     if not torch.cuda.is_available():
         return t.to("cpu")
+    return _slabs().copy(t)
+
+
+def _slabs() -> Slabs:
     global _SLABS
     if _SLABS is None:
         _SLABS = Slabs(pin=True)
-    return _SLABS.copy(t)
+    return _SLABS
 
 
 def pool_for(policy: Any) -> PinnedPool:  # an Offload (whose module imports this one)

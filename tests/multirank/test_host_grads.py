@@ -183,3 +183,33 @@ def test_slabs_hold_host_state_at_its_exact_size(monkeypatch):
     assert slabs.slab_bytes <= 1.08 * exact < allocator / 1.25, (slabs.slab_bytes, exact, allocator)
     assert all(t.data_ptr() % transfer.SLAB_ALIGN == 0 for t in out)
     assert transfer.rounded(40 * 2**20 + 1) == 64 * 2**20 and transfer.rounded(4096) == 4096
+
+
+def test_the_step_s_host_gradients_are_pinned_ahead_at_their_exact_size(monkeypatch):
+    """On a GPU fz.init pins the step's fp32 host gradient buffers (pinning 11 GB in the first step
+    took seconds of it): carved from slabs at their exact sizes, waiting in the pool, so the step's
+    `take` of each size finds one and pins nothing. Plain slabs here (no CUDA), the same carving."""
+    from fz.offload import transfer
+    from fz.offload.host_grads import HostGrads, host_grad_numels, reserve_host_grads
+    monkeypatch.setattr(transfer, "_SLABS", transfer.Slabs(pin=False))
+    monkeypatch.setattr(transfer, "SLAB_BYTES", 1 << 16)
+    state = fz.init(make_model(), spec(3, 1, precision="bf16", offload=fz.offload.cpu(params=True)))
+    sizes = host_grad_numels(state.plan.buckets, state.plan.shards)
+    assert len(sizes) == sum(b.trainable for b in state.plan.buckets) and sum(sizes) == sum(
+        p.numel() for p in make_model().parameters())
+    pool = transfer.PinnedPool(pin=False, max_bytes=None)
+    pool.pin = True  # what a CUDA machine's pool is
+    reserve_host_grads(pool, state.plan.buckets, state.plan.shards)
+    assert pool.pinned_bytes == 4 * sum(sizes)  # exact: no power-of-two rounding
+    ready = {t.data_ptr() for bufs in pool.free.values() for t in bufs}
+    reserve_host_grads(pool, state.plan.buckets, state.plan.shards)  # a second state: nothing more
+    assert pool.pinned_bytes == 4 * sum(sizes)
+    host = HostGrads(pool, torch.device("cpu"))
+    for i, n in enumerate(sizes):  # the first step's adds take the reserved buffers
+        host.add(i, torch.randn(n).to(torch.bfloat16))
+    assert {t.data_ptr() for t in host.acc.values()} == ready
+    assert pool.pinned_bytes == 4 * sum(sizes)
+    bounded = transfer.PinnedPool(pin=False, max_bytes=4 * max(sizes))
+    bounded.pin = True
+    bounded.reserve([(n, torch.float32) for n in sizes])  # within the pool's bound only
+    assert bounded.pinned_bytes <= 4 * max(sizes)
