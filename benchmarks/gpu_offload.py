@@ -60,13 +60,13 @@ def phase_times(state, batch, cuda: bool):
 
 def run_variants(state, batch, text: str, steps: int, cuda: bool) -> tuple[object, dict]:
     """Each variant's median step and phases: Spec fields (prefetch=0) or the switches of
-    fz.offload.host_grads (widen=device, copies=2, land=thread) and fz.offload.transfer
+    fz.offload.host_grads (widen=device, copies=2) and fz.offload.transfer
     (streams=2: uploads and downloads on streams of their own), set for its steps only."""
     import dataclasses
 
     from fz.offload import host_grads, transfer
     out, base_spec = {}, state.spec
-    saved = (host_grads.WIDEN, host_grads.MAX_COPIES, host_grads.LAND_ON_THREAD, transfer.SPLIT_DIRECTIONS)
+    saved = (host_grads.WIDEN, host_grads.MAX_COPIES, transfer.SPLIT_DIRECTIONS)
     for variant in [v.strip() for v in text.split(";") if v.strip()]:
         spec_changes = {}
         for setting in [x for x in variant.split(",") if "=" in x]:
@@ -75,8 +75,6 @@ def run_variants(state, batch, text: str, steps: int, cuda: bool) -> tuple[objec
                 host_grads.WIDEN = value
             elif key == "copies":
                 host_grads.MAX_COPIES = int(value)
-            elif key == "land":
-                host_grads.LAND_ON_THREAD = value == "thread"
             elif key == "streams":
                 transfer.SPLIT_DIRECTIONS = value == "2"
             else:
@@ -97,7 +95,7 @@ def run_variants(state, batch, text: str, steps: int, cuda: bool) -> tuple[objec
         out[variant] = {k: statistics.median(r[i] for r in kept)
                         for i, k in enumerate(("step_s", "forward_s", "backward_s", "update_s"))}
         out[variant]["losses"] = [r[4] for r in rows]
-        host_grads.WIDEN, host_grads.MAX_COPIES, host_grads.LAND_ON_THREAD, transfer.SPLIT_DIRECTIONS = saved
+        host_grads.WIDEN, host_grads.MAX_COPIES, transfer.SPLIT_DIRECTIONS = saved
     return state.replace(spec=base_spec), out
 
 

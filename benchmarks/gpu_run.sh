@@ -26,9 +26,9 @@ for what in "$@"; do
     # fz's variants (phases timed apart), its peak's largest blocks, a profile; DeepSpeed's phases
     compare)
       python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 \
-        --variants "base;prefetch=0;land=thread;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/smoke.log"
+        --variants "base;prefetch=0;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/smoke.log"
       timeout 300 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 12 --profile "$OUT/profile" \
-        --variants "base;prefetch=0;widen=device;widen=device,copies=2;widen=device,streams=2;land=thread;land=thread,streams=2,copies=2" \
+        --variants "base;prefetch=0;widen=device;widen=device,copies=2;widen=device,streams=2" \
         2>&1 | tee "$OUT/fz.log"
       timeout 240 python3 benchmarks/gpu_offload_deepspeed.py --same-batch --lr 3e-4 --weight-decay 0.01 --steps 4 \
         --phase-steps 2 2>&1 | tee "$OUT/deepspeed.log" ;;

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -42,11 +41,6 @@ MAX_COPIES = 1  # device-to-host copies in flight beside backward; each holds it
 # where a narrow gradient is widened to fp32: "host" (after its copy: 2 bytes an element on the bus,
 # a host pass) or "device" (before it: 4 bytes, no host pass; the staging buffer is the fp32 one)
 WIDEN: Literal["host", "device"] = "host"
-# where a landed copy is added into its host buffer: on the thread that runs backward, or on a
-# thread of its own (backward goes on; at most MAX_LANDING copies wait there, each in its staging buffer)
-LAND_ON_THREAD = False
-MAX_LANDING = 4
-_LANDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fz-grad-land")  # one: a bucket's adds stay in order
 # elements widened at a time into a 4 MiB scratch before an fp32 add: torch's mixed-dtype add
 # (fp32 += bf16) runs at 3.0 ns an element on one core of the CPU machine, widen-then-add at
 # 0.93-0.97, the same bits (benchmarks/widen.py; RESULTS.md "Where gradients are widened").
@@ -64,7 +58,6 @@ class HostGrads:
         self.owner = owner  # what the pool keeps plain buffers for (the state's plan): `_kept`
         self.acc: dict[int, Tensor] = {}
         self.copies: deque = deque()  # (index, Transfer, staging buffer or None)
-        self.landing: deque[Future] = deque()  # copies being added in on the lander thread (LAND_ON_THREAD)
         self.lent: list[Tensor] = []  # pool buffers held by `acc`, given back by `release`
         self.scratch: Tensor | None = None  # WIDEN_CHUNK fp32 elements, made at the first narrow add
 
@@ -81,14 +74,7 @@ class HostGrads:
         staging = self.pool.take(out.numel(), out.dtype)
         self.copies.append((index, Transfer(staging, out.reshape(-1)), staging))
         while len(self.copies) > MAX_COPIES:
-            index, copy, staging = self.copies.popleft()
-            if not LAND_ON_THREAD:
-                self._land(index, copy, staging)
-                continue
-            copy.wait()  # its device buffer is free; the host's pass runs beside backward
-            self.landing.append(_LANDER.submit(self._land, index, copy, staging))
-            while len(self.landing) > MAX_LANDING:
-                self.landing.popleft().result()
+            self._land(*self.copies.popleft())
 
     def _land(self, index: int, copy: Transfer, staging: Tensor) -> None:
         self._accumulate(index, copy.wait())
@@ -123,8 +109,6 @@ class HostGrads:
 
     def drain(self) -> None:
         """Wait for every copy and add it in: the host buffers are whole when this returns."""
-        while self.landing:  # first: a bucket's adds in the order they came
-            self.landing.popleft().result()
         while self.copies:
             self._land(*self.copies.popleft())
 
