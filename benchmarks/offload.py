@@ -14,7 +14,8 @@ The dd lines write and read a file of the same size with O_DIRECT on the same di
 kernel/user CPU and page faults (getrusage, all threads), the main thread's CPU time ("compute":
 the step runs on the main thread, so this is its compute without I/O waits), wall time and bytes
 of the disk tier's reads/writes, of disk_update and of parameter loads, wall time in collectives,
-and the floor: bytes both ranks moved / dd's O_DIRECT bandwidth (read and written apart).
+and the floor: bytes both ranks moved / dd's O_DIRECT bandwidth (read and written apart); the
+wrappers that time the parts are in benchmarks/offload_timers.py.
 --baseline REF runs the same engine from a temporary worktree of REF too, interleaved:
 
     OMP_NUM_THREADS=1 /work/venv/bin/python benchmarks/offload.py --dir /work/offload-bench --headline \
@@ -27,11 +28,11 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import ROOT, finish, git_state, gpt_config, launch, load_average, markdown, median, report, rss_mb
+from offload_timers import instrument, usage
 
 ENGINES = ["fz2", "fz2-cpu", "fz2-nvme", "fz3", "fz3-cpu", "fz3-nvme", "fz3-nvme-params", "ds2-cpu", "ds3-cpu"]
 
@@ -67,101 +68,6 @@ def headline_model(params: float = 2.5e9, seq: int = 128, dim: int = 3072):
     built on the meta device)."""
     from fz.testing.gpt import GPT
     return GPT(gpt_config(int(params), seq, dim)[0])
-
-
-_TOTALS_LOCK = threading.Lock()
-_DEPTH = threading.local()  # per thread: inside a wrapped collective (its own Handle.wait is not counted again)
-
-
-def _add(totals: dict, key: str, value: float) -> None:
-    with _TOTALS_LOCK:
-        totals[key] = totals.get(key, 0.0) + value
-
-
-def _timed(obj, name: str, totals: dict, key=None, nbytes=None, comm: bool = False) -> None:
-    """Wrap obj.name to add its wall time to totals[name] (the time split of a step; I/O threads too).
-
-    `key(*args)` picks the totals key per call (default `name`); `nbytes(*args)` adds bytes to
-    totals[key + "_bytes"]; `comm` marks a collective: Handle.wait inside it is not counted apart."""
-    fn = getattr(obj, name, None)
-    if fn is None:  # an older fz (--baseline) without it
-        return
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        if comm:
-            _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
-        try:
-            return fn(*a, **k)
-        finally:
-            if comm:
-                _DEPTH.n -= 1
-            what = key(*a, **k) if key else name
-            _add(totals, what, time.perf_counter() - t0)
-            if nbytes:
-                _add(totals, what + "_bytes", nbytes(*a, **k))
-    setattr(obj, name, wrapper)
-
-
-# Comm's methods that run collectives. "comm" is the wall time of these calls (a sync call includes
-# its wait); async ones return a Handle, waited on later: "comm_wait" is the time in Handle.wait
-# outside a wrapped call (any Handle, whoever waits; it includes the pairwise reduce-scatter's sum,
-# run by the wait). Time a collective's data spends in flight while the step computes is in neither.
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_reduce_sum", "replica_mean", "replica_sum",
-               "broadcast_first")
-
-
-def _instrument(totals: dict) -> None:
-    """The step's time split: disk I/O, optimizer update, parameter loads, hashing, collectives."""
-    import fz.step.updaters as updaters
-    import fz.storage.disk as disk
-    try:
-        import fz.storage.checksum as checksum
-    except ImportError:  # before the hashes existed
-        checksum = None
-    _timed(updaters, "disk_update", totals)
-    _timed(disk.DiskTensor, "load", totals)
-    if hasattr(checksum, "_hash"):  # the block hashes of fz/storage/checksum.py, in every I/O thread
-        _timed(checksum, "_hash", totals)
-    try:
-        import fz.storage.io as io
-        # the tier's pool reads/writes (optimizer state; the I/O threads): wall time and bytes
-        _timed(io.IOPool, "_io", totals, key=lambda self, blob, off, buf, write: "pool_write" if write else "pool_read",
-               nbytes=lambda self, blob, off, buf, write: buf.numel() * buf.element_size())
-    except ImportError:
-        pass
-    # every disk read/write (pool + parameter loads/stores), the pread/pwrite and its checksum
-    if hasattr(disk.Blob, "io"):
-        _timed(disk.Blob, "io", totals, key=lambda self, fd, view, off, write: "io_write" if write else "io_read",
-               nbytes=lambda self, fd, view, off, write: len(view))
-    from fz.sharding import comm
-    for name in COLLECTIVES:
-        _timed(comm.Comm, name, totals, key=lambda *a, **k: "comm", comm=True)
-    try:
-        from fz.sharding import settle
-    except ImportError:
-        return
-    wait = getattr(settle.Handle, "wait", None)
-    if wait is None:
-        return
-
-    def timed_wait(self, *a, **k):  # an async collective's wait (also its `then`: the pairwise sum)
-        if getattr(_DEPTH, "n", 0):
-            return wait(self, *a, **k)
-        t0 = time.perf_counter()
-        try:
-            return wait(self, *a, **k)
-        finally:
-            _add(totals, "comm_wait", time.perf_counter() - t0)
-    settle.Handle.wait = timed_wait
-
-
-def _usage() -> dict:
-    """This process's CPU (all threads), page faults, and the main thread's CPU time."""
-    import resource
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return {"user": r.ru_utime, "kernel": r.ru_stime, "minflt": r.ru_minflt, "majflt": r.ru_majflt,
-            "compute": time.thread_time()}
 
 
 def worker(args) -> None:
@@ -201,7 +107,7 @@ def worker(args) -> None:
         spec = fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=args.lr), clip_grad_norm=1.0, precision=args.precision,
                        loss_fn=lm_loss, offload=policy)
         box = {"s": fz.init(model, spec)}
-        _instrument(totals)
+        instrument(totals)
 
         def step(batch):
             box["s"], loss = fz.train_step(box["s"], batch)
@@ -222,12 +128,12 @@ def worker(args) -> None:
     times, losses, splits = [], [], []
     for i in range(args.steps):
         dist.barrier()
-        before, u0 = dict(totals), _usage()
+        before, u0 = dict(totals), usage()
         t0 = time.perf_counter()
         j = 0 if args.same_batch else i
         losses.append(float(step(data[j * args.micro_batch:(j + 1) * args.micro_batch])))
         times.append(time.perf_counter() - t0)
-        u1 = _usage()
+        u1 = usage()
         splits.append({**{k: v - before.get(k, 0.0) for k, v in totals.items()}, **{k: u1[k] - u0[k] for k in u0}})
     # bytes the disk tier moved per step, both ranks (they share the disk): the floor's numerator
     moved = torch.tensor([[s.get(k, 0.0) for k in ("io_read_bytes", "io_write_bytes", "pool_read_bytes",
