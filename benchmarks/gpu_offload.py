@@ -62,10 +62,19 @@ def run_variants(state, batch, text: str, steps: int, cuda: bool) -> tuple[objec
     """Each variant's median step and phases: Spec fields (prefetch=0) or the switches of
     fz.offload.host_grads (widen=device, copies=2) and fz.offload.transfer
     (streams=2: uploads and downloads on streams of their own), set for its steps only."""
+    from fz.offload import host_grads, transfer
+    out, base_spec = {}, state.spec
+    saved = (host_grads.WIDEN, host_grads.MAX_COPIES, transfer.SPLIT_DIRECTIONS)
+    try:
+        return _variants(state, batch, text, steps, cuda, out, base_spec)
+    finally:
+        host_grads.WIDEN, host_grads.MAX_COPIES, transfer.SPLIT_DIRECTIONS = saved
+
+
+def _variants(state, batch, text: str, steps: int, cuda: bool, out: dict, base_spec) -> tuple[object, dict]:
     import dataclasses
 
     from fz.offload import host_grads, transfer
-    out, base_spec = {}, state.spec
     saved = (host_grads.WIDEN, host_grads.MAX_COPIES, transfer.SPLIT_DIRECTIONS)
     for variant in [v.strip() for v in text.split(";") if v.strip()]:
         spec_changes = {}
@@ -204,9 +213,10 @@ def main() -> None:
             state = profile_step(state, batch, a.profile, cuda)
         except Exception as e:  # the profiler is a diagnosis: its failure is not the benchmark's
             log.warning("profile failed: %s: %s", type(e).__name__, e)
-    if a.snapshot and cuda:
+            state = None  # if it failed inside the step, the state went with it
+    if a.snapshot and cuda and state is not None:
         state = snapshot_step(state, batch, a.snapshot)
-    if a.variants:  # last: a variant that fails takes the state with it
+    if a.variants and state is not None:  # last: a variant that fails takes the state with it
         state, variants = run_variants(state, batch, a.variants, a.variant_steps, cuda)
     out = dict(impl="fz", torch=torch.__version__, device=torch.cuda.get_device_name(0) if cuda else "cpu",
                params=n, model_states_gb=est.model_states / 2**30, losses=losses, step_times_s=times,

@@ -25,8 +25,8 @@ for what in "$@"; do
     # RESULTS.md's headline, fz then DeepSpeed on the same machine, with where the time and memory go:
     # fz's variants (phases timed apart), its peak's largest blocks, a profile; DeepSpeed's phases
     compare)
-      python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 \
-        --variants "base;prefetch=0;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/smoke.log"
+      timeout 120 python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 \
+        --variants "base;prefetch=0;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/compare-smoke.log"
       timeout 300 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 12 --profile "$OUT/profile" \
         --variants "base;prefetch=0;widen=device;widen=device,copies=2;widen=device,streams=2" \
         2>&1 | tee "$OUT/fz.log"

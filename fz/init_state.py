@@ -22,6 +22,7 @@ from fz.offload.host_grads import reserve_host_grads
 from fz.offload.move import bucket_init_on_disk, check_room_at_init, host_tree, param_to_disk
 from fz.offload.transfer import pool_for
 from fz.optim import kernel
+from fz.optim.aliases import takes_host_kernel
 from fz.optim.transforms import current_lr
 from fz.rng import seeded
 from fz.sharding.buckets import Bucket, make_buckets
@@ -73,7 +74,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
     buckets = make_buckets(entries, spec.stage, shards, int(spec.bucket_mb * 2**20 / 4), spec.persist_threshold)
     plan = ShardPlan.build(mesh, device, tuple(buckets))
     offload = spec.offload if spec.offload is not None and spec.offload.active else None
-    if spec.precision != "fp32" and (device.type == "cpu" or (offload is not None and offload.optimizer != "device")):
+    host_casts = device.type == "cpu" or (offload is not None and offload.params != "device"
+                                          and offload.optimizer != "device")
+    if spec.precision != "fp32" and host_casts and takes_host_kernel(spec.optimizer):
         kernel.prepare()  # the host update's kernel compiles while the state is built (fz/optim/kernel.py)
     check_replicated(plan, signature(spec, model), _DISAGREE)  # before any collective depends on them
     connect(plan)  # ranks of one host share memory for their collectives (a collective itself)

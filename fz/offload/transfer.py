@@ -14,7 +14,8 @@ hands out plain host memory (such a copy blocks the host until it is done, still
 torch's pinned allocator rounds every allocation up to a power of two (a 2.8B model's 47 GiB
 of host state took 64.9 GiB pinned, tensor by tensor). `pinned_copy` therefore carves the
 state's host tensors out of power-of-two slabs, so only the open slabs' tails are unused; the
-pool's transfer buffers are charged at the rounded size against `max_bytes`.
+pool's transfer buffers are charged at the rounded size against `max_bytes`, those it reserves
+ahead (`PinnedPool.reserve`, carved from the slabs too) at their exact size.
 
 On a CPU-only machine host and device are one memory: there is no stream and no pinning,
 and a transfer is a plain copy into a separate buffer, so the device buffer is released
@@ -85,36 +86,35 @@ class Transfer:
             self.event = None
         return self.dst
 
-    def done(self) -> bool:
-        """Whether the copy has finished (the host has not waited for it)."""
-        return self.event is None or self.event.query()
-
 
 class Upload:
     """A host->device copy on the copy stream that the device waits for, not the host: `wait()`
-    makes the current stream wait for the copy's event and returns `dst`. The source is held
-    until the copy is `done()`, so a reused host buffer is not written while it is read."""
+    makes the current stream wait for the copy's event and returns `dst`, which the upload then
+    lets go of (its memory is recorded on the copy stream: not reused before the copy ends). The
+    source is held until the copy is `done()`, so a reused host buffer is not written while it is read."""
 
     def __init__(self, dst: Tensor, src: Tensor):
         self.src: Tensor | None = src
-        self.copy = Transfer(dst, src)
+        self.event = Transfer(dst, src).event
+        self.dst: Tensor | None = dst
 
     def wait(self) -> Tensor:
-        event = self.copy.event
-        if event is not None:
-            torch.cuda.current_stream(self.copy.dst.device).wait_event(event)
-        return self.copy.dst
+        dst, self.dst = self.dst, None
+        assert dst is not None, "Upload.wait() is called once"
+        if self.event is not None:
+            torch.cuda.current_stream(dst.device).wait_event(self.event)
+        return dst
 
     def done(self) -> bool:
-        if self.src is not None and self.copy.done():
+        if self.src is not None and (self.event is None or self.event.query()):
             self.src = None
         return self.src is None
 
     def finish(self) -> None:
         """The host waits for the copy (before its source may change)."""
-        self.copy.wait()
-        self.src = None
-
+        if self.event is not None:
+            self.event.synchronize()
+        self.src = self.dst = None
 
 
 class PinnedPool:
@@ -136,14 +136,16 @@ class PinnedPool:
         allocator rounded each up to a power of two."""
         if not self.pin:
             return
-        with self.lock:
-            for (numel, dtype), n in Counter(sizes).items():
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                for _ in range(n - len(self.free.get((numel, dtype), []))):
+        for (numel, dtype), n in Counter(sizes).items():
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            for _ in range(n - len(self.free.get((numel, dtype), []))):
+                with self.lock:  # the room is taken first; the slow pinning runs outside the lock
                     if self.max_bytes is not None and self.pinned_bytes + nbytes > self.max_bytes:
                         return
-                    self.free.setdefault((numel, dtype), []).append(_slabs().empty(numel, dtype))
                     self.pinned_bytes += nbytes
+                t = _slabs().empty(numel, dtype)
+                with self.lock:
+                    self.free.setdefault((numel, dtype), []).append(t)
 
     def take(self, numel: int, dtype: torch.dtype, pin: bool = True) -> Tensor:
         """A 1-D host buffer of `numel` elements (uninitialised); `pin=False`: never newly pinned."""

@@ -29,6 +29,12 @@ def adamw(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float =
     return _FusedAdamW(t.init, t.update, lr, betas, eps, weight_decay)
 
 
+def takes_host_kernel(tx: GradientTransformation) -> bool:
+    """Whether `tx`'s step runs fz's host AdamW kernel where its state and parameters are in host
+    memory (`adamw` with bias correction: fz/optim/kernel.py)."""
+    return isinstance(tx, _FusedAdamW)
+
+
 @dataclass(frozen=True, eq=False)
 class _FusedAdamW(GradientTransformation):
     """adamw: `update` is the chain's; `step` is the same step in torch's fused kernel (on the host

@@ -4,8 +4,9 @@ On the host `torch._foreach_norm` is a loop of `torch.linalg.vector_norm`, one t
 other, and that norm runs on one thread whatever `torch.get_num_threads()` says. With the
 optimizer state offloaded the gradients are host tensors, and the norm the clip and the
 non-finite check need was most of a step's update: 1.29 s of a 2.81B model's 2.1 s update on a
-16-core GPU host (benchmarks/RESULTS.md), where DeepSpeed takes its norms on the device. Here the
-large tensors' norms run side by side on up to `torch.get_num_threads()` threads (each call
+16-core GPU host (benchmarks/RESULTS.md), where DeepSpeed takes its norms on the device (that
+norm of a contiguous tensor runs on one thread). Here the large contiguous tensors' norms run
+side by side on up to `torch.get_num_threads()` threads (each call
 releases the GIL), so memory bandwidth, not one core, bounds them. Each norm is still one
 `vector_norm` of one whole tensor: the values are `_foreach_norm`'s, bit for bit.
 """
@@ -28,7 +29,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     """[torch.linalg.vector_norm(t) for t in tensors], the same values as `torch._foreach_norm(tensors, 2)`."""
-    big = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.numel() >= PARALLEL_MIN]
+    # contiguous only: a strided tensor's norm may use the intra-op threads, whose count a pool
+    # thread keeps from its first call (and so could differ from this thread's)
+    big = [i for i, t in enumerate(tensors)
+           if t.device.type == "cpu" and t.numel() >= PARALLEL_MIN and t.is_contiguous()]
     threads = min(torch.get_num_threads(), len(big))
     if threads < 2:
         return list(torch._foreach_norm(list(tensors), 2)) if tensors else []

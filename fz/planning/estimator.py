@@ -130,7 +130,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers["host"]["io_buffers"] = io
     if sums:
         tiers["host"]["checksums"] = sums
-    g = _gather(spec, buckets, el, counts, shards, params_off=policy is not None and policy.params != "device")
+    g = _gather(spec, buckets, el, counts, shards, params_off=policy is not None and policy.params == "host")
     update = (0, 0) if host_grads else _grads_update(buckets, el, mixed, shards, spec)
     return Estimate(
         world_size,
@@ -191,7 +191,8 @@ def _gather(spec: Spec, buckets: Sequence[Bucket], el: int, counts: ModelCounts,
     tied embedding and head), held from its first use's backward to its last (fz/sharding/uses.py),
     the size of its parameters, which forward holds from their first use to their last.
     At one rank each parameter is copied once to the device, whatever tier its shard is in, and
-    only offloaded shards are prefetched (their uploads; `params_off`)."""
+    only shards in host memory are prefetched (their uploads; `params_off`; a shard on disk is
+    read ahead instead)."""
     sharded = [b for b in buckets if b.sharded_param]
     root = [b for b in sharded if b.unit == 0]
     units: dict[int, list] = {}  # unit -> the buckets it gathers (a shared bucket for each of its users)

@@ -14,7 +14,7 @@ starts with this rank's shard crossing up (the whole bucket with one rank): coun
 `comm.h2d` by what the gather is for, "forward" or "recompute" (backward's gathers, and
 those prefetched for it), where the copy is issued. With one rank a prefetch is that upload
 alone, queued on the copy stream (`Uploader`): it runs beside the running unit's kernels,
-and the device, not the host, waits for it.
+and the device, not the host, waits for it (a shard on disk is read ahead instead).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class LiveCounter:
             weakref.finalize(t, release)
 
 
-class Upload(Protocol):
+class UploadInFlight(Protocol):
     """A host->device copy in flight (fz/offload/transfer.py's): `wait` makes the device wait
     for it and returns the destination; `done`, whether its source may be let go; `finish`,
     the host waits for it."""
@@ -84,7 +84,7 @@ class Upload(Protocol):
     def finish(self) -> None: ...
 
 
-Uploader = Callable[[Tensor, Tensor], Upload]  # (device buffer, host source) -> the copy, started
+Uploader = Callable[[Tensor, Tensor], UploadInFlight]  # (device buffer, host source) -> the copy, started
 
 
 class Gatherer:
@@ -98,8 +98,8 @@ class Gatherer:
     def __init__(self, comm: Comm, live: LiveCounter, uploader: Uploader | None = None):
         self.comm, self.live, self.uploader = comm, live, uploader
         # one rank: bucket index -> (device buffer, its upload, elements)
-        self.uploading: dict[int, tuple[Tensor, Upload, int]] = {}
-        self.uploads: list[Upload] = []  # used, maybe still copying: their sources are held until done
+        self.uploading: dict[int, tuple[Tensor, UploadInFlight, int]] = {}
+        self.uploads: list[UploadInFlight] = []  # used, maybe still copying: their sources are held until done
         self.kind = "forward"  # what gathers are for now: "recompute" while backward runs (the Runner sets it)
         self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
         self.reads: dict[int, Future] = {}  # shards on the disk tier being read ahead
@@ -134,7 +134,8 @@ class Gatherer:
         if bucket.index in self.inflight or bucket.index in self.uploading or bucket.index in self.held:
             return
         if self.comm.world == 1:
-            if self.uploader is not None and self.comm.params_off:
+            # a shard on disk keeps its read ahead instead (an upload here would wait for its read now)
+            if self.uploader is not None and self.comm.params_off and not isinstance(shard, DiskTensor):
                 src = self._source(bucket, shard.detach())
                 self._count_up(kind or self.kind, src.numel() * src.element_size())
                 full = self._device_buffer(src)
@@ -195,7 +196,7 @@ class Gatherer:
                 self.live.release(bucket.full_numel)
             else:
                 src = self._source(bucket, shard)
-                self._count_up(self.kind, bucket.full_numel * src.element_size())
+                self._count_up(self.kind, src.numel() * src.element_size())
                 if self.comm.params_off:
                     self.live.unprefetched += 1
                 full = self._device_buffer(src).copy_(src, non_blocking=True)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 
 from fz.optim.base import global_norm, step_casting
-from fz.optim.norms import norms
+from fz.optim.norms import norms as tensor_norms
 from fz.optim.transforms import clip_factor
 from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
@@ -63,7 +63,7 @@ class GradNorms:
             pieces += blocks
             self.owner += [i] * len(blocks)
             self.kind += [k in sharded] * len(blocks)
-        self.norms = norms(pieces)  # host pieces several at a time (fz/optim/norms.py): the same values
+        self.norms = tensor_norms(pieces)  # host pieces several at a time (fz/optim/norms.py): the same values
 
     def first_nonfinite(self) -> Tensor:
         """index + 1 of the first gradient holding a NaN or inf (or too large for its norm to be
