@@ -1,14 +1,14 @@
 """Each tensor's L2 norm, as `torch._foreach_norm` gives it, with large host tensors on several threads.
 
 On the host `torch._foreach_norm` is a loop of `torch.linalg.vector_norm`, one tensor after the
-other, and that norm runs on one thread whatever `torch.get_num_threads()` says. With the
-optimizer state offloaded the gradients are host tensors, and the norm the clip and the
-non-finite check need was most of a step's update: 1.29 s of a 2.81B model's 2.1 s update on a
-16-core GPU host (benchmarks/RESULTS.md), where DeepSpeed takes its norms on the device (that
-norm of a contiguous tensor runs on one thread). Here the large contiguous tensors' norms run
-side by side on up to `torch.get_num_threads()` threads (each call
-releases the GIL), so memory bandwidth, not one core, bounds them. Each norm is still one
-`vector_norm` of one whole tensor: the values are `_foreach_norm`'s, bit for bit.
+other, and the norm of a contiguous tensor runs on one thread whatever `torch.get_num_threads()`
+says. With the optimizer state offloaded the gradients are host tensors, and the norms the clip
+and the non-finite check need were most of a step's update: 1.29 s of a 2.81B model's 2.1 s
+update on a 16-core GPU host (benchmarks/RESULTS.md), where DeepSpeed takes its norms on the
+device. Here the large contiguous tensors' norms run side by side on up to
+`torch.get_num_threads()` threads (each call releases the GIL), so memory bandwidth, not one
+core, bounds them. Each norm is still one `vector_norm` of one whole tensor: the values are
+`_foreach_norm`'s, bit for bit.
 """
 from __future__ import annotations
 
