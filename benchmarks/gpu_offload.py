@@ -134,7 +134,7 @@ def profile_step(state, batch, folder: str, cuda: bool):
 
 def snapshot_step(state, batch, top: int):
     """One step with the allocator's history recorded; its peak's largest live blocks, logged."""
-    from gpu_peak_snapshot import by_site, peak_blocks
+    from gpu_peak_snapshot import block_line, by_site, peak_blocks
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=500_000)
@@ -147,9 +147,7 @@ def snapshot_step(state, batch, top: int):
              "%.2f GB above the recording's start; its largest blocks:", torch.cuda.max_memory_allocated() / 2**30,
              (torch.cuda.max_memory_allocated() - base) / 2**30, base / 2**30, peak / 2**30)
     for e in blocks:
-        frames = [f for f in e["frames"] if "/fz/" in f["filename"] or "/torch/" in f["filename"]][:4]
-        log.info("  %8.1f MB  %s", e["size"] / 2**20,
-                 " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames))
+        log.info("  %s", block_line(e))
     log.info("the peak's %d blocks by where they were made:", len(alive))
     for site, nbytes, count in by_site(alive)[:2 * top]:
         log.info("  %8.1f MB in %4d blocks  %s", nbytes / 2**20, count, site)

@@ -37,6 +37,13 @@ def peak_blocks(snapshot: dict, top: int | None) -> tuple[int, list]:
     return peak, sorted(at.values(), key=lambda e: -e["size"])[:top]
 
 
+def block_line(e: dict) -> str:
+    """A block's size and the fz and torch frames that made it (innermost first, at most 4)."""
+    frames = [f for f in e["frames"] if "/fz/" in f["filename"] or "/torch/" in f["filename"]][:4]
+    return f"{e['size'] / 2**20:8.1f} MB  " + " < ".join(
+        f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames)
+
+
 def by_site(blocks: list) -> list[tuple[str, int, int]]:
     """The blocks' bytes by where they were allocated (the innermost fz frame, else torch's, else
     '(C++: autograd, kernels)'), largest first: [(site, bytes, blocks)]."""
@@ -94,9 +101,7 @@ def main() -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
     log.info("replayed peak %.2f GB; its largest blocks:", peak / gb)
     for e in blocks:
-        frames = [f for f in e["frames"] if "/fz/" in f["filename"] or "/torch/" in f["filename"]][:4]
-        log.info("  %8.1f MB  %s", e["size"] / 2**20,
-                 " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in frames))
+        log.info("  %s", block_line(e))
 
 
 if __name__ == "__main__":

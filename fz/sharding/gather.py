@@ -97,8 +97,7 @@ class Gatherer:
 
     def __init__(self, comm: Comm, live: LiveCounter, uploader: Uploader | None = None):
         self.comm, self.live, self.uploader = comm, live, uploader
-        # one rank: bucket index -> (device buffer, its upload, elements)
-        self.uploading: dict[int, tuple[Tensor, UploadInFlight, int]] = {}
+        self.uploading: dict[int, tuple[UploadInFlight, int]] = {}  # one rank: bucket index -> (upload, elements)
         self.uploads: list[UploadInFlight] = []  # used, maybe still copying: their sources are held until done
         self.kind = "forward"  # what gathers are for now: "recompute" while backward runs (the Runner sets it)
         self.inflight: dict[int, tuple[Tensor, Handle, int]] = {}  # bucket index -> (buffer, work, elements)
@@ -120,9 +119,13 @@ class Gatherer:
         return shard.load(pooled=True) if isinstance(shard, DiskTensor) else shard
 
     def _local(self, bucket: Bucket, shard: Tensor, kind: str) -> Tensor:
+        return self._counted_source(bucket, shard, kind).to(self.comm.device, non_blocking=True)
+
+    def _counted_source(self, bucket: Bucket, shard: Tensor, kind: str) -> Tensor:
+        """`_source`, its bytes counted as crossing up for `kind`."""
         src = self._source(bucket, shard)
         self._count_up(kind, src.numel() * src.element_size())
-        return src.to(self.comm.device, non_blocking=True)
+        return src
 
     def _count_up(self, kind: str, nbytes: int) -> None:
         if self.comm.params_off:  # the shard lives on the host (or was read from disk into it)
@@ -136,10 +139,8 @@ class Gatherer:
         if self.comm.world == 1:
             # a shard on disk keeps its read ahead instead (an upload here would wait for its read now)
             if self.uploader is not None and self.comm.params_off and not isinstance(shard, DiskTensor):
-                src = self._source(bucket, shard.detach())
-                self._count_up(kind or self.kind, src.numel() * src.element_size())
-                full = self._device_buffer(src)
-                self.uploading[bucket.index] = (full, self.uploader(full, src), bucket.full_numel)
+                src = self._counted_source(bucket, shard.detach(), kind or self.kind)
+                self.uploading[bucket.index] = (self.uploader(self._device_buffer(src), src), bucket.full_numel)
                 self.live.acquire(bucket.full_numel)
             return
         full = self._buffer(bucket, shard.dtype)
@@ -190,13 +191,12 @@ class Gatherer:
         if self.comm.world == 1:  # the bucket copied once, from wherever the shard lives, to the device
             self.uploads = [u for u in self.uploads if not u.done()]
             if bucket.index in self.uploading:
-                full, upload, _ = self.uploading.pop(bucket.index)
-                upload.wait()
+                upload, _ = self.uploading.pop(bucket.index)
+                full = upload.wait()
                 self.uploads.append(upload)
                 self.live.release(bucket.full_numel)
             else:
-                src = self._source(bucket, shard)
-                self._count_up(self.kind, src.numel() * src.element_size())
+                src = self._counted_source(bucket, shard, self.kind)
                 if self.comm.params_off:
                     self.live.unprefetched += 1
                 full = self._device_buffer(src).copy_(src, non_blocking=True)
@@ -220,7 +220,7 @@ class Gatherer:
             work.wait()
             self.live.release(numel)  # prefetched, never used: no longer alive
         self.inflight.clear()
-        for _, upload, numel in self.uploading.values():
+        for upload, numel in self.uploading.values():
             upload.finish()  # its source (a parameter shard) may change next
             self.live.release(numel)
         self.uploading.clear()
