@@ -186,11 +186,14 @@ class Runner:
         slots = self.bindings.bind(module, tensors)
         if not (self.sharded[index] and torch.is_grad_enabled()):
             return module(*args, **kwargs)
+        # `finally`: a checkpoint's recompute in backward stops with an exception once it has
+        # what backward needs (torch's early stop), and the gathered tensors must go then too
         with checkpoint_seen() as seen:
-            out = module(*args, **kwargs)
-        if not seen[0]:
-            self.bindings.unbind(slots)
-        return out
+            try:
+                return module(*args, **kwargs)
+            finally:
+                if not seen[0]:
+                    self.bindings.unbind(slots)
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
         self.called.append(index)

@@ -8,6 +8,7 @@ import torch
 import fz
 from fz.sharding.comm import Comm
 from fz.sharding.sync import local_data
+from fz.testing.gpt import GPTConfig
 
 from support.helpers import CFG, make_model, rank_batches, spec
 from support.ranks import cached_runs
@@ -61,6 +62,15 @@ def _runs(rank, world):
             losses.append(float(loss))
         out["prefetch", prefetch] = (losses, fz.full_params(state), int(state.metrics["live_buckets"]))
         out["unprefetched", prefetch] = int(state.metrics["unprefetched"])
+    deep = GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=6)
+    for checkpointed, prefetch in ((False, 0), (True, 0), (True, 1)):
+        state = fz.init(make_model(cfg=deep), spec(3, 2, prefetch=prefetch, activation_checkpointing=checkpointed))
+        losses, most = [], 0
+        for per_rank in rank_batches(world, 2, 3, cfg=deep):
+            state, loss = fz.train_step(state, per_rank[rank])
+            losses.append(float(loss))
+            most = max(most, int(state.metrics["live_buckets"]))
+        out["checkpointed", checkpointed, prefetch] = (losses, fz.full_params(state), most)
     for live in (3, 5, 100):  # room for 0, 2 and every block to stay gathered from forward to backward
         state = fz.init(make_model(), spec(3, 2, live_buckets=live))
         losses, most = [], 0
@@ -159,6 +169,21 @@ def test_prefetch_does_not_change_results(results):
             assert all((params[k] == base_params[k]).all() for k in base_params)
             assert live <= 2 + prefetch
         assert live0 <= 2
+
+
+def test_checkpointed_blocks_let_go_of_their_gathers_after_backward(results):
+    """With activation checkpointing each block's recompute gathers it again for its backward,
+    and that gather dies with the block's backward: torch's recompute stops early with an
+    exception, which used to leave the tensors bound to the block until the step's end (every
+    bucket of a 2.8B GPT alive at once: 5.3 GB of a 6.0 GB device peak on an H200). The same
+    losses and parameters as without checkpointing, bit for bit."""
+    for res in results:
+        base_losses, base_params, _ = res["checkpointed", False, 0]
+        for prefetch in (0, 1):
+            losses, params, live = res["checkpointed", True, prefetch]
+            assert losses == base_losses
+            assert all(torch.equal(params[k], base_params[k]) for k in base_params)
+            assert live <= 2 + prefetch, (prefetch, live)  # of 7 buckets: the root, a block, those prefetched
 
 
 def test_compiled_blocks_give_the_same_training(results):
