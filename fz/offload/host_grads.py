@@ -79,23 +79,26 @@ class HostGrads:
             self._land(*self.copies.popleft())
 
     def _land(self, index: int, copy: Transfer, staging: Tensor) -> None:
-        self._accumulate(index, copy.wait())
-        if staging is not self.acc.get(index):
+        if not self._accumulate(index, copy.wait()):
             self.pool.give(staging)
 
-    def _accumulate(self, index: int, g: Tensor) -> None:
+    def _accumulate(self, index: int, g: Tensor) -> bool:
+        """Add `g` into bucket `index`'s host buffer; True where `g` (a staging buffer) became that
+        buffer, so it must not go back to the pool."""
         g = g.reshape(-1)
         acc = self.acc.get(index)
         if acc is not None:
             self._add(acc, g)
-        elif g.dtype == torch.float32 and g.device.type == "cpu" and g.is_pinned() and self.device.type == "cuda":
+            return False
+        if g.dtype == torch.float32 and g.device.type == "cpu" and g.is_pinned() and self.device.type == "cuda":
             self.acc[index] = g  # the staging buffer already is the fp32 host buffer: keep it
             self.lent.append(g)
-        else:
-            acc = self.pool.take(g.numel(), torch.float32, pin=self.device.type == "cuda")
-            acc.copy_(g)
-            self.acc[index] = acc
-            self.lent.append(acc)
+            return True
+        acc = self.pool.take(g.numel(), torch.float32, pin=self.device.type == "cuda")
+        acc.copy_(g)
+        self.acc[index] = acc
+        self.lent.append(acc)
+        return False
 
     def _add(self, acc: Tensor, g: Tensor) -> None:
         """acc += g in fp32; a narrower `g` is widened a chunk at a time (the exact same sums)."""

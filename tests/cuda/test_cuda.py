@@ -142,6 +142,27 @@ def test_a_slow_copy_stream_changes_no_result(offload):
     assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
 
 
+@pytest.mark.parametrize("copies", [1, 2])
+def test_widening_on_the_device_changes_no_result(copies):
+    """host_grads.WIDEN="device": each bf16 gradient is widened before its copy, and the first
+    micro-batch's fp32 staging buffer becomes the bucket's host buffer. It must stay out of the
+    pool while it is (an H200 run gave it back, another bucket's copy overwrote it: loss 8.3 -> 12.7).
+    Widening is exact either way, so the results are the host's bit for bit."""
+    from fz.offload import host_grads
+
+    from support.helpers import spec as make_spec
+    sp = make_spec(3, 2, precision="bf16", offload=fz.offload.cpu(params=True))
+    want = _run(sp)
+    saved = host_grads.WIDEN, host_grads.MAX_COPIES
+    host_grads.WIDEN, host_grads.MAX_COPIES = "device", copies
+    try:
+        got = _run(sp)
+    finally:
+        host_grads.WIDEN, host_grads.MAX_COPIES = saved
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+
+
 def test_pinned_buffers_are_bounded_and_reported():
     from support.helpers import spec as make_spec
     transfer._POOLS.clear()
@@ -226,7 +247,7 @@ def test_hf_trainer_on_cuda_equals_transformers_trainer(tmp_path):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_deepspeed_engine_on_cuda_is_train_steps_step(stage):
     """fz.deepspeed on the GPU: engine(batch) / backward / step give fz.train_step's state bit for bit
-    (the same phases), with batches from the CPU moved to the device as DeepSpeed scripts expect. fp32:
+    (the same phases), the script moving each batch to `engine.device` as DeepSpeed scripts do. fp32:
     the script computes its loss outside the engine, so in bf16 its cross-entropy runs without the
     autocast train_step's loss_fn has (a different, equally valid rounding)."""
     import fz.deepspeed as deepspeed
@@ -242,6 +263,7 @@ def test_deepspeed_engine_on_cuda_is_train_steps_step(stage):
     for step in range(3):
         tokens = synthetic_tokens(4, cfg.seq, cfg.vocab, seed=step)
         for micro in tokens.split(2):
+            micro = micro.to(engine.device)  # a DeepSpeed script moves its batch (engine(x) does not)
             engine.backward(lm_loss(lambda x: engine(x), micro))
             engine.step()
         state, _ = fz.train_step(state, tokens)
