@@ -153,18 +153,26 @@ def reference_runs(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def _meet(name: str, ranks, rank: int) -> None:
-    """Both ranks past the one-rank call. The rank that called it alone may still be checking in
-    when the other gets here (each notices the other waiting elsewhere within STUCK_S, in either
-    order), and then this check-in fails first: try again (a failed one leaves no trace), bounded."""
+    """Both ranks past the one-rank call (neither is waiting elsewhere any more: they pair up)."""
+    import fz
+    fz.distributed.arrive(name, ranks, rank)
+
+
+def _elsewhere(flag: str, ranks) -> None:
+    """Wait as a rank busy in another collective does, until the lone caller says it is done (`flag`).
+    Not a second arrive: one that saw the lone caller stuck first would leave at once, before it
+    was seen stuck itself, and the lone caller would then wait for Spec.timeout_s (a CI flake)."""
     import time
 
-    import fz
-    for _ in range(60):
-        try:
-            return fz.distributed.arrive(name, ranks, rank)
-        except fz.ConfigError:
-            time.sleep(0.5)
-    fz.distributed.arrive(name, ranks, rank)
+    from fz.distributed import peers
+    store = peers.store_for(ranks)
+    assert store is not None, "two ranks of a running job"
+    peers.doing("test/elsewhere")
+    deadline = time.monotonic() + 240
+    with peers.waiting():
+        while not store.check([flag]):
+            assert time.monotonic() < deadline, f"{flag}: the lone call did not end"
+            time.sleep(0.05)
 
 
 def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
@@ -174,6 +182,7 @@ def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
 
     import fz
     import fz.hf
+    from fz.distributed import peers
     args = fz.hf.TrainingArguments(output_dir=os.path.join(out, "one"), per_device_train_batch_size=2,
                                    max_steps=2, use_cpu=True, report_to=[], save_strategy="steps", save_steps=1,
                                    deepspeed=deepspeed(3), disable_tqdm=True)
@@ -182,15 +191,17 @@ def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
     trainer.train()
     got: dict[str, Any] = {}
     for call, who in (("save_model", 0), ("evaluate", 1)):
+        ranks, flag = trainer.fz_state.plan.ranks, f"test/done/{call}"
         start = time.monotonic()
-        try:
-            if rank == who:
+        if rank == who:
+            try:
                 getattr(trainer, call)()
-            else:
-                fz.distributed.arrive("test/elsewhere", trainer.fz_state.plan.ranks, rank)  # busy in another call
-        except fz.ConfigError as e:
-            got[call] = (str(e), time.monotonic() - start)
-        _meet(f"test/after/{call}", trainer.fz_state.plan.ranks, rank)  # both done with it
+            except fz.ConfigError as e:
+                got[call] = (str(e), time.monotonic() - start)
+            peers.store_for(ranks).set(flag, "1")
+        else:
+            _elsewhere(flag, ranks)  # busy in another call
+        _meet(f"test/after/{call}", ranks, rank)  # both done with it
     try:
         trainer.train(resume_from_checkpoint=os.path.join(out, "one", "runs"))
     except fz.ConfigError as e:
