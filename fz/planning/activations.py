@@ -38,19 +38,23 @@ class Trace:
         activations + gradients at the worst point of the units' backward).
 
         `checkpointed(unit)` says which blocks recompute; `grads[unit]` is the gradient bytes a
-        unit's backward makes. Backward starts with every activation alive plus one op's incoming
-        and outgoing gradient (each at most the largest activation), before any unit's gradient
-        exists; then, block by block from the last, a block's saved tensors (recomputed if
-        checkpointed) live beside the earlier blocks' and the gradients made so far
-        (`grads_stay`), or only its own (they leave the device as they are reduced: an offloaded
-        optimizer, fz/offload/host_grads.py). The two are apart because what else the device
-        holds differs: no reduction is in flight at the first op.
+        unit's backward makes. Backward starts with every activation the forward left (a
+        checkpointed block's inputs, not yet its recompute) plus one op's incoming and outgoing
+        gradient (each at most the largest activation), before any unit's gradient exists; then,
+        block by block from the last, a block's saved tensors (recomputed if checkpointed) live
+        beside the earlier blocks' and the gradients made so far (`grads_stay`), or only its own
+        (they leave the device as they are reduced: an offloaded optimizer,
+        fz/offload/host_grads.py). The two are apart because what else the device holds differs:
+        no reduction is in flight at the first op.
         """
         blocks = [u for u in self.saved if u]
         kept = {u: self.inputs[u] if checkpointed(u) else self.saved[u] for u in blocks}
         recompute = max((self.saved[u] for u in blocks if checkpointed(u)), default=0)
-        forward = self.saved.get("", 0) + sum(kept.values()) + recompute
-        start, made, units = forward + 2 * self.largest, grads.get("", 0), 0
+        left = self.saved.get("", 0) + sum(kept.values())  # what the forward leaves for backward
+        forward = left + recompute  # and the last checkpointed block's tensors while it runs
+        # no block is recomputed yet at backward's first op (a 2.8B GPT's peak on an H200 holds
+        # the loss's tensors and every block's input, none of a block's inside)
+        start, made, units = left + 2 * self.largest, grads.get("", 0), 0
         for i in range(len(blocks) - 1, -1, -1):
             u = blocks[i]
             made = made + grads.get(u, 0) if grads_stay else grads.get(u, 0)
