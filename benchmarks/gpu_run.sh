@@ -3,7 +3,8 @@
 # install what it lacks from .whl/ (torchdata and xxhash, cp312 manylinux; DeepSpeed and its needs for the comparison),
 # then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
 # `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py), `compare`
-# (the two headlines with their diagnostics, as RESULTS.md records them). Logs go to $OUT (default /tmp/fz-gpu).
+# (the two headlines and tests/cuda in one call, about 4 minutes: RESULTS.md's 2026-11-28 run), `diagnose`
+# (phases, variants, a profile). Logs go to $OUT (default /tmp/fz-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fz-gpu}
@@ -22,11 +23,20 @@ for what in "$@"; do
     smoke) python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 2>&1 | tee "$OUT/smoke.log" ;;
     snapshot) timeout 300 python3 benchmarks/gpu_peak_snapshot.py 2>&1 | tee "$OUT/snapshot.log" ;;
     deepspeed) timeout 480 python3 benchmarks/gpu_offload_deepspeed.py 2>&1 | tee "$OUT/deepspeed.log" ;;
-    # RESULTS.md's headline, fz then DeepSpeed on the same machine, with where the time and memory go:
-    # fz's variants (phases timed apart), its peak's largest blocks, a profile; DeepSpeed's phases
+    # RESULTS.md's headline, fz then DeepSpeed on the same machine, in one call: fz (the peak's
+    # blocks, the widening variants), then tests/cuda while DeepSpeed's CPU Adam builds (its JIT
+    # build is not in its timings), then DeepSpeed
     compare)
-      timeout 120 python3 benchmarks/gpu_offload.py --dim 512 --layers 4 --heads 8 --vocab 4096 --seq 256 --steps 3 \
-        --variants "base;prefetch=0;widen=device,streams=2" --variant-steps 2 2>&1 | tee "$OUT/compare-smoke.log"
+      timeout 200 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 8 \
+        --variants "base;widen=device,copies=2" --variant-steps 3 2>&1 | tee "$OUT/fz.log"
+      (cd /tmp && timeout 200 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+        > "$OUT/dsbuild.log" 2>&1) &
+      timeout 300 python3 -m pytest -q -m cuda tests/cuda -p no:cacheprovider -rs 2>&1 | tee "$OUT/cuda-tests.log"
+      wait
+      timeout 240 python3 benchmarks/gpu_offload_deepspeed.py --same-batch --lr 3e-4 --weight-decay 0.01 --steps 4 \
+        2>&1 | tee "$OUT/deepspeed.log" ;;
+    # the diagnostics of RESULTS.md's 2026-11-27 run: phases, every variant, a profile
+    diagnose)
       timeout 300 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 12 --profile "$OUT/profile" \
         --variants "base;prefetch=0;widen=device;widen=device,copies=2;widen=device,streams=2" \
         2>&1 | tee "$OUT/fz.log"

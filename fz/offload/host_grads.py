@@ -22,10 +22,11 @@ Each reduced gradient crosses down once per micro-batch in the dtype it was redu
 host: the bus carries the fewest bytes, the host pays one pass (0.55 ns an element on one
 core of the CPU machine; benchmarks/widen.py, benchmarks/RESULTS.md "Where gradients are
 widened"). Widening on the device doubles the bus's bytes in bf16/fp16 and spares that
-pass: on an H200 host it took 0.13-0.19 s off a 2.81B model's backward (`WIDEN`; RESULTS.md,
-"again: on an H200"); the host stays the default until that is measured with the norm change
-in. With `reduce_dtype` fp32 (the default) at several ranks the reduction itself runs in fp32:
-they arrive wide already.
+pass: on an H200 it took a 2.81B model's backward from 0.55 to 0.34 s with two copies in flight
+(`WIDEN`, `MAX_COPIES`; RESULTS.md, "a third time"). The host stays the default: the device
+then holds an fp32 copy of each gradient while it leaves (the estimate's 2·L term and the CUDA
+peak tests are the bf16 one), to be moved together on a GPU. With `reduce_dtype` fp32 (the
+default) at several ranks the reduction itself runs in fp32: they arrive wide already.
 """
 from __future__ import annotations
 
