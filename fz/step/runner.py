@@ -182,9 +182,10 @@ class Runner:
         if self.compiled:
             return self.compiled[index](module, tensors, args, kwargs)
         # bound until backward is done, so a checkpoint inside the block recomputes with them
-        # (fz/step/binding.py); a stage-3 block's gathered tensors only if one ran inside it
+        # (fz/step/binding.py); a stage-3 block's gathered tensors only if one ran inside it with
+        # a backward to come (without grad, as in eval and generate, they go with the call)
         slots = self.bindings.bind(module, tensors)
-        if not (self.sharded[index] and torch.is_grad_enabled()):
+        if not self.sharded[index]:
             return module(*args, **kwargs)
         # `finally`: a checkpoint's recompute in backward stops with an exception once it has
         # what backward needs (torch's early stop), and the gathered tensors must go then too
@@ -192,7 +193,7 @@ class Runner:
             try:
                 return module(*args, **kwargs)
             finally:
-                if not seen[0]:
+                if not (seen[0] and torch.is_grad_enabled()):
                     self.bindings.unbind(slots)
 
     def call_unit(self, index: int, args: tuple, kwargs: dict) -> Any:

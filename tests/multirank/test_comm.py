@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fz
+from fz.model import standin
 from fz.sharding.comm import Comm
 from fz.sharding.sync import local_data
 from fz.testing.gpt import GPTConfig
@@ -71,6 +72,17 @@ def _runs(rank, world):
             losses.append(float(loss))
             most = max(most, int(state.metrics["live_buckets"]))
         out["checkpointed", checkpointed, prefetch] = (losses, fz.full_params(state), most)
+    # without grad (eval_step, apply) each block's gathered parameters go with its call too
+    seen: dict = {}
+    model = make_model(cfg=deep)
+    model.blocks[-1].register_forward_hook(lambda *_: seen.update(live=standin._RUNNER.get().live))
+    state = fz.init(model, spec(3, 1))
+    batch = rank_batches(world, 1, 1, cfg=deep)[0][rank]
+    state, _ = fz.train_step(state, batch)
+    fz.eval_step(state, batch)
+    out["no_grad_live", "eval_step"] = seen["live"].max_buckets
+    fz.apply(state, batch[:, :-1])
+    out["no_grad_live", "apply"] = seen["live"].max_buckets
     for live in (3, 5, 100):  # room for 0, 2 and every block to stay gathered from forward to backward
         state = fz.init(make_model(), spec(3, 2, live_buckets=live))
         losses, most = [], 0
@@ -184,6 +196,14 @@ def test_checkpointed_blocks_let_go_of_their_gathers_after_backward(results):
             assert losses == base_losses
             assert all(torch.equal(params[k], base_params[k]) for k in base_params)
             assert live <= 2 + prefetch, (prefetch, live)  # of 7 buckets: the root, a block, those prefetched
+
+
+def test_blocks_called_without_grad_let_go_of_their_gathers(results):
+    """eval_step and apply at stage 3 (generate too): a block's gathered parameters die with its
+    call; they stayed bound to the block until the call's end, the whole model gathered at once."""
+    for res in results:
+        for api in ("eval_step", "apply"):
+            assert res["no_grad_live", api] <= 3, (api, res["no_grad_live", api])  # of 7: root, block, next
 
 
 def test_compiled_blocks_give_the_same_training(results):
