@@ -153,8 +153,18 @@ def reference_runs(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def _meet(name: str, ranks, rank: int) -> None:
-    """Both ranks past the one-rank call (neither is waiting elsewhere any more: they pair up)."""
+    """Both ranks past the one-rank call. The other rank's heartbeat may still say it waits
+    elsewhere for a moment after it left (published every 0.5 s), and then this check-in fails
+    first: try again (a failed one leaves no trace), bounded. Neither rank waits alone here, so
+    the retries end as soon as the heartbeat catches up."""
+    import time
+
     import fz
+    for _ in range(60):
+        try:
+            return fz.distributed.arrive(name, ranks, rank)
+        except fz.ConfigError:
+            time.sleep(0.5)
     fz.distributed.arrive(name, ranks, rank)
 
 
@@ -170,7 +180,7 @@ def _elsewhere(flag: str, ranks) -> None:
     peers.doing("test/elsewhere")
     deadline = time.monotonic() + 240
     with peers.waiting():
-        while not store.check([flag]):
+        while not peers.call(lambda: store.check([flag])):
             assert time.monotonic() < deadline, f"{flag}: the lone call did not end"
             time.sleep(0.05)
 
@@ -198,7 +208,8 @@ def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
                 getattr(trainer, call)()
             except fz.ConfigError as e:
                 got[call] = (str(e), time.monotonic() - start)
-            peers.store_for(ranks).set(flag, "1")
+            finally:  # whatever the call did, the other rank stops waiting
+                peers.store_for(ranks).set(flag, "1")
         else:
             _elsewhere(flag, ranks)  # busy in another call
         _meet(f"test/after/{call}", ranks, rank)  # both done with it
