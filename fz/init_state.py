@@ -130,9 +130,9 @@ def init(model: nn.Module, spec: Spec, *, mesh: DeviceMesh | None = None,
         opt_state = wrap_opt_state(host_tree(spec.optimizer.init(opt_params), pin) if host_opt
                                    else spec.optimizer.init(opt_params), plan)
 
-    if host_opt and device.type == "cuda" and spec.offload is not None and spec.offload.active:
+    if host_opt and device.type == "cuda" and offload is not None:
         # pinning is slow: the step's fp32 host gradients are pinned now, not by the first step
-        reserve_host_grads(pool_for(spec.offload), buckets, plan.shards)
+        reserve_host_grads(pool_for(offload), buckets, plan.shards)
     rng = seeded(module_seed(spec.seed, f"rank{plan.rank}"), plan.device)
     scaler = init_scaler(spec)
     try:

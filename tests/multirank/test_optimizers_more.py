@@ -1,8 +1,8 @@
 """Lion, Adafactor and LAMB on shards follow an unsharded reference for 10 steps.
 
 Adafactor's reference is torch.optim.Adafactor; Lion and LAMB have none in torch, so the
-reference is the plain whole-tensor algorithm written below (DeepSpeed FusedLion /
-FusedLamb semantics). Each runs at world 1 and 2, ZeRO stages 0 and 3, through
+reference is the plain whole-tensor algorithm (Lion's in support/helpers.py, LAMB's below;
+DeepSpeed FusedLion / FusedLamb semantics). Each runs at world 1 and 2, ZeRO stages 0 and 3, through
 fz.init / fz.train_step; a schedule rides along and `current_lr` must report it.
 """
 from __future__ import annotations
@@ -16,27 +16,10 @@ import fz
 from fz.testing.gpt import lm_loss
 from fz.testing.spawn import run_ranks
 
-from support.helpers import make_model, max_rel, params_rel, rank_batches
+from support.helpers import LionRef, make_model, max_rel, params_rel, rank_batches
 
 STEPS = 10
 WARMUP = fz.optim.WarmupLR(warmup_min_lr=0.0, warmup_max_lr=3e-3, warmup_num_steps=4, warmup_type="linear")
-
-
-class LionRef(torch.optim.Optimizer):
-    """Lion on whole tensors: the paper's Algorithm 2 with decoupled decay."""
-
-    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                m = self.state[p].setdefault("m", torch.zeros_like(p))
-                update = (b1 * m + (1 - b1) * p.grad).sign()
-                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 class LambRef(torch.optim.Optimizer):

@@ -100,3 +100,20 @@ def transform_updates(transform, steps: int = 3) -> list[dict[str, torch.Tensor]
         out.append({k: v.clone() for k, v in u.items()})
         fz.optim.apply_updates(p, u)
     return out
+
+
+class LionRef(torch.optim.Optimizer):
+    """Lion on whole tensors: the paper's Algorithm 2 with decoupled decay."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                update = (b1 * m + (1 - b1) * p.grad).sign()
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)

@@ -18,41 +18,28 @@ import fz  # noqa: E402
 from fz.hf.arguments import spec_from_args  # noqa: E402
 from fz.hf.optimizers import SCHEDULES  # noqa: E402
 
+from support.helpers import LionRef  # noqa: E402
 from support.hf_args import STEPS, Tiny, make_args, quiet  # noqa: E402
 
 # --- optim: the update Trainer.create_optimizer's torch optimizer makes -----------------------------------------
 
+def _trainer_groups(args, model) -> list[dict]:
+    """Trainer.create_optimizer's parameter groups: decay, and none for biases and norms."""
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    return [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+
+
 def _trainer_optimizer(args, model):
     """Trainer.create_optimizer, without a Trainer: its groups, its class and kwargs."""
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
-    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    groups = _trainer_groups(args, model)
     cls, kw = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
     return cls(groups, **kw)
 
 
-class _Lion(torch.optim.Optimizer):
-    """bitsandbytes' Lion (optim="lion_32bit"; bitsandbytes is not installed here): decoupled decay, sign update."""
-
-    def __init__(self, groups, lr, betas):
-        super().__init__(groups, dict(lr=lr, betas=betas))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                m = self.state[p].setdefault("m", torch.zeros_like(p))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
-
-
 def _lion_reference(args, model):
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
-    groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": args.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
-    return _Lion(groups, args.learning_rate, (args.adam_beta1, args.adam_beta2))
+    """bitsandbytes' Lion (optim="lion_32bit"; bitsandbytes is not installed here) on Trainer's groups."""
+    return LionRef(_trainer_groups(args, model), args.learning_rate, (args.adam_beta1, args.adam_beta2))
 
 
 @pytest.mark.parametrize("optim, extra", [("adamw_torch", {}), ("adamw_torch_fused", {}), ("sgd", {}),
