@@ -134,7 +134,7 @@ class HostGrads:
         for t in self.lent:
             self.pool.give(t, keep_for=self.owner if self._kept(t) else None)
         if self.device.type != "cuda":
-            self.pool.keep_only({(t.numel(), t.dtype) for t in self.lent})
+            self.pool.keep_only({(t.numel(), t.dtype) for t in self.lent}, self.owner)
         self.lent.clear()
 
     def _kept(self, t: Tensor) -> bool:

@@ -125,8 +125,11 @@ class PinnedPool:
         self.max_bytes = max_bytes
         self.free: dict[tuple, list[Tensor]] = {}
         self.pinned_bytes = 0  # held by the pool or lent out, pinned
-        self.lock = threading.Lock()  # `keep_only` may run from a finalizer, on any thread
+        # `_owner_gone` runs from a finalizer, on any thread, or on this one inside a locked call
+        # whose allocation set off the garbage collector: reentrant
+        self.lock = threading.RLock()
         self.owners: set[int] = set()  # ids of the owners of kept plain buffers (`give`)
+        self.keeper: dict[int, int] = {}  # id of a kept plain buffer waiting in `free` -> its owner's id
 
     def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
         """Pin now the buffers a step will take: each (numel, dtype) asked for gets a buffer carved
@@ -152,7 +155,9 @@ class PinnedPool:
         with self.lock:
             spare = self.free.get((numel, dtype))
             if spare:
-                return spare.pop()
+                t = spare.pop()
+                self.keeper.pop(id(t), None)
+                return t
         nbytes = rounded(numel * torch.empty((), dtype=dtype).element_size())  # what the allocator pins
         pin = pin and self.pin and (self.max_bytes is None or self.pinned_bytes + nbytes <= self.max_bytes)
         t = torch.empty(numel, dtype=dtype, pin_memory=pin)
@@ -164,27 +169,39 @@ class PinnedPool:
         """Return a buffer from `take`. Pinned ones are kept. Plain ones are kept only for an owner
         (`keep_for`, the state's plan: where host and device are one memory and the step's host
         gradients live in them, reused they are not mapped and zeroed afresh each step), until it
-        is garbage (the run's last state dropped); else they go back to the allocator."""
+        is garbage (that run's last state dropped); else they go back to the allocator. The pool
+        is the process's: each owner's buffers go with that owner alone."""
         if t.device.type != "cpu" or not (t.is_pinned() or keep_for is not None):
             return
         with self.lock:
             self.free.setdefault((t.numel(), t.dtype), []).append(t)
-            if keep_for is not None and id(keep_for) not in self.owners:
+            if t.is_pinned() or keep_for is None:
+                return
+            self.keeper[id(t)] = id(keep_for)
+            if id(keep_for) not in self.owners:
                 self.owners.add(id(keep_for))
                 weakref.finalize(keep_for, self._owner_gone, id(keep_for))
 
     def _owner_gone(self, owner: int) -> None:
-        self.owners.discard(owner)
-        self.keep_only(set())
-
-    def keep_only(self, sizes: set[tuple[int, torch.dtype]]) -> None:
-        """Let go of the kept plain buffers of every (numel, dtype) not in `sizes` (the last step's)."""
         with self.lock:
-            for key, spare in list(self.free.items()):
-                if key not in sizes:
-                    spare[:] = [t for t in spare if t.is_pinned()]
-                    if not spare:
-                        del self.free[key]
+            self.owners.discard(owner)
+            self._drop(lambda key, t: self.keeper.get(id(t)) == owner)
+
+    def keep_only(self, sizes: set[tuple[int, torch.dtype]], owner: object) -> None:
+        """Let go of `owner`'s kept plain buffers of every (numel, dtype) not in `sizes` (its last
+        step's); other owners' stay."""
+        with self.lock:
+            self._drop(lambda key, t: key not in sizes and self.keeper.get(id(t)) == id(owner))
+
+    def _drop(self, goes: Callable[[tuple, Tensor], bool]) -> None:
+        """Let go of the waiting plain buffers `goes` picks (under the lock)."""
+        for key, spare in list(self.free.items()):
+            gone = {id(t) for t in spare if not t.is_pinned() and goes(key, t)}
+            for i in gone:
+                self.keeper.pop(i, None)
+            spare[:] = [t for t in spare if id(t) not in gone]
+            if not spare:
+                del self.free[key]
 
     def clear(self) -> None:
         with self.lock:

@@ -88,7 +88,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> l
                                        f"(ranks done: {sorted(out)})") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}{_the_others(rank, results, procs, out)}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
@@ -96,3 +96,27 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> l
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world)]
+
+
+def _the_others(failed: int, results: Any, procs: list, out: dict, grace: float = 10.0) -> str:
+    """What the other ranks did, for a failure's message: a rank that lost its peer ("Connection
+    closed by peer") often reports first, while the cause is another rank's own error or its death
+    by a signal. Waits up to `grace` seconds for each to report or exit."""
+    said: dict[int, str] = {}
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        waiting = [r for r, p in enumerate(procs) if r != failed and r not in out and r not in said]
+        if not waiting:
+            break
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            for r in waiting:
+                if procs[r].exitcode not in (None, 0):
+                    said[r] = f"exited with code {procs[r].exitcode} before reporting"
+            continue
+        said[rank] = "finished" if ok else f"failed:\n{value}"
+    for r in range(len(procs)):
+        if r != failed and r not in out and r not in said:
+            said[r] = f"still running after {grace:.0f} s"
+    return "".join(f"\n\nrank {r} {what}" for r, what in sorted(said.items()))

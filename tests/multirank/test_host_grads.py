@@ -126,7 +126,7 @@ def test_the_pool_keeps_plain_buffers_only_for_a_live_owner_and_the_last_steps_s
     class Plan:  # what a step's host gradients are kept for: its state's plan
         pass
 
-    pool, plan = PinnedPool(pin=False, max_bytes=None), Plan()
+    pool, plan, other = PinnedPool(pin=False, max_bytes=None), Plan(), Plan()
     a, b = pool.take(1000, torch.float32), pool.take(10, torch.float32)
     pool.give(a)  # plain memory, no owner: back to the allocator
     assert not pool.free
@@ -134,8 +134,16 @@ def test_the_pool_keeps_plain_buffers_only_for_a_live_owner_and_the_last_steps_s
     pool.give(b, keep_for=plan)
     assert pool.take(1000, torch.float32) is a
     pool.give(a, keep_for=plan)
-    pool.keep_only({(1000, torch.float32)})  # the last step used only a's size: b's buffer goes
+    c = pool.take(20, torch.float32)
+    pool.give(c, keep_for=other)  # the pool is the process's: another run's state keeps its own
+    pool.keep_only({(1000, torch.float32)}, plan)  # plan's last step used only a's size: b's buffer goes
+    assert sorted(pool.free) == [(20, torch.float32), (1000, torch.float32)]
+    pool.keep_only({(1000, torch.float32)}, other)  # ... and other's only that size: c goes
     assert list(pool.free) == [(1000, torch.float32)]
+    pool.give(c, keep_for=other)
+    del other
+    gc.collect()  # a run's state gone (whenever the collector finds it) takes only its own buffers
+    assert list(pool.free) == [(1000, torch.float32)] and pool.free[1000, torch.float32] == [a]
     del plan
     gc.collect()
     assert not pool.free  # the run's last state is gone: so are the gradients' buffers
