@@ -15,6 +15,7 @@ line; any failure prints `RESULT {"impl": "deepspeed", "error": ...}` and still 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -35,6 +36,8 @@ def parse_args(argv=None):
                    help="cpuadam: DeepSpeedCPUAdam (falls back to torch.optim.AdamW, and says so in RESULT, "
                    "if its op cannot be built); torch: torch.optim.AdamW on the CPU partitions")
     p.add_argument("--no-act-ckpt", action="store_true", help="no activation checkpointing")
+    p.add_argument("--stage", type=int, default=3, choices=[2, 3],
+                   help="3: parameters and optimizer on the CPU (the headline); 2: the optimizer only")
     p.add_argument("--phase-steps", type=int, default=0, help="after the timed steps, this many more with forward, "
                    "backward and step timed apart (the device synchronised between them)")
     return p.parse_args(argv)
@@ -94,25 +97,29 @@ def run(a) -> dict:
     t_start = time.perf_counter()
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
 
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        # DeepSpeed's defaults, written out so the RESULT line records them
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": int(5e8),
+        "stage3_prefetch_bucket_size": int(5e7),
+        "stage3_param_persistence_threshold": int(1e5),
+        "stage3_max_live_parameters": int(1e9),
+        "stage3_max_reuse_distance": int(1e9),
+        "sub_group_size": int(1e9),
+    }
+    if a.stage == 2:  # the optimizer alone on the CPU: stage 2's keys (and defaults) only
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                "contiguous_gradients": True, "reduce_bucket_size": int(5e8), "allgather_bucket_size": int(5e8)}
     ds_config = {
         "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            # DeepSpeed's defaults, written out so the RESULT line records them
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": int(5e8),
-            "stage3_prefetch_bucket_size": int(5e7),
-            "stage3_param_persistence_threshold": int(1e5),
-            "stage3_max_live_parameters": int(1e9),
-            "stage3_max_reuse_distance": int(1e9),
-            "sub_group_size": int(1e9),
-        },
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -120,7 +127,7 @@ def run(a) -> dict:
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, dim=a.dim, heads=a.heads, layers=a.layers)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config) if a.stage == 3 else contextlib.nullcontext():
         model = GPT(cfg)
     zero_init_s = time.perf_counter() - t0
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # unique: the head is tied
@@ -207,7 +214,7 @@ def run(a) -> dict:
         optimizer=optimizer_name, optimizer_fallback=fallback, lr=a.lr, weight_decay=a.weight_decay,
         activation_checkpointing=bool(ckpt_blocks), same_batch=a.same_batch,
         device_cap_gb=a.device_gb, micro=a.micro, seq=a.seq, dim=a.dim, layers=a.layers, heads=a.heads,
-        vocab=a.vocab, steps=a.steps, ds_config=ds_config,
+        vocab=a.vocab, steps=a.steps, stage=a.stage, ds_config=ds_config,
     )
     if hasattr(torch.cuda, "host_memory_stats"):  # pinned memory torch's host allocator holds
         try:

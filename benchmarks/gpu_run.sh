@@ -3,7 +3,8 @@
 # install what it lacks from .whl/ (torchdata and xxhash, cp312 manylinux; DeepSpeed and its needs for the comparison),
 # then run what the arguments name: `tests` (tests/cuda), `headline` (benchmarks/gpu_offload.py),
 # `deepspeed` (benchmarks/gpu_offload_deepspeed.py), `snapshot` (benchmarks/gpu_peak_snapshot.py), `compare`
-# (the two headlines and tests/cuda in one call, about 4 minutes: RESULTS.md's 2026-11-28 run), `diagnose`
+# (the two headlines and tests/cuda in one call, about 4 minutes: RESULTS.md's 2026-11-28 run), `zero2`
+# (stage 2 with the optimizer offloaded, fz then DeepSpeed; after `compare`), `diagnose`
 # (phases, variants, a profile). Logs go to $OUT (default /tmp/fz-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,14 @@ for what in "$@"; do
       wait
       timeout 240 python3 benchmarks/gpu_offload_deepspeed.py --same-batch --lr 3e-4 --weight-decay 0.01 --steps 4 \
         2>&1 | tee "$OUT/deepspeed.log" ;;
+    # stage 2, the optimizer alone on the CPU (DeepSpeed's most common offload), the same model and batch:
+    # fz (each bucket copied up while the next is updated: fz/offload/landing.py) then DeepSpeed. After
+    # `compare` in the same call (its DeepSpeed op is built); about 3 minutes
+    zero2)
+      timeout 200 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --stage 2 --offload optimizer \
+        --variants "base" --variant-steps 3 2>&1 | tee "$OUT/fz-zero2.log"
+      timeout 240 python3 benchmarks/gpu_offload_deepspeed.py --same-batch --lr 3e-4 --weight-decay 0.01 --steps 4 \
+        --stage 2 --phase-steps 2 2>&1 | tee "$OUT/deepspeed-zero2.log" ;;
     # the diagnostics of RESULTS.md's 2026-11-27 run: phases, every variant, a profile
     diagnose)
       timeout 300 python3 benchmarks/gpu_offload.py --same-batch --steps 4 --snapshot 12 --profile "$OUT/profile" \

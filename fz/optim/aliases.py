@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fz.optim.base import GradientTransformation, Params, cast_into, chain, lr_at, owned
+from fz.optim.base import CastGroups, GradientTransformation, Params, cast_groups_into, cast_into, chain, lr_at, owned
 from fz.optim.kernel import adamw_
 from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
@@ -46,24 +46,41 @@ class _FusedAdamW(GradientTransformation):
     weight_decay: float
 
     def step(self, grads: Params, state: tuple, params: Params, *, donate: bool = False, cast: Params | None = None,
-             grad_mul: Tensor | None = None, **extra: Any) -> tuple:
+             grad_mul: Tensor | None = None, groups: CastGroups | None = None, **extra: Any) -> tuple:
         """`grad_mul`: the gradients are multiplied by it first (the clip's factor): in the host
-        kernel's own pass, else in place before torch's."""
+        kernel's own pass, else in place before torch's. `groups`: on the host, each group's
+        parameters are updated and cast by one kernel call, then closed, before the next
+        (elementwise arithmetic: the same values in any grouping)."""
         keys = list(grads)
         tensors = [*(params[k] for k in keys), *(grads[k] for k in keys)]
         if not tensors or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
             if grad_mul is not None:
                 torch._foreach_mul_(list(grads.values()), grad_mul)
-            return GradientTransformation.step(self, grads, state, params, donate=donate, cast=cast, **extra)
+            state = GradientTransformation.step(self, grads, state, params, donate=donate, cast=cast, **extra)
+            cast_groups_into(groups, params)
+            return state
         adam, decay, lr_state = state
         mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
         count = adam.count + 1
         value = lr_at(self.lr, int(lr_state.count))
         step = torch.tensor(float(count), device=tensors[0].device)  # fused CUDA kernels take it on the device
-        if step.device.type == "cpu":  # the host: the kernel that also writes `cast` in its pass
-            adamw_([params[k] for k in keys], [grads[k] for k in keys], mu, nu, step, lr=value, beta1=self.betas[0],
-                   beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
-                   cast=[(cast or {}).get(k) for k in keys], grad_mul=grad_mul)
+        at = {k: i for i, k in enumerate(keys)}
+
+        def on_host(names: list[str], targets: Params) -> None:
+            idx = [at[k] for k in names]
+            adamw_([params[k] for k in names], [grads[k] for k in names], [mu[j] for j in idx], [nu[j] for j in idx],
+                   step, lr=value, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
+                   eps=self.eps, cast=[targets.get(k) for k in names], grad_mul=grad_mul)
+
+        if step.device.type == "cpu":  # the host: the kernel that also writes the casts in its pass
+            grouped = [[k for k in g if k in at] for g in groups.groups] if groups is not None else []
+            for i, names in enumerate(grouped):
+                assert groups is not None
+                on_host(names, groups.open(i))
+                groups.close(i)
+            rest = set(keys).difference(*grouped)
+            if rest:
+                on_host([k for k in keys if k in rest], cast or {})
         else:
             if grad_mul is not None:
                 torch._foreach_mul_([grads[k] for k in keys], grad_mul)
@@ -72,6 +89,7 @@ class _FusedAdamW(GradientTransformation):
                                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
             if cast:
                 cast_into(cast, params)
+            cast_groups_into(groups, params)
         return (AdamState(count, dict(zip(keys, mu)), dict(zip(keys, nu))), decay,
                 type(lr_state)(lr_state.count + 1, torch.tensor(value, dtype=torch.float64)))
 

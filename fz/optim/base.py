@@ -72,23 +72,46 @@ def cast_into(cast: Params, params: Params) -> None:
         torch._foreach_copy_([cast[k] for k in keys], [params[k] for k in keys])
 
 
+@dataclass(frozen=True)
+class CastGroups:
+    """Cast targets handed out a group at a time (a bucket each, in the update's order):
+    `open(i)` gives group i's {name: tensor}, `close(i)` says they hold the update, so that
+    their copy to the device runs while the next group is updated (fz/offload/landing.py)."""
+
+    groups: list[list[str]]
+    open: Callable[[int], Params]
+    close: Callable[[int], None]
+
+
+def cast_groups_into(groups: CastGroups | None, params: Params) -> None:
+    """Every group of `groups` cast from `params` (already updated), one after another."""
+    if groups is None:
+        return
+    for i in range(len(groups.groups)):
+        cast_into(groups.open(i), params)
+        groups.close(i)
+
+
 def step_casting(tx: GradientTransformation, grads: Params, state: Any, params: Params, cast: Params,
-                 grad_mul: Tensor | None = None, **extra: Any) -> Any:
-    """`tx.step`, with the updated `params` cast into `cast` (in the update's pass where `tx` can);
-    a transformation whose own `step` takes no `cast` gets the copy after it. `grad_mul` (a 0-d
-    tensor: the clip's factor) multiplies the gradients first: inside `tx.step` where it takes
-    one (the host AdamW kernel's pass), else in place before it. The gradients are donated."""
+                 grad_mul: Tensor | None = None, groups: CastGroups | None = None, **extra: Any) -> Any:
+    """`tx.step`, with the updated `params` cast into `cast` and `groups` (in the update's pass
+    where `tx` can: a group as soon as its parameters are updated); a transformation whose own
+    `step` takes neither gets the copies after it. `grad_mul` (a 0-d tensor: the clip's factor)
+    multiplies the gradients first: inside `tx.step` where it takes one (the host AdamW
+    kernel's pass), else in place before it. The gradients are donated."""
     if grad_mul is not None:
         if _takes(type(tx).step, "grad_mul"):
             extra["grad_mul"] = grad_mul
         else:
             torch._foreach_mul_(list(grads.values()), grad_mul)
-    if not cast:
-        return tx.step(grads, state, params, **extra)
-    if _takes(type(tx).step, "cast"):
-        return tx.step(grads, state, params, cast=cast, **extra)
+    if groups is not None and _takes(type(tx).step, "groups"):
+        extra["groups"] = groups
+        groups = None
+    if cast and _takes(type(tx).step, "cast"):
+        extra["cast"], cast = cast, {}
     state = tx.step(grads, state, params, **extra)
     cast_into(cast, params)
+    cast_groups_into(groups, params)
     return state
 
 

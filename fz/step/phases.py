@@ -223,7 +223,8 @@ class StepInProgress:
                     raise
                 del inputs, norms
                 local_opt, norm, flats, mflats = up.local_opt, up.norm, up.flats, up.mflats
-                sources = [None if i in up.cast else m for i, m in enumerate(mflats)]  # masters still to cast
+                # what the parameters come from: the masters still to cast, or the rows already landed
+                sources = [up.ready.get(i, None if i in up.cast else m) for i, m in enumerate(mflats)]
                 for i in up.cast:  # cast by the update's own pass: counted as the copy it stands for
                     if (master := mflats[i]) is not None:
                         count_cast(comm, flats[i], master)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Shard
 
-from fz.optim.base import global_norm, step_casting
+from fz.optim.base import CastGroups, global_norm, step_casting
 from fz.optim.norms import norms as tensor_norms
 from fz.optim.transforms import clip_factor
 from fz.sharding.comm import Comm
@@ -137,15 +137,16 @@ def shard_sum_fn(comm: Comm, sharded: set[str]):
 
 
 def apply_optimizer(spec, comm: Comm, opt_state: Any, grads: Params, params: Params,
-                    sharded: set[str], norms: GradNorms | None = None,
-                    cast: Params | None = None) -> tuple[Any, Tensor | None]:
+                    sharded: set[str], norms: GradNorms | None = None, cast: Params | None = None,
+                    groups: CastGroups | None = None) -> tuple[Any, Tensor | None]:
     """Clip, then update the local shards in place (the step owns every buffer it passes: they
     are donated); returns (the optimizer's new local state, the global grad norm or None).
     `norms`: the gradients' norms, when the step took them already (its non-finite check);
-    `cast`: parameters to receive their updated masters (fz/step/updaters.py: host_casts)."""
+    `cast`: parameters to receive their updated masters (fz/step/updaters.py: host_casts);
+    `groups`: more of them, handed out bucket by bucket (fz/offload/landing.py)."""
     extra = dict(donate=True, norm_sq=norm_sq_fn(comm, sharded), shard_sum=shard_sum_fn(comm, sharded))
     norm, factor = None, None
     if spec.clip_grad_norm is not None:  # the clip's factor, applied in the update's own pass where it can
         norm = global_norm(grads, norm_sq_fn(comm, sharded, norms))
         factor = clip_factor(norm, spec.clip_grad_norm)
-    return step_casting(spec.optimizer, grads, opt_state, params, cast or {}, factor, **extra), norm
+    return step_casting(spec.optimizer, grads, opt_state, params, cast or {}, factor, groups, **extra), norm

@@ -16,11 +16,13 @@ refuses it there) restores the parameters no rank used, as torch skips them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
+from fz.offload.landing import landing_for
+from fz.offload.transfer import pool_for
 from fz.optim.base import cast_into
 from fz.sharding.comm import Comm
 from fz.sharding.plan import ShardPlan
@@ -57,6 +59,9 @@ class Updated:
     flats: list[Tensor]
     mflats: list[Tensor | None]
     cast: frozenset[int]  # buckets whose parameters already hold the update (nothing to cast from the masters)
+    # gathered buckets whose updated rows the update already cast (and copied up), in the parameters'
+    # dtype where they live: the all-gather's input (fz/offload/landing.py)
+    ready: dict[int, Tensor] = field(default_factory=dict)
 
 
 Updater = Callable[[Spec, Comm, ShardPlan, UpdateInputs], Updated]
@@ -81,12 +86,23 @@ def _in_memory(run: Callable[..., tuple[Any, Tensor | None]]) -> Updater:
     """Device and host: the optimizer over `params` in place, the skipped parameters put back."""
     def update(spec: Spec, comm: Comm, plan: ShardPlan, x: UpdateInputs) -> Updated:
         cast, done = host_casts(plan, x.flats, x.mflats)
+        # the other buckets with host masters land bucket by bucket as they are updated; not where
+        # skipped parameters are put back after the update (they would have left already)
+        pool = pool_for(spec.offload) if spec.offload is not None else None
+        landing = None if x.skip else landing_for(plan, x.flats, x.mflats, done, pool)
         kept = snapshot(x.skip, x.params, x.local_opt) if x.skip else None
-        local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded, x.norms, cast)
+        try:
+            local_opt, norm = run(spec, comm, x.local_opt, x.grads, x.params, x.sharded, x.norms, cast,
+                                  landing.groups if landing is not None else None)
+        finally:
+            if landing is not None:
+                landing.finish()
         if kept is not None:
             put_back(*kept, x.params, local_opt)
             cast_into({n: cast[n] for n in kept[0] if n in cast}, x.params)  # their parameters as they were
-        return Updated(local_opt, norm, x.flats, x.mflats, cast=done)
+        if landing is None:
+            return Updated(local_opt, norm, x.flats, x.mflats, cast=done)
+        return Updated(local_opt, norm, x.flats, x.mflats, cast=done | landing.cast, ready=landing.ready)
     return update
 
 

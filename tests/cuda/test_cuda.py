@@ -142,6 +142,34 @@ def test_a_slow_copy_stream_changes_no_result(offload):
     assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
 
 
+def test_each_bucket_is_copied_up_while_the_next_is_updated(monkeypatch):
+    """The optimizer on the host, the parameters on the GPU (stage 2): each bucket's bf16 values are
+    written by the host kernel into pinned staging and copied up as soon as that bucket is updated,
+    while the host updates the next (fz/offload/landing.py). A slow copy stream changes no result,
+    and the results are those of the cast and copy after the whole update (the path before)."""
+    import fz.step.updaters as updaters
+    from fz.optim import aliases
+
+    from support.helpers import spec as make_spec
+    sp = make_spec(2, 1, precision="bf16", offload=fz.offload.cpu(), bucket_mb=0.02)  # several buckets
+    real = updaters.landing_for
+    monkeypatch.setattr(updaters, "landing_for", lambda *a: None)
+    want = _run(sp)
+    monkeypatch.setattr(updaters, "landing_for", real)
+    log: list[str] = []
+    kernel = aliases.adamw_
+    monkeypatch.setattr(aliases, "adamw_", lambda *a, **k: (log.append("update"), kernel(*a, **k)))
+    transfer.before_copy = lambda stream: (log.append("copy"), torch.cuda._sleep(5_000_000))
+    try:
+        got = _run(sp)
+    finally:
+        transfer.before_copy = None
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    updates = [i for i, what in enumerate(log) if what == "update"]
+    assert len(updates) > 3 and any(log[i + 1] == "copy" for i in updates[:-1]), log  # a copy between updates
+
+
 @pytest.mark.parametrize("copies", [1, 2])
 def test_widening_on_the_device_changes_no_result(copies):
     """host_grads.WIDEN="device": each bf16 gradient is widened before its copy, and the first

@@ -127,6 +127,47 @@ def test_a_step_without_cast_gets_the_copy_after():
     assert torch.equal(low["w"], torch.full((5,), 0.5, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "lion"])
+def test_cast_groups_are_each_closed_after_their_update_and_before_the_next(monkeypatch, optimizer):
+    """A bucket's parameters are cast as its update ends, and said to be done (`close`: their copy
+    to the GPU starts there) before the next bucket is updated: AdamW's host kernel runs once per
+    group in order; another optimizer casts after its whole update, group by group. Either way the
+    same bits as one cast of everything after the update."""
+    from fz.optim import aliases
+    from fz.optim.base import CastGroups
+
+    sizes = [37, 5, 129, 64, 3]
+    names = [f"p{i}" for i in range(len(sizes))]
+    tx = fz.optim.adamw(lr=1e-2, weight_decay=0.1) if optimizer == "adamw" else fz.optim.lion(lr=1e-3)
+    runs, real = {}, aliases.adamw_
+    for grouped in (False, True):
+        masters, low = _shards(sizes, 3, seed=1)
+        params = dict(zip(names, masters))
+        targets = dict(zip(names, low))
+        state, log = tx.init(params), []
+        monkeypatch.setattr(aliases, "adamw_",
+                            lambda ps, *a, log=log, **k: (log.append(("update", len(ps))), real(ps, *a, **k)))
+        groups = [names[:2], names[2:3], names[3:]]
+
+        def open_(i, groups=groups, targets=targets, log=log):
+            log.append(("open", i))
+            return {k: targets[k] for k in groups[i]}
+
+        cast = CastGroups(groups, open_, lambda i, log=log: log.append(("close", i))) if grouped else None
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(10 + seed)
+            grads = {k: torch.randn(n, generator=gen) for k, n in zip(names, sizes)}
+            state = step_casting(tx, grads, state, params, {} if grouped else targets, torch.tensor(0.5), cast)
+        runs[grouped] = ([m.clone() for m in masters], [t.clone() for t in low], log)
+    (m0, l0, _), (m1, l1, log) = runs[False], runs[True]
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(m0 + l0, m1 + l1))
+    if optimizer == "adamw":  # in the update's own pass: each group updated between its open and close
+        assert log == [("open", 0), ("update", 2), ("close", 0), ("open", 1), ("update", 1), ("close", 1),
+                       ("open", 2), ("update", 2), ("close", 2)] * 3
+    else:  # no host kernel: cast after the update, still a group at a time, each closed before the next opens
+        assert log == [("open", 0), ("close", 0), ("open", 1), ("close", 1), ("open", 2), ("close", 2)] * 3
+
+
 class _OneUsed(torch.nn.Module):
     """Two layers; the loss reads only the first, so `Spec.skip_unused` leaves the second as it was."""
 
