@@ -37,8 +37,10 @@ def gpt_config(target: int, seq: int, dim: int = 0):
         with torch.device("meta"):
             return sum(p.numel() for p in GPT(GPTConfig(**{**base.__dict__, "layers": layers})).parameters())
 
-    layers = min(range(1, 129), key=lambda n: abs(count(n) - target))
-    return GPTConfig(**{**base.__dict__, "layers": layers}), count(layers)
+    one, two = count(1), count(2)  # the count is linear in the layers: two models on meta give every other
+    per_layer, rest = two - one, 2 * one - two
+    layers = min(range(1, 129), key=lambda n: abs(rest + n * per_layer - target))
+    return GPTConfig(**{**base.__dict__, "layers": layers}), rest + layers * per_layer
 
 
 # ----------------------------------------------------------------------------- measurements (in a worker)

@@ -12,7 +12,8 @@ kernel's: fz/optim/kernel.py), into a buffer in the parameters' dtype, one bucke
   the update of the next. At most `MAX_UPLOADS` staging buffers, each the largest bucket's
   size, are in flight; the host waits for the oldest only to reuse its buffer, and for the
   last ones as the update ends.
-- on a CPU-only machine (one memory), the all-gather's input itself.
+- on a CPU-only machine (one memory), where asked (`landing_for(one_memory=True)`: the tests),
+  the all-gather's input itself; by default such a machine casts after the update (see there).
 
 Before, these buckets were cast after the update (a second pass over the masters) and
 copied up one after another, each copy blocking the host; DeepSpeed's stage 1/2 CPU offload
@@ -97,10 +98,14 @@ class Landing:
 
 
 def landing_for(plan, flats: Sequence[Tensor], mflats: Sequence[Tensor | None], done: frozenset[int],
-                pool: PinnedPool | None) -> Landing | None:
-    """A Landing for the trainable buckets with masters in host memory that `done` (cast in place)
-    leaves out: parameters on a GPU, or gathered after a sharded update; None when there is none."""
+                pool: PinnedPool | None, one_memory: bool = False) -> Landing | None:
+    """A Landing for the trainable buckets with masters in host memory and parameters on a GPU
+    that `done` (cast in place) leaves out; None when there is none. `one_memory`: on a CPU-only
+    machine too, for the buckets gathered after a sharded update. Not by default: the live bytes
+    are the same and the step within 3% (22M GPT, stages 1-2, world 2), but with the gather's
+    inputs made during the update glibc kept 10% more peak RSS (`benchmarks/step.py --baseline`;
+    with `malloc_trim` after each step both paths hold the same)."""
     indices = [b.index for b, flat, mflat in zip(plan.buckets, flats, mflats)
                if b.trainable and b.index not in done and mflat is not None and mflat.device.type == "cpu"
-               and (flat.device.type == "cuda" or gathered(plan, b))]
+               and (flat.device.type == "cuda" or (one_memory and gathered(plan, b)))]
     return Landing(plan, flats, mflats, indices, pool) if indices else None
