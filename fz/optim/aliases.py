@@ -73,7 +73,7 @@ class _FusedAdamW(GradientTransformation):
                    eps=self.eps, cast=[targets.get(k) for k in names], grad_mul=grad_mul)
 
         if step.device.type == "cpu":  # the host: the kernel that also writes the casts in its pass
-            grouped = [[k for k in g if k in at] for g in groups.groups] if groups is not None else []
+            grouped = groups.groups if groups is not None else []  # each name a gradient's: a group is cast whole
             for i, names in enumerate(grouped):
                 assert groups is not None
                 on_host(names, groups.open(i))
