@@ -9,7 +9,9 @@ local state, the global gradient norm (None without clipping), and the parameter
 storage the new state holds. `cast` names the buckets whose parameters already hold the
 update: the disk tier casts each group as it writes it, and where parameters and fp32 masters
 share a layout in host memory the update writes the parameters in its own pass (`host_casts`;
-fz/optim/kernel.py); the others are cast or gathered from the masters after it.
+fz/optim/kernel.py); on a GPU, buckets whose parameters are on the device get theirs in that
+pass too, into pinned staging copied up bucket by bucket as the update goes (fz/offload/landing.py:
+`ready` holds a gathered bucket's rows); the others are cast or gathered from the masters after it.
 `Spec.skip_unused` (device and host only: the disk tier streams group by group and the Spec
 refuses it there) restores the parameters no rank used, as torch skips them.
 """
