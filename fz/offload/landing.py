@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fz.offload.transfer import PinnedPool, Upload
+from fz.offload.transfer import PinnedPool, Transfer
 from fz.optim.base import CastGroups, Params
 from fz.sharding.sync import gathered
 
@@ -48,7 +48,7 @@ class Landing:
         self.ready: dict[int, Tensor] = {}
         self.width = max(self._numel(j) for j in indices)  # elements of a staging buffer
         self.staged: dict[int, Tensor] = {}  # group -> its staging buffer, open
-        self.uploads: deque[tuple[Upload, Tensor]] = deque()  # (copy, its staging buffer), oldest first
+        self.uploads: deque[tuple[Transfer, Tensor]] = deque()  # (copy, its staging buffer), oldest first
 
     def _numel(self, j: int) -> int:
         mflat = self.mflats[j]
@@ -77,12 +77,12 @@ class Landing:
         dst = flat if j in self.cast else torch.empty(n, dtype=flat.dtype, device=flat.device)
         if j not in self.cast:
             self.ready[j] = dst
-        self.uploads.append((Upload(dst, staging[:n]), staging))
+        self.uploads.append((Transfer(dst, staging[:n]), staging))
 
     def _retire(self) -> None:
         """The oldest copy done (the host waits for it); its staging buffer back to the pool."""
-        up, staging = self.uploads.popleft()
-        up.finish()
+        copy, staging = self.uploads.popleft()
+        copy.wait()
         assert self.pool is not None
         self.pool.give(staging)
 

@@ -73,14 +73,14 @@ class _FusedAdamW(GradientTransformation):
                    eps=self.eps, cast=[targets.get(k) for k in names], grad_mul=grad_mul)
 
         if step.device.type == "cpu":  # the host: the kernel that also writes the casts in its pass
-            grouped = groups.groups if groups is not None else []  # each name a gradient's: a group is cast whole
-            for i, names in enumerate(grouped):
+            done: set[str] = set()
+            for i, names in enumerate(groups.groups if groups is not None else []):
                 assert groups is not None
-                on_host(names, groups.open(i))
+                on_host(names, groups.open(i))  # each name a gradient's: a group is cast whole
                 groups.close(i)
-            rest = set(keys).difference(*grouped)
-            if rest:
-                on_host([k for k in keys if k in rest], cast or {})
+                done.update(names)
+            if rest := [k for k in keys if k not in done]:
+                on_host(rest, cast or {})
         else:
             if grad_mul is not None:
                 torch._foreach_mul_([grads[k] for k in keys], grad_mul)

@@ -105,7 +105,7 @@ def _the_others(failed: int, results: Any, procs: list, out: dict, grace: float 
     said: dict[int, str] = {}
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        waiting = [r for r, p in enumerate(procs) if r != failed and r not in out and r not in said]
+        waiting = [r for r in range(len(procs)) if r != failed and r not in out and r not in said]
         if not waiting:
             break
         try:
