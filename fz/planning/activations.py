@@ -10,27 +10,35 @@ block's own saved tensors.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 
 from fz.errors import ConfigError
+from fz.planning.backward import first_ops_peak
 from fz.precision import PRECISIONS
 from fz.step.batches import batch_map
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Trace:
     saved: dict[str, int]  # unit name ("" = the root) -> bytes autograd saves in its forward (units in order)
     inputs: dict[str, int]  # unit name -> bytes of its tensor inputs (what a checkpointed block keeps)
-    largest: int  # the largest single saved tensor (e.g. a language model's logits)
+    head: int  # the most bytes backward's first ops hold above what the forward left (fz/planning/backward.py)
 
     def peaks(self, checkpointed: Callable[[str], bool], grads: dict[str, int],
               grads_stay: bool = True) -> tuple[int, int, int]:
@@ -39,8 +47,8 @@ class Trace:
 
         `checkpointed(unit)` says which blocks recompute; `grads[unit]` is the gradient bytes a
         unit's backward makes. Backward starts with every activation the forward left (a
-        checkpointed block's inputs, not yet its recompute) plus one op's incoming and outgoing
-        gradient (each at most the largest activation), before any unit's gradient exists; then,
+        checkpointed block's inputs, not yet its recompute) plus what its first ops hold (`head`:
+        the loss's gradients, replayed on the traced graph), before any unit's gradient exists; then,
         block by block from the last, a block's saved tensors (recomputed if checkpointed) live
         beside the earlier blocks' and the gradients made so far (`grads_stay`), or only its own
         (they leave the device as they are reduced: an offloaded optimizer,
@@ -54,7 +62,7 @@ class Trace:
         forward = left + recompute  # and the last checkpointed block's tensors while it runs
         # no block is recomputed yet at backward's first op (a 2.8B GPT's peak on an H200 holds
         # the loss's tensors and every block's input, none of a block's inside)
-        start, made, units = left + 2 * self.largest, grads.get("", 0), 0
+        start, made, units = left + self.head, grads.get("", 0), 0
         for i in range(len(blocks) - 1, -1, -1):
             u = blocks[i]
             made = made + grads.get(u, 0) if grads_stay else grads.get(u, 0)
@@ -68,6 +76,11 @@ def _base(t: Tensor) -> Tensor:
     return t
 
 
+def _storage(t: Tensor) -> int:
+    """What a saved tensor is counted by: its storage (views and detached aliases share one)."""
+    return t.untyped_storage()._cdata
+
+
 def _nbytes(t: Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -77,9 +90,33 @@ def default_batch(micro_batch: int, seq_len: int) -> Tensor:
     return torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
 
+class _CudaCrossEntropy(TorchFunctionMode):
+    """The trace runs under the CPU's autocast; where CUDA's differs in what it keeps, follow CUDA.
+    A 16-bit cross_entropy: the CPU's autocast casts the logits to fp32 first (an fp32 log-softmax,
+    saved once); CUDA's runs log_softmax in the logits' dtype and nll_loss in fp32 (a 16-bit
+    log-softmax saved, and an fp32 copy of it). Measured on an H200 (benchmarks/RESULTS.md)."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            a = inspect.signature(F.cross_entropy).bind(*args, **kwargs)
+            a.apply_defaults()
+            x, target, weight = a.arguments["input"], a.arguments["target"], a.arguments["weight"]
+            if torch.is_autocast_enabled("cpu") and x.dtype in (torch.bfloat16, torch.float16) \
+                    and not target.is_floating_point() and not a.arguments["label_smoothing"] \
+                    and a.arguments["size_average"] is None and a.arguments["reduce"] is None:
+                with torch.autocast("cpu", enabled=False):
+                    lsm = torch.log_softmax(x, 1 if x.dim() > 1 else 0, dtype=x.dtype)
+                    return F.nll_loss(lsm.float(), target, None if weight is None else weight.float(),
+                                      ignore_index=a.arguments["ignore_index"], reduction=a.arguments["reduction"])
+        return func(*args, **kwargs)
+
+
 def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: str,
-          loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> Trace:
-    """Run one forward of `model` on `batch` (shapes only: real or meta tensors) with fake tensors."""
+          loss_fn: Callable[[nn.Module, Any], Any] | None = None, device_type: str = "cpu") -> Trace:
+    """Run one forward of `model` on `batch` (shapes only: real or meta tensors) with fake tensors,
+    as autocast runs it on `device_type` ("cuda" or "cpu"), and replay backward's first ops."""
     dtype = PRECISIONS[precision]
     saved: dict[str, dict[int, int]] = {u: {} for u in unit_names}
     inputs: dict[str, int] = {u: 0 for u in unit_names if u}
@@ -88,8 +125,8 @@ def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: 
 
     def pack(t: Tensor) -> Tensor:
         base = _base(t)
-        if id(base) not in param_ids:
-            saved[current[0]][id(base)] = _nbytes(base)
+        if _storage(base) not in param_ids:
+            saved[current[0]][_storage(base)] = _nbytes(base)
         return t
 
     def enter(name: str) -> Callable[[nn.Module, tuple, dict[str, Any]], None]:
@@ -116,14 +153,16 @@ def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: 
                 tensors[name] = canon[id(p)]
             for name, b in model.named_buffers(remove_duplicate=False):
                 tensors[name] = torch.empty(b.shape, dtype=b.dtype)
-            param_ids.update(id(t) for t in canon.values())
+            param_ids.update(_storage(t) for t in canon.values())
             fake_batch = batch_map(lambda x: torch.empty(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x, batch)
             autocast = torch.autocast("cpu", dtype=dtype, enabled=precision != "fp32")
-            with _reparametrize_module(model, tensors), autocast, \
+            policy = _CudaCrossEntropy() if device_type == "cuda" else contextlib.nullcontext()
+            with _reparametrize_module(model, tensors), autocast, policy, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = loss_fn(model, fake_batch) if loss_fn is not None else model(fake_batch)
                 if getattr(out, "loss", None) is not None:
                     out = out.loss
+            head = _first_ops(out, saved)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - name the cause: the model did not run on this batch
@@ -132,5 +171,22 @@ def trace(model: nn.Module, unit_names: tuple[str, ...], batch: Any, precision: 
     finally:
         for h in handles:
             h.remove()
+    return Trace({u: sum(v.values()) for u, v in saved.items()}, inputs, head)
+
+
+def _first_ops(out: Any, saved: dict[str, dict[int, int]]) -> int:
+    """Backward's first ops replayed on the traced graph; where the graph cannot be read (an op
+    whose node hides its saved tensors or its inputs' metadata), one op's incoming and outgoing
+    gradient, each at most the largest saved tensor."""
     largest = max((n for v in saved.values() for n in v.values()), default=0)
-    return Trace({u: sum(v.values()) for u, v in saved.items()}, inputs, largest)
+    root = next((t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.grad_fn is not None), None)
+    if root is None:
+        return 0
+    unit_of = {k: u for u in saved if u for k in saved[u]}
+    unit_of.update(dict.fromkeys(saved.get("", {}), ""))  # saved by a block and by the root: the root's
+    try:
+        return first_ops_peak(root, _storage, unit_of, _nbytes)
+    except (AttributeError, RuntimeError, IndexError, TypeError) as e:
+        log.debug("fz.estimate: backward's first ops not replayed (%s: %s); counting 2 x the largest",
+                  type(e).__name__, e)
+        return 2 * largest

@@ -110,7 +110,7 @@ def _one(args: argparse.Namespace) -> str:
                           f"optimizer={args.offload_optimizer}; the rows are: {rows}")
     spec = _spec(args).replace(stage=args.stage, precision=args.precision, offload=found[want])
     return str(estimate(_target(args), spec=spec, world_size=args.gpus_per_node * args.nodes, nodes=args.nodes,
-                        micro_batch=args.micro_batch, seq_len=args.seq_len))
+                        micro_batch=args.micro_batch, seq_len=args.seq_len, device_type="cuda"))
 
 
 def _plan(args: argparse.Namespace) -> int:

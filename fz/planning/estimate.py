@@ -55,6 +55,7 @@ class Estimate:
     largest_layer: int = 0  # DeepSpeed's largest layer (parameters one module holds itself), in parameters
     largest_unit: int = 0  # the most parameters one fz gather holds (a unit), in parameters
     offload: tuple[str, str] = ("device", "device")  # (optimizer's tier, parameters' tier)
+    traced_for: str | None = None  # the device type whose autocast the activations were traced as ("cuda", "cpu")
 
     @property
     def gather_prefetched(self) -> int:
@@ -174,7 +175,8 @@ def _text(est: Estimate) -> str:
     when, device = est.device_peak()
     n = est.ranks_per_node
     lines = [f"fz estimate: {est.num_params / 1e6:,.1f}M params, ZeRO stage {est.stage}, {est.precision}, "
-             f"{est.nodes} node(s) x {n} rank(s)",
+             f"{est.nodes} node(s) x {n} rank(s)" + (f", activations as {est.traced_for} keeps them"
+                                                      if est.traced_for else ""),
              *block("model states per rank (as fz.memory_report)", est.model_states,
                     [("params", est.params), ("grads", est.grads), ("master", est.master),
                      ("optimizer", est.optimizer)]),

@@ -12,7 +12,7 @@ gradients as the optimizer reads them (fp32), and activations traced from one mi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -74,12 +74,14 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
              precision: str | None = None, offload: Any = "spec", shard_group_size: int | None = None,
              micro_batch: int | None = None, seq_len: int | None = None,
              activation_checkpointing: Any = None, spec: Spec | None = None, batch: Any = None,
-             zero_init: bool | None = None) -> Estimate:
+             zero_init: bool | None = None, device_type: Literal["cuda", "cpu"] | None = None) -> Estimate:
     """Bytes per device, per host and on disk of training `model_or_counts` (an nn.Module, best
     built on the meta device, or raw counts `(total_params, largest_layer)`) as `spec` says, with
     the keywords overriding it. Activations are traced from one micro-batch when `batch` (shapes
     only) or `micro_batch` and `seq_len` (token ids) are given. `zero_init`: the model is built on
-    the meta device (default: True unless `model_or_counts` is a module with real values)."""
+    the meta device (default: True unless `model_or_counts` is a module with real values).
+    `device_type`: the device the activations are traced for, as its autocast keeps them (default:
+    the one fz trains on here, "cuda" where a GPU is visible, else "cpu")."""
     spec = spec or Spec()
     changes = dict(stage=stage, precision=precision, shard_group_size=shard_group_size,
                    activation_checkpointing=activation_checkpointing)
@@ -132,6 +134,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers["host"]["checksums"] = sums
     g = _gather(spec, buckets, el, counts, shards, params_off=policy is not None and policy.params == "host")
     update = (0, 0) if host_grads else _grads_update(buckets, el, mixed, shards, spec)
+    traced_for = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return Estimate(
         world_size,
         nodes,
@@ -148,7 +151,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         update[0] + update[1],
         _sync(buckets, el, shards),
         io,
-        *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len),
+        *_activations(counts, spec, buckets, el, shards, batch, micro_batch, seq_len, traced_for),
         _model_copy(counts, zero_init),
         tiers,
         world_size // nodes,
@@ -165,6 +168,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         counts.largest_layer,
         counts.largest_unit,
         (policy.optimizer, policy.params) if policy else ("device", "device"),
+        traced_for if batch is not None or micro_batch is not None else None,
     )
 
 
@@ -268,7 +272,8 @@ def _sync(buckets: Sequence[Bucket], el: int, shards: int) -> int:
 
 
 def _activations(counts: ModelCounts, spec: Spec, buckets: Sequence[Bucket], el: int, shards: int, batch: Any,
-                 micro_batch: int | None, seq_len: int | None) -> tuple[int | None, int | None, int | None]:
+                 micro_batch: int | None, seq_len: int | None,
+                 device_type: str) -> tuple[int | None, int | None, int | None]:
     """(activations at the forward's end, at backward's first op, at the units' backward's worst point)."""
     if batch is None and micro_batch is None:
         return None, None, None
@@ -280,7 +285,7 @@ def _activations(counts: ModelCounts, spec: Spec, buckets: Sequence[Bucket], el:
             raise ConfigError("fz.estimate: micro_batch= needs seq_len= (or pass batch= with one micro-batch)")
         assert micro_batch is not None  # batch or micro_batch: returned above otherwise
         batch = default_batch(micro_batch, seq_len)
-    t = trace(counts.model, counts.unit_names, batch, spec.precision, spec.loss_fn)
+    t = trace(counts.model, counts.unit_names, batch, spec.precision, spec.loss_fn, device_type)
     policy = spec.activation_checkpointing
     modules = {n: counts.model.get_submodule(n) for n in counts.unit_names[1:]}
     grads: dict[str, int] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -120,18 +120,19 @@ def candidates(model: Any, *, base: Spec | None = None, world_size: int | None =
     world = world_size or local_devices() * nodes
     base = base or Spec()
     base = base.replace(precision=start_precision(base, precision, budgets)[0])
+    device_type: Literal["cuda", "cpu"] = "cpu" if budgets.device_is_host else "cuda"  # as its autocast keeps them
     if micro_batch is not None and base.micro_batch is None:  # the micro-batch planned for is the Spec's
         base = base.replace(micro_batch=micro_batch)
     out: list[Candidate] = []
     for name, spec in rungs(base, nvme_path, batch is not None or micro_batch is not None):
         est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch, seq_len=seq_len,
-                       batch=batch)
+                       batch=batch, device_type=device_type)
         off = spec.offload
         if off is not None and off.optimizer == "disk" and est.largest_opt_part > off.buffer_mb * 2**20:
             # the disk tier streams whole parameters: its I/O buffers must hold the largest one's state
             spec = spec.replace(offload=replace(off, buffer_mb=float(-(-est.largest_opt_part // 2**20))))
             est = estimate(model, spec=spec, world_size=world, nodes=nodes, micro_batch=micro_batch,
-                           seq_len=seq_len, batch=batch)
+                           seq_len=seq_len, batch=batch, device_type=device_type)
         out.append(Candidate(name, spec, est, check(est, budgets, margin)))
         if out[-1].fits and stop_at_first:
             break

@@ -58,7 +58,7 @@ def estimate_table(model_or_counts: Any, *, gpus_per_node: int = 1, nodes: int =
     for stage in stages:
         for text, policy in options(stage, nvme_path):
             est = estimate(model_or_counts, spec=base.replace(stage=stage, offload=policy), world_size=world,
-                           nodes=nodes, micro_batch=micro_batch, seq_len=seq_len)
+                           nodes=nodes, micro_batch=micro_batch, seq_len=seq_len, device_type="cuda")
             for zero_init in (1, 0):
                 host = est.per_host + (
                     0 if zero_init else gpus_per_node * (counts.num_params * 4 + counts.buffer_bytes)

@@ -86,13 +86,14 @@ def test_peak_within_10_percent(tmp_path, monkeypatch):
 
 def test_backward_starts_with_the_blocks_inputs_and_recomputes_one_block_at_a_time():
     """Backward's first op meets what the forward left (the root's saved tensors, each checkpointed
-    block's inputs) and one op's gradients; no block is recomputed yet. A block's recompute counts
+    block's inputs) and what its first ops hold (`head`, tests/unit/test_backward_replay.py); no block
+    is recomputed yet. A block's recompute counts
     in the units' backward, where it happens (the 2.8B GPT's device peak on an H200 held no
     block's inside at the first op)."""
     from fz.planning.activations import Trace
-    t = Trace(saved={"": 10, "b0": 100, "b1": 60}, inputs={"b0": 4, "b1": 4}, largest=10)
+    t = Trace(saved={"": 10, "b0": 100, "b1": 60}, inputs={"b0": 4, "b1": 4}, head=20)
     forward, start, units = t.peaks(lambda u: True, {"b0": 7, "b1": 7}, grads_stay=False)
-    assert start == 10 + 4 + 4 + 2 * 10
+    assert start == 10 + 4 + 4 + 20
     assert forward == 10 + 4 + 4 + 100  # while the largest block runs
     assert units == max(4 + 60 + 7, 100 + 7)  # b1 beside b0's inputs, then b0 alone
 
