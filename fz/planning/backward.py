@@ -99,10 +99,7 @@ def first_ops_peak(loss: Tensor, key: Callable[[Tensor], int], unit_of: dict[int
             if f is None:
                 continue
             deps[f] -= 1
-            if not deps[f]:
-                if _is_leaf(f):
-                    live -= sum(pending.pop(f, {}).values())
-                else:
-                    heapq.heappush(ready, (-f._sequence_nr(), order, f))
-                    order += 1
+            if not deps[f] and not _is_leaf(f):  # a leaf's gradient is the estimate's gradient terms'
+                heapq.heappush(ready, (-f._sequence_nr(), order, f))
+                order += 1
     return peak

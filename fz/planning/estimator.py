@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from fz.distributed.group import device_type as training_device
 from fz.errors import ConfigError
 from fz.model.leaves import fetches_root
 from fz.offload.host_grads import MAX_COPIES, host_grad_bytes
@@ -89,6 +90,9 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
     if offload != "spec":
         changes["offload"] = offload
     spec = spec.replace(**changes)
+    if device_type not in (None, "cuda", "cpu"):
+        raise ConfigError(f"fz.estimate: device_type={device_type!r}: the activations are traced for \"cuda\" or "
+                          f"\"cpu\" (None: the device fz trains on here)")
     if not isinstance(world_size, int) or world_size < 1 or not isinstance(nodes, int) or nodes < 1 \
             or world_size % nodes:
         raise ConfigError(f"fz.estimate: world_size={world_size!r} must be a positive multiple of nodes={nodes!r}")
@@ -134,7 +138,7 @@ def estimate(model_or_counts: Any, *, world_size: int = 1, nodes: int = 1, stage
         tiers["host"]["checksums"] = sums
     g = _gather(spec, buckets, el, counts, shards, params_off=policy is not None and policy.params == "host")
     update = (0, 0) if host_grads else _grads_update(buckets, el, mixed, shards, spec)
-    traced_for = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    traced_for = device_type or training_device()
     return Estimate(
         world_size,
         nodes,

@@ -136,3 +136,5 @@ def test_the_estimate_traces_the_loss_as_the_device_it_names_keeps_it():
     assert cuda.backward_start - cuda.activations == pytest.approx(logits, rel=0.01)
     assert "activations as cuda keeps them" in str(cuda).splitlines()[0]
     assert cpu.traced_for == "cpu" and fz.estimate(model, spec=spec).traced_for is None
+    with pytest.raises(fz.ConfigError, match="device_type='gpu'.*\"cuda\" or \"cpu\""):
+        fz.estimate(model, spec=spec, micro_batch=4, seq_len=cfg.seq + 1, device_type="gpu")
