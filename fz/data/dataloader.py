@@ -62,12 +62,13 @@ class Loader:
         return {"format": FORMAT, "epoch": self._pos[0], "index": self._pos[1], "seed": self.seed,
                 "shuffle": self.shuffle, "size": self.size}
 
-    def attach(self, state: State) -> State:
-        """`state` with this loader's position in `state.data[key]` (save that state to resume here)."""
+    def attach(self, state: State, position: dict[str, Any] | None = None) -> State:
+        """`state` with this loader's position in `state.data[key]` (save that state to resume here);
+        `position`: an earlier `state_dict()` of it instead (a consumer that reads ahead)."""
         if not isinstance(state.data, dict):
             raise ConfigError(f"fz.data: state.data is a {type(state.data).__name__}; the loader keeps its "
                               f"position in a dict entry ({self.key!r})")
-        return state.replace(data={**state.data, self.key: self.state_dict()})
+        return state.replace(data={**state.data, self.key: position or self.state_dict()})
 
     def __iter__(self) -> Iterator[Any]:
         """Batches from the current position on; the position advances as each one is handed out."""

@@ -42,8 +42,10 @@ dropped silently. What each TrainingArguments setting becomes:
     full_determinism, use_cpu, dataloader_*
   logging / eval / save / hub / report_to ...  the Trainer's own (fz.hf.Trainer)
   average_tokens_across_devices,               the Trainer's loss and sampler (fz.hf.Trainer)
-    train_sampling_strategy, accelerator_config,
-    data_seed, include_num_input_tokens_seen
+    train_sampling_strategy, data_seed,
+    include_num_input_tokens_seen
+  accelerator_config                           its defaults; split_batches=True, even_batches=False,
+                                                 use_seedable_sampler=False: error (other samples)
 """
 from __future__ import annotations
 
@@ -301,6 +303,25 @@ _UNSUPPORTED: list[tuple[str, str]] = [  # (field, why fz cannot honour it) when
 ]
 
 
+_ACCELERATOR: list[tuple[str, object, str]] = [  # (field, the value fz reads the data as, what fz does)
+    ("split_batches", False, "each rank reads per_device_train_batch_size samples a micro-batch"),
+    ("even_batches", True, "an epoch's last micro-batch is filled up with its first samples on every rank"),
+    ("use_seedable_sampler", True, "the order is accelerate's seedable sampler's (randperm seeded with seed + epoch)"),
+]
+
+
+def _accelerator_problems(config: Any) -> list[str]:
+    """accelerator_config's settings that change which samples a rank reads, where not as fz reads them."""
+    if config is None:
+        return []
+    problems = []
+    for field, want, what in _ACCELERATOR:
+        value = config.get(field, want) if isinstance(config, dict) else getattr(config, field, want)
+        if value != want:
+            problems.append(f"accelerator_config.{field}={value!r}: {what}")
+    return problems
+
+
 def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) -> None:
     """One ConfigError naming every TrainingArguments setting (and model property) fz cannot honour;
     None when there is none. The module docstring lists every decision."""
@@ -320,6 +341,7 @@ def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) 
         problems.append(f"ddp_backend={backend!r}: fz runs on gloo (CPU) and NCCL (CUDA)")
     if spec is not None and args.deepspeed:
         problems.append("deepspeed= together with spec=: two ZeRO setups; pass one")
+    problems += _accelerator_problems(getattr(args, "accelerator_config", None))
     problems += choice_errors(args)
     if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
         problems.append("the model is quantized: fz trains full-precision parameters")

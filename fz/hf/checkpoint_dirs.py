@@ -36,9 +36,13 @@ def clear_staging(run_dir: str, step: int) -> None:
     shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
 
 
+def final_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
 def publish(run_dir: str, step: int) -> str:
     """The complete `tmp-checkpoint-N` renamed to `checkpoint-N` (an older one replaced only then)."""
-    staging, final = staging_dir(run_dir, step), os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
     _fsync_tree(staging)
     old = None
     if os.path.exists(final):
@@ -70,14 +74,23 @@ def numbered(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def rotate(run_dir: str, limit: int | None) -> None:
-    """Keep the newest `limit` complete checkpoints (save_total_limit)."""
+def rotate(run_dir: str, limit: int | None, keep: str | None = None) -> None:
+    """Keep `limit` complete checkpoints (save_total_limit), as transformers does: the oldest go
+    first, never the newest nor `keep` (the best one, `best_model_checkpoint`)."""
     if not limit or limit <= 0:
         return
     done = [p for _, p in numbered(run_dir) if complete(p)]
-    for path in done[:-limit]:
-        log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
-        shutil.rmtree(path, ignore_errors=True)
+    if not done:
+        return
+    protected = {done[-1].resolve()} | ({Path(keep).resolve()} if keep else set())
+    remaining = len(done)
+    for path in done:
+        if remaining <= max(limit, len(protected)):
+            break
+        if path.resolve() not in protected:
+            log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
+            shutil.rmtree(path, ignore_errors=True)
+            remaining -= 1
 
 
 def to_resume(checkpoint: str | bool, output_dir: str) -> str:

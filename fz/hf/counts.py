@@ -7,13 +7,15 @@ sums it (bounded by Spec.timeout_s; a lost rank is an fz.PeerError).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import fz
 
 
-def num_items(trainer: Any, batches: fz.MicroBatches) -> Any:
-    """transformers' `num_items_in_batch` of a step (None: the loss is a per-micro-batch mean)."""
+def num_items(trainer: Any, batches: Iterable[Any]) -> Any:
+    """transformers' `num_items_in_batch` of a step's micro-batches, or of one evaluation batch
+    (None: the loss is a per-batch mean). Every rank calls it (the sum over ranks)."""
     args = trainer.args
     across = bool(getattr(args, "average_tokens_across_devices", False))
     args.average_tokens_across_devices = False  # transformers' count on this rank alone; summed below

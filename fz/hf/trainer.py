@@ -15,10 +15,14 @@ is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.ap
 - Data: the micro-batches transformers' Trainer reads, in its order (fz/hf/data.py), each
   collated on its own (padding collators, BatchEncoding), kept in the State: a resumed run
   continues at the exact next sample, at any world size. An epoch's last step is trained.
+  Random masks and dropout draw from the process's generator where transformers' draw
+  (fz/hf/draws.py), saved with each checkpoint and set on resuming as transformers sets it.
 - Loss: `compute_loss` (a subclass's override too) on each micro-batch, with transformers'
   `num_items_in_batch` (the label tokens of all the step's micro-batches on all ranks, summed
   with `fz.sum_over_ranks`) and transformers' scaling; fz adds the micro-batches
   (Spec.accumulate="sum") and averages the ranks, as DDP and DeepSpeed under the Trainer do.
+  The logged loss is transformers' account of it (per micro-batch, NaN-filtered, rank-averaged),
+  and evaluation takes `compute_loss` as transformers' prediction_step does (fz/hf/evaluation.py).
 - Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the
   model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints);
   it is written as `tmp-checkpoint-N/` and renamed last (fz/hf/checkpoint_dirs.py).
@@ -37,12 +41,12 @@ import torch
 import transformers
 from torch import nn
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data
+from fz.hf import counts, data, draws
 from fz.hf.arguments import spec_from_args, unsupported
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
@@ -50,6 +54,7 @@ from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.observe.full_params import iter_full_params
+from fz.rng import capture, restore
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -76,6 +81,7 @@ class Trainer(transformers.Trainer):
         self._loader: Any = None
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
+        self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
 
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
@@ -125,11 +131,14 @@ class Trainer(transformers.Trainer):
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and self._items is not None) or self.compute_loss_func is not None
-        return loss if scaled else loss / self._micro_count
+        loss = loss if scaled else loss / self._micro_count
+        self._micro_losses.append(loss.detach())  # transformers' tr_loss_step
+        return loss
 
     def _before_step(self, batches: fz.MicroBatches) -> None:
         """What transformers' loop counts of a step before its forwards (fz/hf/counts.py)."""
         self._items, self._micro_count = counts.num_items(self, batches), len(batches)
+        self._micro_losses = []
         flos = float(self.current_flos) + sum(float(self.floating_point_ops(mb)) for mb in batches)
         self.current_flos = flos  # type: ignore[assignment]  # transformers declares it int, adds floats
         counts.track_input_tokens(self, batches)
@@ -173,7 +182,9 @@ class Trainer(transformers.Trainer):
         if dataset.__class__.__module__.startswith("datasets"):
             dataset = self._remove_unused_columns(dataset, description="training")
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        return data.train_loader(self.args, dataset, self.fz_ready(), collate)
+        if self.args.dataloader_num_workers:  # the workers collate
+            return draws.AsAccelerate(data.train_loader(self.args, dataset, self.fz_ready(), collate), collate)
+        return draws.AsAccelerate(data.train_loader(self.args, dataset, self.fz_ready(), draws.deferred), collate)
 
     # ---------------------------------------------------------------- the loop
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -200,15 +211,19 @@ class Trainer(transformers.Trainer):
         self.state.compute_steps(args, max_steps)
         state = self.fz_ready()
         self._one_checkpointing(state.spec)
+        resumed_rng = None  # the generator saved with the checkpoint, set as transformers sets it on resuming
         if resume_from_checkpoint is not None:
             state = self._resume(state, resume_from_checkpoint)
+            resumed_rng = state.rng
         self.state.init_training_references(self, max_steps, epochs, trial)
         self.fz_state = state
         self._loader = self._train_loader()
+        if resumed_rng is not None and not self._loader.state_dict()["index"]:  # an epoch's start: before its reads
+            restore(resumed_rng, state.plan.device)
+            resumed_rng = None
         self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader
         start, first = time.time(), self.state.global_step
-        self._fz_losses: list[float] = []
-        total_loss = 0.0
+        self._fz_running, self._fz_total, self._fz_logged_at = 0.0, 0.0, first  # transformers' loss accounting
         log.info("fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s",
                  max_steps, self._samples_per_step(), args.per_device_train_batch_size,
                  args.gradient_accumulation_steps, args.world_size, state.spec.explain().splitlines()[0])
@@ -216,34 +231,37 @@ class Trainer(transformers.Trainer):
         if getattr(args, "eval_on_start", False):
             self.evaluate(ignore_keys=ignore_keys_for_eval)
         size = len(self._loader.dataset) if hasattr(self._loader.dataset, "__len__") else None
-        epoch = None
-        for batches in self._loader:
-            if self.state.global_step >= max_steps or self.control.should_training_stop:
+        open_epoch = False
+        reading = iter(self._loader)
+        while self.state.global_step < max_steps and not self.control.should_training_stop:
+            batches = next(reading, None)  # asked for only when trained on (its reading collates ahead)
+            if batches is None:
                 break
-            if epoch is not None and self._loader.epoch != epoch:
-                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-                self._log_save_evaluate(trial, ignore_keys_for_eval)
-                if self.control.should_training_stop:
-                    break
-            if self._loader.epoch != epoch:
-                epoch = self._loader.epoch
+            if not open_epoch:
+                open_epoch = True
                 self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            self._model().train()  # as transformers' training_step (an evaluation put it in eval mode)
+            if resumed_rng is not None:  # mid-epoch: after the first step's batches are read, as transformers
+                restore(resumed_rng, state.plan.device)
+                resumed_rng = None
             self._before_step(batches)
-            self.fz_state, loss = fz.train_step(self.fz_state, batches)
-            value = self._logged(float(loss))
-            self._fz_losses.append(value)
-            total_loss += value
+            self.fz_state, _ = draws.train_step(self.fz_state, batches)
+            self._add_losses()
             self.state.global_step += 1
             self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
-        if epoch is not None:  # as transformers ends an epoch, stopped early or not
+            if self._loader.ends_epoch:  # before the next epoch's reads, as transformers ends an epoch
+                open_epoch = False
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._log_save_evaluate(trial, ignore_keys_for_eval)
+        if open_epoch:  # stopped within an epoch: transformers ends it all the same
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
         steps = self.state.global_step - first
         metrics = speed_metrics("train", start, num_samples=steps * self._samples_per_step(), num_steps=steps)
-        metrics["train_loss"] = total_loss / max(steps, 1)
+        metrics["train_loss"] = (self._fz_total + self._fz_running) / max(steps, 0.001)  # the rest: this rank's
         self.store_flos()
         metrics["total_flos"] = self.state.total_flos
         self.log(metrics)
@@ -252,31 +270,42 @@ class Trainer(transformers.Trainer):
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
-    def _logged(self, value: float) -> float:
-        """A step's loss as transformers logs it: a NaN or inf (a skipped step) counts as the mean of
-        the losses since the last log (logging_nan_inf_filter)."""
-        if math.isfinite(value) or not self.args.logging_nan_inf_filter:
-            return value
-        return sum(self._fz_losses) / len(self._fz_losses) if self._fz_losses else 0.0
+    def _add_losses(self) -> None:
+        """The step's micro-batch losses added to this rank's running loss as transformers adds them: a
+        NaN or inf one (a skipped step) as the mean since the last log (logging_nan_inf_filter)."""
+        for value in (float(v) for v in self._micro_losses):
+            if self.args.logging_nan_inf_filter and not math.isfinite(value):
+                self._fz_running += self._fz_running / (1 + self.state.global_step - self._fz_logged_at)
+            else:
+                self._fz_running += value
 
     def _samples_per_step(self) -> int:
         a = self.args
         return a.per_device_train_batch_size * a.gradient_accumulation_steps * max(1, a.world_size)
 
     def _log_save_evaluate(self, trial: Any, ignore_keys: list[str] | None) -> None:
-        if self.control.should_log and self._fz_losses:
-            metrics = self.fz_state.metrics if self.fz_state is not None else {}
-            logs = {"loss": sum(self._fz_losses) / len(self._fz_losses)}
+        """transformers' _maybe_log_save_evaluate: the loss since the last log averaged over ranks
+        (summed by fz, bounded), the evaluation and its best metric, the checkpoint."""
+        if self.control.should_log and self.state.global_step > self._fz_logged_at:
+            assert self.fz_state is not None
+            metrics = self.fz_state.metrics
+            tr = self._fz_running
+            if self.args.world_size > 1:
+                tr = float(fz.sum_over_ranks(self.fz_state, tr)) / self.args.world_size
+            logs = {"loss": tr / (self.state.global_step - self._fz_logged_at)}
             norm = float(metrics.get("grad_norm", math.nan))
             if not math.isnan(norm):
                 logs["grad_norm"] = norm
             if metrics.get("lr") is not None:
                 logs["learning_rate"] = float(metrics["lr"])
-            self._fz_losses.clear()
+            self._fz_running, self._fz_total, self._fz_logged_at = 0.0, self._fz_total + tr, self.state.global_step
             self.store_flos()
             self.log(logs)
-        if self.control.should_evaluate:
-            self.evaluate(ignore_keys=ignore_keys)
+        if self.control.should_evaluate:  # as transformers: the best metric (EarlyStoppingCallback, "best" saves)
+            metrics = self._evaluate(trial, ignore_keys)
+            best = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = best
         if self.control.should_save:
             self._save_checkpoint(None, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
@@ -292,8 +321,12 @@ class Trainer(transformers.Trainer):
         if writes:
             dirs.clear_staging(run_dir, step)  # a crashed save's leftovers; the others wait in fz.save's check-in
         state = self._loader.attach(self.fz_state) if self._loader is not None else self.fz_ready()
+        state = state.replace(rng=capture(state.plan.device))  # the generator now, as transformers' rng_state
         staging = dirs.staging_dir(run_dir, step)
         fz.save(state, os.path.join(staging, FZ_DIR), verbose=False)
+        best = self.state.best_global_step
+        if best and (best == step or dirs.complete(dirs.final_dir(run_dir, best))):
+            self.state.best_model_checkpoint = dirs.final_dir(run_dir, best)
         if not writes:
             return
         callbacks: Any = self.state.stateful_callbacks  # {class name: state, or a list of them}
@@ -312,7 +345,7 @@ class Trainer(transformers.Trainer):
             self.processing_class.save_pretrained(staging)
         self.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
         dirs.publish(run_dir, step)
-        dirs.rotate(run_dir, self.args.save_total_limit)
+        dirs.rotate(run_dir, self.args.save_total_limit, keep=self.state.best_model_checkpoint)
 
     def _resume(self, state: fz.State, checkpoint: str) -> fz.State:
         restored = fz.restore(state, os.path.join(checkpoint, FZ_DIR), verbose=False)
@@ -328,8 +361,9 @@ class Trainer(transformers.Trainer):
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        """(loss, logits, labels) of one batch, from `fz.apply` on the State (every rank takes part)."""
-        return prediction(self, self._prepare_inputs(inputs), prediction_loss_only, ignore_keys)
+        """(loss, logits, labels) of one batch: `compute_loss` as transformers calls it, its forward
+        `fz.apply` on the State (every rank takes part)."""
+        return prediction(self, model, inputs, prediction_loss_only, ignore_keys)
 
     def _copy_weights_into_model(self) -> None:
         """The trained weights into `self.model` (in its dtype), so it is usable after train()."""

@@ -6,8 +6,8 @@ world 1 with the same global batch (4 rows, 2 accumulation steps): SFT on text, 
 prompt-completion (completion-only loss); DPO with a reference model (on fz an inference-only
 State sharded as the policy is) and with a LoRA policy and no reference (the adapter disabled);
 Reward. Logged losses and TRL's metrics agree to fp32 rounding (1e-5 relative: sums grouped
-otherwise over two ranks). A resumed SFT run is the uninterrupted one bit for bit; save_model
-writes the files TRL's writes.
+otherwise over two ranks); so do the evaluations every 2 steps, against TRL at world 2 (DDP).
+A resumed SFT run is the uninterrupted one bit for bit; save_model writes the files TRL's writes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 from fz.testing.spawn import run_ranks  # noqa: E402
 
 from support.helpers import max_rel  # noqa: E402
-from support.trl_jobs import KINDS, fz_runs, reference_runs  # noqa: E402
+from support.trl_jobs import EVAL_KINDS, KINDS, fz_runs, reference_runs  # noqa: E402
 
 TOL = 1e-5
 METRICS = ("loss", "grad_norm", "learning_rate", "epoch", "mean_token_accuracy", "entropy", "accuracy", "margin",
@@ -47,6 +47,20 @@ def test_trainer_logs_equal_trls_own_run(runs, kind):
             if theirs[0] is not None:
                 assert max_rel(ours, theirs) < TOL or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-6, \
                     (kind, key, ours, theirs)
+
+
+@pytest.mark.parametrize("kind", EVAL_KINDS)
+def test_evaluation_logs_equal_trls_own_run(runs, kind):
+    """Every 2 steps, against TRL at world 2 (DDP) in the same processes: TRL's loss (its compute_loss,
+    DPO's prediction_step) and its metrics under their `eval_` names (TRL tells evaluation from
+    training by `trainer.model.training`)."""
+    for r in runs[0]:
+        got, want = r[kind]["evals"], r[f"ddp-{kind}"]["evals"]
+        assert len(want) >= 2 and "eval_loss" in want[0]
+        assert [sorted(e) for e in got] == [sorted(e) for e in want], (got, want)
+        for ours, theirs in zip(got, want):
+            for key, value in theirs.items():
+                assert ours[key] == pytest.approx(value, rel=TOL, abs=1e-6), (kind, key, ours[key], value)
 
 
 def test_reference_model_is_an_inference_only_state_sharded_as_the_policy(runs):

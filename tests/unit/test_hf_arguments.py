@@ -190,6 +190,20 @@ def test_unsupported_names_every_setting_at_once(tmp_path):
         spec_from_args(args, Tiny(), max_steps=5)
 
 
+def test_accelerator_config_that_reads_other_samples_is_refused_naming_each_field(tmp_path):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+    args = make_args(tmp_path)
+    args.accelerator_config = AcceleratorConfig(non_blocking=True)  # changes no sample: accepted
+    unsupported(args, Tiny())
+    args.accelerator_config = AcceleratorConfig(split_batches=True, even_batches=False, use_seedable_sampler=False)
+    with pytest.raises(fz.ConfigError) as e:
+        unsupported(args, Tiny())
+    text = str(e.value)
+    assert "- accelerator_config.split_batches=True: each rank reads per_device_train_batch_size samples" in text
+    assert "- accelerator_config.even_batches=False: an epoch's last micro-batch is filled up" in text
+    assert "- accelerator_config.use_seedable_sampler=False: the order is accelerate's seedable sampler's" in text
+
+
 # --- FastChat's config: a misspelt "auto" key warns ----------------------------------------------------------
 
 FASTCHAT_S3 = {

@@ -1,0 +1,92 @@
+"""Where fz.hf.Trainer draws random numbers: where transformers' Trainer draws them.
+
+A collator that draws random numbers (DataCollatorForLanguageModeling's masks, unseeded) draws
+from the process's generator, as the model's dropout and the evaluation's collation do: the
+masks a step trains on depend on where each draw falls among the others. transformers reads
+its training data through accelerate's DataLoaderShard: each epoch's iterator starts with the
+DataLoader's base seed (one draw), and each micro-batch is collated one ahead of the one
+handed out (within the epoch). `AsAccelerate` hands out fz.data's steps in that order: fz.data
+reads each step's samples with collation deferred, and each micro-batch is collated where
+accelerate collates it (with dataloader workers they collate, drawing from their own
+generators in both libraries; the base seed is drawn all the same). `train_step` runs the
+step's dropout on the process's generator, not the State's own.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import fz
+from fz.rng import capture, restore
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A micro-batch's samples, read and not yet collated."""
+
+    samples: list[Any]
+
+
+def deferred(samples: list[Any]) -> Rows:
+    """fz.data's collate_fn here: the collation is AsAccelerate's."""
+    return Rows(samples)
+
+
+class AsAccelerate:
+    """fz.data's loader handing out MicroBatches in accelerate's order (its collate_fn `deferred`:
+    each micro-batch collated here with `collate`; or collated by its workers, `collate` unused).
+    `epoch`, `state_dict()` and `attach()` are those of the step handed out; `ends_epoch` says
+    whether it is its epoch's last (the next epoch's reads wait for the next step)."""
+
+    def __init__(self, loader: Any, collate: Callable[[list[Any]], Any]):
+        self.loader, self.collate = loader, collate
+        self.dataset = loader.dataset
+        self._position: dict[str, Any] = loader.state_dict()
+        self.ends_epoch = False
+
+    @property
+    def epoch(self) -> int:
+        return int(self._position["epoch"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._position)
+
+    def attach(self, state: fz.State) -> fz.State:
+        return self.loader.attach(state, position=self._position)
+
+    def _done(self, x: Any) -> Any:
+        return self.collate(x.samples) if isinstance(x, Rows) else x
+
+    def _hand_out(self, position: dict[str, Any], batches: list[Any], ends_epoch: bool) -> fz.MicroBatches:
+        self._position, self.ends_epoch = position, ends_epoch
+        return fz.MicroBatches(batches)
+
+    def __iter__(self) -> Iterator[fz.MicroBatches]:
+        held: tuple[dict[str, Any], list[Any]] | None = None
+        for batches in self.loader:
+            position, pending = self.loader.state_dict(), list(batches)
+            if held is not None and position["epoch"] != held[0]["epoch"]:  # the epoch ended: none read ahead
+                yield self._hand_out(held[0], [self._done(x) for x in held[1]], True)
+                held = None
+            if held is None:
+                torch.empty((), dtype=torch.int64).random_()  # the epoch's DataLoader iterator: its base seed
+                pending[0] = self._done(pending[0])
+            else:
+                done = [self._done(x) for x in held[1]]
+                pending[0] = self._done(pending[0])  # accelerate's one micro-batch ahead
+                yield self._hand_out(held[0], done, False)
+            held = (position, pending)
+        if held is not None:
+            yield self._hand_out(held[0], [self._done(x) for x in held[1]], True)
+
+
+def train_step(state: fz.State, batches: fz.MicroBatches) -> tuple[fz.State, torch.Tensor]:
+    """fz.train_step with dropout drawn from this process's generator (seeded by transformers'
+    set_seed, drawn by collators too), as the model's forward draws it under transformers."""
+    device = state.plan.device
+    state, loss = fz.train_step(state.replace(rng=capture(device)), batches)
+    restore(state.rng, device)
+    return state, loss
