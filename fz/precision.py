@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -25,6 +26,11 @@ class LossScale:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    growth: Literal["deepspeed", "grad_scaler"] = "deepspeed"
+    """When a clean run doubles the scale. "deepspeed": as DeepSpeed's DynamicLossScaler (0.19), once
+    `loss_scale_window` steps have passed without overflow after the step that follows the last
+    overflow (window + 1 clean steps first, then every window); "grad_scaler": as torch.amp.GradScaler
+    (the Trainer's fp16), at every `loss_scale_window`-th clean step in a row."""
 
     def __post_init__(self) -> None:
         if self.loss_scale < 0:

@@ -13,7 +13,11 @@ in when it is read after a step (at stage 3 gathered, so every rank reads it).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from fz.observe.full_params import iter_full_params
 from fz.observe.monitor import Monitor, batch_counts
 from fz.step import StepInProgress
 from fz.step.batches import on_device
+
+log = logging.getLogger(__name__)
 
 
 class DeepSpeedEngine:
@@ -111,8 +117,36 @@ class DeepSpeedEngine:
         return self.global_steps - self.skipped_steps
 
     def get_global_grad_norm(self) -> float | None:
+        """The last update's gradient norm before clipping; None where fz computed none (before the
+        first update, or without gradient_clipping: fz computes the norm only to clip)."""
         norm = self.state.metrics.get("grad_norm")
-        return None if norm is None else float(norm)
+        return None if norm is None or math.isnan(float(norm)) else float(norm)
+
+    def gradient_clipping(self) -> float:
+        return float(self.state.spec.clip_grad_norm or 0.0)
+
+    def get_mom(self) -> list[Any]:
+        """Each group's betas (SGD's momentum), as DeepSpeed's engine reads its optimizer's."""
+        opt = self.state.spec.optimizer
+        if hasattr(opt, "betas"):
+            return [tuple(opt.betas)] * self.optimizer.groups
+        section = self.config.get("optimizer") or {}
+        params = section.get("params") or {}
+        if str(section.get("type", "")).lower() in ("sgd", "rmsprop"):
+            return [params.get("momentum", 0.0)] * self.optimizer.groups
+        return [tuple(params.get("betas", (0.9, 0.999)))] * self.optimizer.groups
+
+    def destroy(self) -> None:
+        """Nothing to release: the engine holds only its State (and no process group of its own)."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's no_sync: refused at ZeRO 2-3 (their gradients are partitioned as they are
+        reduced), as DeepSpeed refuses it; at 0-1 fz reduces once, at the boundary, already."""
+        if self.zero_optimization_stage() >= 2:
+            raise ConfigError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}'s "
+                              "gradient partitioning (as in DeepSpeed)")
+        yield
 
     @property
     def loss_scale(self) -> float:
@@ -151,11 +185,12 @@ class DeepSpeedEngine:
         """The model's forward on this rank's micro-batch. In train mode with grad enabled it is a
         micro-batch of the open step; otherwise fz.apply (no state changes)."""
         inputs, kwargs = on_device((inputs, kwargs), self.device)
-        if not (self.training and torch.is_grad_enabled()):
+        training = self._model.training  # the model's mode: engine.eval(), model.eval(), engine.module.eval()
+        if not (training and torch.is_grad_enabled()):
             if self._step is not None:
                 raise ConfigError("engine forward in eval mode (or under no_grad) between a train-mode forward "
                                   "and engine.step() at the accumulation boundary: finish the update first")
-            return fz.apply(self.state, *inputs, train=self.training, **kwargs)
+            return fz.apply(self.state, *inputs, train=training, **kwargs)
         if self._step is None:
             self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward")
         rows, tokens = batch_counts((inputs, kwargs))
@@ -170,10 +205,11 @@ class DeepSpeedEngine:
         if retain_graph:
             raise ConfigError("engine.backward(retain_graph=True) is not supported by fz: each micro-batch's "
                               "graph is freed as its gradients are reduced")
+        given = loss
         if not scale_wrt_gas:
             loss = loss * self.gradient_accumulation_steps()
         self._step.backward(loss, last=self.is_gradient_accumulation_boundary())
-        return loss
+        return given / self.gradient_accumulation_steps() if scale_wrt_gas else given  # DeepSpeed's return
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: the optimizer update (and the lr scheduler's step); else
@@ -276,6 +312,29 @@ class DeepSpeedEngine:
         self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         self._synced_step = -1
         return str(path), client_state
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """`save_dir/save_filename`: the model's state_dict in the training precision (bf16/fp16; fp32
+        in an fp32 run), as DeepSpeed writes it; at stage 3 only with the config's
+        stage3_gather_16bit_weights_on_model_save (else False, as DeepSpeed). Every rank calls it."""
+        zero = self.config.get("zero_optimization") or {}
+        if self.zero_optimization_stage() == 3 and not (zero.get("stage3_gather_16bit_weights_on_model_save") or
+                                                        zero.get("gather_16bit_weights_on_model_save")):
+            log.info("did not save %s: stage3_gather_16bit_weights_on_model_save is false (as DeepSpeed)",
+                     os.path.join(str(save_dir), save_filename))
+            return False
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.state.spec.precision))
+        frozen = {n for n, p in self._model.named_parameters() if not p.requires_grad}
+        weights = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().clone()
+                   for k, v in self.module.state_dict().items()
+                   if not (exclude_frozen_parameters and k in frozen)}  # module: gathered on every rank
+        if self.global_rank == self.state.plan.ranks[0]:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(str(save_dir), save_filename)
+            torch.save(weights, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return True
 
     def _counters(self) -> dict[str, int]:
         return {"global_samples": self.global_samples, "micro_steps": self.micro_steps}

@@ -96,6 +96,10 @@ def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model:
     config's Adam with their weight-decay mask; None when the groups change nothing."""
     section = cfg.get("optimizer") or {}
     params = dict(section.get("params") or {})
+    for key in ("lr", "weight_decay", "eps"):
+        if params.get(key) == "auto":
+            raise ConfigError(f'the config\'s optimizer.params.{key} is "auto": deepspeed.initialize has no '
+                              f"Trainer to fill it (as in DeepSpeed): give the number")
     groups = parameter_groups(model_parameters, model, float(params.get("lr", 1e-3)))
     if groups is None:
         return None

@@ -2,8 +2,8 @@
 
 fz's optimizer is a pure transformation inside `engine.state`, stepped by `engine.step()`, as
 DeepSpeed's engine steps its optimizer and scheduler itself. Scripts read these objects (the
-lr for logging, the loss scale); they never step them, and a call that would is a clear error
-or does nothing, as DeepSpeed's engine makes it.
+lr for logging, the loss scale); a call that would step them, or set an lr by hand, is a
+clear error rather than a silent no-op.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class EngineOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"lr": lr} for lr in self._engine.get_lr()]
+        return [_ReadOnlyGroup({"lr": lr}) for lr in self._engine.get_lr()]
 
     @property
     def loss_scale(self) -> float:
@@ -46,6 +46,18 @@ class EngineOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         raise ConfigError("the optimizer's state is in engine.state.opt_state; engine.save_checkpoint saves it")
+
+
+class _ReadOnlyGroup(dict):
+    """A param group as read: writing its lr would not reach fz's update (the lr is the schedule's)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise ConfigError(f"optimizer.param_groups[i][{key!r}] = ...: fz's lr comes from the config's "
+                          "\"scheduler\" (or a client lr_scheduler given to deepspeed.initialize), stepped by "
+                          "engine.step(); setting it by hand is not supported")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.__setitem__(next(iter(dict(*args, **kwargs)), "lr"), None)
 
 
 class EngineSchedule:
@@ -66,7 +78,11 @@ class EngineSchedule:
     last_epoch = last_batch_iteration
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to do: engine.step() steps the schedule with each update (as DeepSpeed's engine does)."""
+        """engine.step() steps the schedule with each update; a script's own call would step it a
+        second time in DeepSpeed (an lr fz's update would not use): refused, not ignored."""
+        raise ConfigError("lr_scheduler.step(): engine.step() already steps the schedule with each update; "
+                          "in DeepSpeed this call would advance it a second time, which fz does not do. "
+                          "Remove the call (or give the schedule you want in the config's \"scheduler\")")
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_batch_iteration": self.last_batch_iteration}

@@ -66,7 +66,8 @@ from fz.spec import Spec
 
 __all__ = ["spec_from_args", "unsupported", "deepspeed_mismatches", "decay_parameter_names", "ARGUMENT"]
 log = logging.getLogger(__name__)
-GRAD_SCALER = LossScale(initial_scale_power=16, loss_scale_window=2000, hysteresis=1)  # torch.amp.GradScaler's
+GRAD_SCALER = LossScale(initial_scale_power=16, loss_scale_window=2000, hysteresis=1,  # torch.amp.GradScaler's
+                        growth="grad_scaler")
 ARGUMENT = {  # Spec.from_deepspeed keyword -> the TrainingArguments field (explain names it)
     "lr": "TrainingArguments.learning_rate", "betas": "TrainingArguments.adam_beta1/adam_beta2",
     "eps": "TrainingArguments.adam_epsilon", "weight_decay": "TrainingArguments.weight_decay",

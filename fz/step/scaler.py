@@ -57,7 +57,8 @@ def update_scaler(spec: Spec, scaler: Scaler, overflow: bool) -> Scaler:
     elif dynamic:
         if ls.consecutive_hysteresis:
             hyst = ls.hysteresis
-        if (it - last) % ls.loss_scale_window == 0:
+        clean = it - last if ls.growth == "grad_scaler" else it - last - 1  # DeepSpeed's stable_interval
+        if clean > 0 and clean % ls.loss_scale_window == 0:
             if not ls.consecutive_hysteresis:
                 hyst = ls.hysteresis
             scale *= 2.0

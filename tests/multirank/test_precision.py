@@ -128,9 +128,35 @@ def test_dynamic_loss_scale_follows_deepspeed():
     for overflow in [False, False, True, True, True, False, False, True, True, True, True]:
         s = update_scaler(sp, s, overflow)
         seen.append(float(s["scale"]))
-    # clean steps double every 2 iters since the last overflow; the 2nd consecutive overflow halves
-    assert seen == [16, 32, 32, 16, 8, 8, 16, 16, 8, 4, 2]
+    # DeepSpeed 0.19.8's DynamicLossScaler on this sequence (its update_scale, run with the same
+    # settings): a clean run doubles once 2 steps have passed after the one that follows the last
+    # overflow; the 2nd overflow in a row halves (hysteresis 2, not restored without a growth)
+    assert seen == [16, 16, 16, 8, 4, 4, 4, 2, 2, 2, 2]
     assert int(s["skipped"]) == 7
+    clean = fz.Spec(precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4, loss_scale_window=3))
+    s, seen = init_scaler(clean), []
+    for _ in range(8):
+        s = update_scaler(clean, s, False)
+        seen.append(float(s["scale"]))
+    assert seen == [16, 16, 16, 32, 32, 32, 64, 64]  # DeepSpeed: the 4th clean step, then every 3rd
+
+
+def test_the_trainers_fp16_scale_grows_as_grad_scaler():
+    """torch.amp.GradScaler doubles at every growth_interval-th clean step in a row (the Trainer's fp16)."""
+    from fz.step.scaler import init_scaler, update_scaler
+    sp = fz.Spec(precision="fp16", loss_scaling=fz.LossScale(initial_scale_power=4, loss_scale_window=3,
+                                                             hysteresis=1, growth="grad_scaler"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=3)
+    scaler.scale(torch.ones(()))  # makes its scale and growth tracker
+    s, ours, theirs = init_scaler(sp), [], []
+    for overflow in [False, False, False, False, True, False, False, False, False, False, False]:
+        s = update_scaler(sp, s, overflow)
+        ours.append(float(s["scale"]))
+        found = torch.tensor(float(overflow))
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found, scaler._growth_factor,
+                                 scaler._backoff_factor, scaler._growth_interval)
+        theirs.append(float(scaler._scale))
+    assert ours == theirs
 
 
 def _saved_bytes(checkpointing: bool, stage: int):
