@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fz.errors import ConfigError
+from fz.errors import ConfigError, NonFiniteError
 from fz.version import __version__
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, NonFiniteError) as e:  # NonFiniteError: consolidate refuses NaN weights
         print(f"fz {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

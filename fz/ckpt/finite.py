@@ -8,7 +8,9 @@ its own size, never a second read of the files nor a copy of the model. Each ran
 its Shard(0) rows, even of a tensor it reads whole, so a shard group's sum counts every value
 once (on a 2-D mesh each replica group's sum is the same); every rank gets that sum and raises
 `fz.NonFiniteError` (or, with `allow_nonfinite=True`, warns with the counts) alike. Buffers are
-not checked: a mask buffer may hold -inf on purpose.
+not checked: a mask buffer may hold -inf on purpose. Kinds that cannot be negative (Adam's
+`exp_avg_sq`, a mean of squares, whose square root the step takes) have their negative values
+counted too, in the same all-reduce.
 """
 from __future__ import annotations
 
@@ -40,38 +42,56 @@ def nonfinite(t: Tensor) -> int:
     return bad
 
 
+def negative(t: Tensor) -> int:
+    """How many values of `t` are < 0 (NaN is not), in chunks of bounded masks."""
+    return sum(int((piece < 0).sum()) for piece in t.detach().reshape(-1).split(_CHUNK))
+
+
 class Counts:
     """Non-finite values of each parameter (and moment `kind`) read on this rank, counted over the
     rows it holds in the Shard(0) layout: each shard group's ranks together count every row once."""
 
-    def __init__(self, plan: ShardPlan, kinds: tuple[str, ...] = ("",)):
-        self.plan, self.kinds = plan, kinds
+    def __init__(self, plan: ShardPlan, kinds: tuple[str, ...] = ("",), nonnegative: tuple[str, ...] = ()):
+        self.plan, self.kinds, self.nonnegative = plan, kinds, nonnegative
         self.slots = {name: s for name, (_, s) in sorted(plan.slots().items())}
         self.bad: dict[tuple[str, str], int] = {}
+        self.below: dict[tuple[str, str], int] = {}
+        self.negative: dict[str, tuple[int, int]] = {}  # total()'s sums of `below`, labelled as its result
 
     def see(self, name: str, at: int, chunk: Tensor, kind: str = "") -> None:
-        """Count the non-finite values of elements [at, at + len(chunk)) of `name` that this rank counts."""
+        """Count the non-finite values (and, of a `nonnegative` kind, the negative ones) of elements
+        [at, at + len(chunk)) of `name` that this rank counts."""
         s = self.slots.get(name)
         if s is None:  # a buffer
             return
         start, stop = s.local_rows(self.plan.shard_rank)
         a, z = max(at, start * s.row_numel), min(at + chunk.numel(), stop * s.row_numel)
         if a < z:
-            n = nonfinite(chunk.reshape(-1)[a - at:z - at])
+            part = chunk.reshape(-1)[a - at:z - at]
+            n = nonfinite(part)
             if n:
                 self.bad[kind, name] = self.bad.get((kind, name), 0) + n
+            m = negative(part) if kind in self.nonnegative else 0
+            if m:
+                self.below[kind, name] = self.below.get((kind, name), 0) + m
 
     def total(self) -> dict[str, tuple[int, int]]:
         """{label: (non-finite values, values)} summed over the shard group (each replica group holds
-        every row): the same on every rank of the mesh. One all-reduce of an int64 per parameter and kind."""
+        every row): the same on every rank of the mesh. One all-reduce of an int64 per parameter and kind;
+        the negative values of the `nonnegative` kinds, summed in it, are left in `self.negative`."""
         keys = [(k, n) for k in self.kinds for n in self.slots]
-        counts = torch.tensor([self.bad.get(key, 0) for key in keys], dtype=torch.int64)
+        below = [(k, n) for k in self.nonnegative for n in self.slots]
+        counts = torch.tensor([self.bad.get(key, 0) for key in keys] + [self.below.get(key, 0) for key in below],
+                              dtype=torch.int64)
         if self.plan.shards > 1:
             counts = counts.to(self.plan.device)
             Handle([counts]).add(dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.plan.shard_group,
                                                  async_op=True)).wait()
+        summed = counts.tolist()
+        self.negative = {f"{n!r} {k}": (int(c), self.slots[n].numel) for (k, n), c in zip(below, summed[len(keys):])
+                         if c}
         return {f"{n!r}" + (f" {k}" if k else ""): (int(c), self.slots[n].numel)
-                for (k, n), c in zip(keys, counts.tolist()) if c}
+                for (k, n), c in zip(keys, summed) if c}
 
 
 def owned_locals(tensors: Mapping[str, Tensor], first_rank: bool) -> dict[str, tuple[int, int]]:
@@ -101,10 +121,11 @@ def summed(per_rank: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, tuple[i
     return out
 
 
-def report(found: Mapping[str, tuple[int, int]], allow: bool, who: str, source: str, stacklevel: int = 2) -> None:
-    """NonFiniteError naming the tensors of `found` ({label: (non-finite values, values)}), or a
-    warning with the counts when `allow` (allow_nonfinite=True; `stacklevel` as in warnings.warn,
-    from the caller); nothing when it is empty."""
+def report(found: Mapping[str, tuple[int, int]], allow: bool, who: str, source: str, stacklevel: int = 2, *,
+           remedy: str = "pass allow_nonfinite=True to load them anyway (a warning)") -> None:
+    """NonFiniteError naming the tensors of `found` ({label: (non-finite values, values)}), ending
+    with `remedy`, or a warning with the counts when `allow` (allow_nonfinite=True; `stacklevel`
+    as in warnings.warn, from the caller); nothing when it is empty."""
     if not found:
         return
     shown = ", ".join(f"{label} {n} of {numel}" for label, (n, numel) in sorted(found.items())[:_SHOWN])
@@ -114,5 +135,4 @@ def report(found: Mapping[str, tuple[int, int]], allow: bool, who: str, source: 
     if allow:
         warnings.warn(f"{what}. Loaded as they are (allow_nonfinite=True).", stacklevel=stacklevel + 1)
         return
-    raise NonFiniteError(f"{what}. Training from them would skip every step; pass allow_nonfinite=True to load "
-                         "them anyway (a warning).")
+    raise NonFiniteError(f"{what}. Training from them would skip every step; {remedy}.")

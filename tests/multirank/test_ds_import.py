@@ -70,3 +70,19 @@ def test_next_steps_losses_equal_deepspeeds(imported):
         want = [sum(rank[i] for rank in record["next_losses"]) / len(record["next_losses"]) for i in range(2)]
         tol = 1e-6 if record["precision"] == "fp32" else 2e-3
         assert r["losses"] == pytest.approx(want, rel=tol), f"{name} -> fz stage {stage} at world {world}"
+
+
+def _last_nu_negative(kind: str, rank: int, obj: dict) -> None:
+    if kind == "optim" and rank == 1:  # DeepSpeed's rank 1 holds w's elements 12-23 first: w's last one
+        obj["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]["exp_avg_sq"][11] = -1.0
+
+
+def test_a_negative_exp_avg_sq_one_rank_reads_is_refused_on_every_rank(tmp_path):
+    """Only fz's rank 1 reads w's last row; the counts are summed, so both ranks refuse it alike (none hangs)."""
+    from support import ds_hostile as h
+
+    root = h.checkpoint(tmp_path / "ck", patch=_last_nu_negative)
+    got = run_ranks(2, h.refusal, root, timeout=120)
+    assert got[0] == got[1] and got[0].startswith("CheckpointError: fz.import_deepspeed: DeepSpeed checkpoint"), got
+    assert "negative values in Adam's exp_avg_sq (a mean of squares: never < 0) of 1 tensors: 'w' exp_avg_sq 1 of 24" \
+        in got[0], got

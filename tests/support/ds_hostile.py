@@ -7,7 +7,8 @@ pickle would hold, as opcodes (`Raw`) where Python's pickler cannot write them:
 `tensor(...)` a tensor record with any size, stride and offset, and opcodes of choice right
 after its storage reference or after the tensor; `rebind(file)` the BUILD that re-pointed
 the old reader's storage at another file; `nested(n)` lists n deep; `archive` a zip of any
-members, for files whose zip itself is crafted. `laughs(n)` is plain
+members, for files whose zip itself is crafted. `Net` is the model the checkpoint is of
+(`refusal` imports it on each rank). `laughs(n)` is plain
 data: lists that each hold the one before twice, 2**n elements in a few hundred bytes.
 `within(seconds)` turns a hang into a failure (SIGALRM) so a regression cannot stall CI.
 """
@@ -21,6 +22,8 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from support import ds_synth
 from support.ds_synth import Raw
@@ -121,3 +124,36 @@ def within(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+class Net(torch.nn.Module):
+    """The model `checkpoint` is of (w, b trainable; f frozen): fz.import_deepspeed reads all of it into one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(6, 4))
+        self.b = torch.nn.Parameter(torch.zeros(5))
+        self.f = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.T).sum() + self.b.sum() + self.f.sum()
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def state(**kw: Any) -> Any:
+    """A ZeRO-3 AdamW fz state of `Net` (kw: more Spec fields)."""
+    import fz
+    return fz.init(Net(), fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3), loss_fn=_loss, seed=0, **kw))
+
+
+def refusal(rank: int, world: int, root: Path) -> str:
+    """fz.import_deepspeed of `root` into `state()` on this rank: the error it raised, as 'Type: message'."""
+    import fz
+    try:
+        fz.import_deepspeed(state(), root)
+    except Exception as e:  # what each rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    return "imported"

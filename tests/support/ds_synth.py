@@ -28,9 +28,11 @@ _CHUNK = 1 << 22
 
 
 def value(kind: str, j: int, e: torch.Tensor) -> torch.Tensor:
-    """Element values of parameter j (e: element indices)."""
+    """Element values of parameter j (e: element indices); exp_avg_sq's are >= 0, as a mean of
+    squares is (fz.import_deepspeed refuses a negative one)."""
     k = KINDS.index(kind)
-    return ((e % 1009).float() + j * 0.25) * (0.001 if k == 0 else 1e-4 * k) - 0.3
+    v = ((e % 1009).float() + j * 0.25) * (0.001 if k == 0 else 1e-4 * k) - 0.3
+    return v.abs() if kind == "exp_avg_sq" else v
 
 
 class _Global:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fz.ckpt.deepspeed import fields
 from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.deepspeed import layout as ds_layout
 from fz.ckpt.deepspeed import ranks as ds_ranks
@@ -35,13 +36,6 @@ DS_KEYS = frozenset({
     "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
     "universal_checkpoint_info", "ds_autotp_universal_checkpoint_meta", "iteration", "num_experts"})
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _shape(s: Any) -> tuple[int, ...]:
-    out = tuple(int(d) for d in s)
-    if any(d < 0 for d in out):
-        raise ValueError(f"a shape with a negative dimension: {out}")
-    return out
 
 
 def _plain(x: Any) -> Any:
@@ -70,7 +64,7 @@ class DeepSpeedCheckpoint:
         self._m, self._module = m, m["module"]
         try:
             self._fields(m)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{self._model_file} is not a DeepSpeed model-states file fz reads "
@@ -86,14 +80,15 @@ class DeepSpeedCheckpoint:
             for by_name in self._pieces.values():
                 for name, pieces in by_name.items():
                     ds_layout.check(name, pieces, math.prod(self._shape_of(name)))
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"DeepSpeed checkpoint {self.path} does not have the layout fz reads "
                                   f"({type(e).__name__}: {e})") from e
         self.loss_scale: float | None = None
         if self.precision == "fp16" and self.loss_scaler is not None:
-            self.loss_scale = float(self.loss_scaler.get("cur_scale", 0.0))
+            cur = self.loss_scaler.get("cur_scale")
+            self.loss_scale = fields.scale(cur, self._scaler_file, "loss_scaler cur_scale")
         log.debug("DeepSpeed checkpoint %s: stage %d, world %d, %s, %d params", self.path, self.stage, self.world,
                   self.precision, len(self.params))
 
@@ -101,22 +96,32 @@ class DeepSpeedCheckpoint:
         """One file of the tag folder, parsed (ds_pickle); a file leading outside the folder is refused."""
         return ds_pickle.load(ds_files.inside(self.path, file))
 
+    def _count(self, m: dict, key: str, default: int = 0, **kw: Any) -> int:
+        """The model-states file's int field `key` (`default` where absent), checked (fz/ckpt/deepspeed/fields.py)."""
+        return fields.optional(m.get(key), default, self._model_file, key, **kw)
+
     def _fields(self, m: dict) -> None:
         """The model-states file's own fields (the step, the config, the buffers...)."""
-        dims = m.get("checkpoint_parallel_dimensions") or {}
-        if int(m.get("mp_world_size") or 1) > 1 or any(int(v or 1) > 1 for v in dims.values()):
-            raise CheckpointError(f"{self._model_file} was written with model or pipeline parallelism "
+        file = self._model_file
+        dims = fields.mapping(m.get("checkpoint_parallel_dimensions"), file, "checkpoint_parallel_dimensions") or {}
+        degrees = [fields.optional(v, 1, file, f"checkpoint_parallel_dimensions[{k!r}]", lo=1) for k, v in dims.items()]
+        if self._count(m, "mp_world_size", 1, lo=1) > 1 or any(d > 1 for d in degrees):
+            raise CheckpointError(f"{file} was written with model or pipeline parallelism "
                                   f"(mp_world_size={m.get('mp_world_size')}, {dims}): not supported")
         cfg = m.get("ds_config")
         self.ds_config: dict | None = cfg if isinstance(cfg, dict) else None
-        self.global_steps = int(m.get("global_steps") or 0)
-        self.global_samples = int(m.get("global_samples") or 0)
-        self.skipped_steps = int(m.get("skipped_steps") or 0)
-        self.lr_scheduler: dict | None = _plain(m.get("lr_scheduler"))
+        self.global_steps = self._count(m, "global_steps")
+        self.global_samples = self._count(m, "global_samples")
+        self.skipped_steps = self._count(m, "skipped_steps")
+        self.lr_scheduler: dict | None = self._scheduler(m.get("lr_scheduler"))
         self.client_state: dict = {k: _plain(v) for k, v in m.items() if k not in DS_KEYS}
         self.ds_version: str | None = m.get("ds_version")
-        self.world = int(m.get("dp_world_size") or 1)
-        names = [str(n) for n in m.get("buffer_names") or []]
+        self.world = self._count(m, "dp_world_size", 1, lo=1)
+        listed = m.get("buffer_names") or []
+        if not isinstance(listed, list | tuple):
+            raise CheckpointError(f"DeepSpeed checkpoint file {file}: its buffer_names is {fields.short(listed)}, "
+                                  "not a list of names: damaged or not written by DeepSpeed")
+        names = [str(n) for n in listed]
         self.buffers: dict[str, torch.Tensor] = {n: ds_pickle.materialize(self._module[n]) for n in names
                                                  if isinstance(self._module.get(n), Lazy)}
         self.params: dict[str, tuple[int, ...]] = {}
@@ -129,8 +134,19 @@ class DeepSpeedCheckpoint:
         self._universal = (self.path / "zero").is_dir()
         prefix, optim = ds_files.optim_files(self.path)
         self._optim = (prefix, optim) if optim else None
-        self.stage = int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+        zero = fields.mapping((self.ds_config or {}).get("zero_optimization"), file, "ds_config zero_optimization")
+        self.stage = fields.integer((zero or {}).get("stage", 0), file, "ds_config zero_optimization stage", hi=3)
         self.precision = self._precision(prefix)
+        self._scaler_file = file
+
+    def _scheduler(self, sched: Any) -> dict | None:
+        """The lr scheduler's state_dict (None when the run had none); its last_batch_iteration
+        (-1 before the first step) sets the lr schedule's count on import."""
+        sched = fields.mapping(_plain(sched), self._model_file, "lr_scheduler")
+        if sched is not None and "last_batch_iteration" in sched:
+            fields.integer(sched["last_batch_iteration"], self._model_file, "lr_scheduler last_batch_iteration",
+                           lo=-1, hi=fields.LIMIT - 1)
+        return sched
 
     def _precision(self, prefix: str) -> str:
         cfg = self.ds_config or {}
@@ -148,37 +164,47 @@ class DeepSpeedCheckpoint:
         top0 = self._load(first)
         osd0 = top0["optimizer_state_dict"]
         count = osd0.get("partition_count", len(optim))
-        self.world = max(int(c) for c in count) if isinstance(count, list) else int(count)
+        counts = count if isinstance(count, list) and count else [count]
+        self.world = max(fields.integer(c, first, "partition_count", lo=1) for c in counts)
         self._counted = f"{first}'s partition_count says"
         files = ds_files.ranks(self.path, optim, self.world, lambda r: ds_files.optim_name(prefix, r), self._counted)
         tops = [top0] + [self._load(f) for f in files[1:]]
         ds_ranks.same_run([self._model_file, first], [ds_ranks.model(self._m), ds_ranks.optim(top0)])
         ds_ranks.same_run(files, [ds_ranks.optim(t) for t in tops])
         osds = [t["optimizer_state_dict"] for t in tops]
-        self.loss_scaler = _plain(osd0.get("loss_scaler"))
+        self.loss_scaler = fields.mapping(_plain(osd0.get("loss_scaler")), first, "loss_scaler")
+        self._scaler_file = first
         if "zero_stage" not in osd0:  # BF16_Optimizer (bf16 without ZeRO): fragments named per rank
             self.stage = 0
-            return self._read_bf16_optimizer(osds)
-        self.stage = int(osd0["zero_stage"])
-        shapes = [{str(k): _shape(v) for k, v in g.items()} for g in self._m["param_shapes"]]
+            return self._read_bf16_optimizer(osds, files)
+        self.stage = fields.integer(osd0["zero_stage"], first, "zero_stage", hi=3)
+        shapes = fields.param_shapes(self._m["param_shapes"], self._model_file)
         self.params = {k: v for g in shapes for k, v in g.items()}
         if self.stage == 3:
             inner = [o["optimizer_state_dict"]["state"] for o in osds]
             self._pieces["fp32"] = ds_layout.zero3(shapes, [o["fp32_flat_groups"] for o in osds])
-            self._moments(inner, lambda groups: ds_layout.zero3(shapes, groups))
+            self._moments(inner, lambda groups: ds_layout.zero3(shapes, groups), first)
             self._frozen_zero3()
             return
         fp32 = [o["single_partition_of_fp32_groups"] for o in osds]
-        partition = [t.numel + int(p) for t, p in zip(fp32[0], osd0.get("group_paddings") or [0] * len(fp32[0]))]
+        pads = osd0.get("group_paddings") or [0] * len(fp32[0])
+        partition = [t.numel + fields.integer(p, first, "group_paddings") for t, p in zip(fp32[0], pads)]
         paddings = osd0.get("param_alignment_paddings")
         self._pieces["fp32"] = ds_layout.zero12(shapes, paddings, fp32, partition)
         base = [o["base_optimizer_state"] for o in osds]
         states = [b["state"] if isinstance(b, dict) else dict(enumerate(b)) for b in base]
-        self._moments(states, lambda groups: ds_layout.zero12(shapes, paddings, groups, partition))
+        self._moments(states, lambda groups: ds_layout.zero12(shapes, paddings, groups, partition), first)
         self._frozen_module(self._m.get("frozen_param_fragments"))
 
-    def _moments(self, states: list[dict], layout: Any) -> None:
-        """Adam's moments and step from per-rank optimizer `state` dicts keyed by group (or sub-group)."""
+    def _step(self, state: dict, file: Path) -> int | None:
+        """Adam's step (a float tensor DeepSpeed saves, of an integer >= 0), None when not kept."""
+        if "step" not in state:
+            return None
+        return fields.integer(_plain(state["step"]), file, "Adam step", floats=True)
+
+    def _moments(self, states: list[dict], layout: Any, file: Path) -> None:
+        """Adam's moments and step from per-rank optimizer `state` dicts keyed by group (or
+        sub-group); `file` holds rank 0's."""
         if not states[0]:
             return
         first = next(iter(states[0].values()))
@@ -186,7 +212,7 @@ class DeepSpeedCheckpoint:
         for kind in self.moments:
             groups = [[s[g][kind] for g in sorted(s)] for s in states]
             self._pieces[kind] = layout(groups)
-        self.optimizer_step = int(_plain(first["step"])) if "step" in first else None
+        self.optimizer_step = self._step(first, file)
 
     def _frozen_module(self, fragments: dict | None) -> None:
         """Frozen params stored whole: `frozen_param_fragments` (ZeRO 2) or else the module's
@@ -194,7 +220,7 @@ class DeepSpeedCheckpoint:
         shapes = self._m.get("frozen_param_shapes")
         if fragments:
             for name, t in fragments.items():
-                self.frozen[str(name)] = _shape(shapes[name]) if shapes else t.shape
+                self.frozen[str(name)] = self._frozen_shape(shapes, name) if shapes else t.shape
                 self._pieces.setdefault("fp32", {})[str(name)] = ds_layout.whole(t)
             return
         held = {(t.at, t.offset) for n in self.params for t in [self._module.get(n)] if isinstance(t, Lazy)}
@@ -214,19 +240,27 @@ class DeepSpeedCheckpoint:
         models = [self._m] + [self._load(f) for f in files[1:]]
         ds_ranks.same_run(files, [ds_ranks.model(m) for m in models])
         frags = [m["frozen_param_fragments"] for m in models]
-        for name, shape in shapes.items():
-            self.frozen[str(name)] = _shape(shape)
-            self._pieces["fp32"][str(name)] = ds_layout.fragments([f[name] for f in frags], math.prod(_shape(shape)))
+        for name in shapes:
+            shape = self.frozen[str(name)] = self._frozen_shape(shapes, name)
+            self._pieces["fp32"][str(name)] = ds_layout.fragments([f[name] for f in frags], math.prod(shape))
 
-    def _read_bf16_optimizer(self, osds: list[dict]) -> None:
-        maps = [[{str(n): (int(a.state["start"]), int(a.state["numel"])) for n, a in g.items()}
-                 for g in o["param_slice_mappings"]] for o in osds]
+    def _frozen_shape(self, shapes: dict, name: Any) -> tuple[int, ...]:
+        return fields.shape(shapes[name], self._model_file, f"frozen_param_shapes[{name!r}]")
+
+    def _read_bf16_optimizer(self, osds: list[dict], files: list[Path]) -> None:
+        def span(a: DSObject, file: Path, name: str) -> tuple[int, int]:
+            start, numel = (fields.integer(a.state[k], file, f"param_slice_mappings[{name!r}] {k}")
+                            for k in ("start", "numel"))
+            return start, numel
+
+        maps = [[{str(n): span(a, f, str(n)) for n, a in g.items()} for g in o["param_slice_mappings"]]
+                for o, f in zip(osds, files)]
         fp32 = [o["single_partition_of_fp32_groups"] for o in osds]
         self._pieces["fp32"] = ds_layout.slice_mappings(maps, fp32)
         self.params = {n: self._module[n].shape for n in self._pieces["fp32"]}
         base = [o["base_optimizer_state"] for o in osds]
         states = [b["state"] if isinstance(b, dict) else dict(enumerate(b)) for b in base]
-        self._moments(states, lambda groups: ds_layout.slice_mappings(maps, groups))
+        self._moments(states, lambda groups: ds_layout.slice_mappings(maps, groups), files[0])
         self._frozen_module(None)
 
     def _read_stage0(self) -> None:
@@ -238,6 +272,7 @@ class DeepSpeedCheckpoint:
             masters = [t for g in opt["fp32_groups"] for t in g]
             torch_sd = opt.get("optimizer_state_dict") or {}
             self.loss_scaler = {"cur_scale": opt.get("cur_scale"), "dynamic": opt.get("dynamic_loss_scale")}
+            self._scaler_file = self._model_file
         elif isinstance(opt, dict) and ("fp32_groups_flat" in opt or "single_partition_of_fp32_groups" in opt):
             raise CheckpointError(f"{self._model_file}: a stage-0 {self.precision} optimizer with flat fp32 groups "
                                   "(DeepSpeed's fused FP16_Optimizer): not supported")
@@ -255,7 +290,7 @@ class DeepSpeedCheckpoint:
             self.moments = tuple(k for k in _MOMENTS if isinstance(first.get(k), Lazy))
             for kind in self.moments:
                 self._pieces[kind] = {n: ds_layout.whole(state[ids[i]][kind]) for i, n in enumerate(names)}
-            self.optimizer_step = int(_plain(first["step"])) if "step" in first else None
+            self.optimizer_step = self._step(first, self._model_file)
         self._frozen_module(None)
 
     def _match(self, shapes: list[tuple[int, ...] | None]) -> list[str]:
@@ -273,7 +308,7 @@ class DeepSpeedCheckpoint:
             return names
         out, i = [], 0
         for name in names:
-            if i < len(shapes) and (shapes[i] is None or _shape(shapes[i]) == self._module[name].shape):
+            if i < len(shapes) and (shapes[i] is None or shapes[i] == tuple(self._module[name].shape)):
                 out.append(name)
                 i += 1
         if i != len(shapes):
@@ -286,7 +321,7 @@ class DeepSpeedCheckpoint:
         shapes = self._m.get("param_shapes")
         zero = self.path / "zero"
         if shapes:
-            self.params = {str(k): _shape(v) for g in shapes for k, v in g.items()}
+            self.params = {k: v for g in fields.param_shapes(shapes, self._model_file) for k, v in g.items()}
         else:
             self.params = {p.name: self._load(p / "fp32.pt")["param"].shape for p in sorted(zero.iterdir())}
         for name in self.params:
@@ -297,7 +332,8 @@ class DeepSpeedCheckpoint:
         some = zero / next(iter(self.params))
         self.moments = tuple(k for k in _MOMENTS if (some / f"{k}.pt").is_file())
         if (some / "step.pt").is_file():
-            self.optimizer_step = int(_plain(self._load(some / "step.pt")))
+            self.optimizer_step = fields.integer(_plain(self._load(some / "step.pt")), some / "step.pt", "Adam step",
+                                                 floats=True)
         self._frozen_module(self._m.get("frozen_param_fragments"))
 
     def _tied(self) -> None:

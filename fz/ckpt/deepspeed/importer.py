@@ -106,6 +106,17 @@ def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     return pairs, problems
 
 
+def _refuse_negative(found: dict[str, tuple[int, int]], path: Any) -> None:
+    """A negative exp_avg_sq (a running mean of squares) is impossible, though finite: Adam's
+    step takes its square root, NaN in the weights. Refused on every rank (the counts are summed)."""
+    if found:
+        shown = ", ".join(f"{label} {n} of {numel}" for label, (n, numel) in sorted(found.items())[:8])
+        raise CheckpointError(f"fz.import_deepspeed: DeepSpeed checkpoint {path} holds negative values in Adam's "
+                              f"exp_avg_sq (a mean of squares: never < 0) of {len(found)} tensors: {shown}"
+                              f"{', ...' if len(found) > 8 else ''}. Damaged; training from it would write NaN "
+                              "into the weights.")
+
+
 def _fill(places: list[Place], ck: Any, key: str, kind: str, counts: Counts, canon: str) -> None:
     lo, hi = _span(places)
     if hi > lo:
@@ -141,7 +152,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
                 raise CheckpointError(msg)
             warnings.warn(msg, stacklevel=2)
         places = _places(state)
-        counts = Counts(state.plan, ("", *ck.moments))
+        counts = Counts(state.plan, ("", *ck.moments), nonnegative=("exp_avg_sq",))
         with torch.no_grad():
             for canon, key in pairs.items():
                 _fill(places[canon], ck, key, "fp32", counts, canon)
@@ -160,5 +171,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
             if "scale" in scaler and ck.loss_scale is not None:
                 scaler["scale"] = torch.tensor(float(ck.loss_scale))
         new = state.replace(step=torch.full_like(state.step, int(ck.global_steps)), scaler=scaler)
-        report(counts.total(), allow_nonfinite, "fz.import_deepspeed", f"DeepSpeed checkpoint {ck.path}", 2)
+        found = counts.total()
+        _refuse_negative(counts.negative, ck.path)
+        report(found, allow_nonfinite, "fz.import_deepspeed", f"DeepSpeed checkpoint {ck.path}", 2)
         return new, dict(ck.client_state)

@@ -1,0 +1,181 @@
+"""Values a DeepSpeed checkpoint parses to but cannot hold are refused at import, naming file and field.
+
+Each case is ds_hostile's small ZeRO-3 checkpoint with one value crafted: Adam state that is
+finite but impossible (a negative exp_avg_sq, a negative or fractional step), a loss scale of
+0, -4 or NaN, counts and shapes that are inf, 2**70, negative, strings or floats, and NaN
+fp32 masters. Taken, they end as NaN weights a step later, a ZeroDivisionError, every step
+skipped, a raw OverflowError, or a wrong number (the shape "64" read as (6, 4)); each must be
+a CheckpointError (NaN masters: fz.NonFiniteError) naming the file, the field and the value,
+and `fz consolidate` must exit 2 with its error line, writing nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import fz
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.export import consolidate
+from fz.cli import main
+from fz.errors import CheckpointError
+
+from support import ds_hostile as h
+
+
+def _adam(nu: float | None = None, step: float | None = None) -> Callable[[str, int, dict], None]:
+    """Every rank's Adam state of sub-group 0 given exp_avg_sq `nu` and `step` (None: as written)."""
+    def patch(kind: str, rank: int, obj: dict) -> None:
+        if kind == "optim":
+            st = obj["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]
+            if nu is not None:
+                st["exp_avg_sq"].fill_(nu)
+            if step is not None:
+                st["step"] = torch.tensor(step)
+    return patch
+
+
+def test_synthetic_adam_state_imports_and_trains(tmp_path: Path) -> None:
+    """The control: ds_synth's own moments are possible ones (exp_avg_sq >= 0); a step keeps the weights finite."""
+    state, _ = fz.import_deepspeed(h.state(), h.checkpoint(tmp_path / "ck"))
+    state, _ = fz.train_step(state, torch.ones(2, 4))
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in state.params.values()]
+    assert all(bool(torch.isfinite(p).all()) for p in full)
+
+
+@pytest.mark.parametrize("nu, step, words", [
+    (-1.0, None, "negative values in Adam's exp_avg_sq (a mean of squares: never < 0) of 2 tensors: 'b' exp_avg_sq 5 "
+                 "of 5, 'w' exp_avg_sq 24 of 24"),
+    (None, -7.0, "zero_pp_rank_0_mp_rank_00_optim_states.pt: its Adam step is -7.0, not an integer from 0"),
+    (None, 0.5, "zero_pp_rank_0_mp_rank_00_optim_states.pt: its Adam step is 0.5, not an integer from 0"),
+    (None, float("inf"), "its Adam step is inf, not an integer"),
+])
+def test_impossible_adam_state_is_refused(nu: float | None, step: float | None, words: str, tmp_path: Path) -> None:
+    """Finite but impossible: Adam's next step would take sqrt(nu < 0) or divide by 1 - beta**step: NaN weights."""
+    root = h.checkpoint(tmp_path / "ck", patch=_adam(nu, step))
+    with pytest.raises(CheckpointError) as e:
+        fz.import_deepspeed(h.state(), root, allow_nonfinite=True)  # not a NaN: allow_nonfinite does not let it by
+    assert words in str(e.value) and str(root / h.TAG) in str(e.value), str(e.value)
+
+
+def _scale(value: object) -> Callable[[str, int, dict], None]:
+    """An fp16 run whose loss scaler's cur_scale is `value`."""
+    def patch(kind: str, rank: int, obj: dict) -> None:
+        if kind == "model":
+            obj["ds_config"] = {**obj["ds_config"], "fp16": {"enabled": True}}
+        else:
+            obj["optimizer_state_dict"]["loss_scaler"].state["cur_scale"] = value
+    return patch
+
+
+@pytest.mark.parametrize("value", [-4.0, 0.0, float("nan"), float("inf"), 1e39, "abc", True, None])
+def test_impossible_loss_scale_is_refused(value: object, tmp_path: Path) -> None:
+    """0 divides by zero in the step, NaN or a negative scale skips every step: refused at open, naming the field."""
+    root = h.checkpoint(tmp_path / "ck", patch=_scale(value))
+    with pytest.raises(CheckpointError) as e:
+        DeepSpeedCheckpoint(root)
+    assert f"{h.optim_file(root)}: its loss_scaler cur_scale is {value!r}, not a finite number > 0" \
+        in str(e.value), str(e.value)
+
+
+def test_a_good_loss_scale_imports(tmp_path: Path) -> None:
+    """DeepSpeed's int scale (2**16) is a scale: the fp16 state gets it."""
+    root = h.checkpoint(tmp_path / "ck", patch=_scale(2**16))
+    state, _ = fz.import_deepspeed(h.state(precision="fp16"), root)
+    assert float(state.scaler["scale"]) == 65536.0
+
+
+def _set(kind: str, keys: tuple[str, ...], value: object) -> Callable[[str, int, dict], None]:
+    """Rank 0's `kind` file's obj[keys[0]][keys[1]]... set to `value` (on every rank for the model's own fields)."""
+    def patch(k: str, rank: int, obj: dict) -> None:
+        if k == kind and (rank == 0 or kind == "model"):
+            for key in keys[:-1]:
+                obj = obj[key]
+            obj[keys[-1]] = value
+    return patch
+
+
+_OSD = ("optimizer_state_dict",)
+INF = float("inf")
+# (patch, the file named, the field named, the value shown)
+FIELDS = {
+    "global_steps inf": (_set("model", ("global_steps",), INF), "model", "global_steps", "inf"),
+    "global_steps 2**70": (_set("model", ("global_steps",), 2**70), "model", "global_steps", str(2**70)),
+    "global_steps -5": (_set("model", ("global_steps",), -5), "model", "global_steps", "-5"),
+    "global_steps a string": (_set("model", ("global_steps",), "12"), "model", "global_steps", "'12'"),
+    "global_steps a bool": (_set("model", ("global_steps",), True), "model", "global_steps", "True"),
+    "skipped_steps 2**70": (_set("model", ("skipped_steps",), 2**70), "model", "skipped_steps", str(2**70)),
+    "dp_world_size inf": (_set("model", ("dp_world_size",), INF), "model", "dp_world_size", "inf"),
+    "mp_world_size inf": (_set("model", ("mp_world_size",), INF), "model", "mp_world_size", "inf"),
+    "stage inf": (_set("model", ("ds_config", "zero_optimization", "stage"), INF), "model",
+                  "ds_config zero_optimization stage", "inf"),
+    "lr_scheduler a list": (_set("model", ("lr_scheduler",), [1, 2]), "model", "lr_scheduler", "[1, 2]"),
+    "last_batch_iteration inf": (_set("model", ("lr_scheduler", "last_batch_iteration"), INF), "model",
+                                 "lr_scheduler last_batch_iteration", "inf"),
+    "last_batch_iteration 'abc'": (_set("model", ("lr_scheduler", "last_batch_iteration"), "abc"), "model",
+                                   "lr_scheduler last_batch_iteration", "'abc'"),
+    "last_batch_iteration 2**70": (_set("model", ("lr_scheduler", "last_batch_iteration"), 2**70), "model",
+                                   "lr_scheduler last_batch_iteration", str(2**70)),
+    "last_batch_iteration -1e6": (_set("model", ("lr_scheduler", "last_batch_iteration"), -10**6), "model",
+                                  "lr_scheduler last_batch_iteration", "-1000000"),
+    "param_shapes a string": (_set("model", ("param_shapes",), [{"w": "64", "b": (5,)}]), "model",
+                              "param_shapes['w']", "'64'"),
+    "param_shapes floats": (_set("model", ("param_shapes",), [{"w": (6.7, 4.2), "b": (5,)}]), "model",
+                            "param_shapes['w'][0]", "6.7"),
+    "param_shapes inf": (_set("model", ("param_shapes",), [{"w": (INF, 4), "b": (5,)}]), "model",
+                         "param_shapes['w'][0]", "inf"),
+    "partition_count inf": (_set("optim", (*_OSD, "partition_count"), INF), "optim", "partition_count", "inf"),
+    "partition_count a string": (_set("optim", (*_OSD, "partition_count"), "2"), "optim", "partition_count", "'2'"),
+    "partition_count 0": (_set("optim", (*_OSD, "partition_count"), 0), "optim", "partition_count", "0"),
+    "Adam step inf": (_adam(step=INF), "optim", "Adam step", "inf"),
+}
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    """`fz ARGV`'s exit code and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(list(argv))
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("reader", ["open", "import", "consolidate"])
+@pytest.mark.parametrize("case", list(FIELDS))
+def test_impossible_field_is_refused(case: str, reader: str, tmp_path: Path) -> None:
+    """Each is a CheckpointError (the command: exit 2 and its error line) naming the file, the field and the
+    value; not a raw OverflowError, nor a wrong number taken (a string shape "64" as (6, 4), 6.7 as 6)."""
+    patch, which, field, shown = FIELDS[case]
+    root, out = h.checkpoint(tmp_path / "ck", patch=patch), tmp_path / "out.safetensors"
+    if reader == "consolidate":
+        rc, msg = _cli("consolidate", str(root), str(out))
+        assert rc == 2 and msg.startswith("fz consolidate: error: ") and not out.exists(), (rc, msg)
+    else:
+        with pytest.raises(CheckpointError) as e:
+            DeepSpeedCheckpoint(root) if reader == "open" else fz.import_deepspeed(h.state(), root)
+        msg = str(e.value)
+    file = h.optim_file(root) if which == "optim" else h.model_file(root)
+    assert f"{file}: its {field} is {shown}," in msg, msg
+
+
+def _nan_master(kind: str, rank: int, obj: dict) -> None:
+    if kind == "optim" and rank == 0:
+        obj["optimizer_state_dict"]["fp32_flat_groups"][0][2] = float("nan")  # rank 0 holds w's first 12
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_consolidate_refuses_nan_masters(hf: bool, tmp_path: Path) -> None:
+    """A NaN master would be carried into every model loaded from the file: refused as fz.import_deepspeed
+    refuses it (fz.NonFiniteError naming the tensor; the command: exit 2, its error line), and nothing is written."""
+    root, out = h.checkpoint(tmp_path / "ck", patch=_nan_master), tmp_path / ("out" if hf else "out.safetensors")
+    with pytest.raises(fz.NonFiniteError, match=r"fz consolidate: DeepSpeed checkpoint .* holds NaN or inf in 1 "
+                                                r"tensors \(1 values\): 'w' 1 of 24\. .*nothing was written"):
+        consolidate(root, out, hf=hf)
+    rc, err = _cli("consolidate", str(root), str(out), *(["--hf"] if hf else []))
+    assert rc == 2 and err.startswith("fz consolidate: error: fz consolidate: DeepSpeed checkpoint"), (rc, err)
+    assert "'w' 1 of 24" in err, err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == (["ck", "out"] if hf else ["ck"]) and not (hf and any(out.iterdir())), left  # --hf: an empty folder
