@@ -10,7 +10,11 @@
 A thin shell: the engine holds an fz.State (`engine.state`) and runs fz.train_step's phases;
 its checkpoints are fz checkpoints (and DeepSpeed's own are imported on load).
 """
+from fz.deepspeed import comm, zero
 from fz.deepspeed.engine import DeepSpeedEngine
 from fz.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize"]
+__version__ = "0.19.8"  # the DeepSpeed whose API and numbers this shell follows (scripts compare versions)
+
+__all__ = ["DeepSpeedEngine", "__version__", "add_config_arguments", "comm", "init_distributed", "initialize",
+           "zero"]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import fz
+from fz.deepspeed import zero
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import ConfigError
 from fz.observe.full_params import iter_full_params
@@ -56,6 +57,7 @@ class DeepSpeedEngine:
         # the config's tensorboard / csv_monitor / steps_per_print, as DeepSpeed's engine writes them
         self.monitor = Monitor.from_spec(state.spec)
         self._counted = [0, 0]  # rows and tokens of this step's micro-batches (this rank)
+        zero.register(self)  # deepspeed.zero.GatheredParameters finds the engine of a model's parameters
 
     # ------------------------------------------------------------ what DeepSpeed's engine tells
     @property

@@ -121,3 +121,32 @@ def test_save_16bit_model_at_stage_3_needs_the_gather_flag_as_in_deepspeed(tmp_p
     flagged = {**CONFIG, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
     engine, *_ = _engine(flagged)
     assert engine.save_16bit_model(str(tmp_path)) is True and (tmp_path / "pytorch_model.bin").is_file()
+
+
+def test_zero_init_builds_the_model_deepspeed_builds_and_says_it_is_whole(caplog):
+    import logging
+
+    import fz.deepspeed.zero as zero
+    zero._said = False  # it says so once a process
+    with caplog.at_level(logging.WARNING, logger="fz.deepspeed.zero"), deepspeed.zero.Init(remote_device="cpu"):
+        built = Dropped()
+    plain = Dropped()
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), plain.state_dict().values()))
+    assert "the model is built whole on this rank" in caplog.text
+    assert deepspeed.__version__ == "0.19.8" and callable(deepspeed.comm.get_rank)
+
+
+def test_gathered_parameters_hold_the_engines_weights_and_a_change_after_initialize_is_refused():
+    model = Dropped()
+    with deepspeed.zero.GatheredParameters(model.lin.weight, modifier_rank=0):
+        model.lin.weight.data.zero_()  # before initialize: the model is what initialize shards
+    engine, *_ = _engine(model=model)
+    assert torch.count_nonzero(fz.full_params(engine.state)["lin.weight"]) == 0
+    for seed in (3, 4):
+        engine.backward(engine(*_batch(seed)))
+        engine.step()
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.out.weight, fz.full_params(engine.state)["out.weight"])
+    with pytest.raises(fz.ConfigError, match=r"parameters changed after deepspeed.initialize do not reach fz's State"):
+        with deepspeed.zero.GatheredParameters(model.out.weight, modifier_rank=0):
+            model.out.weight.data.add_(1.0)
