@@ -216,6 +216,9 @@ class DeepSpeedEngine:
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: the optimizer update (and the lr scheduler's step); else
         only the micro-step count advances, as in DeepSpeed."""
+        if lr_kwargs:
+            raise ConfigError("engine.step(lr_kwargs=...): fz's lr follows the config's scheduler and takes no "
+                              "per-step arguments")
         self._applied = False
         if self.is_gradient_accumulation_boundary():
             if self._step is None:

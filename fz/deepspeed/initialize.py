@@ -136,6 +136,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         fz.distributed.init()
     cfg, _ = load_config(_config(args, config, config_params))
     cfg = dict(cfg)
+    if cfg.get("train_batch_size") is None and cfg.get("train_micro_batch_size_per_gpu") is None:
+        raise ConfigError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu: "
+                          "give one (DeepSpeed refuses this config too)")
     auto: dict[str, Any] = {}
     torch_opt = None
     if optimizer is not None:

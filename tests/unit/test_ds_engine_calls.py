@@ -150,3 +150,12 @@ def test_gathered_parameters_hold_the_engines_weights_and_a_change_after_initial
     with pytest.raises(fz.ConfigError, match=r"parameters changed after deepspeed.initialize do not reach fz's State"):
         with deepspeed.zero.GatheredParameters(model.out.weight, modifier_rank=0):
             model.out.weight.data.add_(1.0)
+
+
+def test_a_config_without_a_batch_size_or_lr_kwargs_to_step_is_refused():
+    with pytest.raises(fz.ConfigError, match="sets neither train_batch_size nor train_micro_batch_size_per_gpu"):
+        deepspeed.initialize(model=Dropped(), config={"optimizer": CONFIG["optimizer"]})
+    engine, *_ = _engine({**CONFIG, "gradient_accumulation_steps": 1})
+    engine.backward(engine(*_batch()))
+    with pytest.raises(fz.ConfigError, match=r"engine.step\(lr_kwargs=...\): fz's lr follows the config's scheduler"):
+        engine.step(lr_kwargs={"lr": 0.1})
