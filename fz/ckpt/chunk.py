@@ -4,7 +4,9 @@ DCP writes each chunk with `torch.save`: a zip holding `data.pkl` (how to rebuil
 and `data/<key>` (its raw storage). `torch.load` would run that pickle; here its opcodes are
 only parsed (`pickletools.genops` never executes them), checked to be the one call torch.save
 writes for a tensor (`_rebuild_tensor_v2(storage, offset, size, stride, ...)`), and the raw
-bytes are read straight into the tensor. Anything else in the file is an error naming it.
+bytes are read straight into the tensor. Anything else in the file is an error naming it. Every
+size and offset the zip's directory states is checked against the chunk's bytes (which lie inside
+the file) before anything is allocated from it, and only a regular file is opened (no FIFO).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fz.ckpt.regular import open_regular_file
 from fz.errors import CheckpointError, ConfigError
 
 _PUSH_ARG = {"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BININT", "BININT1", "BININT2", "LONG1", "SHORT_BINSTRING",
@@ -105,7 +108,7 @@ def _contiguous(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def read_chunk(path: Path, at: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Tensor:
     """The chunk of `sizes` and `dtype` stored at [at, at + length) of `path`."""
     try:
-        with open(path, "rb") as f:
+        with open_regular_file(path) as f:
             f.seek(0, 2)
             if at + length > f.tell():
                 raise ValueError(f"the chunk at bytes {at}-{at + length} is past the file's end ({f.tell()} bytes)")
@@ -124,7 +127,7 @@ def _read(f: BufferedReader, at: int, length: int, dtype: torch.dtype, sizes: tu
     if pkl is None or pkl.file_size > _MAX_PICKLE:
         raise ValueError("no tensor record (data.pkl) in the chunk")
     order = names.get("byteorder")
-    if order is not None and z.read(order) != b"little":
+    if order is not None and (order.file_size > 16 or z.read(order) != b"little"):
         raise ValueError("a big-endian record")
     value = _parse(z.read(pkl))
     if not (isinstance(value, tuple) and value[:2] == ("call", ("global", "torch._utils", "_rebuild_tensor_v2"))):
@@ -148,10 +151,16 @@ def _read(f: BufferedReader, at: int, length: int, dtype: torch.dtype, sizes: tu
         raise ValueError("the record's size and stride reach beyond its storage")
     if 0 in size:
         return torch.empty(size, dtype=dtype)
+    if entry.header_offset + 30 > length:
+        raise ValueError(f"the record's storage data/{key} starts past the chunk's {length} bytes")
     f.seek(at + entry.header_offset)
     head = f.read(30)
     name_len, extra_len = struct.unpack("<HH", head[26:30])
-    f.seek(at + entry.header_offset + 30 + name_len + extra_len)
+    start = entry.header_offset + 30 + name_len + extra_len
+    if entry.compress_size != entry.file_size or start + entry.file_size > length:
+        raise ValueError(f"the record's storage data/{key} claims {entry.file_size} bytes at byte {start}, past the "
+                         f"chunk's {length} bytes")
+    f.seek(at + start)
     buf = bytearray(entry.file_size)
     if f.readinto(buf) != len(buf):
         raise ValueError("the record's storage is truncated")

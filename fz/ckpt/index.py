@@ -8,7 +8,7 @@ storage: `chunk.py` takes the raw bytes and reads the pickle's opcodes without r
 """
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fz.ckpt.chunk import read_chunk
+from fz.ckpt.regular import inside, parse_json, read_regular
 from fz.errors import CheckpointError, ConfigError
 
 INDEX = "index.json"
 INDEX_FORMAT = 1
+_MAX_PAIRS = 1_000_000  # chunk pairs compared to prove a tensor's chunks do not overlap (bounded time)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -72,8 +74,10 @@ def read_index(directory: Path) -> dict[str, Any]:
                 "trust where it came from, load it with torch.distributed.checkpoint and save it again with fz.save")
         raise CheckpointError(f"checkpoint file {path} is missing")
     try:
-        index = json.loads(path.read_bytes())
+        index = parse_json(read_regular(inside(directory, path)), f"checkpoint file {path}")
         _check(index)
+    except CheckpointError:
+        raise
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable or damaged ({type(e).__name__}: {e})") from e
     return index
@@ -103,6 +107,32 @@ def _check(index: Any) -> None:
                 or c["length"] < 0
             ):
                 raise ValueError(f"{key!r}: bad location {c!r}")
+        _covered(key, t["size"], [(c["offsets"], c["sizes"]) for c in t["chunks"]])
+
+
+def _covered(key: str, size: list[int], boxes: list[tuple[list[int], list[int]]]) -> None:
+    """The chunks (offsets, sizes), each inside `size`, tile the tensor: as many values as it has
+    and no two overlapping. A value no chunk holds would keep the template's, silently."""
+    total = math.prod(size)
+    boxes = [b for b in boxes if math.prod(b[1])]
+    have = sum(math.prod(s) for _, s in boxes)
+    if have != total:
+        raise ValueError(f"{key!r}: its chunks hold {have} values, the tensor {size} has {total}: "
+                         + ("some values are in no chunk" if have < total else "chunks overlap"))
+    if not size:
+        return  # a scalar: its one chunk
+    boxes.sort(key=lambda b: b[0])
+    active: list[tuple[list[int], list[int]]] = []
+    pairs = 0
+    for o, s in boxes:  # a sweep along dim 0: compare only chunks whose rows meet
+        active = [(ao, az) for ao, az in active if ao[0] + az[0] > o[0]]
+        pairs += len(active)
+        if pairs > _MAX_PAIRS:
+            raise ValueError(f"{key!r}: {len(boxes)} chunks overlap in rows too much to check")
+        for ao, az in active:
+            if all(a < b + n and b < a + m for a, m, b, n in zip(ao, az, o, s)):
+                raise ValueError(f"{key!r}: chunks at {ao} and {o} overlap, so some values are in no chunk")
+        active.append((o, s))
 
 
 def metadata_of(index: dict[str, Any]) -> Metadata:
@@ -142,7 +172,7 @@ class SafeReader(dcp.FileSystemReader):
             if not isinstance(m, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.path}: {req.storage_index.fqn!r} is not a tensor")
             chunk = next(c for c in m.chunks if c.offsets == req.storage_index.offset)
-            tensor = read_chunk(Path(self.path) / info.relative_path, info.offset, info.length,
+            tensor = read_chunk(inside(Path(self.path), Path(self.path) / info.relative_path), info.offset, info.length,
                                 m.properties.dtype, tuple(chunk.sizes))
             for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                 tensor = tensor.narrow(dim, start, n)

@@ -20,7 +20,6 @@ DeepSpeed's does; `resolve` reads both, and the older `<save_dir>/<tag>/step_<N>
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -28,7 +27,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from fz.ckpt.regular import read_small
+from fz.ckpt.regular import inside, parse_json, read_regular, read_small
 from fz.errors import CheckpointError, ConfigError
 
 PathLike = str | os.PathLike
@@ -72,11 +71,14 @@ def replace_durable(path: Path, data: bytes) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """A checkpoint's JSON file; missing, unreadable or unparsable is a ConfigError naming it."""
+    """A checkpoint's JSON file (of the folder it is in: a symlink out of it is refused); missing,
+    unreadable, not a regular file, nested too deep or unparsable is a CheckpointError naming it."""
     try:
-        return json.loads(path.read_bytes())
+        return parse_json(read_regular(inside(path.parent, path)), f"checkpoint file {path}")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except CheckpointError:
+        raise
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
 
@@ -117,9 +119,11 @@ def disk_full(path: PathLike, err: BaseException) -> ConfigError | None:
 
 
 def manifest_crc(step_dir: Path) -> str | None:
-    """crc32 of a step's manifest.json (what `latest` records), None when it is missing."""
+    """crc32 of a step's manifest.json (what `latest` records), None when it is missing; one that
+    is not a regular file inside the step's folder is refused unread."""
+    path = step_dir / MANIFEST
     try:
-        return f"{zlib.crc32((step_dir / MANIFEST).read_bytes()):08x}"
+        return f"{zlib.crc32(read_regular(inside(step_dir, path), 'the manifest')):08x}"
     except FileNotFoundError:
         return None
 
@@ -133,10 +137,13 @@ def write_latest(root: Path, name: str) -> None:
 def current(root: Path, name: str, want: str | None = None) -> Path:
     """The directory to read for the committed checkpoint `name` of `root`: `root/name`, or the
     copy a save of the same name set aside (`name.old`) while `root/name` is missing or while
-    `want`, the manifest checksum `latest` records, is that copy's (fz/ckpt/commit.py)."""
+    `want`, the manifest checksum `latest` records, is that copy's (fz/ckpt/commit.py). Either
+    must lie inside `root`: a symlink out of it (a downloaded checkpoint's) is refused."""
     final, old = root / name, root / (name + OLD)
+    inside(root, final, "checkpoint step folder")
     if not old.is_dir():
         return final
+    inside(root, old, "checkpoint step folder")
     if not final.exists():
         return old
     if want is not None and manifest_crc(final) != want and manifest_crc(old) == want:
@@ -155,7 +162,8 @@ def pointer(root: Path) -> tuple[str, str | None] | None:
     step's manifest; None without a `latest`."""
     if not (root / LATEST).exists() and not (root / LATEST).is_symlink():
         return None
-    text = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
+    raw = read_small(inside(root, root / LATEST, "the checkpoint pointer"), 4096, "the checkpoint pointer")
+    text = raw.decode("utf-8", "replace").strip()
     m = _LATEST_RE.match(text)
     if m is None:
         raise CheckpointError(f"{root / LATEST} is corrupted: it holds {text[:60]!r}, not 'step_<N> "
@@ -189,7 +197,8 @@ def _tag_folder(root: Path) -> Path | None:
     writes it) names in `root`, when that folder holds an fz checkpoint; else None."""
     if not (root / LATEST).is_file():
         return None
-    tag = read_small(root / LATEST, 4096, "the checkpoint pointer").decode("utf-8", "replace").strip()
+    raw = read_small(inside(root, root / LATEST, "the checkpoint pointer"), 4096, "the checkpoint pointer")
+    tag = raw.decode("utf-8", "replace").strip()
     if not tag or _LATEST_RE.match(tag) or "/" in tag or tag in (".", ".."):
         return None
     d = current(root, tag)

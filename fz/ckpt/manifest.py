@@ -6,13 +6,13 @@ at 1.4. Checkpoints written before issue 26 list crc32s; they are read and check
 The saver hashes each data file as it writes it (fz/ckpt/writer.py), so this module reads a
 file only to verify it. The manifest carries its own crc over the file table, so a damaged
 manifest is detected as such. Saved with a key, each file's checksum is a sha256 and the table
-is signed (fz/ckpt/signing.py).
+is signed (fz/ckpt/signing.py). Every name it lists must be a regular file of the folder itself
+(no '/', no '..', no symlink out of it): checked with a stat before any file is opened.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,6 +22,7 @@ import xxhash
 
 from fz.ckpt import signing
 from fz.ckpt.layout import MANIFEST, write_durable
+from fz.ckpt.regular import inside, open_regular_file, parse_json, plain_name, read_regular, stat_regular
 from fz.errors import CheckpointError
 
 ALGORITHM = "xxh3"
@@ -54,11 +55,12 @@ def hasher(algorithm: str) -> Any:
 
 
 def file_checksum(path: Path, algorithm: str | None = None, progress: Callable[[int], None] | None = None) -> str:
-    """Hex checksum of a file, read in 4 MiB blocks (bounded memory)."""
+    """Hex checksum of a file, read in 4 MiB blocks (bounded memory); a FIFO or a device is
+    refused, never read from."""
     h = hasher(algorithm or ALGORITHM)
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular_file(path) as f:
         while True:
             n = f.readinto(buf)
             if not n:
@@ -72,8 +74,8 @@ def file_checksum(path: Path, algorithm: str | None = None, progress: Callable[[
 def describe(directory: Path, names: Iterable[str], algorithm: str | None = None) -> dict[str, dict]:
     """{name: {"size", "checksum", "algorithm"}} for files of `directory` (crc32 unless `algorithm`)."""
     alg = algorithm or ALGORITHM
-    return {n: {"size": os.path.getsize(directory / n), "checksum": file_checksum(directory / n, alg), "algorithm": alg}
-            for n in names}
+    return {n: {"size": stat_regular(directory / n).st_size, "checksum": file_checksum(directory / n, alg),
+                "algorithm": alg} for n in names}
 
 
 def _table_crc(files: dict[str, dict]) -> str:
@@ -91,16 +93,24 @@ def write(directory: Path, files: dict[str, dict], key: bytes | None = None) -> 
 def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
     p = directory / MANIFEST
     try:
-        body = json.loads(p.read_bytes())
+        raw = read_regular(inside(directory, p, "the manifest"), "the manifest")
+    except FileNotFoundError:
+        raise CheckpointError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None
+    try:
+        body = parse_json(raw, f"the manifest {p}")
         files = body["files"]
         ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ALGORITHMS
                                                              for v in files.values())
-    except FileNotFoundError:
-        raise CheckpointError(f"{p} is missing: {directory} is not a complete fz checkpoint") from None
+    except CheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
     if not ok:
         raise CheckpointError(f"{p} is damaged: its own checksum does not match its contents")
+    bad = next((n for n in files if not plain_name(n)), None)
+    if bad is not None:
+        raise CheckpointError(f"{p} lists {bad!r:.100}, which is not a file name of {directory} (a path, '..' or "
+                              "empty): not read")
     return body, files
 
 
@@ -119,11 +129,12 @@ def is_signed(directory: Path) -> bool:
 
 
 def check_sizes(directory: Path, files: dict[str, dict]) -> None:
-    """Every listed file exists with its recorded size (cheap: one stat each)."""
+    """Every listed file exists inside `directory` as a regular file of its recorded size (cheap:
+    one stat each; nothing is opened)."""
     for name, info in sorted(files.items()):
-        p = directory / name
+        p = inside(directory, directory / name)
         try:
-            size = os.path.getsize(p)
+            size = stat_regular(p).st_size
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint file {p} is missing (listed in {MANIFEST})") from None
         if size != info["size"]:

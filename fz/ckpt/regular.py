@@ -1,14 +1,48 @@
-"""Files read from a checkpoint or weights folder are regular files: a FIFO named like one would
-block the reader forever, a device would feed it without end. Opened without blocking, then
-checked with fstat, before a byte is read."""
+"""Files read from a checkpoint or weights folder are regular files inside that folder: a FIFO
+named like one would block the reader forever, a device would feed it without end, and a
+symlink (or a name with '..') could lead anywhere on the machine. Opened without blocking, then
+checked with fstat, before a byte is read; JSON nested past Python's recursion limit is refused
+by name rather than surfacing as a RecursionError."""
 from __future__ import annotations
 
+import errno
+import json
 import os
 import stat
+import sys
+from io import BufferedReader
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
 
 from fz.errors import CheckpointError
+
+
+def inside(folder: Path, file: Path, what: str = "checkpoint file", where: str = "the checkpoint folder") -> Path:
+    """`file`, refused unless it (symlinks followed) lies inside `folder` (`where` names it)."""
+    real, root = Path(file).resolve(), Path(folder).resolve()
+    if not real.is_relative_to(root):
+        raise CheckpointError(f"{what} {file} leads to {real}, outside {where} {root} "
+                              "(a symlink or a name with '..'): not read")
+    return file
+
+
+def plain_name(name: object) -> bool:
+    """A file name of the folder itself: no directory part, not '.' or '..', no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file")
+
+
+def stat_regular(path: Path, what: str = "checkpoint file") -> os.stat_result:
+    """`path`'s stat (symlinks followed), refused unless it is a regular file: nothing is opened."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{what} {path} is not a regular file ({_kind(st.st_mode)}): not read")
+    return st
 
 
 def open_regular(path: Path, what: str = "checkpoint file") -> int:
@@ -21,13 +55,11 @@ def open_regular(path: Path, what: str = "checkpoint file") -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file")
-        raise CheckpointError(f"{what} {path} is not a regular file ({kind}): not read")
+        raise CheckpointError(f"{what} {path} is not a regular file ({_kind(mode)}): not read")
     return fd
 
 
-def open_regular_file(path: Path, what: str = "checkpoint file") -> BinaryIO:
+def open_regular_file(path: Path, what: str = "checkpoint file") -> BufferedReader:
     """open_regular as a binary file object."""
     return os.fdopen(open_regular(path, what), "rb")
 
@@ -39,3 +71,22 @@ def read_small(path: Path, limit: int, what: str) -> bytes:
     if len(data) > limit:
         raise CheckpointError(f"{what} {path} holds more than {limit} bytes: not what it should be")
     return data
+
+
+def read_regular(path: Path, what: str = "checkpoint file") -> bytes:
+    """All of a regular file's bytes; FileNotFoundError when there is no such name (for the caller
+    to word), a CheckpointError when it is not a regular file."""
+    if not os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    with open_regular_file(path, what) as fh:
+        return fh.read()
+
+
+def parse_json(raw: bytes | str, where: str) -> Any:
+    """json.loads, with nesting past Python's recursion limit a CheckpointError naming `where`
+    (JSON errors stay ValueErrors, which callers word)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{where} nests deeper than Python's recursion limit ({sys.getrecursionlimit()} "
+                              "levels): not read") from None

@@ -15,6 +15,8 @@ import dataclasses
 import difflib
 import json
 import os
+import stat
+import sys
 from typing import Any
 
 from fz.config import keys as K
@@ -31,6 +33,30 @@ from fz.precision import LossScale
 __all__ = ["AUTO_NAMES", "read_deepspeed"]
 NEAR_MISS = 0.8  # difflib ratio above which an unknown top-level key is a typo of a known one
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+MAX_CONFIG = 16 << 20  # bytes: a DeepSpeed config is a few KiB
+
+
+def _read(path: str | os.PathLike) -> str:
+    """A config file's text: a regular file (a FIFO would block the read forever, a device never
+    ends), opened without blocking and checked before a byte is read, of at most MAX_CONFIG bytes."""
+    name = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ConfigError(f"cannot read DeepSpeed config {name!r}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+            raise ConfigError(f"DeepSpeed config {name!r} is not a regular file ({kind}): not read")
+        raw = f.read(MAX_CONFIG + 1)
+    if len(raw) > MAX_CONFIG:
+        raise ConfigError(f"DeepSpeed config {name!r} is over {MAX_CONFIG >> 20} MiB: not a DeepSpeed config")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {name!r} is not UTF-8 text ({e})") from None
 
 
 def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
@@ -41,8 +67,7 @@ def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
         text, origin = config, "a JSON string"
     elif isinstance(config, (str, os.PathLike)):
         try:
-            with open(config, encoding="utf-8") as f:
-                text = f.read()
+            text = _read(config)
         except OSError as e:
             raise ConfigError(f"cannot read DeepSpeed config {os.fspath(config)!r}: {e.strerror or e}") from None
         origin = repr(os.fspath(config))
@@ -52,6 +77,9 @@ def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
         data = json.loads(text)
     except ValueError as e:
         raise ConfigError(f"DeepSpeed config {origin} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"DeepSpeed config {origin} nests deeper than Python's recursion limit "
+                          f"({sys.getrecursionlimit()} levels): not a DeepSpeed config") from None
     return section("config", data), origin
 
 

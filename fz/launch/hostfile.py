@@ -5,6 +5,8 @@ A hostfile lists one host per line, `worker-1 slots=4`, with `#` comments and bl
 A filter names hosts separated by `@`, each optionally with `:` and a comma list of slots:
 `worker-2:0,1@worker-3` is slots 0 and 1 of worker-2 and every slot of worker-3. `--include`
 keeps only what it names; `--exclude` removes it. Errors name the line or the unknown name.
+A host is passed to ssh and pdsh as an argument, so one starting with '-' (which they would take
+as an option, `-oProxyCommand=...`) is refused; slots are devices of one host, bounded by MAX_SLOTS.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from fz.errors import ConfigError
 
 Hosts = dict[str, list[int]]  # host -> its slots (device indices), in hostfile order
 
+MAX_SLOTS = 1024  # devices one host can have; more is a typo, and a list this long is made of it
 _LINE = re.compile(r"^(?P<host>[^\s=]+)\s+slots\s*=\s*(?P<slots>\d+)$")
 
 
@@ -28,7 +31,15 @@ def parse_hostfile(text: str, where: str = "hostfile") -> Hosts:
         m = _LINE.match(line)
         if m is None:
             raise ConfigError(f"{where}, line {n}: {raw.strip()!r} is not 'HOST slots=N' (DeepSpeed's hostfile format)")
-        host, slots = m["host"], int(m["slots"])
+        host, digits = m["host"], m["slots"]
+        if host.startswith("-"):
+            raise ConfigError(f"{where}, line {n}: host {host[:80]!r} starts with '-': ssh and pdsh would read it as "
+                              "an option, not a host name")
+        slots = int(digits) if len(digits) <= len(str(MAX_SLOTS)) else MAX_SLOTS + 1
+        if slots > MAX_SLOTS:
+            shown = digits[:20] + ("..." if len(digits) > 20 else "")
+            raise ConfigError(f"{where}, line {n}: {host!r} has slots={shown}, over the {MAX_SLOTS} devices a host "
+                              "can have")
         if host in hosts:
             raise ConfigError(f"{where}, line {n}: host {host!r} is listed twice")
         if slots < 1:

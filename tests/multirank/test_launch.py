@@ -44,6 +44,11 @@ def test_hostfile_and_filters_as_in_seed_003():
     ("worker-1 slots=4\nworker-2 4\n", {}, r"hostfile, line 2: 'worker-2 4' is not 'HOST slots=N'"),
     ("worker-1 slots=4\nworker-1 slots=2\n", {}, r"line 2: host 'worker-1' is listed twice"),
     ("# nothing\n\n", {}, r"lists no hosts"),
+    ("worker-1 slots=4\n-F/tmp/x slots=1\n", {}, r"line 2: host '-F/tmp/x' starts with '-': ssh and pdsh would "
+                                                 "read it as an option"),
+    ("worker-1 slots=100000000000\n", {}, r"line 1: 'worker-1' has slots=100000000000, over the 1024 devices a host "
+                                          "can have"),
+    ("worker-1 slots=" + "9" * 5000 + "\n", {}, r"line 1: 'worker-1' has slots=9{20}\.\.\., over the 1024"),
     (THREE, {"include": "worker-9"}, r"--include 'worker-9': host 'worker-9' is not in the hostfile"),
     (THREE, {"exclude": "worker-2:7"}, r"--exclude 'worker-2:7': 'worker-2' has no slot 7"),
     (THREE, {"include": "worker-1", "exclude": "worker-2"}, r"--include and --exclude cannot be used together"),

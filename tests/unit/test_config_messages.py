@@ -1,9 +1,14 @@
-"""DeepSpeed config messages: a wrong type names the expected type; explain() names a derived value's real source."""
+"""DeepSpeed config messages: a wrong type names the expected type; explain() names a derived value's real source;
+a config file that is a FIFO or nests too deep is a ConfigError naming it."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
 import fz
+
+from support.fifo import fed_fifo
 
 
 @pytest.mark.parametrize("cfg, want", [
@@ -33,3 +38,20 @@ def test_explain_names_where_a_derived_batch_size_came_from():
     assert "train_batch_size / world_size" in _row(only, "micro_batch")
     given = fz.Spec.from_deepspeed({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3})
     assert "gradient_accumulation_steps" in _row(given, "grad_accum") and "/" not in _row(given, "grad_accum")
+
+
+def test_a_config_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """A FIFO would block the read forever: it is opened without blocking and refused unread."""
+    path = tmp_path / "ds.json"
+    start = time.monotonic()
+    with fed_fifo(path), pytest.raises(fz.ConfigError, match=rf"DeepSpeed config '{path}' is not a regular file "
+                                                             r"\(a FIFO\): not read"):
+        fz.Spec.from_deepspeed(path)
+    assert time.monotonic() - start < 60
+
+
+def test_a_config_nested_past_the_recursion_limit_is_a_config_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(fz.ConfigError, match=rf"DeepSpeed config '{path}' nests deeper than Python's recursion limit"):
+        fz.Spec.from_deepspeed(path)

@@ -66,6 +66,20 @@ def test_init_and_load_weights_name_them(folder, precision):
     assert _nans(state) == 3
 
 
+@pytest.mark.parametrize("precision, dtype, value", [("fp32", torch.float64, 1e300), ("fp16", torch.float32, 1e5)])
+def test_a_value_that_overflows_the_states_dtype_is_named_as_the_inf_it_becomes(tmp_path, precision, dtype, value):
+    """Finite in the file, inf once cast (an F64 1e300 into fp32, an F32 1e5 into fp16 parameters):
+    counted after the cast, so it never reaches the weights."""
+    sd = {k: v.to(dtype) for k, v in Net().state_dict().items()}
+    sd["out.bias"].fill_(value)
+    save_file(sd, tmp_path / "model.safetensors")
+    said = r"holds NaN or inf in 1 tensors \(1 values\): 'out.bias' 1 of 1"
+    with pytest.raises(fz.NonFiniteError, match=rf"fz.init: weights {tmp_path} {said}"):
+        fz.init(Net(), _spec_of(precision), weights=tmp_path)
+    with pytest.raises(fz.NonFiniteError, match=rf"fz.load_weights: weights {tmp_path} {said}"):
+        fz.load_weights(fz.init(Net(), _spec_of(precision)), tmp_path)
+
+
 def test_restore_names_them(folder, tmp_path):
     with pytest.warns(UserWarning):
         state = fz.init(Net(), _spec_of("bf16"), weights=folder, allow_nonfinite=True)

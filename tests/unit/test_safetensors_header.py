@@ -1,13 +1,16 @@
 """A safetensors header written by hand to be hostile is refused by fz.load_weights and
 fz.init(weights=) as safetensors' own `safe_open` refuses it: a CheckpointError naming the file
 and the cause, before any value is read. So are headers too large or too deep, and files that
-are not regular files (a FIFO named model.safetensors would otherwise block the loader)."""
+are not regular files (a FIFO named model.safetensors would otherwise block the loader), shards
+that lead out of the folder, and a hostile config.json beside weights that do not fit."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from safetensors.torch import save_file
 
 import fz
 from fz.errors import CheckpointError
+
+from support.fifo import fed_fifo
 
 
 class Net(nn.Module):
@@ -160,3 +165,41 @@ def test_a_file_safetensors_wrote_loads(state, tmp_path):
     save_file(want, tmp_path / "model.safetensors", metadata={"format": "pt", "note": "x"})
     got = fz.full_params(fz.load_weights(state, tmp_path))
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def _elsewhere(tmp_path: Path) -> Path:
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    save_file({"a.weight": torch.full((2, 2), 7.0), "a.bias": torch.full((2,), 7.0)}, out / "secret.safetensors")
+    return out / "secret.safetensors"
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_shard_leading_out_of_the_folder_is_refused_unread(state, tmp_path, indexed):
+    """A downloaded folder may hold a link anywhere: named by the index, or matched by *.safetensors."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    name = "model-00001-of-00001.safetensors" if indexed else "model.safetensors"
+    (folder / name).symlink_to(_elsewhere(tmp_path))
+    if indexed:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": name,
+                                                                                        "a.bias": name}}))
+    with pytest.raises(CheckpointError, match=rf"weights file .*{name} leads to .*secret.safetensors, outside the "
+                                              "weights folder"):
+        fz.load_weights(state, folder)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_a_config_json_beside_weights_that_do_not_fit_is_read_safely(state, tmp_path, kind):
+    """Weights of another shape make fz read the config.json beside them to say why: a FIFO there
+    is refused without blocking, 100k-deep JSON is named, not a RecursionError."""
+    save_file({"a.weight": torch.zeros(3, 2), "a.bias": torch.zeros(2)}, tmp_path / "model.safetensors")
+    said = r"is not a regular file \(a FIFO\): not read" if kind == "fifo" else "nests deeper than Python's"
+    cfg = tmp_path / "config.json"
+    if kind == "deep":
+        cfg.write_text("[" * 100_000 + "]" * 100_000)
+    start = time.monotonic()
+    with fed_fifo(cfg) if kind == "fifo" else contextlib.nullcontext():
+        with pytest.raises(CheckpointError, match=rf"config.json beside the weights {cfg} {said}"):
+            fz.load_weights(state, tmp_path)
+    assert time.monotonic() - start < 60

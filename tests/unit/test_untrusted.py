@@ -1,14 +1,18 @@
 """A checkpoint from an untrusted source never runs code: a crafted pickle in any of its files
 is refused or ignored by restore, inspect, consolidate and load_weights; a marker file that the
-pickle would create never appears."""
+pickle would create never appears. Nor does restore read outside the checkpoint's folder (a
+symlink, a '..' in the manifest), wait on a FIFO, trust a size its zip directory states, take
+100k-deep JSON as more than a named error, or keep a template's values no chunk holds."""
 from __future__ import annotations
 
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
+import time
 import zipfile
 import zlib
 
@@ -17,9 +21,11 @@ import torch
 
 import fz
 from fz.ckpt import manifest
+from fz.ckpt.chunk import read_chunk
 from fz.cli import main
 from fz.errors import ConfigError
 
+from support.fifo import fed_fifo
 from support.helpers import make_model, rank_batches, spec
 
 
@@ -155,3 +161,156 @@ def test_a_manifest_of_the_wrong_shape_is_named_not_a_traceback(saved, tmp_path)
         (ck / "manifest.json").write_text(json.dumps({"files": files, "table_crc": crc}))
         with pytest.raises(ConfigError, match=f"{ck / 'manifest.json'} is unreadable .*the manifest is damaged"):
             fz.restore(fz.init(make_model(), spec(1, 1)), ck)
+
+
+def _copy(saved, tmp_path):
+    """(a copy of the saved checkpoint root, its step folder)."""
+    ck_dir, _ = saved
+    root = tmp_path / "ck"
+    shutil.copytree(ck_dir.parent, root)
+    return root, root / ck_dir.name
+
+
+def _restore(path):
+    return fz.restore(fz.init(make_model(), spec(1, 1)), path)
+
+
+def _list(step, extra: dict) -> None:
+    """The manifest lists `extra` ({name: entry}) besides its files, its own checksum fixed."""
+    files = manifest.read(step)
+    files.update(extra)
+    manifest.write(step, files)
+
+
+def _symlinked_data(root, step, tmp_path):
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.copy(step / "__0_0.distcp", outside)
+    (step / "__0_0.distcp").unlink()
+    (step / "__0_0.distcp").symlink_to(outside)
+    _rewrite(step, "__0_0.distcp", outside.read_bytes())  # through the link: the manifest agrees
+    return step, r"__0_0.distcp leads to .*elsewhere.distcp, outside the checkpoint folder"
+
+
+def _symlinked_step(root, step, tmp_path):
+    shutil.copytree(step, tmp_path / "other")
+    shutil.rmtree(step)
+    step.symlink_to(tmp_path / "other", target_is_directory=True)
+    return root, rf"checkpoint step folder .*{step.name} leads to .*other, outside the checkpoint folder"
+
+
+def _symlinked_tag(root, step, tmp_path):
+    shutil.copytree(step, tmp_path / "other")
+    (root / "tagx").symlink_to(tmp_path / "other", target_is_directory=True)
+    (root / "latest").write_text("tagx\n")  # a DeepSpeed-style `latest`: the tag alone
+    return root, r"checkpoint step folder .*tagx leads to .*other, outside the checkpoint folder"
+
+
+def _named(name):
+    def tamper(root, step, tmp_path):
+        _list(step, {name: {"size": 0, "checksum": "0", "algorithm": "xxh3"}})
+        return step, rf"lists '{re.escape(name)}', which is not a file name of"
+    tamper.__name__ = f"listed_{name}"
+    return tamper
+
+
+@pytest.mark.parametrize("tamper", [_symlinked_data, _symlinked_step, _symlinked_tag, _named("../../secret.bin"),
+                                    _named("/dev/zero")], ids=lambda f: f.__name__)
+def test_a_file_leading_out_of_the_checkpoint_is_refused_unread(saved, tmp_path, tamper):
+    """A downloaded checkpoint may hold links anywhere: fz reads only inside the folder it was given."""
+    root, step = _copy(saved, tmp_path)
+    path, message = tamper(root, step, tmp_path)
+    with pytest.raises(fz.CheckpointError, match=message):
+        _restore(path)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "index.json", "pipe", "chunk"])
+def test_a_fifo_in_the_checkpoint_is_refused_without_blocking(saved, tmp_path, name):
+    """A FIFO as the manifest, a listed file, or a chunk's file of index.json would block the reader."""
+    _, step = _copy(saved, tmp_path)
+    fifo = step / ("evil.distcp" if name == "chunk" else name)
+    if fifo.exists():
+        fifo.unlink()
+    if name == "chunk":
+        index = json.loads((step / "index.json").read_text())
+        for t in index["tensors"].values():
+            for c in t["chunks"]:
+                c.update(file="evil.distcp", at=0, length=0)
+        _rewrite(step, "index.json", json.dumps(index).encode())
+    with fed_fifo(fifo):
+        if name == "pipe":
+            _list(step, {name: {"size": 0, "checksum": "0", "algorithm": "xxh3"}})
+        start = time.monotonic()
+        with pytest.raises(fz.CheckpointError, match=rf"{fifo.name} is not a regular file \(a FIFO\): not read"):
+            _restore(step)
+        assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "index.json", "fz.json"])
+def test_json_nested_past_the_recursion_limit_is_named_not_a_recursion_error(saved, tmp_path, name):
+    _, step = _copy(saved, tmp_path)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    if name == "manifest.json":
+        (step / name).write_bytes(deep)
+    else:
+        _rewrite(step, name, deep)
+    with pytest.raises(fz.CheckpointError, match=rf"{name} nests deeper than Python's recursion limit"):
+        _restore(step)
+
+
+@pytest.mark.parametrize("twice, said", [
+    (False, r"its chunks hold 0 values, the tensor \[.*\] has \d+: some values are in no chunk"),
+    (True, r"chunks at \[0, 0\] and \[0, 0\] overlap, so some values are in no chunk"),
+])
+def test_an_index_whose_chunks_miss_values_is_refused_naming_the_tensor(saved, tmp_path, twice, said):
+    """A value no chunk holds would silently keep the template's: no chunk at all, or the one chunk
+    twice in a tensor of twice its rows (as many values, half of them in no chunk)."""
+    _, step = _copy(saved, tmp_path)
+    index = json.loads((step / "index.json").read_text())
+    key = next(k for k, t in index["tensors"].items() if k.startswith("model/") and len(t["size"]) == 2)
+    t = index["tensors"][key]
+    assert len(t["chunks"]) == 1  # saved by one rank
+    t["chunks"] = t["chunks"] * 2 if twice else []
+    t["size"][0] *= 2 if twice else 1
+    _rewrite(step, "index.json", json.dumps(index).encode())
+    with pytest.raises(fz.CheckpointError, match=rf"index.json is unreadable or damaged .*'{key}': .*{said}"):
+        _restore(step)
+
+
+def _lying_record(n: int) -> bytes:
+    """A torch.save record of a float storage of `n` elements whose zip directory says data/0 holds
+    n * 4 bytes: the file holds 20."""
+    def text(x: str) -> bytes:
+        return pickle.BINUNICODE + struct.pack("<I", len(x)) + x.encode()
+
+    def i(x: int) -> bytes:
+        return pickle.BININT + struct.pack("<i", x)
+
+    def glob(m: str, name: str) -> bytes:
+        return pickle.GLOBAL + f"{m}\n{name}\n".encode()
+
+    pid = pickle.MARK + text("storage") + glob("torch", "FloatStorage") + text("0") + text("cpu") + i(n) \
+        + pickle.TUPLE + pickle.BINPERSID
+    args = pid + i(0) + pickle.MARK + i(5) + pickle.TUPLE + pickle.MARK + i(1) + pickle.TUPLE + pickle.NEWFALSE \
+        + glob("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+    pkl = pickle.PROTO + b"\x02" + glob("torch._utils", "_rebuild_tensor_v2") + pickle.MARK + args + pickle.TUPLE \
+        + pickle.REDUCE + pickle.STOP
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", b"little")
+        z.writestr("archive/data/0", b"\0" * 20)
+    raw = bytearray(buf.getvalue())
+    struct.pack_into("<II", raw, raw.rfind(b"PK\x01\x02") + 20, 20, n * 4)  # data/0: the lie
+    return bytes(raw)
+
+
+def test_a_chunk_is_not_allocated_from_a_size_its_zip_directory_states(tmp_path):
+    """Its sizes and offsets are checked against the chunk's bytes first: 4 GB is never allocated
+    for a record of 510 bytes."""
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(_lying_record(10**9 - 1))
+    start = time.monotonic()
+    with pytest.raises(fz.CheckpointError, match=r"__0_0.distcp is unreadable: .*data/0 claims 3999999996 bytes "
+                                                 r"at byte \d+, past the chunk's \d+ bytes"):
+        read_chunk(f, 0, f.stat().st_size, torch.float32, (5,))
+    assert time.monotonic() - start < 10

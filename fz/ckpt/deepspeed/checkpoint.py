@@ -25,6 +25,7 @@ from fz.ckpt.deepspeed import unpickle as ds_pickle
 from fz.ckpt.deepspeed.layout import Piece
 from fz.ckpt.deepspeed.unpickle import DSObject, Lazy
 from fz.ckpt.hf.weights import CHUNK_BYTES
+from fz.ckpt.regular import inside
 from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class DeepSpeedCheckpoint:
 
     def _load(self, file: Path) -> Any:
         """One file of the tag folder, parsed (ds_pickle); a file leading outside the folder is refused."""
-        return ds_pickle.load(ds_files.inside(self.path, file))
+        return ds_pickle.load(inside(self.path, file))
 
     def _count(self, m: dict, key: str, default: int = 0, **kw: Any) -> int:
         """The model-states file's int field `key` (`default` where absent), checked (fz/ckpt/deepspeed/fields.py)."""

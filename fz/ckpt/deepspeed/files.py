@@ -30,15 +30,6 @@ _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$"
 _MAX_LATEST = 4096  # a tag name; a longer `latest` is not DeepSpeed's
 
 
-def inside(folder: Path, file: Path) -> Path:
-    """`file`, refused unless it (symlinks followed) lies inside `folder`."""
-    real, root = file.resolve(), folder.resolve()
-    if not real.is_relative_to(root):
-        raise CheckpointError(f"checkpoint file {file} leads to {real}, outside the checkpoint folder {root} "
-                              "(a symlink or a name with '..'): not read")
-    return file
-
-
 def _latest(path: Path) -> str:
     """The tag `path/latest` names (its text, stripped: at most _MAX_LATEST bytes)."""
     with open_regular_file(path / "latest", "DeepSpeed's `latest` file") as fh:

@@ -1,16 +1,20 @@
 """What leads an error about weights that do not fit a model: weights of another size of model
 (other shapes, or a config.json beside them with other sizes) are said first, with the sizes of
-the model's config and of theirs, before the names that differ, a few of each kind."""
+the model's config and of theirs, before the names that differ, a few of each kind. That
+config.json is read as any file of a downloaded folder: a regular file inside it, bounded in size
+and in depth (a FIFO or a symlink out of the folder is refused, never read)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from fz.ckpt.hf.names import Match
+from fz.ckpt.regular import inside, parse_json, read_small
+from fz.errors import CheckpointError
 
+_MAX_CONFIG = 16 << 20  # bytes: a transformers config.json is a few KiB
 _SIZE = re.compile(r"size|dim|layer|head|vocab|embd|position|expert", re.I)
 
 
@@ -24,11 +28,19 @@ def sizes(config: Any) -> dict[str, int]:
 
 
 def _theirs(path: str | os.PathLike[str]) -> tuple[Path, dict[str, int]]:
-    """(config.json beside the weights, its sizes; empty when there is none or it is unreadable)."""
+    """(config.json beside the weights, its sizes; empty when there is none or it is not JSON). One
+    that is not a regular file, leads out of the folder, is over _MAX_CONFIG bytes or nests too
+    deep is a CheckpointError naming it."""
     p = Path(path)
     cfg = (p if p.is_dir() else p.parent) / "config.json"
+    if not os.path.lexists(cfg):
+        return cfg, {}
+    what = "config.json beside the weights"
     try:
-        return cfg, sizes(json.loads(cfg.read_text()))
+        raw = read_small(inside(cfg.parent, cfg, what, "the weights folder"), _MAX_CONFIG, what)
+        return cfg, sizes(parse_json(raw, f"{what} {cfg}"))
+    except CheckpointError:
+        raise
     except (OSError, ValueError):
         return cfg, {}
 

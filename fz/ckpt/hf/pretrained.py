@@ -9,7 +9,9 @@ and copies each chunk into the compute-dtype parameter and the fp32 master weigh
 the file's dtype: a bf16 file gives fp32 masters equal to its values). The memory a load adds
 to the state's is therefore one chunk and its cast, whatever the model's size; a tensor that
 transformers converts at load time (Mixtral's fused experts) is the exception: it is built
-whole from its sources (about twice that tensor), as transformers builds it.
+whole from its sources (about twice that tensor), as transformers builds it. NaN and inf are
+counted in the narrowest dtype a value lands in, so a value finite in the file that overflows
+it (an F64 1e300 into fp32) is refused as the inf it would become.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch.distributed.tensor import Shard
 from fz.ckpt.finite import Counts, report
 from fz.ckpt.hf.mismatch import lead, listed
 from fz.ckpt.hf.names import Match, match
-from fz.ckpt.hf.weights import Entry, WeightFiles, read, read_all
+from fz.ckpt.hf.weights import CHUNK_BYTES, Entry, WeightFiles, read, read_all
 from fz.errors import CheckpointError
 from fz.model.skeleton import Skeleton
 from fz.sharding.plan import ShardPlan
@@ -95,9 +97,30 @@ def _put(places: list[Place], at: int, chunk: Tensor) -> None:
             view[a - lo:z - lo].copy_(chunk[a - at:z - at])
 
 
+def _narrowest(places: list[Place]) -> torch.dtype | None:
+    """The floating dtype of the places with the smallest range (None: no floating place). A value
+    finite in the file but past that range (an F64 1e300 into fp32, an F32 1e5 into fp16) lands as
+    inf there, so values are counted as cast to it, not as the file holds them."""
+    floats = {v.dtype for v, _, _ in places if v.is_floating_point()}
+    return min(floats, key=lambda d: torch.finfo(d).max) if floats else None
+
+
+def _see(see: Callable[[int, Tensor], None], narrow: torch.dtype | None, at: int, t: Tensor) -> None:
+    """Count the non-finite values of `t` (elements from `at`) as they land in `narrow`, one bounded
+    piece at a time."""
+    if narrow is None or t.dtype == narrow or (t.is_floating_point()
+                                               and torch.finfo(t.dtype).max <= torch.finfo(narrow).max):
+        see(at, t)  # every value finite here is finite there
+        return
+    step = max(1, CHUNK_BYTES // max(t.element_size(), 1))
+    for i, piece in enumerate(t.split(step)):
+        see(at + i * step, piece.to(narrow))
+
+
 def _stream(places: list[Place], e: Entry, lo: int, hi: int, see: Callable[[int, Tensor], None]) -> None:
+    narrow = _narrowest(places)
     for at, chunk in read(e, lo, hi):
-        see(at, chunk)
+        _see(see, narrow, at, chunk)
         _put(places, at, chunk)
 
 
@@ -124,7 +147,7 @@ def fill(state: State, files: WeightFiles, m: Match, *, allow_nonfinite: bool = 
             converted = g.realize(state.skeleton.root, lambda k: _guarded(k, entries[k], lambda: read_all(entries[k])))
             for name, c in g.outputs.items():
                 t = converted.pop(name).reshape(-1)
-                counts.see(c, 0, t)
+                _see(partial(counts.see, c), _narrowest(places[c]), 0, t)
                 lo, hi = _span(places[c])
                 _put(places[c], lo, t[lo:hi])
                 del t
