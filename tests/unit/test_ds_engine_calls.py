@@ -59,10 +59,10 @@ def test_the_models_own_eval_mode_is_the_forwards_mode():
 def test_backward_returns_deepspeeds_value_the_loss_over_the_accumulation_steps():
     engine, *_ = _engine()
     loss = engine(*_batch())
-    assert float(engine.backward(loss)) == pytest.approx(float(loss) / 2, rel=1e-7)
+    assert engine.backward(loss).item() == pytest.approx(loss.item() / 2, rel=1e-7)
     engine.step()
     loss = engine(*_batch(4))
-    assert float(engine.backward(loss, scale_wrt_gas=False)) == pytest.approx(float(loss), rel=1e-7)
+    assert engine.backward(loss, scale_wrt_gas=False).item() == pytest.approx(loss.item(), rel=1e-7)
     engine.step()
 
 
