@@ -60,6 +60,7 @@ import torch
 from fz.config.deepspeed import load as load_deepspeed
 from fz.config.explain import Described, Provenance
 from fz.errors import ConfigError
+from fz.hf.data import sampling
 from fz.hf.optimizers import choice_errors, optimizer_from_args, schedule_from_args
 from fz.precision import LossScale
 from fz.spec import Spec
@@ -352,3 +353,27 @@ def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) 
     if problems:
         raise ConfigError("fz.hf.Trainer cannot honour these settings (remove them or set them to their "
                           "defaults):\n- " + "\n- ".join(problems))
+
+
+def refuse_trainer_settings(args: Any, model: torch.nn.Module, *, spec: Spec | None, model_init: Any,
+                            kwargs: dict[str, Any]) -> None:
+    """One ConfigError naming everything a fz.hf.Trainer is given that fz does not run: `unsupported`'s
+    settings, and the Trainer's own (model_init=, optimizers=, load_best_model_at_end, the sampler)."""
+    problems = []
+    if model_init is not None:
+        problems.append("model_init=: hyperparameter search is not in fz; build the model and pass model=")
+    if any(o is not None for o in kwargs.get("optimizers", (None, None))) or \
+            kwargs.get("optimizer_cls_and_kwargs") is not None:
+        problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
+                        "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
+    if args.load_best_model_at_end:
+        problems.append("load_best_model_at_end=True: not in fz; resume from the best checkpoint-N instead")
+    if sampling(args) not in ("random", "sequential"):
+        problems.append(f"train_sampling_strategy={sampling(args)!r}: fz reads the data in random or sequential order")
+    try:
+        unsupported(args, model, spec=spec)
+    except ConfigError as e:  # its lines: a heading, then "- setting: why" per setting
+        problems += [line[2:] for line in str(e).splitlines() if line.startswith("- ")] or [str(e)]
+    if problems:
+        raise ConfigError("fz.hf.Trainer cannot honour these settings (remove them or set them to their "
+                          "defaults):\n" + "\n".join(f"- {p}" for p in problems))

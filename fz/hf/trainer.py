@@ -47,7 +47,7 @@ import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf import counts, data, draws
-from fz.hf.arguments import spec_from_args, unsupported
+from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
@@ -86,25 +86,8 @@ class Trainer(transformers.Trainer):
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
         """Trainer features fz does not run, named at construction (never a silent fallback)."""
-        problems = []
-        if self.model_init is not None:
-            problems.append("model_init=: hyperparameter search is not in fz; build the model and pass model=")
-        if any(o is not None for o in kwargs.get("optimizers", (None, None))) or \
-                kwargs.get("optimizer_cls_and_kwargs") is not None:
-            problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
-                            "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
-        if self.args.load_best_model_at_end:
-            problems.append("load_best_model_at_end=True: not in fz; resume from the best checkpoint-N instead")
-        if data.sampling(self.args) not in ("random", "sequential"):
-            problems.append(f"train_sampling_strategy={data.sampling(self.args)!r}: fz reads the data in random or "
-                            "sequential order")
-        try:
-            unsupported(self.args, self._model(), spec=self.fz_spec)
-        except ConfigError as e:  # its lines: a heading, then "- setting: why" per setting
-            problems += [line[2:] for line in str(e).splitlines() if line.startswith("- ")] or [str(e)]
-        if problems:
-            raise ConfigError("fz.hf.Trainer cannot honour these settings (remove them or set them to their "
-                              "defaults):\n" + "\n".join(f"- {p}" for p in problems))
+        refuse_trainer_settings(self.args, self._model(), spec=self.fz_spec, model_init=self.model_init,
+                                kwargs=kwargs)
 
     def _max_steps(self) -> tuple[int, int | None]:
         """(optimizer steps to train, steps per epoch) as transformers counts them from the
