@@ -9,11 +9,16 @@ as DeepSpeed overwrites it, with the old copy readable until the new one is comm
 wrote (this layout, or the older `<tag>/step_<N>/`), or one DeepSpeed wrote
 (`global_stepN/*_model_states.pt`: fz.import_deepspeed), so a run moves from DeepSpeed to fz
 mid-way. The engine's own counters ride in the client state under one key, taken out on load.
+Beside the client's keys, load returns the metadata DeepSpeed's own file would hold (`ds_fields`), as
+DeepSpeed returns every key of the file it did not load itself.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 import fz
 from fz.ckpt.deepspeed import files as ds_files
@@ -48,8 +53,36 @@ def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Pa
     read = path if path.exists() else aside  # a save of this tag is replacing it, or was cut off doing so
     state, client = fz.restore(state, read, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
     client = dict(client)
-    counters = client.pop(ENGINE_KEY, {}) or {}
+    counters = client.pop(ENGINE_KEY, None) or {}
+    if not counters and isinstance(client.get("global_samples"), int):  # DeepSpeed's file: its own count
+        counters = {"global_samples": client["global_samples"]}
     return state, path, client, dict(counters)
+
+
+def ds_fields(model: nn.Module, config: dict[str, Any], stage: int, global_samples: int,
+              version: str) -> dict[str, Any]:
+    """The keys DeepSpeed's load_checkpoint returns beside the client's own (its `_common_checkpoint_state`
+    less what it loads), for this model: the config, the version, the buffer names, the shapes. Its
+    `frozen_param_fragments`, a copy of the frozen weights (which the state holds), is None."""
+    named: OrderedDict[nn.Parameter, str] = OrderedDict()  # a parameter -> its first name (a later one: tied)
+    shared: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            if p in named:
+                shared[key] = named[p]
+            else:
+                named[p] = key
+    buffers = [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+               for name, b in module.named_buffers(recurse=False)
+               if b is not None and name not in module._non_persistent_buffers_set]
+    return {"buffer_names": buffers,
+            "param_shapes": [OrderedDict((k, p.shape) for p, k in named.items() if p.requires_grad)] if stage else None,
+            "frozen_param_shapes": OrderedDict((k, p.shape) for p, k in named.items() if not p.requires_grad)
+            if stage >= 2 else None,
+            "shared_params": shared if stage else None, "frozen_param_fragments": None,
+            "global_samples": global_samples, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "ds_config": config, "ds_version": version}
 
 
 def _nothing_loaded(load_dir: Path) -> None:

@@ -299,7 +299,8 @@ class DeepSpeedEngine:
         """(path, client_state) of `load_dir/<tag>` (default: the tag `latest` names), an fz or a
         DeepSpeed checkpoint, restored into the engine's state at this world size and stage;
         (None, None) and a warning (fz's logger) when there is no `latest`, as DeepSpeed does."""
-        from fz.deepspeed.checkpoints import load
+        from fz.deepspeed import __version__
+        from fz.deepspeed.checkpoints import ds_fields, load
         off = [k for k, v in (("load_module_strict", not load_module_strict),
                               ("load_optimizer_states", not load_optimizer_states),
                               ("load_lr_scheduler_states", not load_lr_scheduler_states),
@@ -316,7 +317,8 @@ class DeepSpeedEngine:
         self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
         self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         self._synced_step = -1
-        return str(path), client_state
+        fields = ds_fields(self._model, self.config, self.zero_optimization_stage(), self.global_samples, __version__)
+        return str(path), {**fields, **client_state}  # a DeepSpeed file's own fields are in its client_state
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -27,7 +27,7 @@ EXPECT = {
     "docs/model.md": (["step 200  loss", "epoch=1, index=2304"], []),  # the resumed loader's position, as it says
     "docs/checkpoints.md": (["fz: saved checkpoints/run/step_30"], ["model.safetensors"]),
     "docs/deepspeed.md": (["updates: 16", "resumed at update 10 after micro-batch 19",
-                           "imported step 3 client state {'step': 3, 'note': 'x'}"],
+                           "imported step 3 the script's step 3 by DeepSpeed 0.19.8"],
                           ["ds_ckpt/latest", "ds_weights.safetensors"]),
     "docs/huggingface.md": (["'eval_loss'", "TrainingArguments.learning_rate", "the logits of from_pretrained: True",
                              "token accuracy logged: True", "the logits of PeftModel.from_pretrained: True"],

@@ -52,7 +52,12 @@ def test_fields(name: str) -> None:
         assert (ck.global_steps, ck.global_samples, ck.skipped_steps) == (3, 12, 0)
         # DeepSpeed's unfused bf16 optimizer (stage 0) steps once more, at its setup
         assert ck.optimizer_step == (4 if name == "stage0_bf16" else 3)
-        assert ck.client_state == rec["client_state"] == {"step": 3, "note": "x"}
+        # what DeepSpeed's load_checkpoint returns: the client's keys and the fields of its file it does not load
+        assert {k: ck.client_state[k] for k in ("step", "note")} == rec["client_state"] == {"step": 3, "note": "x"}
+        assert ck.client_state["ds_config"] == rec["config"] and ck.client_state["global_samples"] == 12
+        assert set(ck.client_state) == {"step", "note", "buffer_names", "param_shapes", "frozen_param_shapes",
+                                        "shared_params", "frozen_param_fragments", "global_samples",
+                                        "checkpoint_parallel_dimensions", "ds_config", "ds_version"}
         assert ck.lr_scheduler == {"last_batch_iteration": 2}
         assert ck.ds_config == rec["config"]
         assert list(ck.params) == PARAMS

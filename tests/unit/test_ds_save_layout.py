@@ -16,6 +16,16 @@ import fz
 import fz.deepspeed as deepspeed
 from fz.deepspeed.checkpoints import ENGINE_KEY
 
+# what DeepSpeed 0.19.8's load_checkpoint returns beside the client's keys (its file's fields it does not load)
+DS_FIELDS = {"buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+             "global_samples", "checkpoint_parallel_dimensions", "ds_config", "ds_version"}
+
+
+def _client(got: dict) -> dict:
+    """The client's own keys of a load_checkpoint's client state, once its DeepSpeed fields are all there."""
+    assert DS_FIELDS <= set(got), sorted(DS_FIELDS - set(got))
+    return {k: v for k, v in got.items() if k not in DS_FIELDS}
+
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}
 
@@ -56,7 +66,7 @@ def test_save_checkpoint_writes_deepspeeds_layout_and_a_rerun_replaces_the_tag(t
     assert sorted(os.listdir(tmp_path)) == ["latest", "run"]
     engine = _engine()
     path, client = engine.load_checkpoint(tmp_path)
-    assert path == str(tmp_path / "run") and client == {"epoch": 2} and engine.global_steps == 3
+    assert path == str(tmp_path / "run") and _client(client) == {"epoch": 2} and engine.global_steps == 3
     assert _same(_weights(engine), _weights(second))
     state, client = fz.restore(fz.init(Net(), fz.Spec()), tmp_path, with_client_state=True)  # the save_dir, as fz's
     assert client["epoch"] == 2 and int(state.step) == 3
@@ -95,7 +105,7 @@ def test_the_older_tag_step_layout_still_loads_and_is_replaced(tmp_path):
     (tmp_path / "latest").write_text("global_step2")
     loaded = _engine()
     path, client = loaded.load_checkpoint(tmp_path)
-    assert path == str(tmp_path / "global_step2") and client == {"epoch": 1} and loaded.global_steps == 2
+    assert path == str(tmp_path / "global_step2") and _client(client) == {"epoch": 1} and loaded.global_steps == 2
     assert loaded.global_samples == 8 and _same(_weights(loaded), _weights(engine))
     engine.save_checkpoint(tmp_path)  # the same tag again: now in DeepSpeed's layout
     assert (tmp_path / "global_step2" / "manifest.json").is_file() and sorted(os.listdir(tmp_path)) == [
@@ -131,9 +141,37 @@ def test_a_tag_deepspeed_wrote_stays_readable_while_fz_replaces_it(tmp_path):
     cfg = {**m.ds_config(2, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
     engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
     path, client = engine.load_checkpoint(ckpt)
-    assert path == str(ckpt / "global_step3") and client == {"step": 3, "note": "x"} and engine.global_steps == 3
+    assert path == str(ckpt / "global_step3") and _client(client) == {"step": 3, "note": "x"}
+    assert engine.global_steps == 3
     engine.save_checkpoint(ckpt, client_state=client)  # global_step3 again
     assert sorted(os.listdir(ckpt)) == ["global_step3", "latest"]
     assert (ckpt / "global_step3" / "manifest.json").is_file()  # fz's now
     again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
-    assert again.load_checkpoint(ckpt)[1] == {"step": 3, "note": "x"} and _same(_weights(again), _weights(engine))
+    assert _client(again.load_checkpoint(ckpt)[1]) == {"step": 3, "note": "x"}
+    assert _same(_weights(again), _weights(engine))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_load_checkpoint_returns_the_fields_deepspeeds_own_file_holds(tmp_path, stage):
+    """DeepSpeed's load_checkpoint returns its file's own fields beside the client's keys (scripts read
+    ds_config or global_samples, Megatron-DeepSpeed its client key "iteration"). The engine returns
+    them from a DeepSpeed checkpoint, and from its own the same values for the same model and stage."""
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    cfg = {**m.ds_config(stage, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
+    _, theirs = engine.load_checkpoint(DATA / f"stage{stage}_fp32" / "ckpt")
+    assert engine.global_samples == theirs["global_samples"] == 12  # the file's count, as DeepSpeed's engine takes it
+    engine.save_checkpoint(tmp_path, client_state={"iteration": 7})
+    again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
+    _, ours = again.load_checkpoint(tmp_path)
+    assert set(ours) == set(theirs) - {"step", "note"} | {"iteration"} and ours["iteration"] == 7
+
+    def plain(v):  # shapes as tuples (DeepSpeed's torch.Size, read back as tuples), in their order
+        shapes = isinstance(v, dict) and all(isinstance(s, tuple) for s in v.values())
+        return [(n, tuple(s)) for n, s in v.items()] if shapes else v
+    for k in ("buffer_names", "frozen_param_shapes", "shared_params", "checkpoint_parallel_dimensions",
+              "frozen_param_fragments", "ds_version", "global_samples"):
+        assert plain(ours[k]) == plain(theirs[k]), k
+    assert [plain(g) for g in ours["param_shapes"] or []] == [plain(g) for g in theirs["param_shapes"] or []]
+    assert ours["ds_config"] == cfg and theirs["ds_config"] == m.ds_config(stage, "fp32")

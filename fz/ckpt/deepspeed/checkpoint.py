@@ -8,6 +8,7 @@ then streams a parameter's fp32 master or Adam moment, whatever the ranks it was
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -30,25 +31,28 @@ from fz.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-# the keys of a model-states file DeepSpeed writes itself: the rest is the client state
-DS_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
-    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
-    "universal_checkpoint_info", "ds_autotp_universal_checkpoint_meta", "iteration", "num_experts"})
+# what DeepSpeed's load_checkpoint takes for itself (engine._load_checkpoint's deepspeed_states, with the optimizer
+# and lr scheduler it loads): it returns every other key of the file as the client state, its own metadata
+# (ds_config, param_shapes...) and keys such as Megatron's "iteration" among them; fz returns the same
+_LOADED = frozenset({"module", "optimizer", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+                     "global_steps", "dp_world_size", "mp_world_size", "sparse_tensor_module_names"})
+# DeepSpeed's copy of the frozen weights, already in the state: returned as None rather than read twice
+_FROZEN_COPY = "frozen_param_fragments"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _plain(x: Any) -> Any:
-    """DSObjects as dicts ({"class": ..., **state}) and scalar tensors as numbers, for the public fields."""
+def _plain(x: Any, numbers: bool = True) -> Any:
+    """DSObjects as dicts ({"class": ..., **state}), tensors read (scalar ones as numbers, for the public
+    fields: `numbers`; the client state keeps them as tensors, as DeepSpeed returns them)."""
     if isinstance(x, DSObject):
-        return {"class": x.cls, **{k: _plain(v) for k, v in x.state.items()}}
+        return {"class": x.cls, **{k: _plain(v, numbers) for k, v in x.state.items()}}
     if isinstance(x, Lazy):
-        return ds_pickle.materialize(x).item() if x.numel == 1 else ds_pickle.materialize(x)
+        return ds_pickle.materialize(x).item() if numbers and x.numel == 1 else ds_pickle.materialize(x)
     if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
+        return type(x)((k, _plain(v, numbers)) for k, v in x.items()) if isinstance(x, collections.OrderedDict) \
+            else {k: _plain(v, numbers) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return type(x)(_plain(v) for v in x)
+        return type(x)(_plain(v, numbers) for v in x)
     return x
 
 
@@ -115,7 +119,8 @@ class DeepSpeedCheckpoint:
         self.global_samples = self._count(m, "global_samples")
         self.skipped_steps = self._count(m, "skipped_steps")
         self.lr_scheduler: dict | None = self._scheduler(m.get("lr_scheduler"))
-        self.client_state: dict = {k: _plain(v) for k, v in m.items() if k not in DS_KEYS}
+        self.client_state: dict = {k: None if k == _FROZEN_COPY else _plain(v, numbers=False)
+                                   for k, v in m.items() if k not in _LOADED}
         self.ds_version: str | None = m.get("ds_version")
         self.world = self._count(m, "dp_world_size", 1, lo=1)
         listed = m.get("buffer_names") or []
@@ -127,7 +132,7 @@ class DeepSpeedCheckpoint:
                                                  if isinstance(self._module.get(n), Lazy)}
         self.params: dict[str, tuple[int, ...]] = {}
         self.frozen: dict[str, tuple[int, ...]] = {}
-        self.shared: dict[str, str] = {str(k): str(v) for k, v in (m.get("shared_params") or {}).items()}
+        self.shared: dict[str, str] = fields.aliases(m.get("shared_params"), file)
         self.moments: tuple[str, ...] = ()
         self.optimizer_step: int | None = None
         self.loss_scaler: dict | None = None
@@ -170,8 +175,8 @@ class DeepSpeedCheckpoint:
         self._counted = f"{first}'s partition_count says"
         files = ds_files.ranks(self.path, optim, self.world, lambda r: ds_files.optim_name(prefix, r), self._counted)
         tops = [top0] + [self._load(f) for f in files[1:]]
-        ds_ranks.same_run([self._model_file, first], [ds_ranks.model(self._m), ds_ranks.optim(top0)])
-        ds_ranks.same_run(files, [ds_ranks.optim(t) for t in tops])
+        ds_ranks.same_run([self._model_file, first], [ds_ranks.model(self._m), ds_ranks.optim(top0, first)])
+        ds_ranks.same_run(files, [ds_ranks.optim(t, f) for t, f in zip(tops, files)])
         osds = [t["optimizer_state_dict"] for t in tops]
         self.loss_scaler = fields.mapping(_plain(osd0.get("loss_scaler")), first, "loss_scaler")
         self._scaler_file = first
@@ -188,8 +193,8 @@ class DeepSpeedCheckpoint:
             self._frozen_zero3()
             return
         fp32 = [o["single_partition_of_fp32_groups"] for o in osds]
-        pads = osd0.get("group_paddings") or [0] * len(fp32[0])
-        partition = [t.numel + fields.integer(p, first, "group_paddings") for t, p in zip(fp32[0], pads)]
+        pads = fields.paddings(osd0.get("group_paddings"), len(fp32[0]), first)
+        partition = [t.numel + p for t, p in zip(fp32[0], pads)]
         paddings = osd0.get("param_alignment_paddings")
         self._pieces["fp32"] = ds_layout.zero12(shapes, paddings, fp32, partition)
         base = [o["base_optimizer_state"] for o in osds]

@@ -88,3 +88,23 @@ def param_shapes(groups: Any, file: Path | str) -> list[dict[str, tuple[int, ...
                               "of {name: shape}: damaged or not written by DeepSpeed")
     checked = [mapping(g, file, "param_shapes") or {} for g in groups]
     return [{str(k): shape(v, file, f"param_shapes[{k!r}]") for k, v in g.items()} for g in checked]
+
+
+def paddings(value: Any, groups: int, file: Path | str) -> list[int]:
+    """ZeRO 1/2's group_paddings: one count per parameter group (absent: none), each an int >= 0."""
+    if value is None or value == []:
+        return [0] * groups
+    if not isinstance(value, list | tuple) or len(value) != groups:
+        raise CheckpointError(f"DeepSpeed checkpoint file {file}: its group_paddings is {short(value)}, not a list of "
+                              f"{groups} counts (one per parameter group): damaged or not written by DeepSpeed")
+    return [integer(p, file, f"group_paddings[{i}]") for i, p in enumerate(value)]
+
+
+def aliases(value: Any, file: Path | str) -> dict[str, str]:
+    """shared_params: {the name of a tied parameter: the name of the one stored}, or absent."""
+    pairs = mapping(value, file, "shared_params") or {}
+    for k, v in pairs.items():
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise CheckpointError(f"DeepSpeed checkpoint file {file}: its shared_params[{short(k)}] is {short(v)}, not "
+                                  "a pair of parameter names: damaged or not written by DeepSpeed")
+    return dict(pairs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fz.ckpt.deepspeed import fields
 from fz.ckpt.deepspeed import unpickle as ds_pickle
 from fz.ckpt.deepspeed.unpickle import Lazy
 from fz.errors import CheckpointError
@@ -33,8 +34,8 @@ def _step(state: Any) -> Any:
     return _number(first.get("step")) if isinstance(first, dict) else None
 
 
-def optim(top: dict[str, Any]) -> dict[str, Any]:
-    """{what one run's optimizer files share: its value in this file}."""
+def optim(top: dict[str, Any], file: Path) -> dict[str, Any]:
+    """{what one run's optimizer files share: its value in this file (`file`, named if a count is damaged)}."""
     osd = top["optimizer_state_dict"]
     stage = osd.get("zero_stage")
     if stage == 3:
@@ -42,9 +43,9 @@ def optim(top: dict[str, Any]) -> dict[str, Any]:
         state = osd["optimizer_state_dict"]["state"]
     else:
         groups = osd["single_partition_of_fp32_groups"]
-        pads = osd.get("group_paddings") or [0] * len(groups)
         # ZeRO 1/2 cut the last rank's padding from its partition; BF16_Optimizer's: group count only
-        sizes = [t.numel + int(p) for t, p in zip(groups, pads)] if stage is not None else [len(groups)]
+        sizes = ([t.numel + p for t, p in zip(groups, fields.paddings(osd.get("group_paddings"), len(groups), file))]
+                 if stage is not None else [len(groups)])
         base = osd.get("base_optimizer_state")
         state = base.get("state") if isinstance(base, dict) else base
     return {"DeepSpeed version": top.get("ds_version"), "ZeRO stage": stage,
