@@ -86,13 +86,15 @@ class State:
         return dataclasses.replace(self, **changes)
 
     def check_alive(self, what: str) -> None:
-        if self.__dict__.get("_donated"):
-            raise ConfigError(f"{what}: this state was donated to fz.train_step; use the state it returned")
+        if to := self.__dict__.get("_donated"):
+            raise ConfigError(f"{what}: this state was donated to {to}; use the state it returned"
+                              + ("" if to == "fz.train_step" else " (where it raised, there is none: make a new "
+                                 "state with fz.init; a load that failed may have filled this one in part)"))
 
-    def donate(self) -> None:
-        """Mark this state as given up to a step (its buffers now belong to the new state); its
-        storage leaves are dropped, so files of the disk tier go as soon as the new state replaces them."""
-        object.__setattr__(self, "_donated", True)
+    def donate(self, to: str = "fz.train_step") -> None:
+        """Mark this state as given up to a step or a load (`to`: its buffers now belong to the new state);
+        its storage leaves are dropped, so files of the disk tier go as soon as the new state replaces them."""
+        object.__setattr__(self, "_donated", to)
         for name in ("param_flats", "master_flats", "opt_state"):
             object.__setattr__(self, name, None)
         self.__dict__.pop("params", None)
@@ -100,7 +102,7 @@ class State:
 
     def __repr__(self) -> str:
         if self.__dict__.get("_donated"):
-            return "State(donated to fz.train_step)"
+            return f"State(donated to {self.__dict__['_donated']})"
         n = sum(s.numel for b in self.plan.buckets for s in b.slots)
         mesh = "x".join(str(d) for d in self.plan.mesh.shape)
         return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "

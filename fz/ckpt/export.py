@@ -15,6 +15,7 @@ import torch
 from fz.ckpt import manifest, signing
 from fz.ckpt.deepspeed import export as ds_export
 from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.finite import Tally
 from fz.ckpt.hf import folder as hf_folder
 from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import META, PathLike, read_json, resolve
@@ -101,10 +102,12 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     groups = hf_folder.shards([(k, sizes[k]) for k in names], limit) if hf else [names]
     paths = [tmp / f for f in hf_folder.filenames(len(groups))] if tmp is not None else [target]
     bar = Progress(total, "consolidate", enabled=progress)
+    found = Tally("fz consolidate", f"checkpoint {d}", cast)  # as fz.restore refuses them, and what the cast makes inf
     try:
         with hf_folder.undo_on_error(Path(out), tmp):
-            for path, group in zip(paths, groups):
-                _write(reader, path, group, out_dtype, cast, header, bar)
+            for i, (path, group) in enumerate(zip(paths, groups)):
+                last = found.check if i == len(paths) - 1 else None  # refused before the last file is finished
+                _write(reader, path, group, out_dtype, cast, header, bar, found, last)
             if tmp is not None:
                 weight_map = {_name(k): p.name for p, group in zip(paths, groups) for k in group}
                 hf_folder.commit(tmp, target, weight_map, sum(sizes.values()), hf_folder.side_files(d))
@@ -114,20 +117,26 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
 
 
 def _write(reader: CheckpointReader, path: Path, keys: list[str], out_dtype: Callable[[str], torch.dtype],
-           cast: torch.dtype | None, header: dict[str, str], bar: Progress) -> None:
-    """One safetensors file of `keys`, each stored chunk streamed (cast if asked) into its place."""
+           cast: torch.dtype | None, header: dict[str, str], bar: Progress, found: Tally,
+           last: Callable[[], None] | None) -> None:
+    """One safetensors file of `keys`, each stored chunk streamed (cast if asked) into its place, the
+    weights' non-finite values counted; `last`, on the last file, is called before it is finished."""
     writer = StreamWriter(path, [(_name(k), out_dtype(k), tuple(reader.meta[k].size)) for k in keys], header)
 
-    def put(name: str, offsets, chunk: torch.Tensor) -> None:
+    def put(k: str, offsets, chunk: torch.Tensor) -> None:
         nbytes = chunk.numel() * chunk.element_size()
         if cast is not None and chunk.dtype != cast and chunk.is_floating_point():
             chunk = chunk.to(cast)
-        writer.write_chunk(name, offsets, chunk)
+        if not k.startswith(_BUFFERS):  # a buffer may hold -inf on purpose (a mask)
+            found.see(_name(k), chunk, reader.meta[k].size.numel())
+        writer.write_chunk(_name(k), offsets, chunk)
         bar.update(nbytes)
 
     try:
         for k in keys:
-            reader.stream(k, lambda offsets, chunk, name=_name(k): put(name, offsets, chunk))  # type: ignore[misc]  # noqa: B008 - binds this k
+            reader.stream(k, lambda offsets, chunk, k=k: put(k, offsets, chunk))  # type: ignore[misc]  # noqa: B008 - binds this k
+        if last is not None:
+            last()
         writer.close()
     except BaseException:
         writer.abort()

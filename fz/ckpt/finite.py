@@ -136,3 +136,24 @@ def report(found: Mapping[str, tuple[int, int]], allow: bool, who: str, source: 
         warnings.warn(f"{what}. Loaded as they are (allow_nonfinite=True).", stacklevel=stacklevel + 1)
         return
     raise NonFiniteError(f"{what}. Training from them would skip every step; {remedy}.")
+
+
+class Tally:
+    """What a writer of weights (`fz consolidate`) streams, counted as written (after a cast, where a
+    value beyond the dtype's range becomes inf): `check()` refuses them before the last file is
+    finished, so nothing is left written."""
+
+    def __init__(self, who: str, source: str, cast: torch.dtype | None):
+        self.who, self.source, self.cast = who, source, cast
+        self.bad: dict[str, tuple[int, int]] = {}
+
+    def see(self, name: str, written: Tensor, numel: int) -> None:
+        n = nonfinite(written)
+        if n:
+            self.bad[repr(name)] = (self.bad.get(repr(name), (0, 0))[0] + n, numel)
+
+    def check(self) -> None:
+        cast = "" if self.cast is None else f" cast to {str(self.cast).removeprefix('torch.')}"
+        remedy = "nothing was written" + (" (without the cast, or cast to bfloat16, whose range is float32's, the "
+                                          "values may fit)" if self.cast in (torch.float16,) else "")
+        report(self.bad, False, self.who, self.source + cast, remedy=remedy)

@@ -202,7 +202,7 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
     new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
     if policy is not None:
         new = policy(new)
-    template.donate()
+    template.donate(who if who.startswith("fz.") else f"fz.{who}")
     report(found, allow_nonfinite, who, f"checkpoint {d}", stacklevel)
     if with_client_state:
         return new, decode(client_json, extra)

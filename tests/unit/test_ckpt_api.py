@@ -114,3 +114,20 @@ def test_reading_a_result_by_key_still_works_and_warns(saved, tmp_path):
             info["meta_error"]
         with pytest.raises(KeyError):
             out["nope"]
+
+
+def test_consolidate_refuses_weights_its_cast_makes_inf(tmp_path):
+    """A weight of 1e6 is finite in the checkpoint and inf as fp16: `fz consolidate --dtype fp16` refuses
+    it (fz.NonFiniteError naming the tensor and the cast), writing nothing; bf16 keeps fp32's range."""
+    model = make_model()
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = 1e6
+    fz.save(fz.init(model, spec(0, 1)), tmp_path / "ck")
+    name = next(n for n, _ in model.named_parameters())
+    with pytest.raises(fz.NonFiniteError, match=rf"fz consolidate: checkpoint .* cast to float16 holds NaN or inf in 1 "
+                                                rf"tensors \(1 values\): '{name}' 1 of .*nothing was written"):
+        consolidate(tmp_path / "ck", tmp_path / "m16.safetensors", dtype="fp16", progress=False)
+    assert not (tmp_path / "m16.safetensors").exists()
+    consolidate(tmp_path / "ck", tmp_path / "m.safetensors", dtype="bf16", progress=False)
+    from safetensors.torch import load_file
+    assert float(load_file(str(tmp_path / "m.safetensors"))[name].flatten()[0]) == pytest.approx(1e6, rel=1e-2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,6 +133,9 @@ FIELDS = {
     "partition_count a string": (_set("optim", (*_OSD, "partition_count"), "2"), "optim", "partition_count", "'2'"),
     "partition_count 0": (_set("optim", (*_OSD, "partition_count"), 0), "optim", "partition_count", "0"),
     "Adam step inf": (_adam(step=INF), "optim", "Adam step", "inf"),
+    "shared_params a list": (_set("model", ("shared_params",), [1, 2]), "model", "shared_params", "[1, 2]"),
+    "shared_params a dict value": (_set("model", ("shared_params",), {"b": {"x": 1}}), "model", "shared_params['b']",
+                                   "{'x': 1}"),
 }
 
 
@@ -179,3 +183,52 @@ def test_consolidate_refuses_nan_masters(hf: bool, tmp_path: Path) -> None:
     assert "'w' 1 of 24" in err, err
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == (["ck", "out"] if hf else ["ck"]) and not (hf and any(out.iterdir())), left  # --hf: an empty folder
+
+
+@pytest.mark.parametrize("patch", ["nan_master", "negative_nu"])
+def test_a_refused_import_leaves_no_usable_template(patch: str, tmp_path: Path) -> None:
+    """The import fills its template in place, so a refused value is already in it: the template is given
+    up (as fz.restore's is), and a step on it is an error naming the import, never a step on NaN weights."""
+    root = h.checkpoint(tmp_path / "ck", patch=_nan_master if patch == "nan_master" else _adam(nu=-1.0))
+    template = h.state()
+    with pytest.raises((fz.NonFiniteError, CheckpointError)):
+        fz.import_deepspeed(template, root)
+    with pytest.raises(fz.ConfigError, match=r"fz.train_step: this state was donated to fz.import_deepspeed; use the "
+                                             r"state it returned \(where it raised, there is none: make a new state"):
+        fz.train_step(template, torch.ones(2, 4))
+    assert repr(template) == "State(donated to fz.import_deepspeed)"
+    state, _ = fz.import_deepspeed(h.state(), h.checkpoint(tmp_path / "good"))  # a fresh template imports
+    assert int(state.step) > 0
+
+
+@pytest.mark.parametrize("value, words", [
+    (INF, "its group_paddings is inf, not a list of 2 counts"),
+    ([0], "its group_paddings is [0], not a list of 2 counts"),
+    ([0, INF], "its group_paddings[1] is inf, not an integer"),
+    ([0, -3], "its group_paddings[1] is -3, not an integer"),
+])
+def test_impossible_group_paddings_are_refused(value: object, words: str) -> None:
+    """ZeRO 1/2's per-group padding sizes each rank's partition: a count per group, each an int >= 0
+    (stage 1/2 files read it through fields.paddings; ds_hostile writes stage 3, which has none)."""
+    from fz.ckpt.deepspeed import fields
+    assert fields.paddings(None, 2, "f") == fields.paddings([], 2, "f") == [0, 0]
+    assert fields.paddings([0, 6], 2, "f") == [0, 6]
+    with pytest.raises(CheckpointError, match=re.escape("DeepSpeed checkpoint file f: " + words)):
+        fields.paddings(value, 2, "f")
+
+
+def _huge_master(kind: str, rank: int, obj: dict) -> None:
+    if kind == "optim" and rank == 0:
+        obj["optimizer_state_dict"]["fp32_flat_groups"][0][2] = 1e6  # finite in fp32, beyond fp16's 65504
+
+
+def test_consolidate_refuses_what_its_cast_makes_inf(tmp_path: Path) -> None:
+    """--dtype fp16 turns a weight of 1e6 into inf: refused as a NaN is (naming the cast), nothing written;
+    bf16, whose range is fp32's, writes it."""
+    root = h.checkpoint(tmp_path / "ck", patch=_huge_master)
+    rc, err = _cli("consolidate", str(root), str(tmp_path / "o16.safetensors"), "--dtype", "fp16")
+    assert rc == 2 and "cast to float16 holds NaN or inf in 1 tensors (1 values): 'w' 1 of 24" in err, (rc, err)
+    assert "cast to bfloat16, whose range is float32's" in err and not (tmp_path / "o16.safetensors").exists()
+    consolidate(root, tmp_path / "o.safetensors", dtype="bf16")
+    from safetensors.torch import load_file
+    assert load_file(str(tmp_path / "o.safetensors"))["w"].flatten()[2] == torch.tensor(1e6, dtype=torch.bfloat16)

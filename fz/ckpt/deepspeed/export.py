@@ -6,8 +6,9 @@ masters, then each tied alias as a copy of the tensor it shares. Where zero_to_f
 names out (ZeRO 1's frozen params, ZeRO 3's tied aliases, which its files do not list) they
 are written too, from the module states. Each parameter is streamed chunk by chunk (read with
 pread, cast if asked, written at its offset), so memory stays near one chunk. A NaN or inf in
-the weights is counted as it streams and refused as fz.import_deepspeed refuses it
-(fz.NonFiniteError naming the tensors) before the last file is finished: nothing is written.
+the weights, or a value the cast makes inf, is counted as it streams and refused as
+fz.import_deepspeed refuses it (fz.NonFiniteError naming the tensors) before the last file is
+finished: nothing is written.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
-from fz.ckpt.finite import nonfinite, report
+from fz.ckpt.finite import Tally
 from fz.ckpt.hf import folder as hf_folder
 from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import PathLike
@@ -56,7 +57,9 @@ def consolidate(path: PathLike, out: PathLike, *, cast: torch.dtype | None = Non
         paths = [tmp / f for f in hf_folder.filenames(len(groups))] if tmp is not None else [target]
         by_name = {r[0]: r for r in rows}
         bar = Progress(total, "consolidate", enabled=progress)
-        chunks, found = 0, _Found(ck)
+        # the weights' NaN or inf, as fz.import_deepspeed refuses them (buffers and tied copies left out), and
+        # values the cast turns to inf
+        chunks, found = 0, Tally("fz consolidate", f"DeepSpeed checkpoint {ck.path}", cast)
         try:
             with hf_folder.undo_on_error(Path(out), tmp):
                 for i, (file, group) in enumerate(zip(paths, groups)):
@@ -70,38 +73,22 @@ def consolidate(path: PathLike, out: PathLike, *, cast: torch.dtype | None = Non
         return Consolidated(checkpoint=str(ck.path), out=str(out), tensors=len(rows), bytes=total, chunks=chunks)
 
 
-class _Found:
-    """The non-finite values of each weight consolidate streams (buffers and tied copies left out, as
-    fz.import_deepspeed leaves them), refused as it refuses them."""
-
-    def __init__(self, ck: DeepSpeedCheckpoint):
-        self.ck, self.shapes = ck, ck.params | ck.frozen
-        self.bad: dict[str, tuple[int, int]] = {}
-
-    def see(self, name: str, chunk: torch.Tensor) -> None:
-        n = nonfinite(chunk) if name in self.shapes else 0
-        if n:
-            self.bad[repr(name)] = (self.bad.get(repr(name), (0, 0))[0] + n, math.prod(self.shapes[name]))
-
-    def check(self) -> None:
-        report(self.bad, False, "fz consolidate", f"DeepSpeed checkpoint {self.ck.path}",
-               remedy="nothing was written")
-
-
 def _write(ck: DeepSpeedCheckpoint, path: Path, rows: list[tuple[str, torch.dtype, tuple[int, ...]]],
-           header: dict[str, str], bar: Progress, found: _Found, last: Callable[[], None] | None) -> int:
+           header: dict[str, str], bar: Progress, found: Tally, last: Callable[[], None] | None) -> int:
     """One safetensors file of `rows`; returns the chunks streamed. `last`, on the last file, is
     called before it is finished (an error there leaves no file)."""
     writer = StreamWriter(path, rows, header)
-    chunks = 0
+    chunks, shapes = 0, ck.params | ck.frozen
     try:
         for name, dtype, _ in rows:
             if name in ck.buffers:
                 writer.write(name, ck.buffers[name].to(dtype))
                 continue
             for at, chunk in ck.read(name):
-                found.see(name, chunk)
-                writer.write_flat(name, at, chunk.to(dtype))
+                written = chunk.to(dtype)
+                if name in shapes:
+                    found.see(name, written, math.prod(shapes[name]))
+                writer.write_flat(name, at, written)
                 bar.update(chunk.numel() * 4)
                 chunks += 1
         if last is not None:

@@ -138,7 +138,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
     from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
 
     expect_state(state, "fz.import_deepspeed")
-    state = block_until_ready(state)
+    template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
     with DeepSpeedCheckpoint(path, tag) as ck:
         pairs, problems = _pairs(ck, state)
         moments = _moment_places(state)
@@ -153,25 +153,33 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
             warnings.warn(msg, stacklevel=2)
         places = _places(state)
         counts = Counts(state.plan, ("", *ck.moments), nonnegative=("exp_avg_sq",))
-        with torch.no_grad():
-            for canon, key in pairs.items():
-                _fill(places[canon], ck, key, "fp32", counts, canon)
-                for kind in ck.moments:
-                    target = moments.get(kind, {}).get(canon)
-                    if target is not None and key in ck.params:
-                        _fill(target, ck, key, kind, counts, canon)
-            for name, value in ck.buffers.items():
-                canon = state.skeleton.aliases.get(name, name)
-                if canon in state.buffers and state.buffers[canon].shape == value.shape:
-                    state.buffers[canon].copy_(value)
-            _set_counts(state.opt_state, ck)
-            scaler = dict(state.scaler or {})
-            if "skipped" in scaler:
-                scaler["skipped"] = torch.tensor(int(ck.skipped_steps), dtype=torch.int64)
-            if "scale" in scaler and ck.loss_scale is not None:
-                scaler["scale"] = torch.tensor(float(ck.loss_scale))
-        new = state.replace(step=torch.full_like(state.step, int(ck.global_steps)), scaler=scaler)
+        try:
+            new = _load(state, ck, pairs, places, moments, counts)
+        finally:  # filled in place: the template is given up whether the import returns or raises (a value it
+            template.donate("fz.import_deepspeed")  # refuses below is already in it), as fz.restore's is
         found = counts.total()
         _refuse_negative(counts.negative, ck.path)
         report(found, allow_nonfinite, "fz.import_deepspeed", f"DeepSpeed checkpoint {ck.path}", 2)
         return new, dict(ck.client_state)
+
+
+def _load(state: State, ck: Any, pairs: dict[str, str], places: dict, moments: dict, counts: Counts) -> State:
+    """`state` with the checkpoint's values filled into its tensors, its counts and loss scale set."""
+    with torch.no_grad():
+        for canon, key in pairs.items():
+            _fill(places[canon], ck, key, "fp32", counts, canon)
+            for kind in ck.moments:
+                target = moments.get(kind, {}).get(canon)
+                if target is not None and key in ck.params:
+                    _fill(target, ck, key, kind, counts, canon)
+        for name, value in ck.buffers.items():
+            canon = state.skeleton.aliases.get(name, name)
+            if canon in state.buffers and state.buffers[canon].shape == value.shape:
+                state.buffers[canon].copy_(value)
+        _set_counts(state.opt_state, ck)
+        scaler = dict(state.scaler or {})
+        if "skipped" in scaler:
+            scaler["skipped"] = torch.tensor(int(ck.skipped_steps), dtype=torch.int64)
+        if "scale" in scaler and ck.loss_scale is not None:
+            scaler["scale"] = torch.tensor(float(ck.loss_scale))
+    return state.replace(step=torch.full_like(state.step, int(ck.global_steps)), scaler=scaler)
