@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import warnings
 from typing import Protocol
 
@@ -65,19 +66,40 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_OWNER_BYTES = 4096  # an owner file is a line of JSON
+
+
+def _owner(d: str) -> dict:
+    """The owner file of run directory `d`: a small regular file, opened without following a link and
+    without blocking (a FIFO planted in a shared directory would hang the run), or {} if it is not one."""
+    try:
+        fd = os.open(os.path.join(d, "owner"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _OWNER_BYTES:
+            return {}
+        owner = json.loads(os.read(fd, _OWNER_BYTES))
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError, RecursionError):
+        return {}
+    finally:
+        os.close(fd)
+
+
 def _remove_stale(root: str) -> None:
+    """Remove the run directories under `root` that a process of this host left and is gone. Only
+    directories themselves: a link named like one (another user's, in a shared /tmp) is not followed."""
     host = socket.gethostname()
-    for name in sorted(os.listdir(root)):
-        d = os.path.join(root, name)
-        if not name.startswith("fz-offload-") or not os.path.isdir(d):
-            continue
-        try:
-            with open(os.path.join(d, "owner")) as f:
-                owner = json.load(f)
-        except (OSError, ValueError):
-            owner = {}
-        if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
-            warnings.warn(f"fz.offload: {d} was left by a run that is gone (pid {owner['pid']}); it is not reused "
+    with os.scandir(root) as entries:
+        found = sorted((e.name, e.path) for e in entries if e.name.startswith("fz-offload-")
+                       and e.is_dir(follow_symlinks=False))
+    for _, d in found:
+        owner = _owner(d)
+        pid = owner.get("pid")
+        if owner.get("host") == host and type(pid) is int and 0 < pid < 2**31 and not _pid_alive(pid):
+            warnings.warn(f"fz.offload: {d} was left by a run that is gone (pid {pid}); it is not reused "
                           "and is being removed", stacklevel=3)
             shutil.rmtree(d, ignore_errors=True)
 
