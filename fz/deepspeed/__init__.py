@@ -13,8 +13,7 @@ its checkpoints are fz checkpoints (and DeepSpeed's own are imported on load).
 from fz.deepspeed import comm, zero
 from fz.deepspeed.engine import DeepSpeedEngine
 from fz.deepspeed.initialize import add_config_arguments, init_distributed, initialize
-
-__version__ = "0.19.8"  # the DeepSpeed whose API and numbers this shell follows (scripts compare versions)
+from fz.deepspeed.version import __version__
 
 __all__ = ["DeepSpeedEngine", "__version__", "add_config_arguments", "comm", "init_distributed", "initialize",
            "zero"]

@@ -299,8 +299,8 @@ class DeepSpeedEngine:
         """(path, client_state) of `load_dir/<tag>` (default: the tag `latest` names), an fz or a
         DeepSpeed checkpoint, restored into the engine's state at this world size and stage;
         (None, None) and a warning (fz's logger) when there is no `latest`, as DeepSpeed does."""
-        from fz.deepspeed import __version__
         from fz.deepspeed.checkpoints import ds_fields, load
+        from fz.deepspeed.version import __version__
         off = [k for k, v in (("load_module_strict", not load_module_strict),
                               ("load_optimizer_states", not load_optimizer_states),
                               ("load_lr_scheduler_states", not load_lr_scheduler_states),
