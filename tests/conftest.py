@@ -26,6 +26,15 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
         config._fz_slow_left = len(slow)
+        if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller prints the summary
+            config.workeroutput["fz_slow_left"] = len(slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: each worker collected the whole suite; the slow tier it left out."""
+    left = getattr(node, "workeroutput", {}).get("fz_slow_left", 0)
+    node.config._fz_slow_left = max(getattr(node.config, "_fz_slow_left", 0), left)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
