@@ -18,7 +18,13 @@ torch.set_num_threads(1)
 SLOW_TIER = ".venv/bin/python -m pytest -q -m slow"
 
 
+# Started first: the docs' sessions run in a pool of their own for minutes, so on the README's two
+# pytest workers (`-n 2 --dist loadfile`, one file to a worker) they overlap the rest rather than end it.
+FIRST = ("unit/test_docs.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(FIRST))  # stable: the rest keep their order
     if os.environ.get("FZ_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
         return  # both tiers, or a selection that names the slow one
     slow = [item for item in items if item.get_closest_marker("slow")]
