@@ -68,7 +68,8 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     (`from_pretrained` ties them itself); `dtype` ("bf16", "fp16", "fp32") casts the floating
     tensors, None keeps the stored dtype (fp32 master weights when the run had them). With a
     `key` (or FZ_CKPT_KEY) the checkpoint must be signed with it, and is verified even with
-    verify=False. Returns what it wrote (a Consolidated).
+    verify=False. A NaN or inf in the weights, or a value the cast makes inf, is fz.NonFiniteError
+    naming the tensors, and nothing is written. Returns what it wrote (a Consolidated).
     A DeepSpeed checkpoint (a save_dir with `latest`, or a tag folder; `step` N reads tag
     global_stepN) is consolidated as DeepSpeed's zero_to_fp32 does it (fz/ckpt/deepspeed/export.py).
     (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
@@ -124,11 +125,11 @@ def _write(reader: CheckpointReader, path: Path, keys: list[str], out_dtype: Cal
     writer = StreamWriter(path, [(_name(k), out_dtype(k), tuple(reader.meta[k].size)) for k in keys], header)
 
     def put(k: str, offsets, chunk: torch.Tensor) -> None:
-        nbytes = chunk.numel() * chunk.element_size()
+        nbytes, read = chunk.numel() * chunk.element_size(), chunk
         if cast is not None and chunk.dtype != cast and chunk.is_floating_point():
             chunk = chunk.to(cast)
         if not k.startswith(_BUFFERS):  # a buffer may hold -inf on purpose (a mask)
-            found.see(_name(k), chunk, reader.meta[k].size.numel())
+            found.see(_name(k), chunk, reader.meta[k].size.numel(), read)
         writer.write_chunk(_name(k), offsets, chunk)
         bar.update(nbytes)
 

@@ -29,6 +29,7 @@ from fz.sharding.settle import Handle
 
 _SHOWN = 8
 _CHUNK = 4 << 20  # elements per mask when a whole tensor is counted
+_MINMAX = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # aminmax's dtypes (not fp8's, on the CPU)
 
 
 def nonfinite(t: Tensor) -> int:
@@ -37,7 +38,7 @@ def nonfinite(t: Tensor) -> int:
         return 0
     flat, bad = t.detach().reshape(-1), 0
     for piece in flat.split(_CHUNK):
-        if piece.is_floating_point() and piece.numel():
+        if piece.dtype in _MINMAX and piece.numel():
             # the common case in one pass without a temporary (isfinite takes an abs() of the piece's
             # size: a loader's peak of a second chunk); NaN and inf both reach the min or the max
             lo, hi = torch.aminmax(piece)
@@ -152,14 +153,19 @@ class Tally:
     def __init__(self, who: str, source: str, cast: torch.dtype | None):
         self.who, self.source, self.cast = who, source, cast
         self.bad: dict[str, tuple[int, int]] = {}
+        self.made = 0  # of those, values the cast made inf (finite before it)
 
-    def see(self, name: str, written: Tensor, numel: int) -> None:
+    def see(self, name: str, written: Tensor, numel: int, read: Tensor | None = None) -> None:
+        """`written`: what goes to the file; `read`: the chunk before a cast (None: the same)."""
         n = nonfinite(written)
         if n:
             self.bad[repr(name)] = (self.bad.get(repr(name), (0, 0))[0] + n, numel)
+            if read is not None and read is not written:
+                self.made += n - nonfinite(read)
 
     def check(self) -> None:
-        cast = "" if self.cast is None else f" cast to {str(self.cast).removeprefix('torch.')}"
+        made = self.made > 0
+        cast = f" cast to {str(self.cast).removeprefix('torch.')}" if made and self.cast is not None else ""
         remedy = "nothing was written" + (" (without the cast, or cast to bfloat16, whose range is float32's, the "
-                                          "values may fit)" if self.cast in (torch.float16,) else "")
+                                          "values may fit)" if made else "")
         report(self.bad, False, self.who, self.source + cast, remedy=remedy)

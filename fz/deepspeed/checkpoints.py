@@ -15,6 +15,7 @@ DeepSpeed returns every key of the file it did not load itself.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any]
     """Every rank; each sees `latest` once it returns (the commit ends in an agreement)."""
     if ENGINE_KEY in client_state:
         raise CheckpointError(f"save_checkpoint: client_state key {ENGINE_KEY!r} is the engine's own; rename it")
+    # DeepSpeed's own fields, as a script saves back the client state it loaded: load computes them afresh
+    client_state = {k: v for k, v in client_state.items() if k not in FIELDS}
     save_tag(state, save_dir, tag, client_state={**client_state, ENGINE_KEY: counters}, client_state_per_rank=True,
              latest=save_latest)
 
@@ -59,26 +62,43 @@ def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Pa
     return state, path, client, dict(counters)
 
 
-def ds_fields(model: nn.Module, config: dict[str, Any], stage: int, global_samples: int,
-              version: str) -> dict[str, Any]:
+FIELDS = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+          "global_samples", "checkpoint_parallel_dimensions", "ds_config", "ds_version")  # DeepSpeed's, load computes
+
+
+def _modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """(prefix, module) as DeepSpeed's engine walks them (named_children, recursively): a submodule
+    reached through two parents comes twice, under each path."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if child is not None:
+            yield from _modules(child, f"{prefix}{name}.")
+
+
+def ds_fields(model: nn.Module, config: Any, stage: int, global_samples: int, version: str) -> dict[str, Any]:
     """The keys DeepSpeed's load_checkpoint returns beside the client's own (its `_common_checkpoint_state`
-    less what it loads), for this model: the config, the version, the buffer names, the shapes. Its
-    `frozen_param_fragments`, a copy of the frozen weights (which the state holds), is None."""
+    less what it loads), for this model: the config as given, the version, the buffer names, the shapes
+    (as one parameter group). Its `frozen_param_fragments`, a copy of the frozen weights (which the state
+    holds), is None."""
     named: OrderedDict[nn.Parameter, str] = OrderedDict()  # a parameter -> its first name (a later one: tied)
     shared: dict[str, str] = {}
-    for prefix, module in model.named_modules():
+    buffers: list[str] = []
+    for prefix, module in _modules(model):
         for name, p in module.named_parameters(recurse=False):
-            key = f"{prefix}.{name}" if prefix else name
+            if p is None:
+                continue
             if p in named:
-                shared[key] = named[p]
+                shared[prefix + name] = named[p]
             else:
-                named[p] = key
-    buffers = [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-               for name, b in module.named_buffers(recurse=False)
-               if b is not None and name not in module._non_persistent_buffers_set]
+                named[p] = prefix + name
+        buffers += [prefix + name for name, b in module.named_buffers(recurse=False)
+                    if b is not None and name not in module._non_persistent_buffers_set]
+
+    def optimized(p: nn.Parameter) -> bool:  # DeepSpeed's is_optimized_parameter: trainable and not empty
+        return p.requires_grad and p.numel() > 0
     return {"buffer_names": buffers,
-            "param_shapes": [OrderedDict((k, p.shape) for p, k in named.items() if p.requires_grad)] if stage else None,
-            "frozen_param_shapes": OrderedDict((k, p.shape) for p, k in named.items() if not p.requires_grad)
+            "param_shapes": [OrderedDict((k, p.shape) for p, k in named.items() if optimized(p))] if stage else None,
+            "frozen_param_shapes": OrderedDict((k, p.shape) for p, k in named.items() if not optimized(p))
             if stage >= 2 else None,
             "shared_params": shared if stage else None, "frozen_param_fragments": None,
             "global_samples": global_samples, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import fz
 from fz.deepspeed import zero
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError, NonFiniteError
 from fz.observe.full_params import iter_full_params
 from fz.observe.monitor import Monitor, batch_counts
 from fz.step import StepInProgress
@@ -40,12 +40,13 @@ class DeepSpeedEngine:
     """What `deepspeed.initialize` returns first. `engine.state` is the fz State."""
 
     def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None, groups: int = 1,
-                 dataloader: Any = None, config: dict[str, Any] | None = None):
+                 dataloader: Any = None, config: dict[str, Any] | None = None, given_config: Any = None):
         self.state = state
         self.optimizer = EngineOptimizer(self, groups)
         self.lr_scheduler = EngineSchedule(self)
         self.training_dataloader = dataloader
         self.config = dict(config or {})
+        self._given_config = self.config if given_config is None else given_config  # DeepSpeed's ds_config
         self._model, self._schedule = model, schedule
         self._step: StepInProgress | None = None
         self._synced_step = int(state.step)  # the model holds the weights of this step
@@ -310,14 +311,21 @@ class DeepSpeedEngine:
                               "fz (it restores the whole state); for weights only use fz.load_weights")
         if self._step is not None:
             raise ConfigError("engine.load_checkpoint inside an accumulation window: load before engine(batch)")
-        got = load(self.state, Path(load_dir), None if tag is None else str(tag))
+        try:
+            got = load(self.state, Path(load_dir), None if tag is None else str(tag))
+        except (CheckpointError, NonFiniteError) as e:
+            if self.state.__dict__.get("_donated"):  # filled in part, then refused: the engine has no state left
+                raise type(e)(f"{e}\nThe engine's state was loaded into in place and is given up: make the engine "
+                              "again with deepspeed.initialize") from e
+            raise
         if got is None:
             return None, None
         self.state, path, client_state, counters = got
         self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
         self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         self._synced_step = -1
-        fields = ds_fields(self._model, self.config, self.zero_optimization_stage(), self.global_samples, __version__)
+        fields = ds_fields(self._model, self._given_config, self.zero_optimization_stage(), self.global_samples,
+                           __version__)
         return str(path), {**fields, **client_state}  # a DeepSpeed file's own fields are in its client_state
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",

@@ -10,6 +10,8 @@ rank's micro-batches, so a script sees the batches it saw under DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -134,8 +136,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                           "supported by fz, which is data parallel (ZeRO)")
     if dist_init_required is not False:
         fz.distributed.init()
-    cfg, _ = load_config(_config(args, config, config_params))
+    given = _config(args, config, config_params)
+    cfg, _ = load_config(given)
     cfg = dict(cfg)
+    # DeepSpeed's engine.config, as load_checkpoint returns it (ds_config): a path as given, a dict before fz's edits
+    given = given if isinstance(given, str | os.PathLike) else copy.deepcopy(cfg)
     if cfg.get("train_batch_size") is None and cfg.get("train_micro_batch_size_per_gpu") is None:
         raise ConfigError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu: "
                           "give one (DeepSpeed refuses this config too)")
@@ -168,6 +173,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         loader = EngineDataLoader(training_data, int(spec.micro_batch or 1), state.plan.rank, len(state.plan.ranks),
                                   collate_fn, bool(cfg.get("dataloader_drop_last", False)))
-    engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg)
+    engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg,
+                             given_config=given)
     scheduled = lr_scheduler is not None or bool(cfg.get("scheduler"))
     return engine, engine.optimizer, loader, engine.lr_scheduler if scheduled else None

@@ -74,9 +74,9 @@ def session(page: str) -> str | None:
                 if line.startswith(".venv/bin/fz "):
                     argv = shlex.split(line, comments=True)[1:]
                     # its output printed, and kept in fz_out_<n>.txt for the page's shown output
-                    parts.append(f"_out = _sp.run([_sys.executable, '-m', 'fz', *{argv!r}], check=True, "
-                                 f"stdout=_sp.PIPE, text=True).stdout\nprint(_out, end='')\n"
-                                 f"open('fz_out_{n}.txt', 'w').write(_out)\n")
+                    parts.append(f"_r = _sp.run([_sys.executable, '-m', 'fz', *{argv!r}], stdout=_sp.PIPE, "
+                                 f"text=True)\nprint(_r.stdout, end='')\n"
+                                 f"open('fz_out_{n}.txt', 'w').write(_r.stdout)\n_r.check_returncode()\n")
                     n += 1
     return "\n".join(parts)
 

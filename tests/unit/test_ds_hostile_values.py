@@ -232,3 +232,22 @@ def test_consolidate_refuses_what_its_cast_makes_inf(tmp_path: Path) -> None:
     consolidate(root, tmp_path / "o.safetensors", dtype="bf16")
     from safetensors.torch import load_file
     assert load_file(str(tmp_path / "o.safetensors"))["w"].flatten()[2] == torch.tensor(1e6, dtype=torch.bfloat16)
+
+
+def test_a_nan_read_is_not_blamed_on_the_cast(tmp_path: Path) -> None:
+    """A NaN already in the checkpoint, consolidated to fp16: the error names the checkpoint, not the cast."""
+    root = h.checkpoint(tmp_path / "ck", patch=_nan_master)
+    rc, err = _cli("consolidate", str(root), str(tmp_path / "o16.safetensors"), "--dtype", "fp16")
+    assert rc == 2 and "holds NaN or inf in 1 tensors" in err and "cast to" not in err, (rc, err)
+
+
+def test_an_engine_whose_load_was_refused_says_to_make_it_again(tmp_path: Path) -> None:
+    """load_checkpoint filled the engine's state in place before refusing a NaN master: the error says
+    the engine must be made again (deepspeed.initialize), not fz.init, which an engine script never calls."""
+    import fz.deepspeed as deepspeed
+    root = h.checkpoint(tmp_path / "ck", patch=_nan_master)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=h.Net(), config=config)
+    with pytest.raises(fz.NonFiniteError, match="make the engine again with deepspeed.initialize"):
+        engine.load_checkpoint(root, tag=h.TAG)

@@ -175,3 +175,35 @@ def test_load_checkpoint_returns_the_fields_deepspeeds_own_file_holds(tmp_path, 
         assert plain(ours[k]) == plain(theirs[k]), k
     assert [plain(g) for g in ours["param_shapes"] or []] == [plain(g) for g in theirs["param_shapes"] or []]
     assert ours["ds_config"] == cfg and theirs["ds_config"] == m.ds_config(stage, "fp32")
+
+
+def test_a_client_state_saved_back_does_not_carry_stale_deepspeed_fields(tmp_path):
+    """Scripts save back the client state they loaded: its DeepSpeed fields (global_samples 12 of the
+    file) are left out, and the next load computes them for the engine as it is then."""
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    cfg = {**m.ds_config(2, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
+    _, client = engine.load_checkpoint(DATA / "stage2_fp32" / "ckpt")
+    tokens = m.batch(3, 0)
+    engine.backward(m.lm_loss(engine(tokens), tokens))
+    engine.step()
+    engine.save_checkpoint(tmp_path, client_state=client)
+    again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
+    _, ours = again.load_checkpoint(tmp_path)
+    assert again.global_samples == ours["global_samples"] == 12 + ROWS and ours["step"] == 3
+    assert ours["ds_config"] == cfg  # the config as the script gave it
+
+
+def test_fields_follow_deepspeeds_walk_of_a_submodule_shared_by_two_parents():
+    """DeepSpeed walks named_children from each parent: a norm used by both halves is listed under
+    both paths (buffers), its parameters as tied to the first path's."""
+    from fz.deepspeed.checkpoints import ds_fields
+    norm = nn.BatchNorm1d(3)
+    model = nn.Module()
+    model.enc, model.dec = nn.Sequential(nn.Linear(3, 3), norm), nn.Sequential(norm, nn.Linear(3, 3))
+    f = ds_fields(model, {}, 2, 0, "v")
+    assert f["shared_params"] == {"dec.0.weight": "enc.1.weight", "dec.0.bias": "enc.1.bias"}
+    assert [b for b in f["buffer_names"] if "running_mean" in b] == ["enc.1.running_mean", "dec.0.running_mean"]
+    assert list(f["param_shapes"][0]) == ["enc.0.weight", "enc.0.bias", "enc.1.weight", "enc.1.bias",
+                                          "dec.1.weight", "dec.1.bias"]

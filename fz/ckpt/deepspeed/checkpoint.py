@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # and lr scheduler it loads): it returns every other key of the file as the client state, its own metadata
 # (ds_config, param_shapes...) and keys such as Megatron's "iteration" among them; fz returns the same
 _LOADED = frozenset({"module", "optimizer", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-                     "global_steps", "dp_world_size", "mp_world_size", "sparse_tensor_module_names"})
+                     "global_steps", "dp_world_size", "mp_world_size"})
 # DeepSpeed's copy of the frozen weights, already in the state: returned as None rather than read twice
 _FROZEN_COPY = "frozen_param_fragments"
 _MOMENTS = ("exp_avg", "exp_avg_sq")

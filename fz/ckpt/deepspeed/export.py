@@ -87,7 +87,7 @@ def _write(ck: DeepSpeedCheckpoint, path: Path, rows: list[tuple[str, torch.dtyp
             for at, chunk in ck.read(name):
                 written = chunk.to(dtype)
                 if name in shapes:
-                    found.see(name, written, math.prod(shapes[name]))
+                    found.see(name, written, math.prod(shapes[name]), chunk)
                 writer.write_flat(name, at, written)
                 bar.update(chunk.numel() * 4)
                 chunks += 1

@@ -130,8 +130,8 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> La
     return _rebuild_tensor_v2(*args)
 
 
-def _size(dims: Any) -> tuple[int, ...]:
-    return _ints("size", dims)
+def _size(dims: Any) -> torch.Size:
+    return torch.Size(_ints("size", dims))
 
 
 def _device(*args: Any) -> str:
