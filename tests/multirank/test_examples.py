@@ -155,4 +155,5 @@ def test_deepspeed_engine_script_trains_saves_and_resumes_under_fz_run(tmp_path)
     cfg.pop("tensorboard")  # this process writes no event files into the test's working directory
     engine, *_ = deepspeed.initialize(model=example.TinyLM(), config={**cfg, "train_batch_size": 16})
     _, client_sd = engine.load_checkpoint(str(tmp_path / "ckpt"))
-    assert client_sd == {"step": 20} and engine.global_steps == 20
+    assert client_sd["step"] == 20 and engine.global_steps == 20  # the script's key, beside DeepSpeed's fields
+    assert client_sd["global_samples"] == engine.global_samples and client_sd["ds_version"] == deepspeed.__version__
