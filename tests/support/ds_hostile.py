@@ -111,11 +111,16 @@ def laughs(n: int) -> list[Any]:
     return x
 
 
+class Hung(BaseException):
+    """What `within` raises: not an OSError (TimeoutError is one), so code under test that catches
+    OSError or Exception cannot swallow it."""
+
+
 @contextlib.contextmanager
 def within(seconds: float) -> Iterator[None]:
-    """Raise TimeoutError in the block after `seconds` (a hang becomes a failure, not a stalled run)."""
+    """Raise Hung in the block after `seconds` (a hang becomes a failure, not a stalled run)."""
     def expire(*_: Any) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
+        raise Hung(f"still running after {seconds} s")
 
     old = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

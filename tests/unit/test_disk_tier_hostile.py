@@ -5,37 +5,17 @@ named like a run directory is left alone (its target too), a FIFO or a huge `own
 and an owner naming an impossible pid is not taken for a gone run."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-from collections.abc import Iterator
 
 import pytest
 
 from fz.storage import store
 
+from support.ds_hostile import within
+
 DEAD = 2**22 + 12345  # above Linux's largest pid: no such process
-
-
-class Hung(BaseException):
-    """Not an OSError (TimeoutError is one, and the code under test catches OSError)."""
-
-
-@contextlib.contextmanager
-def within(seconds: float) -> Iterator[None]:
-    """Raise Hung in the block after `seconds`: a blocking open becomes a failure, not a stalled run."""
-    def expire(*_: object) -> None:
-        raise Hung(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _run_dir(root, name: str, owner: object | None = None):
@@ -68,7 +48,7 @@ def test_a_gone_runs_directory_is_removed_and_nothing_else(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "huge", "link"])
 def test_an_owner_file_that_is_no_small_regular_file_is_not_read(kind, tmp_path):
-    """A FIFO with no writer would block the run's start forever (here: a TimeoutError after 60 s);
+    """A FIFO with no writer would block the run's start forever (here: ds_hostile's Hung after 60 s);
     a huge file would be read whole; a link reads a file elsewhere, which here names a gone run."""
     root = tmp_path / "shared"
     root.mkdir()
