@@ -85,8 +85,13 @@ class State:
             changes["master_flats"] = pack_master(self, changes.pop("master"))
         return dataclasses.replace(self, **changes)
 
+    @property
+    def donated_to(self) -> str | None:
+        """What this state was given up to (fz.train_step, a load that filled it in place), or None: live."""
+        return self.__dict__.get("_donated")
+
     def check_alive(self, what: str) -> None:
-        if to := self.__dict__.get("_donated"):
+        if to := self.donated_to:
             raise ConfigError(f"{what}: this state was donated to {to}; use the state it returned"
                               + ("" if to == "fz.train_step" else " (where it raised, there is none: make a new "
                                  "state with fz.init; a load that failed may have filled this one in part)"))
@@ -101,8 +106,8 @@ class State:
         self.__dict__.pop("master", None)
 
     def __repr__(self) -> str:
-        if self.__dict__.get("_donated"):
-            return f"State(donated to {self.__dict__['_donated']})"
+        if self.donated_to:
+            return f"State(donated to {self.donated_to})"
         n = sum(s.numel for b in self.plan.buckets for s in b.slots)
         mesh = "x".join(str(d) for d in self.plan.mesh.shape)
         return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "

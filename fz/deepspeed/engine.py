@@ -314,7 +314,7 @@ class DeepSpeedEngine:
         try:
             got = load(self.state, Path(load_dir), None if tag is None else str(tag))
         except (CheckpointError, NonFiniteError) as e:
-            if self.state.__dict__.get("_donated"):  # filled in part, then refused: the engine has no state left
+            if self.state.donated_to:  # filled in part, then refused: the engine has no state left
                 raise type(e)(f"{e}\nThe engine's state was loaded into in place and is given up: make the engine "
                               "again with deepspeed.initialize") from e
             raise

@@ -49,8 +49,8 @@ def _plain(x: Any, numbers: bool = True) -> Any:
     if isinstance(x, Lazy):
         return ds_pickle.materialize(x).item() if numbers and x.numel == 1 else ds_pickle.materialize(x)
     if isinstance(x, dict):
-        return type(x)((k, _plain(v, numbers)) for k, v in x.items()) if isinstance(x, collections.OrderedDict) \
-            else {k: _plain(v, numbers) for k, v in x.items()}
+        kind = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict  # param_shapes' order
+        return kind((k, _plain(v, numbers)) for k, v in x.items())
     if isinstance(x, list | tuple):
         return type(x)(_plain(v, numbers) for v in x)
     return x
