@@ -75,11 +75,12 @@ def _modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Modu
             yield from _modules(child, f"{prefix}{name}.")
 
 
-def ds_fields(model: nn.Module, config: Any, stage: int, global_samples: int, version: str) -> dict[str, Any]:
+def ds_fields(model: nn.Module, config: Any, stage: int, global_samples: int, version: str,
+              groups: tuple[tuple[str, ...], ...] = ()) -> dict[str, Any]:
     """The keys DeepSpeed's load_checkpoint returns beside the client's own (its `_common_checkpoint_state`
     less what it loads), for this model: the config as given, the version, the buffer names, the shapes
-    (as one parameter group). Its `frozen_param_fragments`, a copy of the frozen weights (which the state
-    holds), is None."""
+    (per parameter group: `groups`' names, or one group of all). Its `frozen_param_fragments`, a copy of the
+    frozen weights (which the state holds), is None."""
     named: OrderedDict[nn.Parameter, str] = OrderedDict()  # a parameter -> its first name (a later one: tied)
     shared: dict[str, str] = {}
     buffers: list[str] = []
@@ -96,8 +97,11 @@ def ds_fields(model: nn.Module, config: Any, stage: int, global_samples: int, ve
 
     def optimized(p: nn.Parameter) -> bool:  # DeepSpeed's is_optimized_parameter: trainable and not empty
         return p.requires_grad and p.numel() > 0
+    by_name = {k: p for p, k in named.items()}
+    order = groups or (tuple(by_name),)
     return {"buffer_names": buffers,
-            "param_shapes": [OrderedDict((k, p.shape) for p, k in named.items() if optimized(p))] if stage else None,
+            "param_shapes": [OrderedDict((k, by_name[k].shape) for k in g if k in by_name and optimized(by_name[k]))
+                             for g in order] if stage else None,
             "frozen_param_shapes": OrderedDict((k, p.shape) for p, k in named.items() if not optimized(p))
             if stage >= 2 else None,
             "shared_params": shared if stage else None, "frozen_param_fragments": None,

@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 class DeepSpeedEngine:
     """What `deepspeed.initialize` returns first. `engine.state` is the fz State."""
 
-    def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None, groups: int = 1,
-                 dataloader: Any = None, config: dict[str, Any] | None = None, given_config: Any = None):
+    def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None,
+                 groups: tuple[tuple[str, ...], ...] = (), dataloader: Any = None,
+                 config: dict[str, Any] | None = None, given_config: Any = None):
+        """`groups`: the parameter names of each group the script gave (none: one group)."""
         self.state = state
-        self.optimizer = EngineOptimizer(self, groups)
+        self.optimizer = EngineOptimizer(self, max(1, len(groups)))
+        self._groups = groups
         self.lr_scheduler = EngineSchedule(self)
         self.training_dataloader = dataloader
         self.config = dict(config or {})
@@ -325,7 +328,7 @@ class DeepSpeedEngine:
         self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         self._synced_step = -1
         fields = ds_fields(self._model, self._given_config, self.zero_optimization_stage(), self.global_samples,
-                           __version__)
+                           __version__, self._groups)
         return str(path), {**fields, **client_state}  # a DeepSpeed file's own fields are in its client_state
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",

@@ -119,7 +119,7 @@ def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model:
     built = client_optimizer(groups, model)
     w_mode = kind == "adamw" or bool(params.get("adam_w_mode", True))
     return ClientOptimizer("adamw" if w_mode else "adam", built.lr, built.betas, built.eps, built.weight_decay,
-                           built.decay, groups=built.groups)
+                           built.decay, groups=built.groups, members=built.members)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
@@ -168,7 +168,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     spec = fz.Spec.from_deepspeed(cfg, **auto)
     state = fz.init(model, spec)
     schedule = spec.provenance.objects.get("lr") if spec.provenance is not None else None
-    groups = auto["optimizer"].groups if isinstance(auto.get("optimizer"), ClientOptimizer) else 1
+    chosen = auto.get("optimizer")
+    groups = chosen.members if isinstance(chosen, ClientOptimizer) and chosen.groups > 1 else ()
     loader = None
     if training_data is not None:
         loader = EngineDataLoader(training_data, int(spec.micro_batch or 1), state.plan.rank, len(state.plan.ranks),

@@ -44,6 +44,7 @@ class ClientOptimizer:
     momentum: float = 0.0
     nesterov: bool = False
     groups: int = 1
+    members: tuple[tuple[str, ...], ...] = ()  # each group's parameter names, in its order (DeepSpeed's param_shapes)
 
     def __call__(self, lr: Any) -> GradientTransformation:
         wd, names = self.weight_decay, self.decay
@@ -106,9 +107,11 @@ def client_optimizer(opt: Any, model: nn.Module) -> ClientOptimizer:
                           f"group of the optimizer ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); "
                           "put them in a group, or set requires_grad=False to freeze them")
     decay = frozenset(n for n, d in grouped.items() if d)
+    members = tuple(tuple(names[id(p)] for p in g["params"] if id(p) in names) for g in groups)
     return ClientOptimizer(kind, float(first["lr"]), tuple(first.get("betas", (0.9, 0.999))),
                            float(first.get("eps", 1e-8)), wd, None if decay >= trainable else decay,
-                           float(first.get("momentum", 0.0) or 0.0), bool(first.get("nesterov", False)), len(groups))
+                           float(first.get("momentum", 0.0) or 0.0), bool(first.get("nesterov", False)), len(groups),
+                           members)
 
 
 def parameter_groups(model_parameters: Iterable[Any] | None, model: nn.Module, lr: float) -> Any:

@@ -1,5 +1,6 @@
 """fz.import_deepspeed (issue 25): checkpoints DeepSpeed 0.19.8 wrote (tests/data/deepspeed/: ZeRO 0-3,
-fp32 and bf16, world 2, a tied embedding and a frozen layer) restored into fz at world 1, 2 and 4 and
+fp32 and bf16, world 2, a tied embedding and a frozen layer; some with two parameter groups, as the Trainer
+gives DeepSpeed) restored into fz at world 1, 2 and 4 and
 every ZeRO stage.
 
 The weights equal DeepSpeed's own zero_to_fp32 output (and the live engine's fp32 masters) exactly;
@@ -24,10 +25,12 @@ WORLDS = (1, 2, 4)
 
 def _stages(world: int) -> dict[str, list[int]]:
     """Every fixture into every stage at worlds 1 and 2; at world 4 (slow on CI's two cores) each
-    fixture into one stage, every stage twice."""
+    fixture into one stage, every stage twice. The fixtures trained with two parameter groups go
+    into stages 0 and 3 at worlds 1 and 2, and one stage each at world 4."""
+    grouped = sorted(m.GROUPED)
     if world < 4:
-        return {name: [0, 1, 2, 3] for name in m.FIXTURES}
-    return {name: [i % 4] for i, name in enumerate(sorted(m.FIXTURES))}
+        return {name: [0, 1, 2, 3] for name in m.FIXTURES} | {name: [0, 3] for name in grouped}
+    return {name: [i % 4] for i, name in enumerate(sorted(m.FIXTURES))} | {n: [i] for i, n in enumerate(grouped)}
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,20 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path)) if path.exists() else {}
 
 
-def _spec(stage: int, precision: str, world: int):
+def _spec(stage: int, precision: str, world: int, grouped: bool = False):
+    """The fixture's config at `world`; `grouped`: its weight decay only on the decay group, as
+    deepspeed.initialize (fz's too) reads Hugging Face's two groups."""
     import fz
+    from fz.deepspeed.optimizers import ClientOptimizer
     cfg = m.ds_config(stage, precision, m.WORLD)
     cfg.update(train_micro_batch_size_per_gpu=ROWS // world, train_batch_size=ROWS)
-    return fz.Spec.from_deepspeed(cfg).replace(loss_fn=lambda model, tokens: m.lm_loss(model(tokens), tokens))
+    auto = {}
+    if grouped:
+        adam = cfg.pop("optimizer")["params"]
+        decay = frozenset(n for n, p in m.TinyLM().named_parameters() if p.requires_grad and not n.endswith(m.NO_DECAY))
+        auto = {"lr": adam["lr"], "optimizer": ClientOptimizer("adamw", adam["lr"], tuple(adam["betas"]), adam["eps"],
+                                                               adam["weight_decay"], decay)}
+    return fz.Spec.from_deepspeed(cfg, **auto).replace(loss_fn=lambda model, tokens: m.lm_loss(model(tokens), tokens))
 
 
 def _moments(state) -> dict[str, torch.Tensor]:
@@ -48,7 +57,7 @@ def one(name: str, stage: int, rank: int, world: int) -> dict[str, Any]:
     import fz
     src = DATA / name
     record = json.loads((src / "record.json").read_text())
-    state = fz.init(m.TinyLM(seed=1), _spec(stage, record["precision"], world))
+    state = fz.init(m.TinyLM(seed=1), _spec(stage, record["precision"], world, bool(record.get("grouped"))))
     state, client = fz.import_deepspeed(state, src / "ckpt")
     full = fz.full_params(state)
     z2f, engine = _read(src / "zero_to_fp32.safetensors"), _read(src / "engine.safetensors")

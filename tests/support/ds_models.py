@@ -86,3 +86,17 @@ def ds_config(stage: int, precision: str, world: int = WORLD) -> dict:
 
 FIXTURES = {f"stage{s}_{p}": (s, p) for s in (1, 2, 3) for p in ("fp32", "bf16")} | {"stage0_fp32": (0, "fp32"),
                                                                                       "stage0_bf16": (0, "bf16")}
+# trained with two parameter groups, as Hugging Face's Trainer gives DeepSpeed (`param_groups`)
+GROUPED = {"stage0_fp32_groups": (0, "fp32"), "stage1_fp32_groups": (1, "fp32"), "stage2_bf16_groups": (2, "bf16"),
+           "stage3_bf16_groups": (3, "bf16")}
+NO_DECAY = ("bias", "norm.weight")  # the names Hugging Face's Trainer leaves out of weight decay (biases, norms)
+
+
+def param_groups(model: nn.Module, grouped: bool) -> list:
+    """`model_parameters` for deepspeed.initialize: the trainable parameters, or (grouped) the
+    weight-decay group and the no-decay group (biases and norms, weight_decay 0), decay first."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not grouped:
+        return [p for _, p in trainable]
+    return [{"params": [p for n, p in trainable if not n.endswith(NO_DECAY)], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for n, p in trainable if n.endswith(NO_DECAY)], "weight_decay": 0.0}]

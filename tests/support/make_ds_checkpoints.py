@@ -4,8 +4,8 @@ Run with a python that has DeepSpeed (CPU is enough):
 
     DS_ACCELERATOR=cpu PYTHONPATH=. /work/venv-ds/bin/python tests/support/make_ds_checkpoints.py [NAME ...]
 
-For each fixture (ds_models.FIXTURES) two ranks (gloo) train 3 steps, `save_checkpoint` with a
-client state, then train two more steps. Written to tests/data/deepspeed/<name>/:
+For each fixture (ds_models.FIXTURES, and GROUPED: two parameter groups) two ranks (gloo) train 3
+steps, `save_checkpoint` with a client state, then train two more steps. Written to tests/data/deepspeed/<name>/:
   ckpt/             the save_dir as DeepSpeed wrote it (its copies of zero_to_fp32.py and
                     zero_to_torch.py removed)
   zero_to_fp32.safetensors   DeepSpeed's get_fp32_state_dict_from_zero_checkpoint (where it runs)
@@ -41,10 +41,10 @@ def _rank(name: str, rank: int, out: Path) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    stage, precision = m.FIXTURES[name]
+    stage, precision = (m.FIXTURES | m.GROUPED)[name]
     deepspeed.init_distributed(dist_backend="gloo")
     model = m.TinyLM()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=m.param_groups(model, name in m.GROUPED),
                                       config=m.ds_config(stage, precision))
     losses = []
 
@@ -58,6 +58,11 @@ def _rank(name: str, rank: int, out: Path) -> None:
         losses.append(step(i))
     engine.save_checkpoint(str(out / "ckpt"), client_state=dict(CLIENT_STATE))
     ref = _stage0_reference(engine) if stage == 0 else {}
+    if getattr(engine.optimizer, "_hp_optimizer_states_linked", False):
+        # ZeRO 1/2 link each parameter to its moments once, after the first group's first update: a later
+        # group has no moments yet then, and safe_get_full_optimizer_state finds none; link them again
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     for pname, p in engine.module.named_parameters() if stage else ():
         full = safe_get_full_fp32_param(p)
         if full is not None:
@@ -122,12 +127,13 @@ def make(name: str, out_root: Path = OUT, world: int = 2) -> Path:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r in range(world):
         (out / f"rank{r}.json").unlink()
-    stage, precision = m.FIXTURES[name]
+    stage, precision = (m.FIXTURES | m.GROUPED)[name]
     import deepspeed
     record = {"name": name, "stage": stage, "precision": precision, "world": world, "steps": STEPS,
               "losses": [r["losses"] for r in ranks], "next_loss": [r["next_loss"] for r in ranks],
               "next_losses": [r["next_losses"] for r in ranks],
               "client_state": CLIENT_STATE, "config": m.ds_config(stage, precision, world),
+              "grouped": name in m.GROUPED,
               "deepspeed": deepspeed.__version__, "zero_to_fp32": _zero_to_fp32(out)}
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     return out
@@ -167,8 +173,8 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os._exit(0)  # its files are written; DeepSpeed's bf16 stage-1 threads can abort the interpreter's teardown
     sys.path.insert(0, str(ROOT))
-    from tests.support.ds_models import FIXTURES
-    names = sys.argv[1:] or list(FIXTURES)
+    from tests.support.ds_models import FIXTURES, GROUPED
+    names = sys.argv[1:] or list(FIXTURES | GROUPED)
     for n in names:
         print(n, make(n), flush=True)
     if not sys.argv[1:] or "stage2_fp32" in names:

@@ -2,7 +2,9 @@
 
 tests/data/deepspeed/<name>/ (made by tests/support/make_ds_checkpoints.py) holds each
 checkpoint, DeepSpeed's own zero_to_fp32 output of it and the live engine's full fp32 masters
-and Adam moments at the save: every value fz reads must equal them exactly.
+and Adam moments at the save: every value fz reads must equal them exactly. The `_groups`
+fixtures were trained with Hugging Face's two parameter groups (weight decay, and none for biases
+and norms), which a stage-0 file lists unnamed and interleaved.
 """
 from __future__ import annotations
 
@@ -22,11 +24,29 @@ from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.ckpt.export import consolidate
 from fz.errors import CheckpointError
 
+from support import ds_models as m
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 NAMES = sorted(p.name for p in DATA.iterdir() if (p / "record.json").is_file())
 PARAMS = ["embed.weight", "blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.0.up.weight", "blocks.0.up.bias",
           "blocks.0.down.weight", "blocks.0.down.bias", "blocks.1.norm.weight", "blocks.1.norm.bias",
           "blocks.1.up.weight", "blocks.1.up.bias", "blocks.1.down.weight", "blocks.1.down.bias"]
+
+
+# the trainable names, as a target model gives them to place a stage-0 file's unnamed parameters (tied alias too)
+TRAINABLE = frozenset(PARAMS) | {"head.weight"}
+
+
+def _params(name: str) -> list[str]:
+    """The order DeepSpeed lists them in: group after group (ds_models.param_groups)."""
+    if not _record(name).get("grouped"):
+        return PARAMS
+    no_decay = [n for n in PARAMS if n.endswith(m.NO_DECAY)]
+    return [n for n in PARAMS if n not in no_decay] + no_decay
+
+
+def _open(name: str) -> DeepSpeedCheckpoint:
+    return DeepSpeedCheckpoint(DATA / name / "ckpt", trainable=TRAINABLE)
 
 
 def full(ck: DeepSpeedCheckpoint, name: str, kind: str = "fp32") -> torch.Tensor:
@@ -46,7 +66,7 @@ def _record(name: str) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_fields(name: str) -> None:
     rec = _record(name)
-    with DeepSpeedCheckpoint(DATA / name / "ckpt") as ck:
+    with _open(name) as ck:
         assert (ck.stage, ck.precision, ck.world) == (rec["stage"], rec["precision"], rec["world"])
         assert ck.tag == "global_step3" and ck.path == DATA / name / "ckpt" / "global_step3"
         assert (ck.global_steps, ck.global_samples, ck.skipped_steps) == (3, 12, 0)
@@ -60,7 +80,7 @@ def test_fields(name: str) -> None:
                                         "checkpoint_parallel_dimensions", "ds_config", "ds_version"}
         assert ck.lr_scheduler == {"last_batch_iteration": 2}
         assert ck.ds_config == rec["config"]
-        assert list(ck.params) == PARAMS
+        assert list(ck.params) == _params(name)
         assert ck.frozen == {"frozen.weight": (12, 12), "frozen.bias": (12,)}
         assert ck.shared == {"head.weight": "embed.weight"}
         assert list(ck.buffers) == ["scale"] and torch.equal(ck.buffers["scale"], torch.linspace(0.5, 1.5, 12))
@@ -73,7 +93,7 @@ def test_values_equal_deepspeed(name: str) -> None:
     """Masters and moments equal the live engine's; params, frozen params and aliases equal zero_to_fp32's."""
     engine = load_file(DATA / name / "engine.safetensors")
     assert len(engine) == 3 * len(PARAMS)
-    with DeepSpeedCheckpoint(DATA / name / "ckpt") as ck:
+    with _open(name) as ck:
         for key, want in engine.items():
             kind, param = key.split("/", 1)
             assert torch.equal(full(ck, param, kind), want), key

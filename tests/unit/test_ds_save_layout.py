@@ -151,20 +151,27 @@ def test_a_tag_deepspeed_wrote_stays_readable_while_fz_replaces_it(tmp_path):
     assert _same(_weights(again), _weights(engine))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_load_checkpoint_returns_the_fields_deepspeeds_own_file_holds(tmp_path, stage):
+@pytest.mark.parametrize("name", ["stage0_fp32", "stage1_fp32", "stage2_fp32", "stage3_fp32", "stage0_fp32_groups",
+                                  "stage1_fp32_groups", "stage2_bf16_groups", "stage3_bf16_groups"])
+def test_load_checkpoint_returns_the_fields_deepspeeds_own_file_holds(tmp_path, name):
     """DeepSpeed's load_checkpoint returns its file's own fields beside the client's keys (scripts read
     ds_config or global_samples, Megatron-DeepSpeed its client key "iteration"). The engine returns
-    them from a DeepSpeed checkpoint, and from its own the same values for the same model and stage."""
+    them from a DeepSpeed checkpoint, and from its own the same values for the same model and stage,
+    its param_shapes one per parameter group the script gave (Hugging Face's two, in `_groups`)."""
     from support import ds_models as m
     from support.ds_import_jobs import DATA, ROWS
-    cfg = {**m.ds_config(stage, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
-    engine, *_ = deepspeed.initialize(model=m.TinyLM(seed=5), config=cfg)
-    _, theirs = engine.load_checkpoint(DATA / f"stage{stage}_fp32" / "ckpt")
+    stage, precision = (m.FIXTURES | m.GROUPED)[name]
+    cfg = {**m.ds_config(stage, precision), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+
+    def initialize(seed):
+        model = m.TinyLM(seed=seed)
+        groups = m.param_groups(model, name in m.GROUPED)
+        return deepspeed.initialize(model=model, config=cfg, model_parameters=groups)[0]
+    engine = initialize(5)
+    _, theirs = engine.load_checkpoint(DATA / name / "ckpt")
     assert engine.global_samples == theirs["global_samples"] == 12  # the file's count, as DeepSpeed's engine takes it
     engine.save_checkpoint(tmp_path, client_state={"iteration": 7})
-    again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
-    _, ours = again.load_checkpoint(tmp_path)
+    _, ours = initialize(6).load_checkpoint(tmp_path)
     assert set(ours) == set(theirs) - {"step", "note"} | {"iteration"} and ours["iteration"] == 7
 
     def plain(v):  # shapes as tuples (DeepSpeed's torch.Size, read back as tuples), in their order
@@ -174,7 +181,9 @@ def test_load_checkpoint_returns_the_fields_deepspeeds_own_file_holds(tmp_path, 
               "frozen_param_fragments", "ds_version", "global_samples"):
         assert plain(ours[k]) == plain(theirs[k]), k
     assert [plain(g) for g in ours["param_shapes"] or []] == [plain(g) for g in theirs["param_shapes"] or []]
-    assert ours["ds_config"] == cfg and theirs["ds_config"] == m.ds_config(stage, "fp32")
+    if stage:
+        assert len(theirs["param_shapes"]) == (2 if name in m.GROUPED else 1)
+    assert ours["ds_config"] == cfg and theirs["ds_config"] == m.ds_config(stage, precision)
 
 
 def test_a_client_state_saved_back_does_not_carry_stale_deepspeed_fields(tmp_path):

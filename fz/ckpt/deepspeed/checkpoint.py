@@ -12,7 +12,7 @@ import collections
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from fz.ckpt.deepspeed import fields
 from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.deepspeed import layout as ds_layout
+from fz.ckpt.deepspeed import match as ds_match
 from fz.ckpt.deepspeed import ranks as ds_ranks
 from fz.ckpt.deepspeed import unpickle as ds_pickle
 from fz.ckpt.deepspeed.layout import Piece
@@ -59,7 +60,12 @@ def _plain(x: Any, numbers: bool = True) -> Any:
 class DeepSpeedCheckpoint:
     """What a DeepSpeed checkpoint holds (fields below) and `read` for its parameters' values."""
 
-    def __init__(self, path: str | os.PathLike[str], tag: str | None = None):
+    def __init__(self, path: str | os.PathLike[str], tag: str | None = None,
+                 trainable: Collection[str] | None = None):
+        """`trainable`: the names (aliases too) the target model trains, if known: they place a stage-0
+        file's unnamed optimizer parameters where shape and value leave several ways."""
+        self._trainable = None if trainable is None else frozenset(trainable)
+        self.unplaced: str | None = None  # why the moments are not read, though the file holds them
         self.path, self.tag = ds_files.resolve(Path(path), tag)
         ds_files.refuse_parallel(self.path)
         self._model_file = ds_files.model_file(self.path)
@@ -275,7 +281,7 @@ class DeepSpeedCheckpoint:
         opt = self._m.get("optimizer")
         self.stage = 0
         if isinstance(opt, dict) and "fp32_groups" in opt:
-            masters = [t for g in opt["fp32_groups"] for t in g]
+            groups = [list(g) for g in opt["fp32_groups"]]
             torch_sd = opt.get("optimizer_state_dict") or {}
             self.loss_scaler = {"cur_scale": opt.get("cur_scale"), "dynamic": opt.get("dynamic_loss_scale")}
             self._scaler_file = self._model_file
@@ -283,44 +289,30 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self._model_file}: a stage-0 {self.precision} optimizer with flat fp32 groups "
                                   "(DeepSpeed's fused FP16_Optimizer): not supported")
         else:
-            masters, torch_sd = [], opt if isinstance(opt, dict) else {}
+            groups, torch_sd = [], opt if isinstance(opt, dict) else {}
         state = torch_sd.get("state") or {}
-        ids = [i for g in torch_sd.get("param_groups") or [] for i in g["params"]]
-        shapes = [t.shape for t in masters] or [state[i]["exp_avg"].shape if i in state else None for i in ids]
-        names = self._match(shapes)
+        ids = [list(g["params"]) for g in torch_sd.get("param_groups") or []]
+        shapes = [[t.shape for t in g] for g in groups] or \
+            [[state[i]["exp_avg"].shape if i in state else None for i in g] for g in ids]
+        names, placed = ds_match.stage0_names(self._module, set(self.buffers), shapes, groups, self._trainable,
+                                              self._model_file)
+        masters = [t for g in groups for t in g]
         for i, name in enumerate(names):
             self.params[name] = self._module[name].shape
             self._pieces.setdefault("fp32", {})[name] = ds_layout.whole(masters[i] if masters else self._module[name])
-        first = state.get(ids[0]) if ids else None
-        if first:
+        order = [i for g in ids for i in g]
+        first = state.get(order[0]) if order else None
+        if first and not placed:
+            self.unplaced = (f"{self._model_file}: the optimizer's {len(names)} parameters fit the module's tensors in "
+                             "more than one way by shape, and a stage-0 file does not name them, so their Adam moments "
+                             "cannot be placed (the weights are named, and read)")
+        elif first:
             self.moments = tuple(k for k in _MOMENTS if isinstance(first.get(k), Lazy))
             for kind in self.moments:
-                self._pieces[kind] = {n: ds_layout.whole(state[ids[i]][kind]) for i, n in enumerate(names)}
+                self._pieces[kind] = {n: ds_layout.whole(state[order[i]][kind]) for i, n in enumerate(names)}
+        if first:
             self.optimizer_step = self._step(first, self._model_file)
         self._frozen_module(None)
-
-    def _match(self, shapes: list[tuple[int, ...] | None]) -> list[str]:
-        """The module names of the optimizer's params, in order: DeepSpeed's stage-0 files do not
-        name them, so the module's tensors (buffers, tied aliases left out) are matched in order
-        by shape; those skipped are the frozen ones."""
-        seen: set[tuple[int, int]] = set()
-        names = []
-        for name, t in self._module.items():
-            if name in self.buffers or not isinstance(t, Lazy) or (t.at, t.offset) in seen:
-                continue
-            seen.add((t.at, t.offset))
-            names.append(name)
-        if not shapes:
-            return names
-        out, i = [], 0
-        for name in names:
-            if i < len(shapes) and (shapes[i] is None or shapes[i] == tuple(self._module[name].shape)):
-                out.append(name)
-                i += 1
-        if i != len(shapes):
-            raise CheckpointError(f"{self._model_file}: the optimizer's {len(shapes)} parameters do not match the "
-                                  f"module's tensors in order and shape (matched {i})")
-        return out
 
     def _read_universal(self) -> None:
         """ds_to_universal's zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, one file per tensor."""

@@ -81,6 +81,12 @@ def _moment_places(state: State) -> dict[str, dict[str, list[Place]]]:
     return out
 
 
+def _trainable(state: State) -> set[str]:
+    """The names (aliases too) of the state's trainable parameters."""
+    canon = {s.name for b in state.plan.buckets if b.trainable for s in b.slots}
+    return canon | {name for name, c in state.skeleton.aliases.items() if c in canon}
+
+
 def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     """{fz canonical name: the DeepSpeed name holding its value}, and the differences."""
     stored = {**ck.params, **ck.frozen}
@@ -139,12 +145,14 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
 
     expect_state(state, "fz.import_deepspeed")
     template, state = state, block_until_ready(state)  # loaded in place: no bucket may still be arriving
-    with DeepSpeedCheckpoint(path, tag) as ck:
+    with DeepSpeedCheckpoint(path, tag, trainable=_trainable(state)) as ck:
         pairs, problems = _pairs(ck, state)
         moments = _moment_places(state)
         if ck.moments and not moments:
             problems.append(f"the checkpoint holds {', '.join(ck.moments)} but this state's optimizer keeps no "
                             "Adam moments (fz.optim.adam/adamw)")
+        if ck.unplaced and moments:
+            problems.append(ck.unplaced + "; this model's trainable parameters do not tell them apart either")
         if problems:
             msg = (f"DeepSpeed checkpoint {ck.path} does not match this state ({len(problems)} differences): "
                    + "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else ""))
