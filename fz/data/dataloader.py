@@ -70,6 +70,13 @@ class Loader:
                               f"position in a dict entry ({self.key!r})")
         return state.replace(data={**state.data, self.key: position or self.state_dict()})
 
+    def seek(self, epoch: int, index: int = 0) -> None:
+        """The next iteration starts at sample `index` of `epoch` (the position a run skipping the rest
+        of an epoch goes on from)."""
+        if epoch < 0 or index < 0:
+            raise ConfigError(f"fz.data: seek({epoch}, {index}): the epoch and the index are >= 0")
+        self._pos = (int(epoch), int(index))
+
     def __iter__(self) -> Iterator[Any]:
         """Batches from the current position on; the position advances as each one is handed out."""
         epoch, index = self._pos

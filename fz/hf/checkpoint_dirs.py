@@ -56,9 +56,14 @@ def publish(run_dir: str, step: int) -> str:
     return final
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")  # save_only_model's
+
+
 def complete(folder: str | Path) -> bool:
+    """A published checkpoint: fz's checkpoint, or (save_only_model) the weights, with the trainer state."""
     folder = Path(folder)
-    return (folder / FZ_DIR).is_dir() and (folder / STATE_FILE).is_file()
+    held = (folder / FZ_DIR).is_dir() or any((folder / w).is_file() for w in WEIGHTS)
+    return held and (folder / STATE_FILE).is_file()
 
 
 def numbered(run_dir: str | Path) -> list[tuple[int, Path]]:

@@ -61,13 +61,14 @@ def steps_per_epoch(args: Any, dataset: Any) -> int | None:
     return layout(args).steps_in(len(dataset)) if hasattr(dataset, "__len__") else None
 
 
-def epoch_progress(args: Any, position: dict[str, Any], size: int | None) -> float:
-    """transformers' `state.epoch` after a step: the epoch plus the share of its micro-batches done."""
+def epoch_progress(args: Any, position: dict[str, Any], size: int | None, max_steps: int) -> float:
+    """transformers' `state.epoch` after a step: the epoch plus the share of its micro-batches done
+    (of an iterable dataset's, max_steps x gradient_accumulation_steps, as transformers counts them)."""
     epoch, index = int(position["epoch"]), int(position["index"])
-    if not size:
-        return float(epoch)
     lay = layout(args)
     whole = lay.world * int(args.per_device_train_batch_size)  # samples of one micro-batch of every rank
+    if not size:
+        return epoch + math.ceil(index / whole) / (max_steps * int(args.gradient_accumulation_steps))
     kept = size - (size % lay.global_rows) + lay.take(size % lay.global_rows)
     done = min(index, kept)
     return epoch + math.ceil(done / whole) / math.ceil(kept / whole)

@@ -57,6 +57,11 @@ class AsAccelerate:
     def attach(self, state: fz.State) -> fz.State:
         return self.loader.attach(state, position=self._position)
 
+    def seek(self, epoch: int) -> None:
+        """The next iteration reads `epoch` from its start (a callback's should_epoch_stop)."""
+        self.loader.seek(epoch)
+        self._position, self.ends_epoch = self.loader.state_dict(), False
+
     def _done(self, x: Any) -> Any:
         return self.collate(x.samples) if isinstance(x, Rows) else x
 

@@ -46,15 +46,16 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data, draws
+from fz.hf import counts, data, draws, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
+from fz.hf.views import TrainerOptimizer, TrainerSchedule, next_lr
 from fz.observe.full_params import iter_full_params
-from fz.rng import capture, restore
+from fz.rng import restore
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -141,6 +142,8 @@ class Trainer(transformers.Trainer):
             spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec,
                                   decay_names=self.get_decay_parameter_names(model))
             self._one_checkpointing(spec)
+            if spec.clip_grad_norm is None:  # max_grad_norm=0: transformers logs the norm all the same
+                spec = spec.replace(clip_grad_norm=math.inf)
             self.fz_state = fz.init(model, spec.replace(loss_fn=self._loss, accumulate="sum"))
             shard_second_models(self, model, self.fz_state.spec)  # TRL's ref_model, ...: inference-only States
         return self.fz_state
@@ -196,8 +199,12 @@ class Trainer(transformers.Trainer):
         self._one_checkpointing(state.spec)
         resumed_rng = None  # the generator saved with the checkpoint, set as transformers sets it on resuming
         if resume_from_checkpoint is not None:
-            state = self._resume(state, resume_from_checkpoint)
+            state = trainer_checkpoints.resume(self, state, resume_from_checkpoint)
             resumed_rng = state.rng
+        elif int(state.step):  # train() again: transformers keeps the optimizer, makes a new schedule, reads anew
+            unread = {k: v for k, v in state.data.items() if k != "loader"} if isinstance(state.data, dict) else {}
+            state = state.replace(step=torch.zeros_like(state.step), data=unread,
+                                  opt_state=fz.optim.restart_schedule(state.opt_state))
         self.state.init_training_references(self, max_steps, epochs, trial)
         self.fz_state = state
         self._loader = self._train_loader()
@@ -205,6 +212,9 @@ class Trainer(transformers.Trainer):
             restore(resumed_rng, state.plan.device)
             resumed_rng = None
         self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader
+        self.optimizer = self.callback_handler.optimizer = TrainerOptimizer(self._next_lr)  # type: ignore[assignment]
+        self.lr_scheduler = self.callback_handler.lr_scheduler = TrainerSchedule(  # type: ignore[assignment]
+            self._next_lr, lambda: self.state.global_step)
         start, first = time.time(), self.state.global_step
         self._fz_running, self._fz_total, self._fz_logged_at = 0.0, 0.0, first  # transformers' loss accounting
         log.info("fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s",
@@ -231,14 +241,26 @@ class Trainer(transformers.Trainer):
             self._before_step(batches)
             self.fz_state, _ = draws.train_step(self.fz_state, batches)
             self._add_losses()
+            # transformers' hooks in its order; fz's update is one call, so they come after it
+            for _ in range(len(batches) - 1):
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             self.state.global_step += 1
-            self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size)
+            self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size, max_steps)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
-            if self._loader.ends_epoch:  # before the next epoch's reads, as transformers ends an epoch
+            stop_epoch = self.control.should_epoch_stop and not self._loader.ends_epoch
+            if self._loader.ends_epoch or stop_epoch:  # before the next epoch's reads, as transformers ends one
                 open_epoch = False
                 self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
                 self._log_save_evaluate(trial, ignore_keys_for_eval)
+            if (stop_epoch or self._loader.ends_epoch) and per_epoch and self._loader.epoch + 1 >= epochs:
+                break  # the last epoch ended (by a callback, before max_steps too), as transformers' epoch loop
+            if stop_epoch:  # a callback ended the epoch: the next one from its start
+                reading.close()
+                self._loader.seek(self._loader.epoch + 1)
+                reading = iter(self._loader)
         if open_epoch:  # stopped within an epoch: transformers ends it all the same
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
@@ -252,6 +274,9 @@ class Trainer(transformers.Trainer):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _next_lr(self) -> float:
+        return next_lr(self.fz_ready())
 
     def _add_losses(self) -> None:
         """The step's micro-batch losses added to this rank's running loss as transformers adds them: a
@@ -295,48 +320,10 @@ class Trainer(transformers.Trainer):
 
     # ---------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """`checkpoint-N/`: fz's checkpoint of the State with the data position, the trainer
-        state, config and tokenizer, written as `tmp-checkpoint-N/` and renamed when complete;
-        older ones rotated out as save_total_limit says."""
-        run_dir = self._get_output_dir(trial=trial)
-        step = self.state.global_step
-        writes = self.args.should_save
-        if writes:
-            dirs.clear_staging(run_dir, step)  # a crashed save's leftovers; the others wait in fz.save's check-in
-        state = self._loader.attach(self.fz_state) if self._loader is not None else self.fz_ready()
-        state = state.replace(rng=capture(state.plan.device))  # the generator now, as transformers' rng_state
-        staging = dirs.staging_dir(run_dir, step)
-        fz.save(state, os.path.join(staging, FZ_DIR), verbose=False)
-        best = self.state.best_global_step
-        if best and (best == step or dirs.complete(dirs.final_dir(run_dir, best))):
-            self.state.best_model_checkpoint = dirs.final_dir(run_dir, best)
-        if not writes:
-            return
-        callbacks: Any = self.state.stateful_callbacks  # {class name: state, or a list of them}
-        for cb in [*self.callback_handler.callbacks, self.control]:
-            if isinstance(cb, ExportableState):
-                name = cb.__class__.__name__
-                saved = callbacks.get(name)
-                if isinstance(saved, list):
-                    saved.append(cb.state())
-                else:
-                    callbacks[name] = cb.state()
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(staging)
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(staging)
-        self.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
-        dirs.publish(run_dir, step)
-        dirs.rotate(run_dir, self.args.save_total_limit, keep=self.state.best_model_checkpoint)
-
-    def _resume(self, state: fz.State, checkpoint: str) -> fz.State:
-        restored = fz.restore(state, os.path.join(checkpoint, FZ_DIR), verbose=False)
-        assert isinstance(restored, fz.State)
-        self.state = TrainerState.load_from_json(os.path.join(checkpoint, dirs.STATE_FILE))
-        self._load_callback_state()
-        self.state.global_step = int(restored.step)
-        return restored
+        """`checkpoint-N/` (fz/hf/trainer_checkpoints.py): fz's checkpoint of the State with the data
+        position, the trainer state, config, tokenizer and arguments, written as `tmp-checkpoint-N/`
+        and renamed when complete; older ones rotated out as save_total_limit says."""
+        trainer_checkpoints.save_checkpoint(self, trial)
 
     # ---------------------------------------------------------------- evaluation and the model
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -387,6 +374,6 @@ class Trainer(transformers.Trainer):
             return super().save_model(output_dir, _internal_call)
         self._check_in("save_model")
         out = output_dir or str(self.args.output_dir)
-        save_pretrained(self.fz_state, out, model=self._model(), processing_class=self.processing_class)
+        save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self))
         if self.args.should_save:
             torch.save(self.args, os.path.join(out, "training_args.bin"))

@@ -28,6 +28,7 @@ from fz.optim.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
     current_lr,
+    restart_schedule,
     scale_by_adam,
     scale_by_learning_rate,
     scale_to_max_norm,
@@ -38,7 +39,7 @@ __all__ = [
     "GradientTransformation", "chain", "apply_updates", "global_norm", "masked", "owned", "sum_across_shards",
     "adam", "adamw", "sgd", "lion", "lamb", "adafactor",
     "add_decayed_weights", "clip_by_global_norm", "scale_by_adam", "scale_by_lamb", "scale_by_lion",
-    "scale_by_learning_rate", "scale_to_max_norm", "trace", "current_lr",
+    "scale_by_learning_rate", "scale_to_max_norm", "trace", "current_lr", "restart_schedule",
     "schedules", "constant", "linear", "cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
     "LRRangeTest", "warmup_linear",
 ]

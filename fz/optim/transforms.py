@@ -207,3 +207,18 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return dict(zip(keys, u)), state
 
     return GradientTransformation(init, update)
+
+
+def restart_schedule(opt_state: Any) -> Any:
+    """`opt_state` with every learning-rate schedule (`scale_by_learning_rate`'s count) back at its
+    first update; the moments and Adam's bias-correction count kept. transformers' second
+    `train()`: a new scheduler over the same optimizer."""
+    if isinstance(opt_state, LearningRateState):
+        return LearningRateState(torch.zeros_like(opt_state.count), opt_state.lr)
+    if isinstance(opt_state, tuple) and hasattr(opt_state, "_fields"):
+        return type(opt_state)(*(restart_schedule(x) for x in opt_state))
+    if isinstance(opt_state, tuple | list):
+        return type(opt_state)(restart_schedule(x) for x in opt_state)
+    if isinstance(opt_state, dict):
+        return {k: restart_schedule(v) for k, v in opt_state.items()}
+    return opt_state

@@ -1,0 +1,81 @@
+"""`trainer.optimizer` and `trainer.lr_scheduler` of fz.hf.Trainer: read-only views of the State.
+
+transformers hands its optimizer and scheduler to every callback (`kwargs["lr_scheduler"]
+.get_last_lr()`, `kwargs["optimizer"].param_groups[0]["lr"]` are common lines). fz's optimizer
+is a pure transformation inside `trainer.fz_state`, so these views read it: the lr the next
+update will use, as transformers' scheduler gives it once it has stepped. Stepping them, or
+setting an lr by hand, would not reach fz's update: an error, not a silent no-op.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import fz
+from fz.errors import ConfigError
+from fz.optim.base import lr_at
+
+
+def next_lr(state: fz.State) -> float:
+    """The lr of `state`'s next update: its schedule at the updates applied so far (skipped ones
+    do not step it, as transformers' scheduler skips them), else the last one applied."""
+    prov = state.spec.provenance
+    schedule: Any = None
+    if prov is not None:
+        schedule = prov.objects.get("lr")
+        if schedule is None and "scheduler" in prov:
+            schedule = prov["scheduler"][0]
+    if not callable(schedule) and not isinstance(schedule, int | float):
+        return fz.optim.current_lr(state)
+    skipped = int(state.scaler["skipped"]) if state.scaler and "skipped" in state.scaler else 0
+    return lr_at(schedule, int(state.step) - skipped)
+
+
+class _Group(dict):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise ConfigError(f"trainer.optimizer.param_groups[i][{key!r}] = ...: fz's lr comes from the arguments' "
+                          "schedule (lr_scheduler_type) or the DeepSpeed config's \"scheduler\"; setting it by hand "
+                          "does not reach fz's update")
+
+
+class TrainerOptimizer:
+    """What callbacks read of transformers' optimizer: `param_groups` (the decay and no-decay groups,
+    each with the next update's lr)."""
+
+    def __init__(self, lr: Callable[[], float]):
+        self._lr = lr
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [_Group({"lr": self._lr()}), _Group({"lr": self._lr()})]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: gradients live only inside a step."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError("trainer.optimizer.step(): fz.train_step updates the State in the Trainer's loop")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ConfigError("the optimizer's state is in trainer.fz_state.opt_state; checkpoints save it")
+
+
+class TrainerSchedule:
+    """What callbacks read of transformers' scheduler: `get_last_lr()` (the next update's lr) and
+    `last_epoch` (the updates applied)."""
+
+    def __init__(self, lr: Callable[[], float], count: Callable[[], int]):
+        self._lr, self._count = lr, count
+
+    def get_last_lr(self) -> list[float]:
+        return [self._lr(), self._lr()]
+
+    @property
+    def last_epoch(self) -> int:
+        return self._count()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError("trainer.lr_scheduler.step(): the schedule follows the State's updates in the Trainer's "
+                          "loop; a second step would not reach fz's update")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch}

@@ -1,0 +1,153 @@
+"""fz.hf.Trainer's control flow against transformers.Trainer's own run of the same script, one
+process: the callbacks it calls and what they are handed, a callback ending an epoch, train()
+called twice, resuming with ignore_data_skip, an iterable dataset's epochs, the norm logged
+without clipping, and what checkpoints and save_model write."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import TrainerCallback
+
+import fz.hf
+from fz.errors import ConfigError
+
+from support import hf_pipeline as hp
+
+EVENTS = ("on_epoch_begin", "on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
+          "on_step_end", "on_epoch_end")
+
+
+class Recorder(TrainerCallback):
+    """The events in order, and at each step's end what a callback reads of the optimizer and schedule."""
+
+    def __init__(self, stop_epoch_at: int | None = None):
+        self.events: list[str] = []
+        self.lrs: list[tuple[float, float]] = []
+        self.stop_epoch_at = stop_epoch_at
+        for name in EVENTS:
+            setattr(self, name, self._record(name))
+
+    def _record(self, name: str) -> Any:
+        def hook(args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.events.append(name)
+            if name == "on_step_end":
+                self.lrs.append((kw["lr_scheduler"].get_last_lr()[0], kw["optimizer"].param_groups[0]["lr"]))
+                if state.global_step == self.stop_epoch_at:
+                    control.should_epoch_stop = True
+        return hook
+
+
+class Rows(torch.utils.data.IterableDataset):
+    def __init__(self, rows: list[dict[str, Any]]):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, **kw: Any) -> Any:
+    trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
+                             (transformers.Trainer, transformers.TrainingArguments))
+    settings: dict[str, Any] = dict(
+        output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=1,
+        learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, lr_scheduler_type="linear", logging_steps=1,
+        use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True, train_sampling_strategy="sequential")
+    settings.update(kw)
+    return trainer_cls(model=hp.llama(), args=args_cls(**settings), callbacks=list(callbacks),
+                       train_dataset=hp.causal_lm_data() if data is None else data, data_collator=hp.collator("lm"))
+
+
+def logged(t: Any) -> list[tuple]:
+    return [(h["loss"], h.get("grad_norm"), h["learning_rate"], h["epoch"], h["step"]) for h in t.state.log_history
+            if "loss" in h]
+
+
+def same(a: list[tuple], b: list[tuple]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x == pytest.approx(y, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("stop_epoch_at", [None, 2])
+def test_callbacks_get_transformers_events_optimizer_and_schedule(tmp_path, stop_epoch_at):
+    """on_substep_end / on_pre_optimizer_step / on_optimizer_step in transformers' order, the optimizer
+    and scheduler they are handed read as transformers' do, and should_epoch_stop ending the epoch
+    (2 epochs of 6 steps: the first ends at step 2, training at 8)."""
+    runs = {}
+    for on_fz in (False, True):
+        rec = Recorder(stop_epoch_at)
+        t = trainer(on_fz, str(tmp_path / str(on_fz)), (rec,), num_train_epochs=2)
+        t.train()
+        runs[on_fz] = rec, logged(t), t.state.global_step
+    (ref, ref_logs, ref_steps), (got, got_logs, got_steps) = runs[False], runs[True]
+    assert got.events == ref.events and "on_pre_optimizer_step" in got.events
+    assert got.events.count("on_substep_end") == ref.events.count("on_substep_end") > 0
+    assert [x for p in got.lrs for x in p] == pytest.approx([x for p in ref.lrs for x in p], rel=1e-6)
+    assert got_steps == ref_steps == (8 if stop_epoch_at else 12)
+    same(got_logs, ref_logs)
+
+
+def test_max_grad_norm_0_logs_the_norm_and_clips_nothing(tmp_path):
+    ref, got = (trainer(f, str(tmp_path / str(f)), max_grad_norm=0.0) for f in (False, True))
+    ref.train()
+    got.train()
+    assert all(n is not None for _, n, *_ in logged(got))
+    same(logged(got), logged(ref))
+
+
+def test_train_called_twice_goes_on_with_a_new_schedule_as_transformers(tmp_path):
+    runs = []
+    for on_fz in (False, True):
+        t = trainer(on_fz, str(tmp_path / str(on_fz)), max_steps=3)
+        t.train()
+        t.train()  # the trained weights and the optimizer's moments; the schedule and the data anew
+        runs.append(logged(t))
+        assert t.state.global_step == 3
+    same(runs[1], runs[0])
+
+
+def test_resume_with_ignore_data_skip_reads_the_epoch_from_its_start(tmp_path):
+    runs = []
+    for on_fz in (False, True):
+        out = str(tmp_path / str(on_fz))
+        trainer(on_fz, out, save_strategy="steps", save_steps=3, max_steps=6).train()
+        t = trainer(on_fz, out, save_strategy="no", max_steps=6, ignore_data_skip=True)
+        t.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+        runs.append(logged(t))
+    same(runs[1], runs[0])
+    assert runs[1][0][3] < 0.5  # the epoch's first samples again
+
+
+def test_an_iterable_datasets_epoch_is_counted_as_transformers_counts_it(tmp_path):
+    ref, got = (trainer(f, str(tmp_path / str(f)), data=Rows(hp.causal_lm_data()), max_steps=4)
+                for f in (False, True))
+    ref.train()
+    got.train()
+    same(logged(got), logged(ref))
+    assert [x[3] for x in logged(got)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+
+def test_checkpoints_and_save_model_hold_the_collators_tokenizer_and_the_arguments(tmp_path):
+    t = trainer(True, str(tmp_path / "run"), save_strategy="steps", save_steps=2, max_steps=2)
+    t.train()
+    t.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "final"):
+        assert {"tokenizer.json", "tokenizer_config.json", "training_args.bin"} <= set(os.listdir(folder)), folder
+        assert transformers.AutoTokenizer.from_pretrained(folder)("w1 w2")["input_ids"] == [5, 6]
+
+
+def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):
+    out = tmp_path / "run"
+    t = trainer(True, str(out), save_strategy="steps", save_steps=2, max_steps=2, save_only_model=True)
+    t.train()
+    folder = out / "checkpoint-2"
+    assert "fz" not in os.listdir(folder) and "trainer_state.json" in os.listdir(folder)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    trained = t.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(ConfigError, match="save_only_model=True: it holds the model's weights"):
+        trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(folder))
