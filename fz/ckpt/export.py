@@ -89,6 +89,11 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     names = [k for k in reader.keys() if k.startswith(_PREFIX)]
     if not names:
         raise CheckpointError(f"checkpoint {d} holds no model weights")
+    if hf and any(k[len(_PREFIX):].startswith("base_model.model.") for k in names):
+        raise CheckpointError(f"checkpoint {d} is a PEFT model's (its names are PEFT's, base_model.model....): a "
+                              "--hf folder of them would load as an untrained model. Write the adapter with "
+                              "trainer.save_model() or fz.hf.save_pretrained(state, out, model=peft_model) "
+                              "(merged=True: the merged model); a Trainer's checkpoint-N folder holds the adapter")
     names += [f"{_BUFFERS}{n}" for n in meta.get("state_dict_buffers", []) if f"{_BUFFERS}{n}" in reader.meta]
 
     def out_dtype(k: str) -> torch.dtype:

@@ -13,6 +13,7 @@ Written into a hidden folder and moved into place whole.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 from pathlib import Path
@@ -45,12 +46,16 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     if len(plan.ranks) > 1:
         arrive("fz.hf.save_pretrained", plan.ranks, plan.rank)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    embeddings = {} if merged else _embeddings_peft_saves(model)
     writer = plan.rank == plan.ranks[0]
     group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(plan.ranks) > 1 else None
     keep: dict[str, Tensor] = {}
     for name, t in gathered(state, False, "fz.hf.save_pretrained", copy=True):
-        if writer and (merged or name in trainable):
+        if writer and (merged or name in trainable or name in embeddings.values()):
             keep[name] = t.detach().to("cpu")
+    for alias, name in embeddings.items():  # a tied output embedding under its own name too, as state_dict() has it
+        if name in keep:
+            keep.setdefault(alias, keep[name])
     err, files = None, []
     counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()))
     if writer:
@@ -63,6 +68,43 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     elif err is not None:
         raise err
     return files, *counted
+
+
+def _embeddings_peft_saves(model: Any) -> dict[str, str]:
+    """{name (tied aliases too): the name fz holds it under} of the input and output embeddings,
+    where PEFT's save_pretrained (save_embedding_layers="auto") writes them beside the adapter:
+    an embedding the adapter targets, or a vocabulary resized from the base model's (its
+    config.json, local; a base on the Hub is given them, and PEFT checks there)."""
+    layers = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            layers.append(getattr(model, get)())
+        except (AttributeError, NotImplementedError):
+            continue
+    layers = [m for m in layers if m is not None]
+    targeted = any(hasattr(m, "base_layer") for m in layers)
+    base = next(iter(getattr(model, "peft_config", {}).values()), None)
+    model_id = str(getattr(base, "base_model_name_or_path", None) or "")
+    config = Path(model_id) / "config.json" if model_id else None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    resized = False
+    if config is not None and config.is_file():
+        try:
+            resized = json.loads(config.read_text()).get("vocab_size") not in (None, vocab)
+        except (OSError, ValueError, AttributeError):
+            resized = False
+    elif model_id:
+        resized = True
+    if not (targeted or resized):
+        return {}
+    ids = {id(p) for m in layers for p in m.parameters()}
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if id(p) in ids:
+            out[name] = first[id(p)]
+    return out
 
 
 def _write(out: Path, model: Any, tensors: dict[str, Tensor], merged: bool, processing_class: Any) -> list[str]:

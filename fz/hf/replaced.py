@@ -1,9 +1,12 @@
 """transformers.Trainer's methods that fz.hf.Trainer's loop does not call, and a subclass's
-overrides of them named when the trainer is made (never skipped in silence)."""
+overrides of them named when the trainer is made (never skipped in silence): an override of the
+step itself (TRL's GRPO, RLOO, GKD, online DPO) is refused, the others warned about."""
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from fz.errors import ConfigError
 
 log = logging.getLogger(__name__)
 REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what runs instead
@@ -30,7 +33,46 @@ def not_called(cls: type, fz_trainer: type) -> dict[str, str]:
     return out
 
 
+# overrides that are the algorithm itself (TRL's GRPO, RLOO, online DPO, GKD generate and score inside the
+# step): not calling them would train something else, so they are refused, not warned about
+ALGORITHM = ("training_step", "_prepare_inputs")
+# TRL's overrides that only enter activation offloading (refused when it is on: fz's step is not theirs)
+WRAPPERS = {"SFTTrainer.training_step", "DPOTrainer.training_step", "RewardTrainer.training_step",
+            "KTOTrainer.training_step"}
+# Trainer arguments of subclasses (TRL's) whose work happens where fz's loop does not call it
+ARGUMENTS = {
+    "sync_ref_model": "TRL's SyncRefModelCallback mixes the policy into the reference model's module, which fz holds "
+                      "in a State of its own: the reference would never change",
+    "activation_offloading": "TRL offloads activations inside its training_step, which fz's loop replaces; use "
+                             "fz's activation checkpointing (gradient_checkpointing=True)",
+}
+
+
+def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
+    """A ConfigError naming each override of the step that is more than a wrapper, and each argument
+    whose work fz's loop would skip (ARGUMENTS), when the trainer is made."""
+    problems = []
+    for klass in type(trainer).__mro__:
+        if issubclass(fz_trainer, klass):
+            break
+        for name in ALGORITHM:
+            fn = vars(klass).get(name)
+            where = f"{klass.__name__}.{name}"
+            if fn is not None and not (where in WRAPPERS and klass.__module__.startswith("trl.")):
+                problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
+                                "does (generating or scoring samples, changing the batch) would not happen. Put "
+                                "per-micro-batch work in compute_loss, per-step work in a TrainerCallback")
+    for field, why in ARGUMENTS.items():
+        if getattr(trainer.args, field, False):
+            problems.append(f"{field}=True: {why}")
+    if problems:
+        raise ConfigError(f"fz.hf: {type(trainer).__name__} cannot train on fz as given:\n- " + "\n- ".join(problems))
+
+
 def warn_not_called(trainer: Any, fz_trainer: type) -> None:
+    refuse_algorithms(trainer, fz_trainer)
     for method, instead in not_called(type(trainer), fz_trainer).items():
+        if method.rsplit(".", 1)[1] in ALGORITHM:
+            continue  # refused above unless a wrapper, which adds nothing fz's step needs
         log.warning("fz.hf: %s is not called on fz: %s (what the override adds there does not apply)", method,
                     instead)

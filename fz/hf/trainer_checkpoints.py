@@ -4,7 +4,8 @@ A checkpoint holds fz's checkpoint of the State (`fz/`: weights, optimizer, data
 the generator), `trainer_state.json`, the config, the tokenizer and `training_args.bin`, as
 transformers' does; with `save_only_model=True` the model's weights (a `from_pretrained`
 folder) in place of `fz/`, from which transformers cannot resume either. Written as
-`tmp-checkpoint-N/` and renamed when complete (fz/hf/checkpoint_dirs.py).
+`tmp-checkpoint-N/` and renamed when complete (fz/hf/checkpoint_dirs.py). A PEFT model's adapter
+is written beside `fz/` too, as the Trainer writes it (`PeftModel.from_pretrained(base, checkpoint)`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf.export import save_pretrained
+from fz.hf.peft_export import is_peft_model
 from fz.rng import capture
 
 ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME
@@ -41,9 +43,9 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
         dirs.clear_staging(run_dir, step)  # a crashed save's leftovers; the others wait in fz.save's check-in
     staging = dirs.staging_dir(run_dir, step)
     tok = tokenizer(trainer)
-    if args.save_only_model:
+    if args.save_only_model or is_peft_model(trainer.model):  # the weights; a PEFT adapter beside fz's too
         save_pretrained(trainer.fz_ready(), staging, model=trainer._model(), processing_class=tok)
-    else:
+    if not args.save_only_model:
         loader = trainer._loader
         state = loader.attach(trainer.fz_state) if loader is not None else trainer.fz_ready()
         state = state.replace(rng=capture(state.plan.device))  # the generator now, as transformers' rng_state

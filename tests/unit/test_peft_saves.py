@@ -1,0 +1,66 @@
+"""What fz writes of a PEFT model is what PEFT writes, in the cases PEFT adds to the adapter: a
+vocabulary resized from the base (the "add tokens, resize, LoRA" recipe) or a targeted embedding
+saves the embedding layers too; a Trainer's checkpoint-N holds the adapter; `fz consolidate --hf`
+of a PEFT model's checkpoint refuses rather than write a folder that loads untrained."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fz
+import fz.hf
+from fz.ckpt.export import consolidate
+from fz.errors import CheckpointError
+
+from support import hf_pipeline as hp
+
+peft = pytest.importorskip("peft")
+IDS = torch.arange(16).view(2, 8) % 60
+
+
+def _resized_lora(base_dir: str, target: list[str]) -> torch.nn.Module:
+    base = hp.llama()
+    base.save_pretrained(base_dir)
+    model = type(base).from_pretrained(base_dir)
+    model.resize_token_embeddings(base.config.vocab_size + 4)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=target,
+                                                      init_lora_weights=False))
+
+
+@pytest.mark.parametrize("target", [["q_proj", "v_proj"], ["q_proj", "embed_tokens"]])
+def test_the_adapter_holds_the_embeddings_where_peft_saves_them(tmp_path, target):
+    model = _resized_lora(str(tmp_path / "base"), target)
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own writer, for its key set
+    state = fz.init(model, fz.Spec(optimizer=fz.optim.adamw(1e-2),
+                                   loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss))
+    state, _ = fz.train_step(state, IDS)
+    fz.hf.save_pretrained(state, tmp_path / "fz", model=model)
+    want = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    got = set(load_file(tmp_path / "fz" / "adapter_model.safetensors"))
+    assert got == want and any("embed_tokens" in k for k in got)
+    fresh = _resized_lora(str(tmp_path / "base2"), target).get_base_model()
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "fz")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=IDS).logits, fz.apply(state, input_ids=IDS).logits)
+
+
+def test_a_trainer_checkpoint_holds_the_adapter_and_consolidate_hf_refuses_it(tmp_path):
+    torch.manual_seed(1)
+    model = peft.get_peft_model(hp.llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = fz.hf.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2, save_steps=2,
+                                   learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"))
+    trainer.train()
+    folder = tmp_path / "run" / "checkpoint-2"
+    assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    saved = load_file(folder / "adapter_model.safetensors")
+    trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    assert len(saved) == len(trained) > 0
+    with pytest.raises(CheckpointError, match="is a PEFT model's"):
+        consolidate(folder / "fz", tmp_path / "out", hf=True)
+    assert not os.path.exists(tmp_path / "out")
