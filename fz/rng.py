@@ -21,6 +21,13 @@ def _cpu_bytes() -> int:
     return torch.get_rng_state().numel()
 
 
+def well_formed(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a saved state of this dtype and shape is one `capture` makes: bytes, the CPU
+    generator's state, and maybe a CUDA generator's (a few bytes) after it."""
+    n = _cpu_bytes()
+    return dtype == torch.uint8 and len(shape) == 1 and n <= shape[0] <= n + 256
+
+
 def capture(device: torch.device) -> Tensor:
     """The current generators' state for a computation on `device`."""
     cpu = torch.get_rng_state()

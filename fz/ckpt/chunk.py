@@ -149,6 +149,8 @@ def _read(f: BufferedReader, at: int, length: int, dtype: torch.dtype, sizes: tu
         raise ValueError(f"the record's offset {offset!r} or stride {stride!r} is not a tensor's")
     if 0 not in size and offset + sum((s - 1) * st for s, st in zip(size, stride)) >= numel:
         raise ValueError("the record's size and stride reach beyond its storage")
+    if _numel(size) > numel:  # a stride of 0 (or an overlap) repeating the stored elements: bounded by the file
+        raise ValueError(f"the record's size {list(size)} holds more elements than its storage's {numel}")
     if 0 in size:
         return torch.empty(size, dtype=dtype)
     if entry.header_offset + 30 > length:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from fz.ckpt import manifest
 from fz.ckpt.finite import owned_locals, report, summed
@@ -31,7 +32,7 @@ from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import decode, entries, tensor_refs
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
-from fz.rng import seeded
+from fz.rng import seeded, well_formed
 from fz.state import State, block_until_ready
 
 _SHOWN = 5
@@ -65,14 +66,46 @@ def _mismatch_title(lines: list[str]) -> str:
     return title
 
 
-def _verify(path: PathLike, step: int | None, rank: int, world: int, key: bytes | None) -> Path:
+def _verify(path: PathLike, step: int | None, rank: int, world: int, key: bytes | None) -> tuple[Path, set[str]]:
     """Resolve the directory; the signature (given a key) and sizes on every rank, checksums
-    split across ranks."""
+    split across ranks. Returns it and the files its manifest lists: no other file is read."""
     d = resolve(path, step)
     files = manifest.read(d, key)
     manifest.check_sizes(d, files)
     manifest.check_sums(d, files, sorted(files)[rank::world])
-    return d
+    return d, set(files)
+
+
+def _refs(tree: Any, prefix: str, file: Path, saved: dict[str, Any]) -> list[str]:
+    """The tensors an encoded tree of `file` refers to: its own (`prefix`...) and in the checkpoint.
+    A reference to a weight would load it there and leave the weight unrestored."""
+    refs = tensor_refs(tree)
+    bad = [r for r in refs if not isinstance(r, str) or not r.startswith(prefix) or r not in saved]
+    if bad:
+        raise CheckpointError(f"checkpoint file {file} refers to tensor {str(bad[0])[:80]!r}, which is not one of its "
+                              f"own ({prefix}...) in the checkpoint: damaged or altered")
+    return refs
+
+
+_SQUARES = ("nu", "v", "v_rows", "v_cols")  # the optimizers' means of squared gradients: never negative
+
+
+def _impossible(tensors: dict[str, Tensor]) -> list[str]:
+    """Finite optimizer values no run writes: a negative step count, a negative mean of squares.
+    Adam's next step would put NaN into the weights (1 - beta2 ** count, the square root of nu)."""
+    out = []
+    for key, t in tensors.items():
+        parts = key.split("/")
+        if parts[0] != "opt":
+            continue
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if parts[-1] == "count" and local.dim() == 0 and not local.is_floating_point() and int(local) < 0:
+            out.append(f"{key} = {int(local)} (a step count)")
+        elif len(parts) > 2 and parts[-2] in _SQUARES and local.is_floating_point() and local.numel():
+            negative = int((local < 0).sum())
+            if negative:
+                out.append(f"{key} has {negative} negative values (a mean of squares)")
+    return out
 
 
 def _differences(target: dict[str, Tensor], saved: dict[str, Any]) -> tuple[list[str], set]:
@@ -148,28 +181,41 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         from fz.offload.policy import none
         state = none()(state)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    d, err = run_local(_verify, path, step, rank, world, key)
+    verified, err = run_local(_verify, path, step, rank, world, key)
     agree(group, err, f"verifying checkpoint {path}")
+    d, listed = verified
 
     def plan():
         meta = read_json(d / META)
+        if not isinstance(meta, dict) or type(meta.get("train_step")) is not int or meta["train_step"] < 0:
+            raise CheckpointError(f"checkpoint file {d / META} is damaged: it is not an object with a train_step >= 0")
         saved = read_metadata(d).state_dict_metadata
         target, buffers, scaler = _template(state, saved)
         lines, bad = _differences(target, saved)
         load = {k: t for k, t in target.items() if k not in bad}
         rng_key = f"rng/{rank}"
         if rng_key in saved:
-            rng = load[rng_key] = _empty_for(saved[rng_key])
+            m = saved[rng_key]
+            if not well_formed(m.properties.dtype, tuple(m.size)):
+                raise CheckpointError(f"checkpoint {d}: {rng_key} is {m.properties.dtype} of size {list(m.size)}, not "
+                                      "a generator's state (bytes, as torch.get_rng_state gives): damaged or altered")
+            rng = load[rng_key] = _empty_for(m)
         else:
             rng = _derived_rng(state, int(meta["train_step"]), rank)
-        data_file = d / f"data_{rank}.json"
-        data_file = data_file if data_file.exists() else d / "data_0.json"  # a new rank gets rank 0's
+        # a new rank gets rank 0's; only a file the (verified) manifest lists is read
+        name = f"data_{rank}.json" if f"data_{rank}.json" in listed else "data_0.json"
+        data_file = d / name
+        if name not in listed:
+            raise CheckpointError(f"checkpoint {d} is damaged: its manifest lists no {name}")
         rank_json = read_json(data_file)
         if not isinstance(rank_json, dict) or "data" not in rank_json:
             raise CheckpointError(f"checkpoint file {data_file} is damaged: it holds no 'data' entry")
         data_json = rank_json["data"]
-        client_json = rank_json.get("client", {}) if meta.get("client_state_per_rank") else meta.get("client_state", {})
-        extra = {k: _empty_for(saved[k]) for k in tensor_refs(data_json) + tensor_refs(client_json)}
+        per_rank = meta.get("client_state_per_rank")
+        client_json = rank_json.get("client", {}) if per_rank else meta.get("client_state", {})
+        refs = _refs(data_json, "data/", data_file, saved) + _refs(client_json, "client/", data_file if per_rank
+                                                                   else d / META, saved)
+        extra = {k: _empty_for(saved[k]) for k in refs}
         load.update(extra)
         return load, buffers, scaler, lines, rng, (data_json, client_json, extra)
 
@@ -194,15 +240,25 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
     try:
         dcp.load(load, storage_reader=SafeReader(d), process_group=group)
         found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0)
+        impossible = _impossible(load)
+        if impossible:
+            err = CheckpointError(f"checkpoint {d} holds optimizer values no run writes, which would put NaN into "
+                                  f"the weights at the next step: {'; '.join(impossible[:_SHOWN])}"
+                                  f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
     except CheckpointException as e:
         err = dcp_error(e, "loading checkpoint", d)
-    found = summed(exchange(group, found, err, f"loading checkpoint {d}"))
+    caller = who if who.startswith("fz.") else f"fz.{who}"
+    try:
+        found = summed(exchange(group, found, err, f"loading checkpoint {d}"))
+    except BaseException:  # loaded into in place, then refused (or cut off): the template is given up
+        template.donate(caller)
+        raise
     if state.master is not None:
         _params_from_master(state)
     new = state.replace(rng=rng, buffers=buffers, scaler=scaler, data=decode(data_json, extra))
     if policy is not None:
         new = policy(new)
-    template.donate(who if who.startswith("fz.") else f"fz.{who}")
+    template.donate(caller)
     report(found, allow_nonfinite, who, f"checkpoint {d}", stacklevel)
     if with_client_state:
         return new, decode(client_json, extra)

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from fz.errors import ConfigError
+from fz.ckpt.regular import inside, stat_regular
+from fz.errors import CheckpointError, ConfigError
 
 T = TypeVar("T")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -66,12 +67,22 @@ def filenames(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+SIDE_MAX = 256 << 20  # bytes of one config or tokenizer file copied beside the weights
+
+
 def side_files(step_dir: Path) -> list[Path]:
     """Config and tokenizer files beside the checkpoint: in the folder holding its root (a
-    Trainer's checkpoint-N/) or in the root itself."""
+    Trainer's checkpoint-N/) or in the root itself. Each is a regular file inside that folder
+    (a link out of it, to another file or /proc, is refused: it would be copied into a folder
+    users publish) of at most SIDE_MAX bytes."""
     for where in (step_dir.parent.parent, step_dir.parent):
-        found = sorted(p for p in where.iterdir() if p.is_file() and _SIDE.search(p.name))
+        found = sorted(p for p in where.iterdir() if _SIDE.search(p.name) and (p.is_file() or p.is_symlink()))
         if any(p.name == "config.json" for p in found):
+            for p in found:
+                inside(where, p, "a config or tokenizer file", str(where))
+                if stat_regular(p, "a config or tokenizer file").st_size > SIDE_MAX:
+                    raise CheckpointError(f"{p} is over {SIDE_MAX >> 20} MiB: not a config or tokenizer file fz "
+                                          "copies beside the weights")
             return found
     return []
 

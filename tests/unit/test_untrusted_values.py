@@ -1,0 +1,108 @@
+"""A checkpoint whose files are well formed but whose values are not what a run writes: restore
+refuses it, naming the file and the value, and the template it loaded into is given up. A data or
+client tree pointing at a weight (which would leave the weight unrestored), a file the manifest
+does not list, a step count below 0 or a negative mean of squares (NaN in the weights at the
+next step), a generator state that is not one, a record repeating its elements (a stride of 0:
+gigabytes from a few bytes)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fz
+from fz.ckpt import manifest
+from fz.ckpt.chunk import read_chunk
+from fz.errors import CheckpointError, ConfigError
+
+from support.helpers import make_model, rank_batches, spec
+
+
+def _trained() -> fz.State:
+    state = fz.init(make_model(), spec(1, 1))
+    state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+    return state
+
+
+def _relist(step, name: str) -> None:
+    files = manifest.read(step)
+    files.update(manifest.describe(step, [name]))
+    manifest.write(step, files)
+
+
+def _restore(path) -> None:
+    template = fz.init(make_model(1), spec(1, 1))
+    with pytest.raises(CheckpointError) as caught:
+        fz.restore(template, path)
+    with pytest.raises(ConfigError, match="was donated to fz.restore"):
+        fz.train_step(template, rank_batches(1, 1, 1)[0][0])
+    raise caught.value
+
+
+@pytest.mark.parametrize("where", ["data", "client"])
+def test_a_tree_pointing_at_a_weight_is_refused(tmp_path, where):
+    state = _trained()
+    fz.save(state, tmp_path, client_state={"note": torch.ones(2)})
+    step = tmp_path / "step_1"
+    name = "data_0.json" if where == "data" else "fz.json"
+    doc = json.loads((step / name).read_text())
+    weight = {"__fz_tensor__": "model/" + next(iter(state.params))}
+    if where == "data":
+        doc["data"] = {"x": weight}
+    else:
+        doc["client_state"] = {"note": weight}
+    (step / name).write_text(json.dumps(doc))
+    _relist(step, name)
+    with pytest.raises(CheckpointError, match=rf"{name} refers to tensor 'model/.*', which is not one of its own"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path):
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    files = manifest.read(step)
+    del files["data_0.json"]
+    manifest.write(step, files)
+    with pytest.raises(CheckpointError, match="its manifest lists no data_0.json"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+@pytest.mark.parametrize("what", ["count", "nu"])
+def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_path, what):
+    state = _trained()
+    adam = state.opt_state[0]
+    if what == "count":
+        adam.count.fill_(-1)
+    else:
+        next(iter(adam.nu.values())).view(-1)[0] = -1.0
+    fz.save(state, tmp_path)
+    words = r"opt/0/count = -1 \(a step count\)" if what == "count" else r"opt/0/nu/.* has 1 negative values"
+    with pytest.raises(CheckpointError, match=rf"optimizer values no run writes, .*NaN .*{words}"):
+        _restore(tmp_path / "step_1")
+
+
+def test_a_generator_state_that_is_not_one_is_refused(tmp_path):
+    fz.save(_trained().replace(rng=torch.zeros(4)), tmp_path)
+    with pytest.raises(CheckpointError, match=r"rng/0 is torch.float32 of size \[4\], not a generator's state"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
+
+
+def test_a_record_repeating_its_elements_is_not_expanded(tmp_path):
+    f = tmp_path / "__0_0.distcp"
+    torch.save(torch.ones(1).expand(10**8), f)  # one stored float, 10**8 claimed (stride 0)
+    with pytest.raises(CheckpointError, match=r"size \[100000000\] holds more elements than its storage's 1"):
+        read_chunk(f, 0, f.stat().st_size, torch.float32, (10**8,))
+
+
+def test_consolidate_hf_copies_no_config_or_tokenizer_from_outside_the_folder(tmp_path):
+    """A Trainer checkpoint whose config.json links to a file elsewhere (or /proc/self/environ):
+    the export refuses it rather than copy the secret into a folder users publish."""
+    from fz.ckpt.export import consolidate
+    fz.save(_trained(), tmp_path / "checkpoint-1" / "fz")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("CANARY")
+    (tmp_path / "checkpoint-1" / "config.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match=r"config.json .*outside|outside .*config.json"):
+        consolidate(tmp_path / "checkpoint-1" / "fz", tmp_path / "out", hf=True)
+    assert not any("CANARY" in p.read_text(errors="ignore") for p in (tmp_path / "out").glob("*") if p.is_file())
