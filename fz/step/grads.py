@@ -120,6 +120,11 @@ class GradReducer:
             self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype, "full"))
         self._bound()
 
+    def reached(self) -> bool:
+        """Whether this micro-batch's backward reached any trainable bucket (launched, or accumulating)."""
+        return bool(self.launched) or bool(self.pending) or any(self.leaves[b.index].grad is not None
+                                                                for b in self.buckets)
+
     def end_micro_batch(self) -> None:
         """Launch what backward did not reach (unused parameters), then wait and accumulate."""
         for b in self.buckets:

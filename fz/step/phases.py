@@ -157,6 +157,11 @@ class StepInProgress:
             self.runner.backward(loss * self.weight)
             self.calls += self.runner.called
             self.runner.release()
+            if not self.reducer.reached() and loss.requires_grad:  # before this micro-batch's reductions
+                raise ConfigError(
+                    "the loss's gradient reached none of the State's trainable parameters: the loss_fn (a "
+                    "Trainer's compute_loss) must compute it with the `model` it is given, not with another module "
+                    "or a copy of it (whose gradients fz never sees: the State would train on nothing)")
             self.reducer.end_micro_batch()
             self.total += loss.detach()
             if self.sync is not None:  # parameters no forward used

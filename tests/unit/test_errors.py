@@ -66,6 +66,16 @@ def test_loss_fn_returning_non_scalar():
         fz.train_step(state, torch.zeros(4, 16, dtype=torch.long))
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_loss_that_never_calls_the_model_it_is_given_is_an_error(stage):
+    """Its gradients would reach another module, and the State would train on nothing (TRL's GKD did
+    so silently): named before backward, at every stage."""
+    other = make_model(1)
+    state = fz.init(make_model(), spec(stage, 1, loss_fn=lambda model, batch: other(batch[:, :-1]).float().mean()))
+    with pytest.raises(fz.ConfigError, match="reached none of the State.s trainable parameters: .* with the `model`"):
+        fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+
+
 def test_donated_state_refuses_reuse():
     state = fz.init(make_model(), spec(0, 1))
     batch = rank_batches(1, 1, 1)[0][0]

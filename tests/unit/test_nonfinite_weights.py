@@ -98,7 +98,9 @@ def test_restore_names_them(folder, tmp_path):
 
 def _poison(ck: Path, name: str, kind: str, element: int) -> None:
     """Write a NaN over one element of `name`'s stored `kind` (fp32 master or a moment) in place."""
-    piece = next(p for p in DeepSpeedCheckpoint(ck)._pieces_of(name, kind) if p.start <= element < p.start + p.n)
+    trainable = {n for n, p in m.TinyLM().named_parameters() if p.requires_grad} | {"head.weight"}  # places stage 0's
+    piece = next(p for p in DeepSpeedCheckpoint(ck, trainable=trainable)._pieces_of(name, kind)
+                 if p.start <= element < p.start + p.n)
     src = piece.src
     at = src.at + (src.offset + piece.src_start + element - piece.start) * src.dtype.itemsize
     with open(src.file, "r+b") as f:
