@@ -324,8 +324,9 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     out.update(read_zero(r, cfg, fields))
     out["precision"], out["loss_scaling"] = _precision(r, cfg)
 
-    clip, source = r.get("", cfg, "gradient_clipping", number(0.0), 0.0, auto="clip_grad_norm")
-    out["clip_grad_norm"] = clip or None  # DeepSpeed: 0 turns clipping off
+    # DeepSpeed's default is 1.0 (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT): clipping is on unless set to 0
+    clip, source = r.get("", cfg, "gradient_clipping", number(0.0), 1.0, auto="clip_grad_norm")
+    out["clip_grad_norm"] = clip or None
     r.record("clip_grad_norm", out["clip_grad_norm"], source, "gradient_clipping")
     for field, key, check, default in (
             ("reduce_dtype", "communication_data_type", optional(choice(K.COMM_DTYPES)), None),

@@ -12,7 +12,8 @@ import fz
 import fz.deepspeed as deepspeed
 from fz.deepspeed.optimizers import TorchSchedule
 
-CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+# gradient_clipping 0: no clip, as the torch loops these runs are checked against (DeepSpeed clips at 1.0 by default)
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0}
 
 
 class Net(nn.Module):

@@ -88,7 +88,7 @@ def test_engine_calls_deepspeed_scripts_make():
     engine, *_ = _engine({**CONFIG, "zero_optimization": {"stage": 1}})
     with engine.no_sync():
         pass
-    assert engine.gradient_clipping() == 0.0
+    assert engine.gradient_clipping() == 1.0  # no gradient_clipping key: DeepSpeed's default, 1.0
 
 
 def test_lr_auto_without_a_trainer_names_the_key():
