@@ -11,9 +11,9 @@ as an option, `-oProxyCommand=...`) is refused; slots are devices of one host, b
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from fz.errors import ConfigError
+from fz.launch.textfile import read_text
 
 Hosts = dict[str, list[int]]  # host -> its slots (device indices), in hostfile order
 
@@ -51,10 +51,8 @@ def parse_hostfile(text: str, where: str = "hostfile") -> Hosts:
 
 
 def read_hostfile(path: str) -> Hosts:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"hostfile {path} does not exist")
-    return parse_hostfile(p.read_text(), f"hostfile {path}")
+    """The hosts of the hostfile at `path`: a regular UTF-8 file of at most a MiB (textfile)."""
+    return parse_hostfile(read_text(path, "hostfile"), f"hostfile {path}")
 
 
 def _parse_filter(text: str, hosts: Hosts, flag: str) -> dict[str, list[int] | None]:

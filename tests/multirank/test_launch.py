@@ -17,8 +17,9 @@ import fz
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.launch.envfile import node_env
-from fz.launch.hostfile import expand_nodelist, parse_hostfile, select
+from fz.launch.hostfile import expand_nodelist, parse_hostfile, read_hostfile, select
 
+from support.fifo import fed_fifo
 from support.timing import slowdown
 
 ROOT = Path(fz.__file__).parent.parent
@@ -71,6 +72,32 @@ def test_env_files_from_home_and_working_directory(tmp_path):
     assert node_env({"THP_MEM_ALLOC_ENABLE": "0"}, cwd=cwd, home=home)["THP_MEM_ALLOC_ENABLE"] == "0"  # the user's wins
     (cwd / ".fz_env").write_text("NOT A LINE\n")
     with pytest.raises(ConfigError, match=r"\.fz_env, line 1: 'NOT A LINE' is not KEY=VALUE"):
+        node_env({}, cwd=cwd, home=home)
+
+
+def test_hostfile_and_env_file_are_small_regular_utf8_files(tmp_path):
+    """Before, bytes that are not UTF-8 crashed `fz run` with a UnicodeDecodeError traceback and a
+    FIFO named as the hostfile hung it: each is now a ConfigError naming the file (and the line)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_bytes(b"worker-1 slots=2\n\xff\xfe bad\n")
+    with pytest.raises(ConfigError, match=rf"^hostfile {hosts}, line 2: byte 0xff is not UTF-8 text; save"):
+        read_hostfile(str(hosts))
+    hosts.write_bytes(b"\xef\xbb\xbfworker-1 slots=2\n")  # a BOM, as some editors write: skipped
+    assert read_hostfile(str(hosts)) == {"worker-1": [0, 1]}
+    hosts.write_bytes(b"# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match=rf"^hostfile {hosts} is over 1 MiB"):
+        read_hostfile(str(hosts))
+    start = time.monotonic()
+    with fed_fifo(tmp_path / "fifo"), pytest.raises(ConfigError, match=r"fifo is not a regular file \(a FIFO\)"):
+        read_hostfile(str(tmp_path / "fifo"))
+    assert time.monotonic() - start < 60
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (cwd / ".fz_env").write_bytes(b"A=1\nB=\x80\n")
+    with pytest.raises(ConfigError, match=rf"^env file {cwd / '.fz_env'}, line 2: byte 0x80 is not UTF-8 text"):
+        node_env({}, cwd=cwd, home=home)
+    (cwd / ".fz_env").unlink()
+    with fed_fifo(home / ".deepspeed_env"), pytest.raises(ConfigError, match=r"\.deepspeed_env is not a regular file"):
         node_env({}, cwd=cwd, home=home)
 
 
