@@ -39,6 +39,8 @@ def test_hostfile_and_filters_as_in_seed_003():
     assert select(hosts, exclude="worker-1") == {"worker-2": [0, 1, 2, 3], "worker-3": [0, 1, 2, 3]}
     assert select(hosts, num_nodes=2, num_gpus=1) == {"worker-1": [0], "worker-2": [0]}
     assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    names = "node-1.cluster.local slots=1\n10.0.0.2 slots=1\nfe80::1%eth0 slots=1\nme@gpu_3 slots=1\n"
+    assert list(parse_hostfile(names)) == ["node-1.cluster.local", "10.0.0.2", "fe80::1%eth0", "me@gpu_3"]
 
 
 @pytest.mark.parametrize("text, kw, message", [
@@ -50,6 +52,13 @@ def test_hostfile_and_filters_as_in_seed_003():
     ("worker-1 slots=100000000000\n", {}, r"line 1: 'worker-1' has slots=100000000000, over the 1024 devices a host "
                                           "can have"),
     ("worker-1 slots=" + "9" * 5000 + "\n", {}, r"line 1: 'worker-1' has slots=9{20}\.\.\., over the 1024"),
+    # pdsh reads a range or a list as many hosts: one line would be many nodes, one --master-addr none
+    ("w[1-64] slots=1\nw99 slots=1\n", {}, r"^hostfile, line 1: host 'w\[1-64\]' has '\[', not a host name "
+                                             r"character .*; list each host on its own line$"),
+    ("w0 slots=1\nw1,w2 slots=1\n", {}, r"^hostfile, line 2: host 'w1,w2' has ','"),
+    ("w]1 slots=1\n", {}, r"line 1: host 'w\]1' has '\]'"),
+    ("w1;reboot slots=1\n", {}, r"line 1: host 'w1;reboot' has ';'"),
+    ("^/etc/hosts slots=1\n", {}, r"line 1: host '\^/etc/hosts' has '\^'"),
     (THREE, {"include": "worker-9"}, r"--include 'worker-9': host 'worker-9' is not in the hostfile"),
     (THREE, {"exclude": "worker-2:7"}, r"--exclude 'worker-2:7': 'worker-2' has no slot 7"),
     (THREE, {"include": "worker-1", "exclude": "worker-2"}, r"--include and --exclude cannot be used together"),
