@@ -75,13 +75,28 @@ def prepare(target: Target) -> None:
         layout.clean_stale(root)
     else:  # a DeepSpeed save_dir may hold anything else: the leftovers of fz's saves only
         for p in root.iterdir():
-            if p.is_dir() and p.name.endswith((".tmp", ".del")) and _ours(p):
+            if _folder(p) and p.name.endswith((".tmp", ".del")) and _ours(p):
                 shutil.rmtree(p, ignore_errors=True)
         for p in root.iterdir():
-            if p.is_dir() and p.name.endswith(OLD) and _ours(p):
+            if _folder(p) and p.name.endswith(OLD) and _ours(p):
                 settle(root, p.name[:-len(OLD)], fz_pointer=False)
-    target.tmp.mkdir()
+    try:
+        target.tmp.mkdir()
+    except FileExistsError:
+        raise CheckpointError(f"fz.save: {target.tmp} is in the way ({_what(target.tmp)}, not a leftover of fz's "
+                              "saves): this save writes there first; move or delete it, then save again") from None
     fsync_path(root)
+
+
+def _folder(p: Path) -> bool:
+    """A real folder: a symlink to one is not followed (what it points to is not the save_dir's)."""
+    return p.is_dir() and not p.is_symlink()
+
+
+def _what(p: Path) -> str:
+    if p.is_symlink():
+        return f"a symlink to {os.readlink(p)}"
+    return "a folder" if p.is_dir() else "a file"
 
 
 def _ours(folder: Path) -> bool:

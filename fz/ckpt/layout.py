@@ -259,10 +259,15 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
 
 
 def clean_stale(root: Path) -> None:
-    """Remove leftovers of crashed saves and prunes (*.tmp, *.del); rank 0 only, before a save."""
+    """Remove leftovers of crashed saves and prunes (*.tmp, *.del); rank 0 only, before a save.
+    One that is not a folder, a file or a symlink (never followed: what it points to is not the
+    checkpoint's), is unlinked too: left there, it made every save of that step fail."""
     for p in root.iterdir():
-        if p.name.endswith((".tmp", ".del")) and p.name.startswith("step_") and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name.endswith((".tmp", ".del")) and p.name.startswith("step_"):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
         elif p.name == LATEST + ".tmp":
             p.unlink(missing_ok=True)
 

@@ -6,7 +6,8 @@ torch.distributed (else 1). Other absent keys take fz's defaults (DeepSpeed's ow
 optimizer's parameters). Top-level keys DeepSpeed does not know either are accepted and
 listed (`_comment`-style keys are comments), except near-misses of known keys with a stated
 value, which are typos (one set to "auto" is warned); `strict=True` refuses them and
-unsupported features. Everything read is recorded in
+unsupported features. A key repeated in one object is refused (DeepSpeed refuses it; json
+would keep the last). Everything read is recorded in
 `spec.provenance`; `spec.explain()` prints it.
 """
 from __future__ import annotations
@@ -59,6 +60,27 @@ def _read(path: str | os.PathLike) -> str:
         raise ConfigError(f"DeepSpeed config {name!r} is not UTF-8 text ({e})") from None
 
 
+class _Pairs(list):
+    """A JSON object's (key, value) pairs in file order, before repeated keys are looked for."""
+
+
+def _distinct(value: Any, path: str, origin: str) -> Any:
+    """`value` with its objects as dicts; a key repeated in one object is refused, named by its path
+    (json.loads keeps the last silently, so `"stage": 3, "stage": 0` read as stage 0; DeepSpeed refuses it)."""
+    if isinstance(value, _Pairs):
+        out: dict[str, Any] = {}
+        for key, v in value:
+            where = f"{path}.{key}" if path else key
+            if key in out:
+                raise ConfigError(f"DeepSpeed config {origin}: the key {where} appears twice (DeepSpeed refuses a "
+                                  "repeated key, JSON would keep the last): keep one")
+            out[key] = _distinct(v, where, origin)
+        return out
+    if isinstance(value, list):
+        return [_distinct(v, f"{path}[{i}]", origin) for i, v in enumerate(value)]
+    return value
+
+
 def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
     """The config as a dict, and where it came from (for explain)."""
     if isinstance(config, dict):
@@ -74,9 +96,11 @@ def load(config: dict | str | os.PathLike) -> tuple[dict[str, Any], str]:
     else:
         raise ConfigError(f"Spec.from_deepspeed needs a dict or a path to a JSON file, got {type(config).__name__}")
     try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"DeepSpeed config {origin} is not valid JSON: {e}") from None
+        try:
+            pairs = json.loads(text, object_pairs_hook=_Pairs)
+        except ValueError as e:
+            raise ConfigError(f"DeepSpeed config {origin} is not valid JSON: {e}") from None
+        data = _distinct(pairs, "", origin)
     except RecursionError:
         raise ConfigError(f"DeepSpeed config {origin} nests deeper than Python's recursion limit "
                           f"({sys.getrecursionlimit()} levels): not a DeepSpeed config") from None

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fz.errors import ConfigError
+from fz.launch.textfile import read_text
 
 ENV_FILES = (".deepspeed_env", ".fz_env")  # later wins
 _PASSED = ("PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR", "THP_MEM_ALLOC_ENABLE")
@@ -47,7 +48,7 @@ def env_files(cwd: Path | None = None, home: Path | None = None) -> list[Path]:
     for d in (home or Path.home(), cwd or Path.cwd()):
         for name in ENV_FILES:
             p = d / name
-            if p.is_file() and p not in found:
+            if p.exists() and p not in found:  # one that is not a regular file is refused, not skipped
                 found.append(p)
     return found
 
@@ -58,6 +59,6 @@ def node_env(environ: Mapping[str, str], cwd: Path | None = None, home: Path | N
     out.update((k, v) for k, v in environ.items() if k in _PASSED or k.startswith(_PREFIXES))
     out.pop("CUDA_VISIBLE_DEVICES", None)
     for path in env_files(cwd, home):
-        out.update(parse_env(path.read_text(), f"env file {path}"))
+        out.update(parse_env(read_text(path, "env file"), f"env file {path}"))
     return out
 

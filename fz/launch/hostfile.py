@@ -6,19 +6,24 @@ A filter names hosts separated by `@`, each optionally with `:` and a comma list
 `worker-2:0,1@worker-3` is slots 0 and 1 of worker-2 and every slot of worker-3. `--include`
 keeps only what it names; `--exclude` removes it. Errors name the line or the unknown name.
 A host is passed to ssh and pdsh as an argument, so one starting with '-' (which they would take
-as an option, `-oProxyCommand=...`) is refused; slots are devices of one host, bounded by MAX_SLOTS.
+as an option, `-oProxyCommand=...`) is refused, as is one with a character no host name has
+(pdsh's lists and ranges, `w[1-64]` or `w1,w2`, would be many hosts as one node). Slots are
+devices of one host, bounded by MAX_SLOTS.
 """
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from fz.errors import ConfigError
+from fz.launch.textfile import read_text
 
 Hosts = dict[str, list[int]]  # host -> its slots (device indices), in hostfile order
 
 MAX_SLOTS = 1024  # devices one host can have; more is a typo, and a list this long is made of it
 _LINE = re.compile(r"^(?P<host>[^\s=]+)\s+slots\s*=\s*(?P<slots>\d+)$")
+# One machine's name: pdsh reads `w[1-64]` and `w1,w2` as many hosts (and `^file`, `/regex/`), so
+# one hostfile line would start a node on each; shell characters have no place in a host name either.
+_HOST_CHAR = re.compile(r"[^A-Za-z0-9._:%@-]")
 
 
 def parse_hostfile(text: str, where: str = "hostfile") -> Hosts:
@@ -40,6 +45,10 @@ def parse_hostfile(text: str, where: str = "hostfile") -> Hosts:
             shown = digits[:20] + ("..." if len(digits) > 20 else "")
             raise ConfigError(f"{where}, line {n}: {host!r} has slots={shown}, over the {MAX_SLOTS} devices a host "
                               "can have")
+        if bad := _HOST_CHAR.search(host):
+            raise ConfigError(f"{where}, line {n}: host {host[:80]!r} has {bad[0]!r}, not a host name character "
+                              "(letters, digits, . - _ : @): pdsh reads `w[1-4]` or `a,b` as several hosts; list "
+                              "each host on its own line")
         if host in hosts:
             raise ConfigError(f"{where}, line {n}: host {host!r} is listed twice")
         if slots < 1:
@@ -51,10 +60,8 @@ def parse_hostfile(text: str, where: str = "hostfile") -> Hosts:
 
 
 def read_hostfile(path: str) -> Hosts:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"hostfile {path} does not exist")
-    return parse_hostfile(p.read_text(), f"hostfile {path}")
+    """The hosts of the hostfile at `path`: a regular UTF-8 file of at most a MiB (textfile)."""
+    return parse_hostfile(read_text(path, "hostfile"), f"hostfile {path}")
 
 
 def _parse_filter(text: str, hosts: Hosts, flag: str) -> dict[str, list[int] | None]:

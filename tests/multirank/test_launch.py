@@ -17,8 +17,9 @@ import fz
 from fz.cli import main
 from fz.errors import ConfigError
 from fz.launch.envfile import node_env
-from fz.launch.hostfile import expand_nodelist, parse_hostfile, select
+from fz.launch.hostfile import expand_nodelist, parse_hostfile, read_hostfile, select
 
+from support.fifo import fed_fifo
 from support.timing import slowdown
 
 ROOT = Path(fz.__file__).parent.parent
@@ -38,6 +39,8 @@ def test_hostfile_and_filters_as_in_seed_003():
     assert select(hosts, exclude="worker-1") == {"worker-2": [0, 1, 2, 3], "worker-3": [0, 1, 2, 3]}
     assert select(hosts, num_nodes=2, num_gpus=1) == {"worker-1": [0], "worker-2": [0]}
     assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    names = "node-1.cluster.local slots=1\n10.0.0.2 slots=1\nfe80::1%eth0 slots=1\nme@gpu_3 slots=1\n"
+    assert list(parse_hostfile(names)) == ["node-1.cluster.local", "10.0.0.2", "fe80::1%eth0", "me@gpu_3"]
 
 
 @pytest.mark.parametrize("text, kw, message", [
@@ -49,6 +52,13 @@ def test_hostfile_and_filters_as_in_seed_003():
     ("worker-1 slots=100000000000\n", {}, r"line 1: 'worker-1' has slots=100000000000, over the 1024 devices a host "
                                           "can have"),
     ("worker-1 slots=" + "9" * 5000 + "\n", {}, r"line 1: 'worker-1' has slots=9{20}\.\.\., over the 1024"),
+    # pdsh reads a range or a list as many hosts: one line would be many nodes, one --master-addr none
+    ("w[1-64] slots=1\nw99 slots=1\n", {}, r"^hostfile, line 1: host 'w\[1-64\]' has '\[', not a host name "
+                                             r"character .*; list each host on its own line$"),
+    ("w0 slots=1\nw1,w2 slots=1\n", {}, r"^hostfile, line 2: host 'w1,w2' has ','"),
+    ("w]1 slots=1\n", {}, r"line 1: host 'w\]1' has '\]'"),
+    ("w1;reboot slots=1\n", {}, r"line 1: host 'w1;reboot' has ';'"),
+    ("^/etc/hosts slots=1\n", {}, r"line 1: host '\^/etc/hosts' has '\^'"),
     (THREE, {"include": "worker-9"}, r"--include 'worker-9': host 'worker-9' is not in the hostfile"),
     (THREE, {"exclude": "worker-2:7"}, r"--exclude 'worker-2:7': 'worker-2' has no slot 7"),
     (THREE, {"include": "worker-1", "exclude": "worker-2"}, r"--include and --exclude cannot be used together"),
@@ -71,6 +81,32 @@ def test_env_files_from_home_and_working_directory(tmp_path):
     assert node_env({"THP_MEM_ALLOC_ENABLE": "0"}, cwd=cwd, home=home)["THP_MEM_ALLOC_ENABLE"] == "0"  # the user's wins
     (cwd / ".fz_env").write_text("NOT A LINE\n")
     with pytest.raises(ConfigError, match=r"\.fz_env, line 1: 'NOT A LINE' is not KEY=VALUE"):
+        node_env({}, cwd=cwd, home=home)
+
+
+def test_hostfile_and_env_file_are_small_regular_utf8_files(tmp_path):
+    """Before, bytes that are not UTF-8 crashed `fz run` with a UnicodeDecodeError traceback and a
+    FIFO named as the hostfile hung it: each is now a ConfigError naming the file (and the line)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_bytes(b"worker-1 slots=2\n\xff\xfe bad\n")
+    with pytest.raises(ConfigError, match=rf"^hostfile {hosts}, line 2: byte 0xff is not UTF-8 text; save"):
+        read_hostfile(str(hosts))
+    hosts.write_bytes(b"\xef\xbb\xbfworker-1 slots=2\n")  # a BOM, as some editors write: skipped
+    assert read_hostfile(str(hosts)) == {"worker-1": [0, 1]}
+    hosts.write_bytes(b"# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match=rf"^hostfile {hosts} is over 1 MiB"):
+        read_hostfile(str(hosts))
+    start = time.monotonic()
+    with fed_fifo(tmp_path / "fifo"), pytest.raises(ConfigError, match=r"fifo is not a regular file \(a FIFO\)"):
+        read_hostfile(str(tmp_path / "fifo"))
+    assert time.monotonic() - start < 60
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (cwd / ".fz_env").write_bytes(b"A=1\nB=\x80\n")
+    with pytest.raises(ConfigError, match=rf"^env file {cwd / '.fz_env'}, line 2: byte 0x80 is not UTF-8 text"):
+        node_env({}, cwd=cwd, home=home)
+    (cwd / ".fz_env").unlink()
+    with fed_fifo(home / ".deepspeed_env"), pytest.raises(ConfigError, match=r"\.deepspeed_env is not a regular file"):
         node_env({}, cwd=cwd, home=home)
 
 

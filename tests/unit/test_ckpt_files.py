@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 import fz
 from fz.ckpt import Checkpointer, PartialRestoreWarning, restore, save
+from fz.ckpt.commit import Target, prepare
 from fz.ckpt.hf.safetensors_io import load_weights
 from fz.cli import main
 from fz.errors import ConfigError
@@ -284,3 +285,31 @@ def test_a_latest_that_is_a_fifo_is_refused_without_blocking(small, tmp_path):
     state, _ = train_fz(0, 1, 3, 1, steps=0)
     with pytest.raises(fz.CheckpointError, match=r"latest is not a regular file \(a FIFO\)"):
         restore(state, ck)
+
+
+@pytest.mark.parametrize("planted", ["file", "symlink"])
+def test_a_step_tmp_that_is_a_file_or_symlink_is_removed_never_followed(tmp_path, planted):
+    """A `step_N.tmp` file or symlink (left by hand, or planted) made every save of step N fail
+    with a bare FileExistsError. It is unlinked like a stale folder is; a symlink's target is kept."""
+    state, _ = train_fz(0, 1, 1, 1, steps=1)
+    root, victim = tmp_path / "ck", tmp_path / "victim"
+    root.mkdir(), victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    for name in ("step_2.tmp", "step_2.del"):
+        if planted == "file":
+            (root / name).write_text("x")
+        else:
+            (root / name).symlink_to(victim, target_is_directory=True)
+    save(state, root, step=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"] and _latest(root) == "step_2"
+    assert [p.name for p in victim.iterdir()] == ["precious.txt"] and (victim / "precious.txt").read_text() == "keep me"
+    assert int(restore(fz.init(make_model(), spec(1, 1)), root).step) == 1
+
+
+def test_a_tag_tmp_in_a_deepspeed_save_dir_is_named_not_removed(tmp_path):
+    """A DeepSpeed save_dir may hold others' files: `<tag>.tmp` that fz did not write is named, kept."""
+    (tmp_path / "global_step2.tmp").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(fz.CheckpointError, match=rf"^fz.save: {tmp_path}/global_step2.tmp is in the way \(a symlink to "
+                                              rf"{tmp_path}/elsewhere, not a leftover .*move or delete it"):
+        prepare(Target(tmp_path, "global_step2", "tag"))
+    assert (tmp_path / "global_step2.tmp").is_symlink()

@@ -1,5 +1,5 @@
 """DeepSpeed config messages: a wrong type names the expected type; explain() names a derived value's real source;
-a config file that is a FIFO or nests too deep is a ConfigError naming it."""
+a config file that is a FIFO, nests too deep or repeats a key is a ConfigError naming it."""
 from __future__ import annotations
 
 import time
@@ -55,3 +55,19 @@ def test_a_config_nested_past_the_recursion_limit_is_a_config_error(tmp_path):
     path.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(fz.ConfigError, match=rf"DeepSpeed config '{path}' nests deeper than Python's recursion limit"):
         fz.Spec.from_deepspeed(path)
+
+
+@pytest.mark.parametrize("text, where", [
+    ('{"zero_optimization": {"stage": 3, "stage": 0}}', "zero_optimization.stage"),
+    ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}', "train_micro_batch_size_per_gpu"),
+    ('{"x": [{"a": 1}, {"a": 1, "a": 2}]}', r"x\[1\]\.a"),
+])
+def test_a_repeated_key_is_refused_by_its_path(tmp_path, text, where):
+    """json.loads keeps the last of a repeated key (stage 3, 0 read as 0); DeepSpeed refuses it, so fz does."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    want = rf"^DeepSpeed config '{path}': the key {where} appears twice .*: keep one$"
+    with pytest.raises(fz.ConfigError, match=want):
+        fz.Spec.from_deepspeed(path)
+    with pytest.raises(fz.ConfigError, match=rf"^DeepSpeed config a JSON string: the key {where} appears twice"):
+        fz.Spec.from_deepspeed(text)
