@@ -2,17 +2,23 @@
 `dist.barrier()`, ...), torch.distributed's own on the group fz joined (its timeout applies)."""
 from __future__ import annotations
 
+import logging
 import os
 
 from torch.distributed import (
     ReduceOp,
     all_gather,
+    all_gather_into_tensor,
     all_reduce,
     barrier,
     broadcast,
     get_rank,
     get_world_size,
+    is_available,
     is_initialized,
+    new_group,
+    reduce,
+    reduce_scatter_tensor,
 )
 
 from fz.deepspeed.initialize import init_distributed
@@ -22,5 +28,12 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-__all__ = ["ReduceOp", "all_gather", "all_reduce", "barrier", "broadcast", "get_local_rank", "get_rank",
-           "get_world_size", "init_distributed", "is_initialized"]
+def log_summary(*args: object, **kwargs: object) -> None:
+    """DeepSpeed's communication-log summary: fz keeps no such log (its byte counts: fz.comm_report)."""
+    logging.getLogger(__name__).info("deepspeed.comm.log_summary: fz keeps no comms log; fz.comm_report(state) "
+                                     "gives the step's bytes")
+
+
+__all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast",
+           "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_available", "is_initialized",
+           "log_summary", "new_group", "reduce", "reduce_scatter_tensor"]

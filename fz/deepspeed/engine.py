@@ -25,10 +25,9 @@ import torch
 from torch import Tensor, nn
 
 import fz
-from fz.deepspeed import zero
+from fz.deepspeed import model_sync, zero
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import CheckpointError, ConfigError, NonFiniteError
-from fz.observe.full_params import iter_full_params
 from fz.observe.monitor import Monitor, batch_counts
 from fz.step import StepInProgress
 from fz.step.batches import on_device
@@ -41,11 +40,13 @@ class DeepSpeedEngine:
 
     def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None,
                  groups: tuple[tuple[str, ...], ...] = (), dataloader: Any = None,
-                 config: dict[str, Any] | None = None, given_config: Any = None):
-        """`groups`: the parameter names of each group the script gave (none: one group)."""
+                 config: dict[str, Any] | None = None, given_config: Any = None, trains: bool = True):
+        """`groups`: the parameter names of each group the script gave (none: one group); `trains`:
+        an optimizer was given (without one, as in DeepSpeed, backward is refused: inference)."""
         self.state = state
         self.optimizer = EngineOptimizer(self, max(1, len(groups)))
         self._groups = groups
+        self._trains = trains
         self.lr_scheduler = EngineSchedule(self)
         self.training_dataloader = dataloader
         self.config = dict(config or {})
@@ -53,6 +54,8 @@ class DeepSpeedEngine:
         self._model, self._schedule = model, schedule
         self._step: StepInProgress | None = None
         self._synced_step = int(state.step)  # the model holds the weights of this step
+        self._syncing = False  # copying between the model and the State (fz/deepspeed/model_sync.py)
+        self._watching = model_sync.watch(self, model)  # the script's own `model` follows the State
         self._boundary: bool | None = None
         self.micro_steps = 0
         self.global_samples = 0
@@ -143,7 +146,11 @@ class DeepSpeedEngine:
         return [tuple(params.get("betas", (0.9, 0.999)))] * self.optimizer.groups
 
     def destroy(self) -> None:
-        """Nothing to release: the engine holds only its State (and no process group of its own)."""
+        """The hooks on the script's model go (fz/deepspeed/model_sync.py); the engine holds only its
+        State (and no process group of its own)."""
+        for handle in self._watching:
+            handle.remove()
+        self._watching = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -206,6 +213,13 @@ class DeepSpeedEngine:
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Backpropagate this micro-batch's loss (divided by the accumulation steps, and scaled in
         fp16); gradients are reduced as DeepSpeed's ZeRO stage reduces them."""
+        if not self._trains:
+            if self._step is not None:
+                self._step.abort()
+                self._step = None
+            raise ConfigError("engine.backward: deepspeed.initialize was given no optimizer (no optimizer= and no "
+                              "\"optimizer\" section), so this engine is for inference, as DeepSpeed's (whose backward "
+                              "asserts: must provide optimizer during init in order to use backward)")
         if self._step is None:
             raise ConfigError("engine.backward(loss) needs a forward in train mode first (loss = engine(batch))")
         if retain_graph:
@@ -246,13 +260,7 @@ class DeepSpeedEngine:
     def module(self) -> nn.Module:
         """The model, holding the current weights (copied in after a step; at stage 3 gathered,
         so every rank reads it, in step)."""
-        if self._synced_step != self.global_steps and self._step is None:
-            own = self._model.state_dict(keep_vars=True)
-            with torch.no_grad():
-                for name, value in iter_full_params(self.state):  # one bucket gathered at a time
-                    if name in own:
-                        own[name].data.copy_(value.to(own[name].dtype))
-            self._synced_step = self.global_steps
+        model_sync.pull(self)
         return self._model
 
     def parameters(self, recurse: bool = True):
@@ -261,8 +269,23 @@ class DeepSpeedEngine:
     def named_parameters(self, *args: Any, **kwargs: Any):
         return self.module.named_parameters(*args, **kwargs)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The engine's as DeepSpeed's (an nn.Module holding the model as `module`): keys `module.<name>`."""
+        return self.module.state_dict(destination=destination, prefix=prefix + "module.", keep_vars=keep_vars)
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The model's state_dict, as DeepSpeed's engine gives it (its own names)."""
+        out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self._model.named_parameters() if not p.requires_grad}
+            out = type(out)((k, v) for k, v in out.items() if k not in frozen)
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        """engine.state_dict()'s keys (`module.<name>`) into the model, and so into the State."""
+        inner = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        return self.module.load_state_dict(inner, strict=strict)
 
     def __getattr__(self, name: str) -> Any:
         """The model's attributes, as DeepSpeed's engine gives them (`engine.config`); a submodule or

@@ -157,6 +157,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if grouped is not None:
             cfg.pop("optimizer", None)  # read into `grouped`, with the groups' mask
             auto.update(optimizer=grouped, lr=grouped.lr)
+    trains = bool(auto.get("optimizer") or cfg.get("optimizer"))
+    if not trains:  # DeepSpeed's engine without an optimizer: inference (ZeRO-3 sharded), backward refused
+        auto.update(optimizer=ClientOptimizer("sgd", 0.0), lr=0.0)  # stateless: no memory for moments
     if lr_scheduler is not None:
         stand_in = torch_opt
         if stand_in is None:
@@ -175,6 +178,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = EngineDataLoader(training_data, int(spec.micro_batch or 1), state.plan.rank, len(state.plan.ranks),
                                   collate_fn, bool(cfg.get("dataloader_drop_last", False)))
     engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg,
-                             given_config=given)
+                             given_config=given, trains=trains)
     scheduled = lr_scheduler is not None or bool(cfg.get("scheduler"))
-    return engine, engine.optimizer, loader, engine.lr_scheduler if scheduled else None
+    return engine, engine.optimizer if trains else None, loader, engine.lr_scheduler if scheduled else None

@@ -160,4 +160,8 @@ def client_schedule(lr_scheduler: Any, torch_optimizer: Any) -> Callable[[int], 
             raise ConfigError("deepspeed.initialize(lr_scheduler=callable): fz calls it with a torch optimizer, so it "
                               "needs optimizer= (a torch optimizer) or an optimizer section")
         lr_scheduler = lr_scheduler(torch_optimizer)
+    if getattr(lr_scheduler, "cycle_momentum", False):  # OneCycleLR, CyclicLR: a momentum / beta1 schedule too
+        raise ConfigError(f"deepspeed.initialize(lr_scheduler={type(lr_scheduler).__name__}(cycle_momentum=True)): fz "
+                          "follows a client scheduler's lr only, so its momentum cycle would not reach the update; "
+                          "pass cycle_momentum=False, or use the config's OneCycle scheduler")
     return TorchSchedule(lr_scheduler)

@@ -14,6 +14,7 @@ from fz.deepspeed.optimizers import TorchSchedule
 
 # gradient_clipping 0: no clip, as the torch loops these runs are checked against (DeepSpeed clips at 1.0 by default)
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0}
+ADAM = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # an engine that trains needs one
 
 
 class Net(nn.Module):
@@ -168,7 +169,7 @@ def test_param_groups_with_a_config_optimizer_mask_the_weight_decay():
 
 
 def test_engine_misuse_fails_naming_the_fix():
-    engine, *_ = deepspeed.initialize(model=Net(), config={**CONFIG, "gradient_accumulation_steps": 2})
+    engine, *_ = deepspeed.initialize(model=Net(), config={**ADAM, "gradient_accumulation_steps": 2})
     x, y = _batches(1)[0]
     with pytest.raises(fz.ConfigError, match="needs a forward in train mode first"):
         engine.backward(torch.tensor(1.0))
@@ -184,7 +185,7 @@ def test_engine_misuse_fails_naming_the_fix():
 def test_eval_mode_forward_is_fz_apply_and_module_attributes_read_through():
     model = Net()
     model.custom_tag = "kept"
-    engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
+    engine, *_ = deepspeed.initialize(model=model, config=ADAM)
     x, y = _batches(1)[0]
     engine.backward(engine(x, y))
     engine.step()
@@ -265,3 +266,83 @@ def test_fp16_zero0_engine_is_train_steps_step_with_its_loss_scale():
     assert engine.skipped_steps >= 1 and engine.fp16_enabled()  # 2**30 overflows fp16 at first
     for name, w in fz.full_params(state).items():
         assert torch.equal(fz.full_params(engine.state)[name], w), name
+
+
+def _sgd(stage: int) -> dict:
+    return {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True}
+
+
+def _train(engine, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_scripts_own_model_gives_the_trained_weights_as_deepspeeds_does():
+    """DeepSpeed trains the module it is given in place: `model.eval(); model(x)` and
+    `model.state_dict()` after training are the trained model's, without reading engine.module."""
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_sgd(0))
+    _train(engine, _batches(3))
+    trained = {k: v.clone() for k, v in fz.full_params(engine.state).items()}
+    saved = model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in trained.items())
+    x, y = _batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        assert model(x, y).item() == pytest.approx(fz.apply(engine.state, x, y).item(), rel=1e-6)
+
+
+def test_weights_loaded_into_the_module_after_initialize_are_trained_from():
+    """`engine.module.load_state_dict(sd)` after initialize, as DeepSpeed scripts resume weights: the
+    next steps train from them, as an engine made on a model holding them does; at stage 3 refused."""
+    donor = Net()
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.mul_(1.5)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_sgd(0))
+    engine.module.load_state_dict(donor.state_dict())
+    fresh, *_ = deepspeed.initialize(model=donor, model_parameters=donor.parameters(), config=_sgd(0))
+    assert _train(engine, _batches(3)) == pytest.approx(_train(fresh, _batches(3)), rel=1e-6)
+    model3 = Net()
+    engine3, *_ = deepspeed.initialize(model=model3, model_parameters=model3.parameters(), config=_sgd(3))
+    with pytest.raises(fz.ConfigError, match="load_state_dict into the engine's model at ZeRO stage 3"):
+        model3.load_state_dict(Net().state_dict())
+
+
+def test_without_an_optimizer_the_engine_is_for_inference_as_deepspeeds():
+    """No optimizer= and no section: DeepSpeed's initialize returns optimizer None and its backward
+    asserts; fz's engine keeps no optimizer state (a stateless update) and refuses backward."""
+    engine, optimizer, _, _ = deepspeed.initialize(model=Net(), config=CONFIG)
+    assert optimizer is None and fz.memory_report(engine.state).opt == 0
+    x, y = _batches(1)[0]
+    engine.eval()
+    assert engine(x, y).item() == pytest.approx(Net()(x, y).item(), rel=1e-6)
+    engine.train()
+    with pytest.raises(fz.ConfigError, match="deepspeed.initialize was given no optimizer .* for inference"):
+        engine.backward(engine(x, y))
+
+
+def test_a_client_scheduler_cycling_momentum_is_refused():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)  # cycle_momentum=True by default
+    with pytest.raises(fz.ConfigError, match=r"OneCycleLR\(cycle_momentum=True\)\): fz follows a client scheduler"):
+        deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=CONFIG)
+
+
+def test_engine_state_dict_keys_are_deepspeeds_and_load_back():
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_sgd(0))
+    sd = engine.state_dict()
+    assert sorted(sd) == sorted(f"module.{k}" for k in model.state_dict())
+    assert sorted(engine.module_state_dict()) == sorted(model.state_dict())
+    _train(engine, _batches(2))
+    engine.load_state_dict(sd)  # the weights before training, into the State
+    assert all(torch.equal(v, sd[f"module.{k}"]) for k, v in fz.full_params(engine.state).items())
