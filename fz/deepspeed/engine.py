@@ -47,7 +47,7 @@ class DeepSpeedEngine:
         self.optimizer = EngineOptimizer(self, max(1, len(groups)))
         self._groups = groups
         self._trains = trains
-        self.lr_scheduler = EngineSchedule(self)
+        self.lr_scheduler: EngineSchedule | None = EngineSchedule(self)
         self.training_dataloader = dataloader
         self.config = dict(config or {})
         self._given_config = self.config if given_config is None else given_config  # DeepSpeed's ds_config
@@ -348,7 +348,7 @@ class DeepSpeedEngine:
             return None, None
         self.state, path, client_state, counters = got
         self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
-        self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
+        # micro_steps stays the engine's own count, as DeepSpeed's load leaves it (at a boundary either way)
         self._synced_step = -1
         fields = ds_fields(self._model, self._given_config, self.zero_optimization_stage(), self.global_samples,
                            __version__, self._groups)

@@ -179,5 +179,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                   collate_fn, bool(cfg.get("dataloader_drop_last", False)))
     engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg,
                              given_config=given, trains=trains)
-    scheduled = lr_scheduler is not None or bool(cfg.get("scheduler"))
-    return engine, engine.optimizer if trains else None, loader, engine.lr_scheduler if scheduled else None
+    if not (lr_scheduler is not None or cfg.get("scheduler")):
+        engine.lr_scheduler = None  # DeepSpeed's engine has none either (its lr stays the optimizer's)
+    return engine, engine.optimizer if trains else None, loader, engine.lr_scheduler

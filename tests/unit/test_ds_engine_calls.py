@@ -68,8 +68,10 @@ def test_backward_returns_deepspeeds_value_the_loss_over_the_accumulation_steps(
 
 def test_setting_the_lr_by_hand_or_stepping_the_schedule_again_is_refused_not_ignored():
     engine, optimizer, _, _ = _engine()
-    scheduler = engine.lr_scheduler
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    assert engine.lr_scheduler is None  # no scheduler configured: none, as DeepSpeed's engine has
+    engine, optimizer, scheduler, _ = _engine({**CONFIG, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 1e-2, "warmup_max_lr": 1e-2, "warmup_num_steps": 2}}})
+    assert scheduler is engine.lr_scheduler and optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
     with pytest.raises(fz.ConfigError, match=r"param_groups\[i\]\['lr'\] = \.\.\.: fz's lr comes from the config"):
         optimizer.param_groups[0]["lr"] = 0.5
     with pytest.raises(fz.ConfigError, match=r"engine.step\(\) already steps the schedule"):
