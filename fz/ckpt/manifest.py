@@ -107,6 +107,11 @@ def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
         raise CheckpointError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
     if not ok:
         raise CheckpointError(f"{p} is damaged: its own checksum does not match its contents")
+    for name, entry in files.items():  # each a dict (its "algorithm" was read above)
+        size, checksum = entry.get("size"), entry.get("checksum")
+        if type(size) is not int or size < 0 or not isinstance(checksum, str):
+            raise CheckpointError(f"{p} lists {name!r:.100} with size {size!r:.40} and checksum {checksum!r:.40}: "
+                                  "not a size in bytes and a checksum; the manifest is damaged or altered")
     bad = next((n for n in files if not plain_name(n)), None)
     if bad is not None:
         raise CheckpointError(f"{p} lists {bad!r:.100}, which is not a file name of {directory} (a path, '..' or "

@@ -73,13 +73,24 @@ def read_small(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def read_regular(path: Path, what: str = "checkpoint file") -> bytes:
-    """All of a regular file's bytes; FileNotFoundError when there is no such name (for the caller
-    to word), a CheckpointError when it is not a regular file."""
+JSON_MAX = 256 << 20  # bytes of a checkpoint's metadata file (an index of thousands of ranks is tens of MB)
+
+
+def read_regular(path: Path, what: str = "checkpoint file", limit: int = JSON_MAX) -> bytes:
+    """All of a regular file's bytes, at most `limit` (its size checked before anything is read: a
+    sparse file claiming gigabytes is not allocated); FileNotFoundError when there is no such name
+    (for the caller to word), a CheckpointError when it is not a regular file or is too big."""
     if not os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
     with open_regular_file(path, what) as fh:
-        return fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"{what} {path} is {size} bytes, over the {limit >> 20} MiB a checkpoint's metadata "
+                                  "file may be: damaged or not what fz wrote")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{what} {path} holds more than {limit} bytes: not what it should be")
+    return data
 
 
 def parse_json(raw: bytes | str, where: str) -> Any:

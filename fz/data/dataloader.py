@@ -98,12 +98,22 @@ class Loader:
     def _check(self, saved: Any) -> tuple:
         if not isinstance(saved, dict) or saved.get("format") != FORMAT:
             raise ConfigError(f"fz.data: state.data[{self.key!r}] is not a position fz.data wrote: {saved!r:.80}")
+        missing = [k for k in ("seed", "shuffle", "size", "epoch", "index") if k not in saved]
+        if missing:
+            raise ConfigError(f"fz.data: the saved position state.data[{self.key!r}] has no {', '.join(missing)}: "
+                              "damaged, or not what fz.data wrote")
         for name in ("seed", "shuffle", "size"):
             if saved[name] != getattr(self, name):
                 raise ConfigError(f"fz.data: the saved position has {name}={saved[name]!r}, this loader "
                                   f"{getattr(self, name)!r}: a different data order. Pass the same {name}, "
                                   "or restart=True to read from the start")
-        return int(saved["epoch"]), int(saved["index"])
+        epoch, index = saved["epoch"], saved["index"]
+        top = self.size if self.size is not None else 2**62
+        if type(epoch) is not int or type(index) is not int or epoch < 0 or not 0 <= index <= top:
+            raise ConfigError(f"fz.data: the saved position state.data[{self.key!r}] is epoch {epoch!r:.40}, index "
+                              f"{index!r:.40}: not an epoch >= 0 and a sample index from 0 to {top}; damaged or "
+                              "altered")
+        return epoch, index
 
 
 def _is_iterable(dataset: Any) -> bool:

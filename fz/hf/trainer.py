@@ -182,6 +182,7 @@ class Trainer(transformers.Trainer):
         output_dir) is checked first, an error listing the checkpoints there are if it is none."""
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = dirs.to_resume(resume_from_checkpoint, str(self.args.output_dir))
+            trainer_checkpoints.trainer_state(resume_from_checkpoint)  # checked before transformers reads it
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,

@@ -9,14 +9,17 @@ is written beside `fz/` too, as the Trainer writes it (`PeftModel.from_pretraine
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
 import fz
-from fz.errors import ConfigError
+from fz.ckpt.regular import inside, parse_json, read_regular
+from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf.export import save_pretrained
 from fz.hf.peft_export import is_peft_model
@@ -76,6 +79,31 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)
 
 
+def trainer_state(checkpoint: str) -> TrainerState:
+    """`checkpoint/trainer_state.json` as transformers' TrainerState.load_from_json reads it, but as a
+    bounded regular file inside the folder, an object of TrainerState's own fields."""
+    folder = Path(checkpoint)
+    path = folder / dirs.STATE_FILE
+    try:
+        raw = read_regular(inside(folder, path, "the trainer state"), "the trainer state")
+        value = parse_json(raw, f"the trainer state {path}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint") from None
+    except ValueError as e:  # JSON's own errors (CheckpointError is a ConfigError, not a ValueError)
+        raise CheckpointError(f"the trainer state {path} is not JSON ({e}): damaged") from None
+    fields = {f.name for f in dataclasses.fields(TrainerState)}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"the trainer state {path} is not a JSON object: not what transformers writes")
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise CheckpointError(f"the trainer state {path} has keys TrainerState has not: {unknown[:5]}: not what "
+                              "transformers writes")
+    try:
+        return TrainerState(**value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the trainer state {path} does not make a TrainerState ({e})") from None
+
+
 def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
     """`state` restored from `checkpoint`'s fz checkpoint, the trainer state and callbacks with it;
     with ignore_data_skip, the data from the start of the checkpoint's epoch, as transformers."""
@@ -83,9 +111,10 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
         raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved with save_only_model=True: it holds the model's "
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")
+    saved = trainer_state(checkpoint)  # read and checked before the State is given to the restore
     restored = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
     assert isinstance(restored, fz.State)
-    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, dirs.STATE_FILE))
+    trainer.state = saved
     trainer._load_callback_state()
     trainer.state.global_step = int(restored.step)
     position = restored.data.get("loader") if isinstance(restored.data, dict) else None

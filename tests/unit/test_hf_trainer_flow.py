@@ -151,3 +151,27 @@ def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
     with pytest.raises(ConfigError, match="save_only_model=True: it holds the model's weights"):
         trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(folder))
+
+
+@pytest.mark.parametrize("tamper", ["link_out", "unknown_key", "not_json"])
+def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_path, tamper):
+    """trainer_state.json is read as a regular file inside the checkpoint, an object of TrainerState's
+    fields, before fz.restore takes the State: the trainer can still train after the refusal."""
+    from fz.errors import CheckpointError
+    out = tmp_path / "run"
+    trainer(True, str(out), save_strategy="steps", save_steps=2, max_steps=2).train()
+    path = out / "checkpoint-2" / "trainer_state.json"
+    if tamper == "link_out":
+        secret = tmp_path / "secret.json"
+        secret.write_text('{"log_history": [{"CANARY": 1}]}')
+        path.unlink()
+        path.symlink_to(secret)
+    elif tamper == "unknown_key":
+        path.write_text('{"global_step": 2, "evil": 1}')
+    else:
+        path.write_text("{not json")
+    words = {"link_out": "outside", "unknown_key": r"keys TrainerState has not: \['evil'\]", "not_json": "not JSON"}
+    t = trainer(True, str(out), max_steps=4)
+    with pytest.raises(CheckpointError, match=words[tamper]):
+        t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert t.train().global_step == 4  # its State was not given to the refused restore

@@ -7,6 +7,7 @@ gigabytes from a few bytes)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -106,3 +107,35 @@ def test_consolidate_hf_copies_no_config_or_tokenizer_from_outside_the_folder(tm
     with pytest.raises(CheckpointError, match=r"config.json .*outside|outside .*config.json"):
         consolidate(tmp_path / "checkpoint-1" / "fz", tmp_path / "out", hf=True)
     assert not any("CANARY" in p.read_text(errors="ignore") for p in (tmp_path / "out").glob("*") if p.is_file())
+
+
+def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path):
+    """A sparse manifest.json of 300 MB (a few bytes on disk) is refused by its size, not allocated."""
+    fz.save(_trained(), tmp_path)
+    os.truncate(tmp_path / "step_1" / "manifest.json", 300 << 20)
+    with pytest.raises(CheckpointError, match=r"manifest.json is 314572800 bytes, over the 256 MiB"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
+
+
+@pytest.mark.parametrize("entry", [{"checksum": "x", "algorithm": "xxh3"}, {"size": "12", "checksum": "x",
+                                                                            "algorithm": "xxh3"}])
+def test_a_manifest_entry_without_a_size_is_named(tmp_path, entry):
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    files = manifest.read(step)
+    files["fz.json"] = {**files["fz.json"], **entry}
+    if "size" not in entry:
+        del files["fz.json"]["size"]
+    manifest.write(step, files)
+    with pytest.raises(CheckpointError, match=r"lists 'fz.json' with size .*: not a size in bytes and a checksum"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+@pytest.mark.parametrize("epoch, index", [(0, -3), (-3, 0), (0, 10**6), (True, 0)])
+def test_a_saved_data_position_out_of_range_is_named(epoch, index):
+    state = fz.init(make_model(), spec(0, 1))
+    rows = list(range(40))
+    position = {**fz.data.loader(rows, state, micro_batch=4).state_dict(), "epoch": epoch, "index": index}
+    state = state.replace(data={"loader": position})
+    with pytest.raises(ConfigError, match=r"is epoch .*, index .*: not an epoch >= 0 and a sample index from 0 to 40"):
+        fz.data.loader(rows, state, micro_batch=4)
