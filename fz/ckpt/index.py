@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fz.ckpt.chunk import read_chunk
-from fz.ckpt.regular import inside, parse_json, read_regular
+from fz.ckpt.regular import inside, parse_json, read_regular, stat_regular
 from fz.errors import CheckpointError, ConfigError
 
 INDEX = "index.json"
@@ -76,6 +76,7 @@ def read_index(directory: Path) -> dict[str, Any]:
     try:
         index = parse_json(read_regular(inside(directory, path)), f"checkpoint file {path}")
         _check(index)
+        _in_files(Path(directory), index)
     except CheckpointError:
         raise
     except (ValueError, TypeError, KeyError) as e:
@@ -83,12 +84,38 @@ def read_index(directory: Path) -> dict[str, Any]:
     return index
 
 
+MAX_CHUNKS = 1 << 22  # chunks of one checkpoint: a save writes about one per rank and tensor (or bucket)
+
+
+def _in_files(directory: Path, index: dict[str, Any]) -> None:
+    """Each chunk's record is its own bytes of a regular file of the folder, inside its end: the
+    tensors restore allocates are bounded by the bytes on disk (a record claims at least its
+    values' bytes: `_check`), not by what the index says."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for key, t in index["tensors"].items():
+        for c in t["chunks"]:
+            spans.setdefault(c["file"], []).append((c["at"], c["length"], key))
+    for name, found in spans.items():
+        size = stat_regular(inside(directory, directory / name)).st_size
+        found.sort()
+        end = 0
+        for at, length, key in found:
+            if at < end:
+                raise ValueError(f"{key!r}: its chunk at byte {at} of {name} overlaps another's record")
+            end = at + length
+        if end > size:
+            raise ValueError(f"a chunk ends at byte {end} of {name}, past its {size} bytes")
+
+
 def _check(index: Any) -> None:
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or not isinstance(index.get("tensors"), dict):
         raise ValueError(f"not an fz index of format {INDEX_FORMAT}")
+    if sum(len(t["chunks"]) for t in index["tensors"].values()) > MAX_CHUNKS:
+        raise ValueError(f"more than {MAX_CHUNKS} chunks: not what fz.save writes")
     for key, t in index["tensors"].items():
         if t["dtype"] not in _DTYPES:
             raise ValueError(f"{key!r}: unknown dtype {t['dtype']!r}")
+        item = _DTYPES[t["dtype"]].itemsize
         ndim = len(t["size"])
         if any(not isinstance(n, int) or n < 0 for n in t["size"]):
             raise ValueError(f"{key!r}: bad size {t['size']!r}")
@@ -104,9 +131,12 @@ def _check(index: Any) -> None:
                 or not isinstance(c["at"], int)
                 or not isinstance(c["length"], int)
                 or c["at"] < 0
-                or c["length"] < 0
+                or c["length"] <= 0
             ):
                 raise ValueError(f"{key!r}: bad location {c!r}")
+            if math.prod(c["sizes"]) * item > c["length"]:  # a record holds its values' bytes and more
+                raise ValueError(f"{key!r}: a chunk of {c['sizes']} {t['dtype']} values in a record of {c['length']} "
+                                 "bytes")
         _covered(key, t["size"], [(c["offsets"], c["sizes"]) for c in t["chunks"]])
 
 

@@ -139,3 +139,33 @@ def test_a_saved_data_position_out_of_range_is_named(epoch, index):
     state = state.replace(data={"loader": position})
     with pytest.raises(ConfigError, match=r"is epoch .*, index .*: not an epoch >= 0 and a sample index from 0 to 40"):
         fz.data.loader(rows, state, micro_batch=4)
+
+
+@pytest.mark.parametrize("lie", ["values", "overlap", "past_end"])
+def test_an_index_is_bounded_by_the_bytes_on_disk(tmp_path, lie):
+    """What restore allocates from index.json is bounded by the files: a chunk holds no more values
+    than its record's bytes, records do not share bytes, and none reaches past its file's end."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    index = json.loads((step / "index.json").read_text())
+    chunks = [(k, c) for k, t in index["tensors"].items() for c in t["chunks"]]
+    key, first = next((k, c) for k, c in chunks if index["tensors"][k]["size"])
+    if lie == "values":
+        t = index["tensors"][key]
+        t["size"] = [n * 1000 for n in t["size"][:1]] + t["size"][1:]
+        for c in t["chunks"]:
+            c["offsets"] = [o * 1000 for o in c["offsets"][:1]] + c["offsets"][1:]
+            c["sizes"] = [n * 1000 for n in c["sizes"][:1]] + c["sizes"][1:]
+        words = r"values in a record of \d+ bytes"
+    elif lie == "overlap":
+        other = next(c for _, c in chunks if c is not first and c["file"] == first["file"])
+        other["at"] = first["at"]
+        words = "overlaps another's record"
+    else:
+        last = max((c for _, c in chunks if c["file"] == first["file"]), key=lambda c: c["at"])
+        last["length"] += (step / first["file"]).stat().st_size
+        words = r"past its \d+ bytes"
+    (step / "index.json").write_text(json.dumps(index))
+    _relist(step, "index.json")
+    with pytest.raises(CheckpointError, match=words):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
