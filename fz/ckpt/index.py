@@ -103,8 +103,10 @@ def _in_files(directory: Path, index: dict[str, Any]) -> None:
             if at < end:
                 raise ValueError(f"{key!r}: its chunk at byte {at} of {name} overlaps another's record")
             end = at + length
-        if end > size:
-            raise ValueError(f"a chunk ends at byte {end} of {name}, past its {size} bytes")
+        if end > size:  # the data file's fault as much as the index's: named as the file read
+            raise CheckpointError(f"checkpoint file {directory / name} is unreadable: {size} bytes, but a chunk of "
+                                  f"index.json ends at byte {end}, past its {size} bytes (truncated, or not this "
+                                  "checkpoint's)")
 
 
 def _check(index: Any) -> None:
