@@ -102,9 +102,8 @@ def _impossible(tensors: dict[str, Tensor]) -> list[str]:
         if parts[-1] == "count" and local.dim() == 0 and not local.is_floating_point() and int(local) < 0:
             out.append(f"{key} = {int(local)} (a step count)")
         elif len(parts) > 2 and parts[-2] in _SQUARES and local.is_floating_point() and local.numel():
-            negative = int((local < 0).sum())
-            if negative:
-                out.append(f"{key} has {negative} negative values (a mean of squares)")
+            if float(local.min()) < 0:  # no temporary of the tensor's size unless one is bad
+                out.append(f"{key} has {int((local < 0).sum())} negative values (a mean of squares)")
     return out
 
 
