@@ -169,3 +169,18 @@ def test_an_index_is_bounded_by_the_bytes_on_disk(tmp_path, lie):
     _relist(step, "index.json")
     with pytest.raises(CheckpointError, match=words):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+def test_a_tensor_of_more_chunks_than_ranks_is_refused_before_they_are_planned(tmp_path):
+    """A tensor split into more chunks than any run has ranks (2**17 + 1 here) is refused by their
+    count, before each is checked or DCP plans them (100k chunks took 23 s and a gigabyte)."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    index = json.loads((step / "index.json").read_text())
+    key, t = next((k, t) for k, t in index["tensors"].items() if t["size"])
+    t["chunks"] = t["chunks"][:1] * ((1 << 17) + 1)
+    (step / "index.json").write_text(json.dumps(index))
+    _relist(step, "index.json")
+    with pytest.raises(CheckpointError, match=rf"index.json is unreadable or damaged \(ValueError: '{key}': 131073 "
+                       r"chunks, more than the 131072 of a tensor fz.save writes \(one per rank"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
