@@ -131,6 +131,18 @@ def test_a_manifest_entry_without_a_size_is_named(tmp_path, entry):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
 
 
+@pytest.mark.parametrize("entry", [["algorithm"], {"size": 12, "checksum": "x", "algorithm": "md5"}])
+def test_a_manifest_entry_that_is_not_an_object_of_a_known_algorithm_is_named(tmp_path, entry):
+    """A list where an entry should be was a bare TypeError, worded as the manifest being unreadable;
+    an unknown algorithm, as its own checksum not matching."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    manifest.write(step, {**manifest.read(step), "fz.json": entry})
+    with pytest.raises(CheckpointError, match=r"manifest.json lists 'fz.json' as .*: not an object with a checksum "
+                       r"algorithm fz knows \(xxh3, crc32, sha256\)"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
 @pytest.mark.parametrize("epoch, index", [(0, -3), (-3, 0), (0, 10**6), (True, 0)])
 def test_a_saved_data_position_out_of_range_is_named(epoch, index):
     state = fz.init(make_model(), spec(0, 1))
