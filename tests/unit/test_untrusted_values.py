@@ -153,6 +153,20 @@ def test_a_saved_data_position_out_of_range_is_named(epoch, index):
         fz.data.loader(rows, state, micro_batch=4)
 
 
+@pytest.mark.parametrize("field", ["seed", "shuffle", "size", "format"])
+def test_a_saved_data_position_holding_a_tensor_is_named(field):
+    """A data_N.json may refer to its own tensors: one in the position was a bare RuntimeError (a
+    tensor of two values has no one truth), not a ConfigError naming the position."""
+    state = fz.init(make_model(), spec(0, 1))
+    rows = list(range(40))
+    position = {**fz.data.loader(rows, state, micro_batch=4).state_dict(), field: torch.tensor([1, 40])}
+    state = state.replace(data={"loader": position})
+    words = ("is not a position fz.data wrote" if field == "format"
+             else rf"has {field}=tensor\(\[ 1, 40\]\), not a number")
+    with pytest.raises(ConfigError, match=rf"fz.data: .*state.data\['loader'\] {words}"):
+        fz.data.loader(rows, state, micro_batch=4)
+
+
 @pytest.mark.parametrize("lie", ["values", "overlap", "past_end"])
 def test_an_index_is_bounded_by_the_bytes_on_disk(tmp_path, lie):
     """What restore allocates from index.json is bounded by the files: a chunk holds no more values
