@@ -117,6 +117,21 @@ def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path):
         fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
 
 
+@pytest.mark.parametrize("where", ["fz.json", "data_0.json"])
+def test_a_save_fz_restore_would_not_read_back_is_refused(tmp_path, monkeypatch, where):
+    """fz.save refuses a metadata file over the cap restore reads (1 MiB here, 256 MiB really), as a
+    CheckpointError naming it, rather than committing a checkpoint that cannot be restored."""
+    from fz.ckpt import saver
+    monkeypatch.setattr(saver, "JSON_MAX", 1 << 20)
+    state, big = _trained(), {"note": "x" * (1 << 20)}
+    if where == "data_0.json":
+        state = state.replace(data=big)
+    with pytest.raises(CheckpointError, match=rf"fz.save: {where} would be 10\d{{5}} bytes, over the 1 MiB fz.restore "
+                       "reads of a metadata file"):
+        fz.save(state, tmp_path, client_state=big if where == "fz.json" else None)
+    assert not (tmp_path / "latest").exists()
+
+
 @pytest.mark.parametrize("entry", [{"checksum": "x", "algorithm": "xxh3"}, {"size": "12", "checksum": "x",
                                                                             "algorithm": "xxh3"}])
 def test_a_manifest_entry_without_a_size_is_named(tmp_path, entry):
