@@ -109,11 +109,15 @@ def test_consolidate_hf_copies_no_config_or_tokenizer_from_outside_the_folder(tm
     assert not any("CANARY" in p.read_text(errors="ignore") for p in (tmp_path / "out").glob("*") if p.is_file())
 
 
-def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path):
-    """A sparse manifest.json of 300 MB (a few bytes on disk) is refused by its size, not allocated."""
+@pytest.mark.parametrize("name", ["manifest.json", "index.json", "fz.json", "data_0.json"])
+def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path, name):
+    """A sparse metadata file of 300 MB (a few bytes on disk; listed in the manifest as such) is
+    refused by its size, not allocated."""
     fz.save(_trained(), tmp_path)
-    os.truncate(tmp_path / "step_1" / "manifest.json", 300 << 20)
-    with pytest.raises(CheckpointError, match=r"manifest.json is 314572800 bytes, over the 256 MiB"):
+    os.truncate(tmp_path / "step_1" / name, 300 << 20)
+    if name != "manifest.json":
+        _relist(tmp_path / "step_1", name)
+    with pytest.raises(CheckpointError, match=rf"{name} is 314572800 bytes, over the 256 MiB"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
 
 
