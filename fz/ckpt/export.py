@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,9 +27,10 @@ from fz.errors import CheckpointError, ConfigError
 from fz.spec import PRECISIONS
 
 _PREFIX, _BUFFERS = "model/", "buffers/"
-# CheckpointInfo's fields read from fz.json
-_META_FIELDS = ("step", "train_step", "world", "stage", "precision", "master", "fz_version", "torch_version",
-                "tensors", "bytes", "model_tensors", "model_bytes")
+# CheckpointInfo's fields read from fz.json, and their types there
+_META_FIELDS: dict[str, type] = {
+    **dict.fromkeys(("step", "train_step", "world", "stage", "tensors", "bytes", "model_tensors", "model_bytes"), int),
+    **dict.fromkeys(("precision", "fz_version", "torch_version"), str), "master": bool}
 
 
 def _name(key: str) -> str:
@@ -50,6 +52,20 @@ def _verify(d: Path, progress: bool | None, key: bytes | None) -> None:
     bar = Progress(sum(f["size"] for f in files.values()), "verify     ", enabled=progress)
     manifest.check_sums(d, files, sorted(files), bar.update)
     bar.close()
+
+
+def _meta(d: Path) -> dict[str, Any]:
+    """fz.json: a JSON object whose state_dict_buffers, if any, are names (a list or a number there
+    was an AttributeError or TypeError traceback from fz inspect and consolidate)."""
+    path = d / META
+    meta = read_json(path)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint file {path} is damaged: it is a JSON {type(meta).__name__}, not an object")
+    buffers = meta.get("state_dict_buffers", [])
+    if not isinstance(buffers, list) or not all(isinstance(n, str) for n in buffers):
+        raise CheckpointError(f"checkpoint file {path} is damaged: its state_dict_buffers is {buffers!r:.60}, not a "
+                              "list of buffer names")
+    return meta
 
 
 def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step: int | None = None,
@@ -83,7 +99,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     limit = hf_folder.shard_size(max_shard_size) if hf else 0
     if verify or key is not None:
         _verify(d, progress, key)
-    meta = read_json(d / META)
+    meta = _meta(d)
     reader = CheckpointReader(d)
     cast = _dtype(dtype)
     names = [k for k in reader.keys() if k.startswith(_PREFIX)]
@@ -162,7 +178,11 @@ def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
         signed = None
     meta_error = None
     try:
-        meta = read_json(d / META)
+        meta = _meta(d)
+        wrong = [k for k, t in _META_FIELDS.items() if meta.get(k) is not None and type(meta[k]) is not t]
+        if wrong:  # shown as unknown, the rest as read
+            meta_error = (f"checkpoint file {d / META} is damaged: " + ", ".join(
+                f"{k} is {meta.pop(k)!r:.40}, not {_META_FIELDS[k].__name__}" for k in wrong))
     except ConfigError as e:
         meta, meta_error = {}, str(e)
     verified = verify_error = None

@@ -85,6 +85,7 @@ def read_index(directory: Path) -> dict[str, Any]:
 
 
 MAX_CHUNKS = 1 << 22  # chunks of one checkpoint: a save writes about one per rank and tensor (or bucket)
+MAX_TENSOR_CHUNKS = 1 << 17  # chunks of one tensor: one per rank holding a shard, 4 x a 32768-rank run
 
 
 def _in_files(directory: Path, index: dict[str, Any]) -> None:
@@ -112,6 +113,12 @@ def _in_files(directory: Path, index: dict[str, Any]) -> None:
 def _check(index: Any) -> None:
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or not isinstance(index.get("tensors"), dict):
         raise ValueError(f"not an fz index of format {INDEX_FORMAT}")
+    for key, t in index["tensors"].items():  # counted before any chunk is looked at (bounded time)
+        if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
+            raise ValueError(f"{key!r:.100}: not an object with a list of chunks")
+        if len(t["chunks"]) > MAX_TENSOR_CHUNKS:
+            raise ValueError(f"{key!r:.100}: {len(t['chunks'])} chunks, more than the {MAX_TENSOR_CHUNKS} of a tensor "
+                             "fz.save writes (one per rank holding a shard)")
     if sum(len(t["chunks"]) for t in index["tensors"].values()) > MAX_CHUNKS:
         raise ValueError(f"more than {MAX_CHUNKS} chunks: not what fz.save writes")
     for key, t in index["tensors"].items():

@@ -99,15 +99,19 @@ def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
     try:
         body = parse_json(raw, f"the manifest {p}")
         files = body["files"]
-        ok = body["table_crc"] == _table_crc(files) and all(v["algorithm"] in ALGORITHMS
-                                                             for v in files.values())
+        if not isinstance(files, dict):
+            raise TypeError(f"its files are a {type(files).__name__}, not an object")
+        ok = body["table_crc"] == _table_crc(files)
     except CheckpointError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{p} is unreadable ({type(e).__name__}: {e}): the manifest is damaged") from None
     if not ok:
         raise CheckpointError(f"{p} is damaged: its own checksum does not match its contents")
-    for name, entry in files.items():  # each a dict (its "algorithm" was read above)
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or entry.get("algorithm") not in ALGORITHMS:
+            raise CheckpointError(f"{p} lists {name!r:.100} as {entry!r:.80}: not an object with a checksum algorithm "
+                                  f"fz knows ({', '.join(ALGORITHMS)}); the manifest is damaged or altered")
         size, checksum = entry.get("size"), entry.get("checksum")
         if type(size) is not int or size < 0 or not isinstance(checksum, str):
             raise CheckpointError(f"{p} lists {name!r:.100} with size {size!r:.40} and checksum {checksum!r:.40}: "

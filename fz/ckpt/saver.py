@@ -40,9 +40,10 @@ from fz.ckpt.commit import Target
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import INDEX, index_of
 from fz.ckpt.layout import META, disk_full, fsync_path, write_durable
+from fz.ckpt.regular import JSON_MAX
 from fz.ckpt.tree import digests, encode, entries
 from fz.ckpt.writer import HashingWriter
-from fz.errors import ConfigError
+from fz.errors import CheckpointError, ConfigError
 from fz.state import State, block_until_ready
 from fz.storage.disk import DiskTensor, load
 from fz.version import __version__
@@ -172,8 +173,9 @@ class SaveJob:
         agree(self.group, err, f"committing checkpoint {self.tmp}")
 
     def _write_rank_files(self) -> dict[str, dict]:
-        write_durable(self.tmp / f"data_{self.rank}.json", json.dumps(self.rank_json).encode())
-        mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == f"data_{self.rank}.json"]
+        name = f"data_{self.rank}.json"
+        write_durable(self.tmp / name, _json(name, self.rank_json))
+        mine = [n for n in os.listdir(self.tmp) if n.startswith(f"__{self.rank}_") or n == name]
         hashed = self.writer.sums() if self.writer is not None else {}
         out = {n: hashed[n] for n in mine if n in hashed}
         out.update(manifest.describe(self.tmp, sorted(n for n in mine if n not in hashed), self.algorithm))
@@ -181,8 +183,8 @@ class SaveJob:
 
     def _commit(self, all_sums: list[dict[str, dict]], dcp_md) -> None:
         meta = dict(self.meta, **_tensor_totals(dcp_md), created_unix=time.time())
-        write_durable(self.tmp / INDEX, json.dumps(index_of(dcp_md)).encode())  # what fz reads, not DCP's pickle
-        write_durable(self.tmp / META, json.dumps(meta, indent=1).encode())
+        write_durable(self.tmp / INDEX, _json(INDEX, index_of(dcp_md)))  # what fz reads, not DCP's pickle
+        write_durable(self.tmp / META, _json(META, meta, indent=1))
         files: dict[str, dict] = {}
         for s in all_sums:
             files.update(s)
@@ -193,6 +195,16 @@ class SaveJob:
         manifest.write(self.tmp, files, self.key)  # last file of the checkpoint
         fsync_path(self.tmp)
         commit.into_place(self.target, self.keep_last)
+
+
+def _json(name: str, value: Any, indent: int | None = None) -> bytes:
+    """`value` as checkpoint file `name`'s JSON, refused when fz.restore would not read it back
+    (a metadata file is read only up to JSON_MAX bytes)."""
+    data = json.dumps(value, indent=indent).encode()
+    if len(data) > JSON_MAX:
+        raise CheckpointError(f"fz.save: {name} would be {len(data)} bytes, over the {JSON_MAX >> 20} MiB fz.restore "
+                              "reads of a metadata file: keep large values in the client state or data as tensors")
+    return data
 
 
 def _my_share(tensors: dict[str, Tensor], rank: int, world: int) -> dict[str, Tensor]:

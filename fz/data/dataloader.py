@@ -96,13 +96,16 @@ class Loader:
                 f"index={self._pos[1]}, workers={self.num_workers})")
 
     def _check(self, saved: Any) -> tuple:
-        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        if not isinstance(saved, dict) or type(saved.get("format")) is not int or saved["format"] != FORMAT:
             raise ConfigError(f"fz.data: state.data[{self.key!r}] is not a position fz.data wrote: {saved!r:.80}")
         missing = [k for k in ("seed", "shuffle", "size", "epoch", "index") if k not in saved]
         if missing:
             raise ConfigError(f"fz.data: the saved position state.data[{self.key!r}] has no {', '.join(missing)}: "
                               "damaged, or not what fz.data wrote")
-        for name in ("seed", "shuffle", "size"):
+        for name in ("seed", "shuffle", "size"):  # numbers or null as JSON holds them (a tensor has no one truth)
+            if not isinstance(saved[name], (int, type(None))):
+                raise ConfigError(f"fz.data: the saved position state.data[{self.key!r}] has "
+                                  f"{name}={saved[name]!r:.60}, not a number: damaged, or not what fz.data wrote")
             if saved[name] != getattr(self, name):
                 raise ConfigError(f"fz.data: the saved position has {name}={saved[name]!r}, this loader "
                                   f"{getattr(self, name)!r}: a different data order. Pass the same {name}, "

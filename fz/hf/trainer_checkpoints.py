@@ -79,17 +79,50 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)
 
 
+_NUM, _NONE = (int, float), type(None)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {  # TrainerState's fields as its JSON holds them
+    **dict.fromkeys(("epoch", "global_step", "max_steps", "logging_steps", "eval_steps", "save_steps",
+                     "num_train_epochs", "num_input_tokens_seen", "total_flos"), _NUM),
+    **dict.fromkeys(("train_batch_size", "best_metric", "best_global_step"), (*_NUM, _NONE)),
+    **dict.fromkeys(("best_model_checkpoint", "trial_name"), (str, _NONE)),
+    **dict.fromkeys(("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search"), (bool,)),
+    "log_history": (list,), "trial_params": (dict, _NONE), "stateful_callbacks": (dict, _NONE)}
+
+
+def _wrong_field(value: dict[str, Any]) -> str | None:
+    """The first field of a trainer state's JSON of a type TrainerState's is not (a bool is no
+    number), or whose contents transformers would not have written, worded; None if all are."""
+    for name, v in value.items():
+        types = _FIELD_TYPES.get(name)
+        if types is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+            return f"{name} is {v!r:.60}, not {' or '.join('null' if t is _NONE else t.__name__ for t in types)}"
+    if not all(isinstance(e, dict) for e in value.get("log_history") or []):
+        return "log_history is not a list of objects"
+    for name, saved in (value.get("stateful_callbacks") or {}).items():
+        for s in saved if isinstance(saved, list) else [saved]:
+            parts = [s.get("args", {}), s.get("attributes", {})] if isinstance(s, dict) else [None]
+            if not all(isinstance(p, dict) and not any(k.startswith("__") for k in p) for p in parts):
+                return (f"stateful_callbacks[{name!r:.60}] is {s!r:.80}, not an object of 'args' and 'attributes' "
+                        "objects (of names without '__')")
+    return None
+
+
 def trainer_state(checkpoint: str) -> TrainerState:
     """`checkpoint/trainer_state.json` as transformers' TrainerState.load_from_json reads it, but as a
-    bounded regular file inside the folder, an object of TrainerState's own fields."""
+    bounded regular file inside the folder, an object of TrainerState's own fields of their types;
+    the folder's `fz/` must not lead out of it either."""
     folder = Path(checkpoint)
     path = folder / dirs.STATE_FILE
+    if (folder / dirs.FZ_DIR).exists():
+        inside(folder, folder / dirs.FZ_DIR, "fz's checkpoint", "the checkpoint folder")
     try:
         raw = read_regular(inside(folder, path, "the trainer state"), "the trainer state")
         value = parse_json(raw, f"the trainer state {path}")
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint") from None
-    except ValueError as e:  # JSON's own errors (CheckpointError is a ConfigError, not a ValueError)
+    except CheckpointError:  # a ConfigError, so a ValueError too: worded already
+        raise
+    except ValueError as e:  # JSON's own errors
         raise CheckpointError(f"the trainer state {path} is not JSON ({e}): damaged") from None
     fields = {f.name for f in dataclasses.fields(TrainerState)}
     if not isinstance(value, dict):
@@ -98,6 +131,9 @@ def trainer_state(checkpoint: str) -> TrainerState:
     if unknown:
         raise CheckpointError(f"the trainer state {path} has keys TrainerState has not: {unknown[:5]}: not what "
                               "transformers writes")
+    wrong = _wrong_field(value)
+    if wrong is not None:
+        raise CheckpointError(f"the trainer state {path}: {wrong}: damaged, or not what transformers writes")
     try:
         return TrainerState(**value)
     except (TypeError, ValueError) as e:
@@ -111,11 +147,14 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
         raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved with save_only_model=True: it holds the model's "
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")
-    saved = trainer_state(checkpoint)  # read and checked before the State is given to the restore
+    trainer.state = trainer_state(checkpoint)  # read, checked and applied before the State is given to restore
+    try:
+        trainer._load_callback_state()
+    except (TypeError, ValueError, AttributeError) as e:  # a callback's saved args it does not take
+        raise CheckpointError(f"the trainer state {os.path.join(checkpoint, dirs.STATE_FILE)}: its stateful_callbacks "
+                              f"do not make this run's callbacks ({type(e).__name__}: {e})") from None
     restored = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
     assert isinstance(restored, fz.State)
-    trainer.state = saved
-    trainer._load_callback_state()
     trainer.state.global_step = int(restored.step)
     position = restored.data.get("loader") if isinstance(restored.data, dict) else None
     if trainer.args.ignore_data_skip and isinstance(position, dict):  # transformers' epochs_trained, from its start

@@ -153,25 +153,51 @@ def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_
         trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(folder))
 
 
-@pytest.mark.parametrize("tamper", ["link_out", "unknown_key", "not_json"])
+@pytest.mark.parametrize("tamper", ["link_out", "unknown_key", "not_json", "sparse", "deep", "wrong_type",
+                                    "callback_args", "fz_out"])
 def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_path, tamper):
-    """trainer_state.json is read as a regular file inside the checkpoint, an object of TrainerState's
-    fields, before fz.restore takes the State: the trainer can still train after the refusal."""
+    """trainer_state.json is read as a regular file inside the checkpoint, bounded and not too deep, an
+    object of TrainerState's fields of their types whose callbacks this run's take, before fz.restore
+    takes the State (nor may fz/ lead out): the trainer can still train after the refusal."""
+    import json
+    import shutil
+
     from fz.errors import CheckpointError
     out = tmp_path / "run"
     trainer(True, str(out), save_strategy="steps", save_steps=2, max_steps=2).train()
     path = out / "checkpoint-2" / "trainer_state.json"
-    if tamper == "link_out":
+    if tamper in ("link_out", "fz_out"):
         secret = tmp_path / "secret.json"
         secret.write_text('{"log_history": [{"CANARY": 1}]}')
-        path.unlink()
+        if tamper == "fz_out":
+            secret = tmp_path / "elsewhere"
+            shutil.move(out / "checkpoint-2" / "fz", secret)
+            path = out / "checkpoint-2" / "fz"
+        path.unlink(missing_ok=True)
         path.symlink_to(secret)
     elif tamper == "unknown_key":
         path.write_text('{"global_step": 2, "evil": 1}')
+    elif tamper == "sparse":
+        os.truncate(path, 300 << 20)
+    elif tamper == "deep":
+        path.write_text("[" * 5000 + "]" * 5000)
+    elif tamper in ("wrong_type", "callback_args"):
+        saved = json.loads(path.read_text())
+        if tamper == "wrong_type":
+            saved["logging_steps"] = "1"
+        else:
+            saved["stateful_callbacks"]["TrainerControl"]["args"]["evil"] = 1
+        path.write_text(json.dumps(saved))
     else:
         path.write_text("{not json")
-    words = {"link_out": "outside", "unknown_key": r"keys TrainerState has not: \['evil'\]", "not_json": "not JSON"}
-    t = trainer(True, str(out), max_steps=4)
+    state = r"^the trainer state \S+trainer_state.json"
+    words = {"link_out": rf"{state} leads to \S+secret.json, outside the checkpoint folder",
+             "unknown_key": r"keys TrainerState has not: \['evil'\]", "not_json": f"{state} is not JSON",
+             "sparse": rf"{state} is 314572800 bytes, over the 256 MiB", "deep": rf"{state} nests deeper",
+             "wrong_type": rf"{state}: logging_steps is '1', not int or float: damaged",
+             "callback_args": rf"{state}: its stateful_callbacks do not make this run's callbacks \(TypeError",
+             "fz_out": r"^fz's checkpoint \S+fz leads to \S+elsewhere, outside the checkpoint folder"}
+    t = trainer(True, str(out), max_steps=4, restore_callback_states_from_checkpoint=True)
     with pytest.raises(CheckpointError, match=words[tamper]):
         t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert t.train().global_step == 4  # its State was not given to the refused restore

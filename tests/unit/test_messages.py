@@ -1,6 +1,8 @@
 """Messages say what happened: an empty batch, which checkpoint file could not be read, a full disk."""
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -35,11 +37,11 @@ def saved(tmp_path_factory):
     return root / "ck" / "step_1"
 
 
-def _garbled_copy(src, dst, name: str):
+def _garbled_copy(src, dst, name: str, data: bytes = b"{not json, not a pickle"):
     """A copy of checkpoint `src` whose file `name` is not what it should be, with a manifest that
     agrees (as if it had been written that way): only reading the file can find it."""
     shutil.copytree(src, dst)
-    (dst / name).write_bytes(b"{not json, not a pickle")
+    (dst / name).write_bytes(data)
     files = manifest.read(dst)
     files.update(manifest.describe(dst, [name]))
     manifest.write(dst, files)
@@ -60,6 +62,27 @@ def test_fz_consolidate_names_an_unparsable_fz_json_without_a_traceback(saved, t
     err = capsys.readouterr().err
     assert f"fz consolidate: error: checkpoint file {bad / 'fz.json'} is unreadable" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("shape", ["list", "buffers_int", "buffers_lists", "bytes_str"])
+def test_fz_inspect_and_consolidate_name_an_fz_json_of_the_wrong_shape(saved, tmp_path, capsys, shape):
+    """Valid JSON of the wrong shape in fz.json: the file and the field named, not an AttributeError or
+    TypeError traceback (inspect shows the facts it could read, a wrong-typed one as unknown)."""
+    meta = json.loads((saved / "fz.json").read_text())
+    meta = {"list": [1], "buffers_int": {**meta, "state_dict_buffers": 5},
+            "buffers_lists": {**meta, "state_dict_buffers": [[1]]}, "bytes_str": {**meta, "bytes": "x"}}[shape]
+    bad = _garbled_copy(saved, tmp_path / "step_1", "fz.json", json.dumps(meta).encode())
+    words = {"list": "it is a JSON list, not an object", "bytes_str": "bytes is 'x', not int"}.get(
+        shape, r"its state_dict_buffers is \S+, not a list of buffer names")
+    assert main(["inspect", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"metadata +UNREADABLE: checkpoint file {re.escape(str(bad / 'fz.json'))} is damaged: {words}",
+                     out), out
+    assert bool(re.search(r"^train step +1$", out, re.M)) == (shape == "bytes_str")  # the facts it could read
+    assert main(["consolidate", str(bad), str(tmp_path / "out.safetensors")]) == (0 if shape == "bytes_str" else 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and (shape == "bytes_str" or re.search(
+        rf"fz consolidate: error: checkpoint file {re.escape(str(bad / 'fz.json'))} is damaged: {words}", err)), err
 
 
 def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):

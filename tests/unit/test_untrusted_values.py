@@ -109,12 +109,31 @@ def test_consolidate_hf_copies_no_config_or_tokenizer_from_outside_the_folder(tm
     assert not any("CANARY" in p.read_text(errors="ignore") for p in (tmp_path / "out").glob("*") if p.is_file())
 
 
-def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path):
-    """A sparse manifest.json of 300 MB (a few bytes on disk) is refused by its size, not allocated."""
+@pytest.mark.parametrize("name", ["manifest.json", "index.json", "fz.json", "data_0.json"])
+def test_a_metadata_file_claiming_gigabytes_is_not_read(tmp_path, name):
+    """A sparse metadata file of 300 MB (a few bytes on disk; listed in the manifest as such) is
+    refused by its size, not allocated."""
     fz.save(_trained(), tmp_path)
-    os.truncate(tmp_path / "step_1" / "manifest.json", 300 << 20)
-    with pytest.raises(CheckpointError, match=r"manifest.json is 314572800 bytes, over the 256 MiB"):
+    os.truncate(tmp_path / "step_1" / name, 300 << 20)
+    if name != "manifest.json":
+        _relist(tmp_path / "step_1", name)
+    with pytest.raises(CheckpointError, match=rf"{name} is 314572800 bytes, over the 256 MiB"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
+
+
+@pytest.mark.parametrize("where", ["fz.json", "data_0.json"])
+def test_a_save_fz_restore_would_not_read_back_is_refused(tmp_path, monkeypatch, where):
+    """fz.save refuses a metadata file over the cap restore reads (1 MiB here, 256 MiB really), as a
+    CheckpointError naming it, rather than committing a checkpoint that cannot be restored."""
+    from fz.ckpt import saver
+    monkeypatch.setattr(saver, "JSON_MAX", 1 << 20)
+    state, big = _trained(), {"note": "x" * (1 << 20)}
+    if where == "data_0.json":
+        state = state.replace(data=big)
+    with pytest.raises(CheckpointError, match=rf"fz.save: {where} would be 10\d{{5}} bytes, over the 1 MiB fz.restore "
+                       "reads of a metadata file"):
+        fz.save(state, tmp_path, client_state=big if where == "fz.json" else None)
+    assert not (tmp_path / "latest").exists()
 
 
 @pytest.mark.parametrize("entry", [{"checksum": "x", "algorithm": "xxh3"}, {"size": "12", "checksum": "x",
@@ -131,6 +150,18 @@ def test_a_manifest_entry_without_a_size_is_named(tmp_path, entry):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
 
 
+@pytest.mark.parametrize("entry", [["algorithm"], {"size": 12, "checksum": "x", "algorithm": "md5"}])
+def test_a_manifest_entry_that_is_not_an_object_of_a_known_algorithm_is_named(tmp_path, entry):
+    """A list where an entry should be was a bare TypeError, worded as the manifest being unreadable;
+    an unknown algorithm, as its own checksum not matching."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    manifest.write(step, {**manifest.read(step), "fz.json": entry})
+    with pytest.raises(CheckpointError, match=r"manifest.json lists 'fz.json' as .*: not an object with a checksum "
+                       r"algorithm fz knows \(xxh3, crc32, sha256\)"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
 @pytest.mark.parametrize("epoch, index", [(0, -3), (-3, 0), (0, 10**6), (True, 0)])
 def test_a_saved_data_position_out_of_range_is_named(epoch, index):
     state = fz.init(make_model(), spec(0, 1))
@@ -138,6 +169,20 @@ def test_a_saved_data_position_out_of_range_is_named(epoch, index):
     position = {**fz.data.loader(rows, state, micro_batch=4).state_dict(), "epoch": epoch, "index": index}
     state = state.replace(data={"loader": position})
     with pytest.raises(ConfigError, match=r"is epoch .*, index .*: not an epoch >= 0 and a sample index from 0 to 40"):
+        fz.data.loader(rows, state, micro_batch=4)
+
+
+@pytest.mark.parametrize("field", ["seed", "shuffle", "size", "format"])
+def test_a_saved_data_position_holding_a_tensor_is_named(field):
+    """A data_N.json may refer to its own tensors: one in the position was a bare RuntimeError (a
+    tensor of two values has no one truth), not a ConfigError naming the position."""
+    state = fz.init(make_model(), spec(0, 1))
+    rows = list(range(40))
+    position = {**fz.data.loader(rows, state, micro_batch=4).state_dict(), field: torch.tensor([1, 40])}
+    state = state.replace(data={"loader": position})
+    words = ("is not a position fz.data wrote" if field == "format"
+             else rf"has {field}=tensor\(\[ 1, 40\]\), not a number")
+    with pytest.raises(ConfigError, match=rf"fz.data: .*state.data\['loader'\] {words}"):
         fz.data.loader(rows, state, micro_batch=4)
 
 
@@ -168,4 +213,19 @@ def test_an_index_is_bounded_by_the_bytes_on_disk(tmp_path, lie):
     (step / "index.json").write_text(json.dumps(index))
     _relist(step, "index.json")
     with pytest.raises(CheckpointError, match=words):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+def test_a_tensor_of_more_chunks_than_ranks_is_refused_before_they_are_planned(tmp_path):
+    """A tensor split into more chunks than any run has ranks (2**17 + 1 here) is refused by their
+    count, before each is checked or DCP plans them (100k chunks took 23 s and a gigabyte)."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    index = json.loads((step / "index.json").read_text())
+    key, t = next((k, t) for k, t in index["tensors"].items() if t["size"])
+    t["chunks"] = t["chunks"][:1] * ((1 << 17) + 1)
+    (step / "index.json").write_text(json.dumps(index))
+    _relist(step, "index.json")
+    with pytest.raises(CheckpointError, match=rf"index.json is unreadable or damaged \(ValueError: '{key}': 131073 "
+                       r"chunks, more than the 131072 of a tensor fz.save writes \(one per rank"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
