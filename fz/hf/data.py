@@ -46,27 +46,28 @@ def data_seed(args: Any) -> int:
     return int(args.data_seed if args.data_seed is not None else args.seed)
 
 
-def layout(args: Any) -> Layout:
-    """This rank's share of each step: per_device_train_batch_size x gradient_accumulation_steps rows
-    in micro-batches of their own; an epoch's last, smaller step is trained."""
-    micro = int(args.per_device_train_batch_size)
+def layout(args: Any, micro: int | None = None) -> Layout:
+    """This rank's share of each step: `micro` (per_device_train_batch_size) x gradient_accumulation_steps
+    rows in micro-batches of their own; an epoch's last, smaller step is trained."""
+    micro = int(args.per_device_train_batch_size) if micro is None else micro
     world = max(1, int(args.world_size))
     rank = int(args.process_index) if world > 1 else 0
     drop: Literal["micro_batch"] | bool = "micro_batch" if args.dataloader_drop_last else False
     return Layout(micro * int(args.gradient_accumulation_steps), world, rank, drop, micro)
 
 
-def steps_per_epoch(args: Any, dataset: Any) -> int | None:
+def steps_per_epoch(args: Any, dataset: Any, micro: int | None = None) -> int | None:
     """Optimizer steps in one epoch of `dataset` (None: it has no length)."""
-    return layout(args).steps_in(len(dataset)) if hasattr(dataset, "__len__") else None
+    return layout(args, micro).steps_in(len(dataset)) if hasattr(dataset, "__len__") else None
 
 
-def epoch_progress(args: Any, position: dict[str, Any], size: int | None, max_steps: int) -> float:
+def epoch_progress(args: Any, position: dict[str, Any], size: int | None, max_steps: int,
+                   micro: int | None = None) -> float:
     """transformers' `state.epoch` after a step: the epoch plus the share of its micro-batches done
     (of an iterable dataset's, max_steps x gradient_accumulation_steps, as transformers counts them)."""
     epoch, index = int(position["epoch"]), int(position["index"])
-    lay = layout(args)
-    whole = lay.world * int(args.per_device_train_batch_size)  # samples of one micro-batch of every rank
+    lay = layout(args, micro)
+    whole = lay.world * int(lay.micro or 1)  # samples of one micro-batch of every rank
     if not size:
         return epoch + math.ceil(index / whole) / (max_steps * int(args.gradient_accumulation_steps))
     kept = size - (size % lay.global_rows) + lay.take(size % lay.global_rows)
@@ -74,10 +75,16 @@ def epoch_progress(args: Any, position: dict[str, Any], size: int | None, max_st
     return epoch + math.ceil(done / whole) / math.ceil(kept / whole)
 
 
-def train_loader(args: Any, dataset: Any, state: fz.State, collate: Any) -> fz.data.Loader:
-    """The loader of MicroBatches fz.hf.Trainer trains on (starting where `state.data` says)."""
-    lay = layout(args)
-    shuffle = sampling(args) == "random" and hasattr(dataset, "__len__")
-    return fz.data.loader(dataset, state, micro_batch=int(args.per_device_train_batch_size), shuffle=shuffle,
-                          seed=data_seed(args), num_workers=int(args.dataloader_num_workers), collate_fn=collate,
-                          drop_last=lay.drop_last, split=True, order=TorchOrder(data_seed(args)) if shuffle else None)
+def train_loader(args: Any, dataset: Any, state: fz.State, collate: Any, micro: int | None = None,
+                 order: Any = None) -> fz.data.Loader:
+    """The loader of MicroBatches fz.hf.Trainer trains on (starting where `state.data` says): in
+    transformers' order, or in `order` (an online trainer's sampler, fz/hf/online.py)."""
+    lay = layout(args, micro)
+    shuffle = (order is not None or sampling(args) == "random") and hasattr(dataset, "__len__")
+    if shuffle and order is None:
+        order = TorchOrder(data_seed(args))
+    if state.spec.micro_batch not in (None, lay.micro):  # an online trainer's generation batches: not what it trains
+        state = state.replace(spec=state.spec.replace(micro_batch=None))
+    return fz.data.loader(dataset, state, micro_batch=lay.micro, shuffle=shuffle, seed=data_seed(args),
+                          num_workers=int(args.dataloader_num_workers), collate_fn=collate, drop_last=lay.drop_last,
+                          split=True, order=order)

@@ -1,12 +1,15 @@
 """transformers.Trainer's methods that fz.hf.Trainer's loop does not call, and a subclass's
 overrides of them named when the trainer is made (never skipped in silence): an override of the
-step itself (TRL's GRPO, RLOO, GKD, online DPO) is refused, the others warned about."""
+step itself (TRL's GKD, or a user's) is refused, the others warned about. TRL's GRPO and RLOO
+are run as they are written (fz/hf/online.py): their `_prepare_inputs` and sampler are called,
+their `training_step`'s counting replicated."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 from fz.errors import ConfigError
+from fz.hf.online import online_class
 
 log = logging.getLogger(__name__)
 REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what runs instead
@@ -33,8 +36,8 @@ def not_called(cls: type, fz_trainer: type) -> dict[str, str]:
     return out
 
 
-# overrides that are the algorithm itself (TRL's GRPO, RLOO, online DPO, GKD generate and score inside the
-# step): not calling them would train something else, so they are refused, not warned about
+# overrides that are the algorithm itself (TRL's GKD generates inside the step): not calling them would train
+# something else, so they are refused, not warned about (but an online trainer's, which fz/hf/online.py calls)
 ALGORITHM = ("training_step", "_prepare_inputs")
 # TRL's overrides that only enter activation offloading (refused when it is on: fz's step is not theirs)
 WRAPPERS = {"SFTTrainer.training_step", "DPOTrainer.training_step", "RewardTrainer.training_step",
@@ -52,16 +55,19 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
     """A ConfigError naming each override of the step that is more than a wrapper, and each argument
     whose work fz's loop would skip (ARGUMENTS), when the trainer is made."""
     problems = []
+    online = online_class(trainer)
     for klass in type(trainer).__mro__:
         if issubclass(fz_trainer, klass):
             break
         for name in ALGORITHM:
-            fn = vars(klass).get(name)
             where = f"{klass.__name__}.{name}"
-            if fn is not None and not (where in WRAPPERS and klass.__module__.startswith("trl.")):
-                problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
-                                "does (generating or scoring samples, changing the batch) would not happen. Put "
-                                "per-micro-batch work in compute_loss, per-step work in a TrainerCallback")
+            if name not in vars(klass) or (where in WRAPPERS and klass.__module__.startswith("trl.")):
+                continue
+            if online is not None and (name == "_prepare_inputs" or klass is online):
+                continue  # called by fz's loop (_prepare_inputs), or only counting micro-steps (replicated)
+            problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
+                            "does (generating or scoring samples, changing the batch) would not happen. Put "
+                            "per-micro-batch work in compute_loss, per-step work in a TrainerCallback")
     for field, why in ARGUMENTS.items():
         if getattr(trainer.args, field, False):
             problems.append(f"{field}=True: {why}")
@@ -71,8 +77,12 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
 
 def warn_not_called(trainer: Any, fz_trainer: type) -> None:
     refuse_algorithms(trainer, fz_trainer)
+    online = online_class(trainer)
     for method, instead in not_called(type(trainer), fz_trainer).items():
         if method.rsplit(".", 1)[1] in ALGORITHM:
             continue  # refused above unless a wrapper, which adds nothing fz's step needs
+        if online is not None and (method.endswith("._get_train_sampler") or
+                                   method == f"{online.__name__}.get_train_dataloader"):
+            continue  # fz reads the online trainer's sampler and generation batches (fz/hf/online.py)
         log.warning("fz.hf: %s is not called on fz: %s (what the override adds there does not apply)", method,
                     instead)

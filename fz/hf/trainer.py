@@ -46,7 +46,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data, draws, trainer_checkpoints
+from fz.hf import counts, data, draws, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
@@ -80,6 +80,7 @@ class Trainer(transformers.Trainer):
         self._refuse(kwargs)
         warn_not_called(self, Trainer)
         self._loader: Any = None
+        self._micro_rows: int | None = None  # rows of a training micro-batch (None: per_device_train_batch_size)
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
         self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
@@ -94,7 +95,8 @@ class Trainer(transformers.Trainer):
         """(optimizer steps to train, steps per epoch) as transformers counts them from the
         arguments, with fz's full steps (micro batch x accumulation x ranks)."""
         args = self.args
-        per_epoch = data.steps_per_epoch(args, self.train_dataset) if self.train_dataset is not None else None
+        per_epoch = data.steps_per_epoch(args, *self._reads(self.train_dataset)[:2]) \
+            if self.train_dataset is not None else None
         if args.max_steps > 0:
             return args.max_steps, per_epoch
         if self.train_dataset is None:  # evaluate() or predict() only: the schedule is never used
@@ -122,6 +124,7 @@ class Trainer(transformers.Trainer):
     def _before_step(self, batches: fz.MicroBatches) -> None:
         """What transformers' loop counts of a step before its forwards (fz/hf/counts.py)."""
         self._items, self._micro_count = counts.num_items(self, batches), len(batches)
+        self.current_gradient_accumulation_steps = len(batches)
         self._micro_losses = []
         flos = float(self.current_flos) + sum(float(self.floating_point_ops(mb)) for mb in batches)
         self.current_flos = flos  # type: ignore[assignment]  # transformers declares it int, adds floats
@@ -161,6 +164,11 @@ class Trainer(transformers.Trainer):
             raise ConfigError("fz.hf.Trainer needs model=")
         return self.model
 
+    def _reads(self, dataset: Any) -> tuple[Any, int | None, Any]:
+        """(what fz.data reads of `dataset`, rows of a micro-batch, order): an online trainer's
+        generation batches in its sampler's order (fz/hf/online.py), else transformers' reads."""
+        return online.reads(self, dataset) if online.online_class(self) is not None else (dataset, None, None)
+
     def _train_loader(self) -> Any:
         dataset = self.train_dataset
         if dataset is None:
@@ -168,13 +176,17 @@ class Trainer(transformers.Trainer):
         if dataset.__class__.__module__.startswith("datasets"):
             dataset = self._remove_unused_columns(dataset, description="training")
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        if self.args.dataloader_num_workers:  # the workers collate
-            return draws.AsAccelerate(data.train_loader(self.args, dataset, self.fz_ready(), collate), collate)
-        return draws.AsAccelerate(data.train_loader(self.args, dataset, self.fz_ready(), draws.deferred), collate)
+        dataset, self._micro_rows, order = self._reads(dataset)
+        made = data.train_loader(self.args, dataset, self.fz_ready(), collate if self.args.dataloader_num_workers
+                                 else draws.deferred, micro=self._micro_rows, order=order)
+        return draws.AsAccelerate(made, collate)  # with workers, they collate
 
     # ---------------------------------------------------------------- the loop
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Nothing here: the loop restores fz's checkpoint (weights, optimizer, data position) itself."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Nothing here either (called after fz's restore, so a subclass's own additions load)."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
@@ -240,7 +252,13 @@ class Trainer(transformers.Trainer):
                 restore(resumed_rng, state.plan.device)
                 resumed_rng = None
             self._before_step(batches)
-            self.fz_state, _ = draws.train_step(self.fz_state, batches)
+            if online.online_class(self) is not None:  # TRL's GRPO, RLOO: generated, scored, then trained
+                batches, seconds = online.prepare(self, batches)
+                started = time.perf_counter()
+                self.fz_state, _ = draws.train_step(self.fz_state, batches)
+                online.step_time(self, seconds + time.perf_counter() - started)
+            else:
+                self.fz_state, _ = draws.train_step(self.fz_state, batches)
             self._add_losses()
             # transformers' hooks in its order; fz's update is one call, so they come after it
             for _ in range(len(batches) - 1):
@@ -248,7 +266,7 @@ class Trainer(transformers.Trainer):
             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
             self.state.global_step += 1
-            self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size, max_steps)
+            self.state.epoch = data.epoch_progress(args, self._loader.state_dict(), size, max_steps, self._micro_rows)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_save_evaluate(trial, ignore_keys_for_eval)
             stop_epoch = self.control.should_epoch_stop and not self._loader.ends_epoch
@@ -361,6 +379,8 @@ class Trainer(transformers.Trainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self._check_in("evaluate")
+        if online.online_class(self) is not None:  # its evaluation generates with trainer.model
+            online.pull(self)
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:

@@ -155,6 +155,7 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
                               f"do not make this run's callbacks ({type(e).__name__}: {e})") from None
     restored = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
     assert isinstance(restored, fz.State)
+    trainer._load_optimizer_and_scheduler(checkpoint)  # fz's does nothing; a subclass's additions (GRPO's) load
     trainer.state.global_step = int(restored.step)
     position = restored.data.get("loader") if isinstance(restored.data, dict) else None
     if trainer.args.ignore_data_skip and isinstance(position, dict):  # transformers' epochs_trained, from its start

@@ -1,7 +1,7 @@
-"""Trainer subclasses whose step is the algorithm (TRL's GRPO and RLOO generate and score inside it)
-and TRL arguments whose work fz's loop would skip are refused when the trainer is made, naming
-them: before, GRPO failed at its first step on a batch of strings, and a synced DPO reference
-silently stayed as it was. TRL's trainers whose step only wraps activation offloading still run."""
+"""Trainer subclasses whose step is the algorithm (a user's override of training_step) and TRL
+arguments whose work fz's loop would skip are refused when the trainer is made, naming them:
+before, a synced DPO reference silently stayed as it was. TRL's trainers whose step only wraps
+activation offloading still run, and GRPO and RLOO run as written (fz/hf/online.py)."""
 from __future__ import annotations
 
 import datasets
@@ -21,13 +21,21 @@ def _settings(out, **kw):
                 disable_tqdm=True, **kw)
 
 
-def test_grpo_is_refused_naming_its_step(tmp_path):
+def test_grpo_is_made_but_a_subclass_overriding_its_step_is_refused(tmp_path):
+    """GRPO's own step only counts micro-steps (fz/hf/online.py runs its _prepare_inputs); a user's
+    override of it is what fz's loop would not run."""
     Trainer, Config = fz.hf.on_fz(trl.GRPOTrainer), fz.hf.on_fz(trl.GRPOConfig)
     prompts = datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5 w6", "w7 w8 w9", "w1 w3 w5"]})
     args = Config(**_settings(tmp_path, num_generations=4, max_completion_length=4, generation_batch_size=4))
-    with pytest.raises(ConfigError, match=r"GRPOTrainer.training_step is overridden: fz's loop runs fz.train_step"):
-        Trainer(model=hp.llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                train_dataset=prompts, processing_class=hp.tokenizer())
+    kw = dict(model=hp.llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+              train_dataset=prompts, processing_class=hp.tokenizer())
+    assert Trainer(**kw).train().global_step == 1
+
+    class Mine(trl.GRPOTrainer):
+        def training_step(self, *args, **kwargs):
+            return super().training_step(*args, **kwargs)
+    with pytest.raises(ConfigError, match=r"Mine.training_step is overridden: fz's loop runs fz.train_step"):
+        fz.hf.on_fz(Mine)(**kw)
 
 
 def test_a_subclass_step_is_refused_and_trl_arguments_fz_would_skip_too(tmp_path):
