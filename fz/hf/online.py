@@ -43,6 +43,14 @@ def online_class(trainer: Any) -> type | None:
     return None
 
 
+def refused(trainer: Any) -> list[str]:
+    """An online trainer's settings fz would not honour, worded (none for any other trainer)."""
+    if online_class(trainer) is None or getattr(trainer.args, "ds3_gather_for_generation", True):
+        return []
+    return ["ds3_gather_for_generation=False: fz generates with the whole weights in trainer.model, copied from the "
+            "State once per update (DeepSpeed's True); generating from ZeRO-3 shards layer by layer is not fz's"]
+
+
 @dataclass(frozen=True)
 class RepeatOrder:
     """TRL's RepeatSampler, epoch by epoch: epoch e is the sampler's (e+1)-th pass, its generator

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from fz.errors import ConfigError
-from fz.hf.online import online_class
+from fz.hf.online import online_class, refused
 
 log = logging.getLogger(__name__)
 REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what runs instead
@@ -71,6 +71,7 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
     for field, why in ARGUMENTS.items():
         if getattr(trainer.args, field, False):
             problems.append(f"{field}=True: {why}")
+    problems += refused(trainer)
     if problems:
         raise ConfigError(f"fz.hf: {type(trainer).__name__} cannot train on fz as given:\n- " + "\n- ".join(problems))
 

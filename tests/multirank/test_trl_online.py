@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("trl")
+pytest.importorskip("peft")
 
 from fz.testing.spawn import run_ranks  # noqa: E402
 

@@ -18,6 +18,8 @@ KINDS: dict[str, dict[str, Any]] = {
     # one generation for two updates: the weights are those of the update that generated
     "grpo_spg": dict(trainer="GRPO", steps_per_generation=4, loss_type="grpo"),
     "rloo": dict(trainer="RLOO", beta=0.05),
+    # a LoRA policy (peft_config=): the reference is the policy with its adapter disabled
+    "grpo_peft": dict(trainer="GRPO", beta=0.05),
     # a streamed dataset (TRL repeats its rows with IterableDataset.map), evaluated every 2 steps (generating)
     "grpo_stream": dict(trainer="GRPO", beta=0.05, eval_strategy="steps", eval_steps=2),
 }
@@ -65,12 +67,18 @@ def run(out: str, kind: str, on_fz: bool, world: int, model: str, **kw: Any) -> 
         settings["per_device_eval_batch_size"] = GLOBAL_BATCH // world
     trainer = trainer_cls(model=model, reward_funcs=words, args=config_cls(**settings),
                           train_dataset=prompts().to_iterable_dataset() if stream else prompts(),
-                          eval_dataset=prompts(8) if stream else None, processing_class=tokenizer())
+                          eval_dataset=prompts(8) if stream else None, processing_class=tokenizer(),
+                          **({"peft_config": _lora()} if kind == "grpo_peft" else {}))
     trainer.train()
     logs = [{k: float(h[k]) for k in LOGGED if k in h} for h in trainer.state.log_history if "loss" in h]
     evals = [{k: float(h[k]) for k in ("eval_loss", "eval_reward", "eval_kl", "eval_completions/mean_length")
               if k in h} for h in trainer.state.log_history if "eval_loss" in h]
     return trainer, {"logs": logs, "evals": evals, "steps": trainer.state.global_step}
+
+
+def _lora() -> Any:
+    import peft
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 def jobs(rank: int, world: int, out: str) -> dict[str, Any]:

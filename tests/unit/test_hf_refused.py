@@ -36,6 +36,10 @@ def test_grpo_is_made_but_a_subclass_overriding_its_step_is_refused(tmp_path):
             return super().training_step(*args, **kwargs)
     with pytest.raises(ConfigError, match=r"Mine.training_step is overridden: fz's loop runs fz.train_step"):
         fz.hf.on_fz(Mine)(**kw)
+    kw["args"] = Config(**_settings(tmp_path, num_generations=4, max_completion_length=4, generation_batch_size=4,
+                                    ds3_gather_for_generation=False))
+    with pytest.raises(ConfigError, match=r"ds3_gather_for_generation=False: fz generates with the whole weights"):
+        Trainer(**kw)
 
 
 def test_a_subclass_step_is_refused_and_trl_arguments_fz_would_skip_too(tmp_path):
