@@ -70,8 +70,10 @@ def prepare(target: Target) -> None:
     if target.latest == "fz":  # fz's own root: every step's leftovers
         for p in root.iterdir():
             m = _STEP_OLD.match(p.name)
-            if m and p.is_dir():
+            if m and _folder(p):
                 settle(root, m.group(1), fz_pointer=True)
+            elif m:  # a file or a symlink no save makes (planted, or by hand): unlinked, never followed
+                p.unlink(missing_ok=True)
         layout.clean_stale(root)
     else:  # a DeepSpeed save_dir may hold anything else: the leftovers of fz's saves only
         for p in root.iterdir():

@@ -290,12 +290,14 @@ def test_a_latest_that_is_a_fifo_is_refused_without_blocking(small, tmp_path):
 @pytest.mark.parametrize("planted", ["file", "symlink"])
 def test_a_step_tmp_that_is_a_file_or_symlink_is_removed_never_followed(tmp_path, planted):
     """A `step_N.tmp` file or symlink (left by hand, or planted) made every save of step N fail
-    with a bare FileExistsError. It is unlinked like a stale folder is; a symlink's target is kept."""
+    with a bare FileExistsError; a `step_N.old` symlink was taken for a replaced copy (a symlink out
+    of the root failed the save, one inside it became step N). Each is unlinked like a stale folder
+    is; a symlink's target is kept."""
     state, _ = train_fz(0, 1, 1, 1, steps=1)
     root, victim = tmp_path / "ck", tmp_path / "victim"
     root.mkdir(), victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
-    for name in ("step_2.tmp", "step_2.del"):
+    for name in ("step_2.tmp", "step_2.del", "step_2.old"):
         if planted == "file":
             (root / name).write_text("x")
         else:
