@@ -90,20 +90,48 @@ def _refs(tree: Any, prefix: str, file: Path, saved: dict[str, Any]) -> list[str
 _SQUARES = ("nu", "v", "v_rows", "v_cols")  # the optimizers' means of squared gradients: never negative
 
 
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# |mu| / sqrt(nu) of Adam's moments is at most (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)) (Cauchy-Schwarz
+# over the gradients both average): about 7 at the usual betas; past this, the next update overflows
+_MU_OVER_ROOT_NU = 1e30
+_CHUNK = 1 << 22  # elements compared at a time: temporaries of 16 MiB, not of an embedding's size
+
+
+def _mean_past_its_squares(mu: Tensor, nu: Tensor) -> int:
+    """Elements of Adam's mean `mu` no run of gradients gives beside their mean of squares `nu`:
+    the next update, about lr x mu / sqrt(nu), would put inf into the weights (a finite 3e38 did)."""
+    if mu.shape != nu.shape or not mu.is_floating_point() or not nu.is_floating_point():
+        return 0
+    mu, nu, bad = mu.reshape(-1), nu.reshape(-1), 0
+    for i in range(0, mu.numel(), _CHUNK):
+        m, v = mu[i:i + _CHUNK].float().abs(), nu[i:i + _CHUNK].float().clamp_min(0).sqrt()
+        bad += int((m > _MU_OVER_ROOT_NU * (v + 1e-30)).sum())
+    return bad
+
+
 def _impossible(tensors: dict[str, Tensor]) -> list[str]:
-    """Finite optimizer values no run writes: a negative step count, a negative mean of squares.
-    Adam's next step would put NaN into the weights (1 - beta2 ** count, the square root of nu)."""
+    """Finite optimizer values no run writes: a negative step count, a negative mean of squares,
+    a mean too large for its mean of squares. Adam's next step would put NaN or inf into the weights
+    (1 - beta2 ** count, the square root of nu, mu / sqrt(nu))."""
     out = []
     for key, t in tensors.items():
         parts = key.split("/")
         if parts[0] != "opt":
             continue
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = _local(t)
         if parts[-1] == "count" and local.dim() == 0 and not local.is_floating_point() and int(local) < 0:
             out.append(f"{key} = {int(local)} (a step count)")
         elif len(parts) > 2 and parts[-2] in _SQUARES and local.is_floating_point() and local.numel():
             if float(local.min()) < 0:  # no temporary of the tensor's size unless one is bad
                 out.append(f"{key} has {int((local < 0).sum())} negative values (a mean of squares)")
+            mu = tensors.get("/".join([*parts[:-2], "mu", parts[-1]])) if parts[-2] == "nu" else None
+            bad = _mean_past_its_squares(_local(mu), local) if mu is not None else 0
+            if bad:
+                out.append(f"{'/'.join([*parts[:-2], 'mu', parts[-1]])} has {bad} values over {_MU_OVER_ROOT_NU:g} "
+                           "x the square root of nu's (a mean beside its mean of squares)")
     return out
 
 

@@ -69,16 +69,20 @@ def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
 
 
-@pytest.mark.parametrize("what", ["count", "nu"])
+@pytest.mark.parametrize("what", ["count", "nu", "mu"])
 def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_path, what):
+    """A negative count or nu made NaN weights after one step; a finite mu of 3e38 made inf ones."""
     state = _trained()
     adam = state.opt_state[0]
     if what == "count":
         adam.count.fill_(-1)
-    else:
+    elif what == "nu":
         next(iter(adam.nu.values())).view(-1)[0] = -1.0
+    else:
+        next(iter(adam.mu.values())).view(-1)[0] = 3e38
     fz.save(state, tmp_path)
-    words = r"opt/0/count = -1 \(a step count\)" if what == "count" else r"opt/0/nu/.* has 1 negative values"
+    words = {"count": r"opt/0/count = -1 \(a step count\)", "nu": r"opt/0/nu/.* has 1 negative values",
+             "mu": r"opt/0/mu/.* has 1 values over 1e\+30 x the square root of nu's"}[what]
     with pytest.raises(CheckpointError, match=rf"optimizer values no run writes, .*NaN .*{words}"):
         _restore(tmp_path / "step_1")
 
