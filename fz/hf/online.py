@@ -92,23 +92,23 @@ def reads(trainer: Any, dataset: Any) -> tuple[Any, int, RepeatOrder | None]:
     """(what fz.data reads, rows of a micro-batch, order) of an online trainer's training set: its
     generation batches in its sampler's order, as its get_train_dataloader reads them."""
     args = trainer.args
-    micro = int(args.per_device_train_batch_size) * int(args.steps_per_generation)
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        from trl.trainer.utils import repeat_iterable_dataset
-        if not hasattr(dataset, "map"):
-            raise ConfigError(f"fz.hf: {type(trainer).__name__} streams a datasets.IterableDataset (TRL repeats its "
-                              f"rows with IterableDataset.map); got {type(dataset).__name__}")
-        if trainer.shuffle_dataset:
-            dataset = dataset.shuffle(seed=args.seed)
-        dataset = repeat_iterable_dataset(dataset, mini_repeat_count=trainer.num_generations,
-                                          batch_size=args.generation_batch_size // trainer.num_generations,
-                                          repeat_count=trainer.num_iterations * args.steps_per_generation)
-        return dataset, micro, None
-    sampler = trainer._get_train_sampler(dataset)
+    per_generation = args.steps_per_generation
+    micro = int(args.per_device_train_batch_size) * int(per_generation)
+    stream = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
+    sampler = trainer._get_train_sampler(range(0) if stream else dataset)  # its sizes come from the arguments
     names = ("mini_repeat_count", "batch_size", "repeat_count", "shuffle", "seed")
     if type(sampler).__name__ != "RepeatSampler" or not all(hasattr(sampler, n) for n in names):
         raise ConfigError(f"fz.hf: {type(trainer).__name__}._get_train_sampler gives a {type(sampler).__name__}; fz "
                           "reads an online trainer's data in the order of TRL's RepeatSampler only")
+    if stream:  # as the trainers' get_train_dataloader: a buffered shuffle, then the sampler's repeats
+        from trl.trainer.utils import repeat_iterable_dataset
+        if not hasattr(dataset, "map"):
+            raise ConfigError(f"fz.hf: {type(trainer).__name__} streams a datasets.IterableDataset (TRL repeats its "
+                              f"rows with IterableDataset.map); got {type(dataset).__name__}")
+        if sampler.shuffle:
+            dataset = dataset.shuffle(seed=sampler.seed)
+        return repeat_iterable_dataset(dataset, mini_repeat_count=sampler.mini_repeat_count,
+                                       batch_size=sampler.batch_size, repeat_count=sampler.repeat_count), micro, None
     order = RepeatOrder(**{n: getattr(sampler, n) for n in names}, samples=len(dataset))
     return Repeated(dataset, len(sampler)), micro, order
 

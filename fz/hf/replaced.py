@@ -65,6 +65,10 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
                 continue
             if online is not None and (name == "_prepare_inputs" or klass is online):
                 continue  # called by fz's loop (_prepare_inputs), or only counting micro-steps (replicated)
+            if klass.__module__.startswith("trl."):  # TRL's own: the user cannot move its work elsewhere
+                problems.append(f"{where}: TRL's {klass.__name__} is not one fz runs (its step does work fz's loop "
+                                "does not call); fz runs TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers")
+                break
             problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
                             "does (generating or scoring samples, changing the batch) would not happen. Put "
                             "per-micro-batch work in compute_loss, per-step work in a TrainerCallback")
