@@ -12,15 +12,18 @@ only counts those micro-steps (`trainer._step`) and times them. fz's loop:
 - reads the rows the trainer's sampler gives, epoch after epoch (its generator runs on from one
   epoch to the next, as it does under transformers), in micro-batches of the generation batch,
   sharded to the ranks as accelerate shards them, the position kept in the State;
-- copies the State's weights into `trainer.model` once per update, before the trainer's code
-  runs it (every rank, as DeepSpeed's ZeRO-3 gathers the weights for generation);
+- fills `trainer.model` with the State's weights once per update, before the trainer's code
+  runs it, and lets them go after (every rank, as DeepSpeed's ZeRO-3 gathers the weights for
+  generation and releases them; fz/hf/model_weights.py);
 - calls `_prepare_inputs` on each micro-batch and counts `_step` and `step_time` as the
   trainers' `training_step` does, then trains the prepared micro-batches in one fz.train_step
   (their `compute_loss`, with TRL's own loss normalisation).
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import fz
 from fz.errors import ConfigError
+from fz.hf import draws
 
 # TRL's trainers whose `_prepare_inputs` makes a step's inputs by generating, and whose
 # `training_step` only counts micro-steps (replicated by `prepare`)
@@ -117,10 +121,34 @@ def pull(trainer: Any) -> None:
     """The State's weights into `trainer.model`, if it does not hold this update's yet: the model
     the trainer's own code generates with and scores (every rank calls it, in step)."""
     state = trainer.fz_ready()
-    if getattr(trainer, "_fz_pulled_step", None) == int(state.step):
+    if not trainer._fz_released and getattr(trainer, "_fz_pulled_step", None) == int(state.step):
         return
     trainer._copy_weights_into_model()
     trainer._fz_pulled_step = int(state.step)
+
+
+@contextlib.contextmanager
+def weights_held(trainer: Any) -> Iterator[None]:
+    """An online trainer's `trainer.model` holding the State's weights inside (let go after, if
+    training); for any other trainer, nothing."""
+    if online_class(trainer) is None:
+        yield
+        return
+    pull(trainer)
+    try:
+        yield
+    finally:
+        if trainer.is_in_train:
+            trainer._let_go_of_weights()
+
+
+def train_step(trainer: Any, batches: fz.MicroBatches) -> fz.State:
+    """One update of an online trainer: its inputs made (`prepare`), then trained; timed."""
+    prepared, seconds = prepare(trainer, batches)
+    started = time.perf_counter()
+    state, _ = draws.train_step(trainer.fz_state, prepared)
+    step_time(trainer, seconds + time.perf_counter() - started)
+    return state
 
 
 def prepare(trainer: Any, batches: fz.MicroBatches) -> tuple[fz.MicroBatches, float]:
@@ -133,6 +161,7 @@ def prepare(trainer: Any, batches: fz.MicroBatches) -> tuple[fz.MicroBatches, fl
     for batch in batches:
         prepared.append(trainer._prepare_inputs(batch))
         trainer._step += 1
+    trainer._let_go_of_weights()  # until the next generation (fz/hf/model_weights.py)
     return fz.MicroBatches(prepared), time.perf_counter() - start
 
 

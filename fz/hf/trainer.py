@@ -27,7 +27,8 @@ is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.ap
   model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints);
   it is written as `tmp-checkpoint-N/` and renamed last (fz/hf/checkpoint_dirs.py).
   `trainer.save_model()` writes a `from_pretrained` folder, `fz consolidate` a file.
-- After `train()`, `trainer.model` holds the trained weights (copied in bucket by bucket).
+- `trainer.model`'s trainable weights are let go while train() runs (the State holds them) and
+  hold the trained ones after it (fz/hf/model_weights.py).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data, draws, online, trainer_checkpoints
+from fz.hf import counts, data, draws, model_weights, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
@@ -54,7 +55,6 @@ from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, TrainerSchedule, next_lr
-from fz.observe.full_params import iter_full_params
 from fz.rng import restore
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Trainer(transformers.Trainer):
         warn_not_called(self, Trainer)
         self._loader: Any = None
         self._micro_rows: int | None = None  # rows of a training micro-batch (None: per_device_train_batch_size)
+        self._fz_released: model_weights.Released = {}  # trainer.model's parameters let go while training
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
         self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
@@ -165,8 +166,7 @@ class Trainer(transformers.Trainer):
         return self.model
 
     def _reads(self, dataset: Any) -> tuple[Any, int | None, Any]:
-        """(what fz.data reads of `dataset`, rows of a micro-batch, order): an online trainer's
-        generation batches in its sampler's order (fz/hf/online.py), else transformers' reads."""
+        """(what fz.data reads, rows of a micro-batch, order): an online trainer's own (fz/hf/online.py)."""
         return online.reads(self, dataset) if online.online_class(self) is not None else (dataset, None, None)
 
     def _train_loader(self) -> Any:
@@ -186,7 +186,7 @@ class Trainer(transformers.Trainer):
         """Nothing here: the loop restores fz's checkpoint (weights, optimizer, data position) itself."""
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Nothing here either (called after fz's restore, so a subclass's own additions load)."""
+        """Nothing either (called after fz's restore: a subclass's own additions load)."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
@@ -220,6 +220,7 @@ class Trainer(transformers.Trainer):
                                   opt_state=fz.optim.restart_schedule(state.opt_state))
         self.state.init_training_references(self, max_steps, epochs, trial)
         self.fz_state = state
+        self._let_go_of_weights()  # the State holds them (fz/hf/model_weights.py)
         self._loader = self._train_loader()
         if resumed_rng is not None and not self._loader.state_dict()["index"]:  # an epoch's start: before its reads
             restore(resumed_rng, state.plan.device)
@@ -253,10 +254,7 @@ class Trainer(transformers.Trainer):
                 resumed_rng = None
             self._before_step(batches)
             if online.online_class(self) is not None:  # TRL's GRPO, RLOO: generated, scored, then trained
-                batches, seconds = online.prepare(self, batches)
-                started = time.perf_counter()
-                self.fz_state, _ = draws.train_step(self.fz_state, batches)
-                online.step_time(self, seconds + time.perf_counter() - started)
+                self.fz_state = online.train_step(self, batches)
             else:
                 self.fz_state, _ = draws.train_step(self.fz_state, batches)
             self._add_losses()
@@ -355,14 +353,14 @@ class Trainer(transformers.Trainer):
         return prediction(self, model, inputs, prediction_loss_only, ignore_keys)
 
     def _copy_weights_into_model(self) -> None:
-        """The trained weights into `self.model` (in its dtype), so it is usable after train()."""
-        if self.fz_state is None:
-            return
-        own = self._model().state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in iter_full_params(self.fz_state):  # one bucket gathered at a time
-                if name in own:
-                    own[name].data.copy_(value.to(own[name].dtype))
+        """The State's weights in `self.model` (in its dtype): after train(), and to generate with."""
+        if self.fz_state is not None:
+            model_weights.fill(self._model(), self.fz_state, self._fz_released)
+            self._fz_released = {}
+
+    def _let_go_of_weights(self) -> None:
+        """`self.model`'s trainable weights freed while train() runs: the State holds them."""
+        self._fz_released = {**self._fz_released, **model_weights.let_go(self._model())}
 
     def _check_in(self, call: str) -> None:
         """A call every rank must make (it gathers from or averages over every rank): made on one
@@ -379,9 +377,8 @@ class Trainer(transformers.Trainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self._check_in("evaluate")
-        if online.online_class(self) is not None:  # its evaluation generates with trainer.model
-            online.pull(self)
-        return super().evaluate(*args, **kwargs)
+        with online.weights_held(self):  # an online trainer's evaluation generates with trainer.model
+            return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         self._check_in("predict")

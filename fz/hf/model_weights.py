@@ -1,0 +1,71 @@
+"""`trainer.model`'s trainable weights: let go while train() runs, filled in from the State.
+
+fz trains a skeleton of the model whose tensors are the State's. `trainer.model`'s own
+parameters would stay a second whole copy on every rank, on the device transformers places the
+model on (at ZeRO-3 more than the rank's share of the State itself), and a stale one: training
+never updates them. So while train() runs, each trainable parameter of `trainer.model` is let go:
+it keeps its identity, shape, dtype, attributes and ties, on the meta device (computing with it
+is an error, as with a DeepSpeed ZeRO-3 partitioned parameter), and its storage is freed. Frozen
+parameters stay: they never change, so they are still right, and TRL's reference forward of a
+PEFT policy (its adapter disabled) reads them. The whole weights come back from the State, one
+bucket gathered at a time, where they are read: at the end of train(), and around an online
+trainer's generation (fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+import fz
+from fz.errors import ConfigError
+from fz.observe.full_params import iter_full_params
+
+log = logging.getLogger(__name__)
+Released = dict[str, torch.device]  # the parameters let go, by name, and the device each was on
+
+
+def _swap(p: nn.Parameter, device: torch.device | str) -> None:
+    """`p` itself (its identity, attributes and ties kept) on `device`: meta frees it, another
+    device gives it new, unset storage."""
+    other = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    other.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, other)
+
+
+def let_go(model: nn.Module) -> Released:
+    """Each trainable parameter's storage freed (the parameter kept, on the meta device)."""
+    out: Released = {}
+    for name, p in model.named_parameters():  # a tied parameter once
+        if not p.requires_grad or p.is_meta:
+            continue
+        device = p.device
+        try:
+            _swap(p, "meta")
+        except RuntimeError as e:  # something holds on to it (an autograd graph kept alive)
+            log.warning("fz.hf: trainer.model keeps its own copy of %s (%s): it cannot be let go while train() "
+                        "runs", name, e)
+            continue
+        out[name] = device
+    return out
+
+
+def fill(model: nn.Module, state: fz.State, released: Released) -> None:
+    """The State's weights in `model` (in its dtype), the parameters let go given storage again on
+    their devices first. A collective: every rank calls it."""
+    own = dict(model.named_parameters())
+    for name, device in released.items():
+        if own[name].is_meta:
+            _swap(own[name], device)
+    tensors = model.state_dict(keep_vars=True)
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in iter_full_params(state):  # one bucket gathered at a time
+            if name in tensors:
+                tensors[name].data.copy_(value.to(tensors[name].dtype))
+                done.add(id(tensors[name]))
+    missing = [n for n in released if id(own[n]) not in done]
+    if missing:
+        raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
+                          "filled in after training")
