@@ -4,6 +4,7 @@ ZeRO stages 2 and 3, world 2 on CPU (gloo), and on plain transformers.Trainer in
     OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --rounds 2
     OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --engines fz3 --profile   # cProfile, rank 0
     OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --trl --rounds 2          # TRL's SFTTrainer
+    OMP_NUM_THREADS=1 ../venv-ds/bin/python benchmarks/trainer.py --grpo --rounds 2         # TRL's GRPOTrainer
 
 (`../venv-ds`: a venv beside the checkout with torch, DeepSpeed and fz's `hf` extra; see
 RESULTS.md.) The worker is one Trainer script; the only difference between the engines is the
@@ -74,6 +75,9 @@ def parse_args():
     p.add_argument("--fixed", action="store_true", help="every window seq tokens long (no padding)")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer (fz: fz.hf.on_fz(trl.SFTTrainer)) on the "
                    "windows as text, its own collator and loss")
+    p.add_argument("--grpo", action="store_true", help="TRL's GRPOTrainer (fz: fz.hf.on_fz(trl.GRPOTrainer)): "
+                   "prompts of seq/4 bytes, 4 completions each of up to seq/4 bytes, a length reward; a sample is a "
+                   "completion")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's trainer.train(); print the top costs")
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -177,6 +181,15 @@ def worker(args) -> None:
         else:
             Trainer, TrainingArguments = trl.SFTTrainer, trl.SFTConfig
         extra = {"max_length": args.seq, "packing": False, "gradient_checkpointing": False}
+    if args.grpo:  # TRL's GRPO on prompts cut from the windows: generation, scoring and the policy loss
+        import trl
+        if engine == "fz":
+            import fz.hf
+            Trainer, TrainingArguments = fz.hf.on_fz(trl.GRPOTrainer), fz.hf.on_fz(trl.GRPOConfig)
+        else:
+            Trainer, TrainingArguments = trl.GRPOTrainer, trl.GRPOConfig
+        extra = {"num_generations": 4, "max_completion_length": args.seq // 4, "gradient_checkpointing": False,
+                 "beta": 0.0}
     targs = TrainingArguments(output_dir=out_dir, deepspeed=ds_config(stage) if engine != "hf" else None,
                               per_device_train_batch_size=args.batch * 2 // world,
                               max_steps=args.steps, logging_steps=1, learning_rate=args.lr, warmup_steps=2,
@@ -192,6 +205,13 @@ def worker(args) -> None:
     if args.trl:
         trainer = Trainer(model=model, args=targs, train_dataset=sft_texts(Windows(args.seq)),
                           processing_class=byte_tokenizer(), callbacks=[Clock()])
+    elif args.grpo:
+        import datasets
+        texts = sft_texts(Windows(args.seq))["text"]
+        prompts = datasets.Dataset.from_dict({"prompt": [t[:args.seq // 4] for t in texts]})
+        trainer = Trainer(model=model, args=targs, train_dataset=prompts, processing_class=byte_tokenizer(),
+                          reward_funcs=lambda completions, **kw: [len(c.split()) / 8 for c in completions],
+                          callbacks=[Clock()])
     else:
         trainer = Trainer(model=model, args=targs, train_dataset=Windows(args.seq), data_collator=pad,
                           callbacks=[Clock()])
