@@ -334,7 +334,7 @@ def main() -> None:
         if a and b:
             la, lb = a[0]["loss"], b[0]["loss"]
             diff = [abs(x - y) for x, y in zip(la, lb)]
-            rel = max(d / abs(x) for d, x in zip(diff, la))
+            rel = max((d / abs(x) for d, x in zip(diff, la) if x), default=0.0)  # GRPO's loss may be 0
             print(f"stage {stage} losses (round 1), max |fz - ds| {max(diff):.2e} (relative {rel:.1e}):")
             print("  ds: " + " ".join(f"{x:.4f}" for x in la))
             print("  fz: " + " ".join(f"{x:.4f}" for x in lb))
