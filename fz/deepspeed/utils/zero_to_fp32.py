@@ -1,0 +1,116 @@
+"""`deepspeed.utils.zero_to_fp32` on fz: a checkpoint's full fp32 weights as a state_dict, or
+written to a folder, as DeepSpeed's functions give them.
+
+Both read a DeepSpeed checkpoint (as `fz consolidate` does: its pickles interpreted, never run,
+chunk by chunk) and the checkpoints `fz.deepspeed`'s `save_checkpoint` writes (fz's own, in
+DeepSpeed's `save_dir/<tag>/` layout), which DeepSpeed's cannot read. The names are DeepSpeed's
+(the model's, no `module.`): buffers, frozen parameters (in the dtype stored, as DeepSpeed's),
+the trainable ones' fp32 masters, and each tied alias (of a DeepSpeed checkpoint; an fz
+checkpoint names a tied pair once). ZeRO 1's frozen parameters, which DeepSpeed's leaves out, are
+there too.
+`lazy_mode=True` gives the tensors themselves (their `.contiguous()` is what DeepSpeed's lazy
+ones give), held in memory: a warning says so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fz.ckpt import consolidate
+from fz.ckpt.deepspeed import files as ds_files
+from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
+from fz.errors import ConfigError
+
+log = logging.getLogger(__name__)
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _frozen(path: Path) -> dict[str, torch.dtype]:
+    """A DeepSpeed checkpoint's frozen parameters and the dtype they are stored in (DeepSpeed's
+    zero_to_fp32 gives them so: a bf16 run's in bf16); none for fz's own checkpoint."""
+    if not ds_files.is_deepspeed(path):
+        return {}
+    with DeepSpeedCheckpoint(path, None) as ck:  # stored as the module was: in the run's precision
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(ck.precision), torch.float32)
+        return dict.fromkeys(ck.frozen, dtype)
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """{name: fp32 tensor} of the checkpoint in `checkpoint_dir` (its `latest` tag, or `tag`)."""
+    if lazy_mode:
+        log.warning("zero_to_fp32: lazy_mode=True gives the tensors themselves, in memory (fz reads the "
+                    "checkpoint chunk by chunk, but returns whole tensors)")
+    root = Path(checkpoint_dir)
+    path = root / tag if tag is not None else root
+    if not path.is_dir():
+        raise ConfigError(f"zero_to_fp32: {path} is not a checkpoint folder")
+    with tempfile.TemporaryDirectory(prefix="fz-zero-to-fp32-") as tmp:
+        out = Path(tmp) / "weights.safetensors"
+        consolidate(path, out, dtype="fp32", progress=False)
+        weights = load_file(out)
+    for name, dtype in _frozen(path).items():
+        if name in weights:
+            weights[name] = weights[name].to(dtype)  # widened by consolidate, exactly: narrowed back
+            if exclude_frozen_parameters:
+                del weights[name]
+    return weights
+
+
+def _max_bytes(size: int | str | None) -> int | None:
+    if size is None or isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * _UNITS[unit])
+    raise ConfigError(f"zero_to_fp32: max_shard_size={size!r}; use bytes or a size like '5GB'")
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
+                                               output_dir: str | os.PathLike[str], max_shard_size: int | str | None
+                                               = "5GB", safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> None:
+    """The fp32 state_dict written to `output_dir` as DeepSpeed writes it: `model.safetensors`
+    (`safe_serialization=True`) or `pytorch_model.bin`, cut into numbered shards of at most
+    `max_shard_size` with their `*.index.json` when it is larger."""
+    weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    limit = _max_bytes(max_shard_size)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in weights.items():  # in order, a new shard when the next tensor would overflow this one
+        nbytes = t.numel() * t.element_size()
+        if limit is not None and shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    stem, ext = name.rsplit(".", 1)
+    files = [name] if len(shards) == 1 else \
+        [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for file, keys in zip(files, shards):
+        part = {k: weights[k].contiguous() for k in keys}
+        if safe_serialization:
+            save_file(part, out / file, metadata={"format": "pt"})
+        else:
+            torch.save(part, out / file)
+    if len(files) > 1:
+        total = sum(math.prod(t.shape) * t.element_size() for t in weights.values())
+        index: dict[str, Any] = {"metadata": {"total_size": total},
+                                 "weight_map": {k: f for f, keys in zip(files, shards) for k in keys}}
+        (out / f"{name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
