@@ -10,10 +10,10 @@
 A thin shell: the engine holds an fz.State (`engine.state`) and runs fz.train_step's phases;
 its checkpoints are fz checkpoints (and DeepSpeed's own are imported on load).
 """
-from fz.deepspeed import accelerator, checkpointing, comm, utils, zero
+from fz.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
 from fz.deepspeed.engine import DeepSpeedEngine
 from fz.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 from fz.deepspeed.version import __version__
 
 __all__ = ["DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments", "checkpointing", "comm",
-           "init_distributed", "initialize", "utils", "zero"]
+           "init_distributed", "initialize", "ops", "utils", "zero"]
