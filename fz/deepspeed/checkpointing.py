@@ -3,14 +3,12 @@ their forward (`deepspeed.checkpointing.checkpoint(layer, hidden, mask)`), and i
 
 `checkpoint(function, *args, **kwargs)` is torch's (non-reentrant, the random state preserved, as
 DeepSpeed's CheckpointFunction preserves it): the function's activations are dropped after the
-forward and recomputed in backward, inside fz's step at stages 0-2. At ZeRO-3 a block whose
-parameters fz gathers keeps its activations all the same (fz's gather takes its saved tensors;
-a warning says so once): the config's `activation_checkpointing` makes fz checkpoint every
-block itself. `configure` takes what means the same with data parallelism alone
-(`partition_activations` and `contiguous_checkpointing` partition activations over
-model-parallel ranks, of which there are none; `num_checkpoints`), logs `synchronize` and
-`profile` (timing aids) as not done, and refuses `checkpoint_in_cpu` and a model-parallel `mpu_`,
-naming them.
+forward and recomputed in backward, inside fz's step too (at ZeRO-3 a block's parameters are
+gathered again for the recompute, as for a block fz checkpoints itself). `configure` takes what
+means the same with data parallelism alone (`partition_activations` and
+`contiguous_checkpointing` partition activations over model-parallel ranks, of which there are
+none; `num_checkpoints`), logs `synchronize` and `profile` (timing aids) as not done, and
+refuses `checkpoint_in_cpu` and a model-parallel `mpu_`, naming them.
 """
 from __future__ import annotations
 
@@ -21,12 +19,10 @@ from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
-from fz.deepspeed import zero
 from fz.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _configured = False
-_said = False  # the stage-3 warning, once a process
 # configure's arguments and the config file's keys for them
 _KEYS = {"partition_activations": "partition_activations", "contiguous_checkpointing":
          "contiguous_memory_optimization", "num_checkpoints": "number_checkpoints", "checkpoint_in_cpu":
@@ -35,14 +31,6 @@ _KEYS = {"partition_activations": "partition_activations", "contiguous_checkpoin
 
 def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, its activations recomputed in backward rather than kept."""
-    global _said
-    forwarding = [e for e in list(zero._ENGINES) if e._step is not None]  # an engine inside its forward
-    if not _said and any(e.zero_optimization_stage() == 3 for e in forwarding):
-        _said = True
-        log.warning("deepspeed.checkpointing.checkpoint at ZeRO-3: the activations inside a block whose parameters "
-                    "fz gathers are kept, not recomputed (fz's gather takes the block's saved tensors); training is "
-                    "the same. For activation checkpointing at stage 3 set the config's activation_checkpointing "
-                    "(fz then checkpoints every block itself)")
     return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)  # looked up now: fz marks it
 
 

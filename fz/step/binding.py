@@ -24,6 +24,13 @@ from torch import Tensor
 from fz.compat import checkpoint_generator_name
 
 _SEEN: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("fz_checkpoint_seen", default=None)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("fz_inside_checkpoint", default=False)
+
+
+def inside_checkpoint() -> bool:
+    """Whether a torch.utils.checkpoint (non-reentrant) is running its forward here: the tensors
+    saved now are the checkpoint's to drop and recompute."""
+    return _INSIDE.get()
 _Slot = tuple[dict[str, Any], str, Any]  # (module._parameters or _buffers, key, the meta tensor it held)
 
 
@@ -42,7 +49,11 @@ def _install() -> None:
 
     def generator(*args: Any, **kwargs: Any):
         _mark()
-        return (yield from plain_gen(*args, **kwargs))
+        token = _INSIDE.set(True)
+        try:
+            return (yield from plain_gen(*args, **kwargs))
+        finally:
+            _INSIDE.reset(token)
 
     class CheckpointFunction(plain_fn):  # type: ignore[misc, valid-type]
         @staticmethod

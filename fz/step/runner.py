@@ -34,7 +34,7 @@ from fz.sharding.plan import ShardPlan
 from fz.sharding.sync import ParamSync
 from fz.sharding.uses import GradUses
 from fz.spec import Spec
-from fz.step.binding import Bindings, checkpoint_seen
+from fz.step.binding import Bindings, checkpoint_seen, inside_checkpoint
 from fz.step.pooled_backward import pooled_backward
 from fz.step.unused import UsedParams
 
@@ -207,7 +207,9 @@ class Runner:
                 self._prefetch_units(index, 0, "recompute")  # its recompute comes first: gathered while the loss runs
             return out
         n = self.sharded[index]
-        if not (n and torch.is_grad_enabled()):
+        if not (n and torch.is_grad_enabled()) or self.in_backward or inside_checkpoint():
+            # a checkpoint around the unit (the model's own) saves its tensors, and recomputes them in
+            # backward: gathered again there, as a unit fz checkpoints (fz's saver would keep them)
             return self._run_unit(index, args, kwargs)
         if index not in self.kept and sum(self.sharded[u] for u in self.kept) + n <= self.keep_budget:
             self.kept.add(index)

@@ -1,10 +1,8 @@
 """`deepspeed.checkpointing` on fz (Megatron-style models call it in their forward; it was an
 AttributeError): `checkpoint(block, h)` trains exactly as the same model without it, recomputing the
-block in backward at stages 0-2 (at stage 3 fz's gather keeps its activations, and says so);
+block in backward at every stage;
 `configure` takes what means the same without model parallelism and refuses, naming them, what fz does not do."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -53,17 +51,13 @@ def _train(stage: int, checkpointed: bool):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_a_checkpointed_block_trains_as_without_and_is_recomputed_below_stage_3(stage, caplog, monkeypatch):
-    """At stage 3 fz's gather takes the block's saved tensors: no recompute, and a warning says so."""
-    monkeypatch.setattr(deepspeed.checkpointing, "_said", False)
+def test_a_checkpointed_block_trains_as_without_and_is_recomputed(stage):
+    """At stage 3 too: fz's gather used to take the block's saved tensors there (kept, never recomputed)."""
     plain, plain_weights, plain_calls = _train(stage, False)
-    with caplog.at_level(logging.WARNING, logger="fz.deepspeed.checkpointing"):
-        ours, weights, calls = _train(stage, True)
+    ours, weights, calls = _train(stage, True)
     assert ours == plain
     assert all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
-    assert (plain_calls, calls) == (9, 18 if stage < 3 else 9)  # 3 blocks x 3 steps, recomputed in backward
-    warned = [r for r in caplog.records if "at ZeRO-3: the activations inside a block" in r.getMessage()]
-    assert len(warned) == (stage == 3)
+    assert (plain_calls, calls) == (9, 18)  # 3 blocks x 3 steps, each recomputed in backward
 
 
 def test_configure_takes_what_means_the_same_and_refuses_the_rest():
