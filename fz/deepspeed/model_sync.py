@@ -22,7 +22,7 @@ from torch import nn
 
 import fz
 from fz.errors import ConfigError
-from fz.observe.full_params import iter_full_params
+from fz.observe.full_params import copy_full_params
 
 
 def pull(engine: Any) -> None:
@@ -31,11 +31,7 @@ def pull(engine: Any) -> None:
         return
     engine._syncing = True
     try:
-        own = engine._model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in iter_full_params(engine.state):  # one bucket gathered at a time
-                if name in own:
-                    own[name].data.copy_(value.to(own[name].dtype))
+        copy_full_params(engine.state, engine._model)  # one bucket gathered at a time
         engine._synced_step = engine.global_steps
     finally:
         engine._syncing = False

@@ -20,7 +20,7 @@ from torch import nn
 
 import fz
 from fz.errors import ConfigError
-from fz.observe.full_params import iter_full_params
+from fz.observe.full_params import copy_full_params
 
 log = logging.getLogger(__name__)
 Released = dict[str, torch.device]  # the parameters let go, by name, and the device each was on
@@ -58,13 +58,7 @@ def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     for name, device in released.items():
         if own[name].is_meta:
             _swap(own[name], device)
-    tensors = model.state_dict(keep_vars=True)
-    done: set[int] = set()
-    with torch.no_grad():
-        for name, value in iter_full_params(state):  # one bucket gathered at a time
-            if name in tensors:
-                tensors[name].data.copy_(value.to(tensors[name].dtype))
-                done.add(id(tensors[name]))
+    done = copy_full_params(state, model)
     missing = [n for n in released if id(own[n]) not in done]
     if missing:
         raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "

@@ -48,6 +48,19 @@ def iter_full_params(state: State, dtype: torch.dtype | str | None = None) -> It
         yield name, t.to(cast) if cast is not None and t.is_floating_point() else t
 
 
+def copy_full_params(state: State, module: torch.nn.Module) -> set[int]:
+    """The State's weights copied into `module`'s own tensors of the same state_dict names (each in
+    its dtype), one bucket gathered at a time; the ids of the tensors written. A collective."""
+    own = module.state_dict(keep_vars=True)
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in iter_full_params(state):
+            if name in own:
+                own[name].data.copy_(value.to(own[name].dtype))
+                done.add(id(own[name]))
+    return done
+
+
 def source_dtype(state: State, b: Bucket, compute: bool) -> torch.dtype:
     """The dtype `gathered` yields bucket `b`'s tensors in (before any cast)."""
     return state.spec.compute_dtype if compute or b.index not in state.master_flats else torch.float32
