@@ -5,7 +5,7 @@ collators and loss), on fz at world 2 with ZeRO-3 from a DeepSpeed dict, and on 
 world 1 with the same global batch (4 rows, 2 accumulation steps): SFT on text, packed, and
 prompt-completion (completion-only loss); DPO with a reference model (on fz an inference-only
 State sharded as the policy is) and with a LoRA policy and no reference (the adapter disabled);
-Reward. Logged losses and TRL's metrics agree to fp32 rounding (1e-5 relative: sums grouped
+Reward; KTO with a reference model. Logged losses and TRL's metrics agree to fp32 rounding (1e-5 relative: sums grouped
 otherwise over two ranks); so do the evaluations every 2 steps, against TRL at world 2 (DDP).
 A resumed SFT run is the uninterrupted one bit for bit; save_model writes the files TRL's writes.
 """
@@ -23,13 +23,24 @@ from support.trl_jobs import EVAL_KINDS, KINDS, fz_runs, reference_runs  # noqa:
 
 TOL = 1e-5
 METRICS = ("loss", "grad_norm", "learning_rate", "epoch", "mean_token_accuracy", "entropy", "accuracy", "margin",
-           "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens")
+           "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens",
+           "kl")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("trl"))
     return run_ranks(2, fz_runs, out, timeout=600), run_ranks(1, reference_runs, out, timeout=600)[0]
+
+
+def same_logs(got, want, kind, keys=METRICS):
+    for key in keys:
+        ours = [log.get(key) for log in got]
+        theirs = [log.get(key) for log in want]
+        assert (ours[0] is None) == (theirs[0] is None), key
+        if theirs[0] is not None:
+            assert max_rel(ours, theirs) < TOL or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-6, \
+                (kind, key, ours, theirs)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -40,13 +51,17 @@ def test_trainer_logs_equal_trls_own_run(runs, kind):
     for r in fz2:
         got = r[kind]
         assert got["steps"] == want["steps"]
-        for key in METRICS:
-            ours = [log.get(key) for log in got["logs"]]
-            theirs = [log.get(key) for log in want["logs"]]
-            assert (ours[0] is None) == (theirs[0] is None), key
-            if theirs[0] is not None:
-                assert max_rel(ours, theirs) < TOL or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-6, \
-                    (kind, key, ours, theirs)
+        # KTO's KL term pairs each completion with another prompt of the same rank's batch: it
+        # depends on the world size, and is compared with TRL's at world 2 below
+        same_logs(got["logs"], want["logs"], kind, [k for k in METRICS if not (kind == "kto" and k == "kl")])
+
+
+def test_kto_logs_equal_trls_own_run_at_the_same_world_size(runs):
+    """KTO's KL term, gathered over the ranks (accelerate's gather_for_metrics), as TRL's at world 2 (DDP)."""
+    for r in runs[0]:
+        got, want = r["kto"]["logs"], r["ddp-kto"]["logs"]
+        assert len(want) > 1 and any(log["kl"] > 0 for log in want)
+        same_logs(got, want, "kto")
 
 
 @pytest.mark.parametrize("kind", EVAL_KINDS)

@@ -1,7 +1,8 @@
 """TRL's trainers on fz (issue 41): SFT (text, packed, prompt-completion), DPO (with a reference
-model, and a PEFT policy without one), Reward, each as a TRL user writes it, on a tiny Llama and
-data made here. `fz_runs` trains each with `fz.hf.on_fz(Trainer)` at world 2, ZeRO-3 from a
-DeepSpeed dict; `reference_runs` with TRL itself at world 1, the same global batch."""
+model, and a PEFT policy without one), Reward, KTO (unpaired labels, a reference model), each as a
+TRL user writes it, on a tiny Llama and data made here. `fz_runs` trains each with
+`fz.hf.on_fz(Trainer)` at world 2, ZeRO-3 from a DeepSpeed dict; `reference_runs` with TRL itself
+at world 1, the same global batch."""
 from __future__ import annotations
 
 import os
@@ -25,6 +26,10 @@ def dataset(kind: str, evaluation: bool = False) -> Any:
                                            "completion": [" ".join(x.split()[2:]) for x in t]})
     if kind == "reward":
         return datasets.Dataset.from_dict({"chosen": t, "rejected": u})
+    if kind == "kto":  # unpaired, two desirable completions in three
+        return datasets.Dataset.from_dict({"prompt": [" ".join(x.split()[:2]) for x in t],
+                                           "completion": [" ".join(x.split()[2:]) for x in t],
+                                           "label": [i % 3 != 0 for i in range(len(t))]})
     return datasets.Dataset.from_dict({"prompt": [" ".join(x.split()[:2]) for x in t],
                                        "chosen": [" ".join(x.split()[2:]) for x in t],
                                        "rejected": [" ".join(x.split()[2:]) for x in u]})
@@ -51,8 +56,8 @@ def classes(kind: str, on_fz: bool) -> tuple[type, type]:
 
     import fz.hf
     trainer, config = {"reward": (trl.RewardTrainer, trl.RewardConfig),
-                       "dpo_ref": (trl.DPOTrainer, trl.DPOConfig), "dpo_peft": (trl.DPOTrainer, trl.DPOConfig)
-                       }.get(kind, (trl.SFTTrainer, trl.SFTConfig))
+                       "dpo_ref": (trl.DPOTrainer, trl.DPOConfig), "dpo_peft": (trl.DPOTrainer, trl.DPOConfig),
+                       "kto": (trl.KTOTrainer, trl.KTOConfig)}.get(kind, (trl.SFTTrainer, trl.SFTConfig))
     return (fz.hf.on_fz(trainer), fz.hf.on_fz(config)) if on_fz else (trainer, config)
 
 
@@ -70,7 +75,7 @@ def run(out: str, kind: str, on_fz: bool, world: int, **kw: Any) -> tuple[Any, d
     if on_fz:
         settings["deepspeed"] = deepspeed(3)
     settings.update(kw)
-    extra = {"ref_model": llama()} if kind == "dpo_ref" else {}
+    extra = {"ref_model": llama()} if kind in ("dpo_ref", "kto") else {}
     trainer = trainer_cls(model=model(kind), args=config_cls(**settings), train_dataset=dataset(kind),
                           eval_dataset=dataset(kind, evaluation=True) if kind in EVAL_KINDS else None,
                           processing_class=tokenizer(), **extra)
@@ -82,10 +87,10 @@ def run(out: str, kind: str, on_fz: bool, world: int, **kw: Any) -> tuple[Any, d
     return trainer, {"logs": logs, "evals": evals, "steps": trainer.state.global_step}
 
 
-KINDS = ("sft", "sft_packed", "sft_completion", "reward", "dpo_ref", "dpo_peft")
+KINDS = ("sft", "sft_packed", "sft_completion", "reward", "dpo_ref", "dpo_peft", "kto")
 # evaluated every 2 steps, on fz and on TRL at the same world size (DDP): TRL's SFT evaluation loss
 # changes with the world size (TRL's own, at world 1 and 2, differ by 0.3%; fz's equals each)
-EVAL_KINDS = ("sft_completion", "reward", "dpo_ref")
+EVAL_KINDS = ("sft_completion", "reward", "dpo_ref", "kto")
 
 
 def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:
