@@ -1,15 +1,14 @@
-"""`trainer.model`'s trainable weights: let go while train() runs, filled in from the State.
+"""`trainer.model`'s weights: let go while train() runs, filled in from the State.
 
 fz trains a skeleton of the model whose tensors are the State's. `trainer.model`'s own
-parameters would stay a second whole copy on every rank, on the device transformers places the
-model on (at ZeRO-3 more than the rank's share of the State itself), and a stale one: training
-never updates them. So while train() runs, each trainable parameter of `trainer.model` is let go:
-it keeps its identity, shape, dtype, attributes and ties, on the meta device (computing with it
-is an error, as with a DeepSpeed ZeRO-3 partitioned parameter), and its storage is freed. Frozen
-parameters stay: they never change, so they are still right, and TRL's reference forward of a
-PEFT policy (its adapter disabled) reads them. The whole weights come back from the State, one
-bucket gathered at a time, where they are read: at the end of train(), and around an online
-trainer's generation (fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
+parameters would stay a second whole copy on every rank (at ZeRO-3 more than the rank's share of
+the State itself), and a stale one: training never updates them. So while train() runs, each
+parameter of `trainer.model` (a frozen PEFT base too) is let go: it keeps its identity, shape,
+dtype, attributes and ties, on the meta device, and its storage is freed; a call of the model
+runs on the State meanwhile (fz/hf/model_calls.py). The whole weights come back from the State,
+one bucket gathered at a time, on the trainer's device (where transformers places the model)
+when they are read: at the end of train(), and around an online trainer's generation
+(fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from fz.errors import ConfigError
 from fz.observe.full_params import copy_full_params
 
 log = logging.getLogger(__name__)
-Released = dict[str, torch.device]  # the parameters let go, by name, and the device each was on
+Released = dict[str, torch.device]  # the parameters let go, by name, and the device each comes back on
 
 
 def _swap(p: nn.Parameter, device: torch.device | str) -> None:
@@ -34,13 +33,12 @@ def _swap(p: nn.Parameter, device: torch.device | str) -> None:
     torch.utils.swap_tensors(p, other)
 
 
-def let_go(model: nn.Module) -> Released:
-    """Each trainable parameter's storage freed (the parameter kept, on the meta device)."""
+def let_go(model: nn.Module, device: torch.device) -> Released:
+    """Each parameter's storage freed (the parameter kept, on the meta device), to come back on `device`."""
     out: Released = {}
     for name, p in model.named_parameters():  # a tied parameter once
-        if not p.requires_grad or p.is_meta:
+        if p.is_meta:
             continue
-        device = p.device
         try:
             _swap(p, "meta")
         except RuntimeError as e:  # something holds on to it (an autograd graph kept alive)
@@ -53,7 +51,7 @@ def let_go(model: nn.Module) -> Released:
 
 def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     """The State's weights in `model` (in its dtype), the parameters let go given storage again on
-    their devices first. A collective: every rank calls it."""
+    their devices first, and its buffers moved there. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     for name, device in released.items():
         if own[name].is_meta:
@@ -63,3 +61,5 @@ def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     if missing:
         raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
                           "filled in after training")
+    for device in set(released.values()):  # one: the trainer's device
+        model.to(device)

@@ -47,7 +47,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data, draws, model_weights, online, trainer_checkpoints
+from fz.hf import counts, data, draws, model_calls, model_weights, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
@@ -85,6 +85,7 @@ class Trainer(transformers.Trainer):
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
         self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
+        model_calls.install(model_calls.Placing, self, self.model)  # not placed whole: a first call places it
 
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
@@ -112,7 +113,8 @@ class Trainer(transformers.Trainer):
         """transformers' training_step on one micro-batch, but for its backward: compute_loss with
         the step's `num_items_in_batch`, and the division by the step's micro-batches where the
         loss is a per-micro-batch mean (fz adds the micro-batches: Spec.accumulate="sum")."""
-        loss = cast(torch.Tensor, self.compute_loss(model, batch, num_items_in_batch=self._items))
+        with model_calls.in_step(model):  # trainer.model called inside runs on this step's forward
+            loss = cast(torch.Tensor, self.compute_loss(model, batch, num_items_in_batch=self._items))
         if self.args.n_gpu > 1:
             loss = loss.mean()
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
@@ -356,11 +358,13 @@ class Trainer(transformers.Trainer):
         """The State's weights in `self.model` (in its dtype): after train(), and to generate with."""
         if self.fz_state is not None:
             model_weights.fill(self._model(), self.fz_state, self._fz_released)
+            model_calls.uninstall(self._model())
             self._fz_released = {}
 
     def _let_go_of_weights(self) -> None:
         """`self.model`'s trainable weights freed while train() runs: the State holds them."""
-        self._fz_released = {**self._fz_released, **model_weights.let_go(self._model())}
+        self._fz_released = {**self._fz_released, **model_weights.let_go(self._model(), self.args.device)}
+        model_calls.install(model_calls.StateForward, self, self._model())
 
     def _check_in(self, call: str) -> None:
         """A call every rank must make (it gathers from or averages over every rank): made on one

@@ -43,6 +43,12 @@ class OnFzArguments:
                                  "train together over gloo." if args.device.type == "cpu" else
                                  "Check that every process sees its GPU (CUDA_VISIBLE_DEVICES)."))
 
+    @property
+    def place_model_on_device(self) -> bool:
+        """False: the Trainer does not put the whole model on the device when it is made (nor does
+        it under DeepSpeed); fz shards it from where it is (fz/hf/model_calls.py)."""
+        return False
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as the arguments class it mixes into, with every field (`training_args.bin`, as
         transformers' save_model writes it, loads without fz, as what Trainer + DeepSpeed saves)."""

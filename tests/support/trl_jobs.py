@@ -90,7 +90,7 @@ def run(out: str, kind: str, on_fz: bool, world: int, **kw: Any) -> tuple[Any, d
 KINDS = ("sft", "sft_packed", "sft_completion", "reward", "dpo_ref", "dpo_peft", "kto")
 # evaluated every 2 steps, on fz and on TRL at the same world size (DDP): TRL's SFT evaluation loss
 # changes with the world size (TRL's own, at world 1 and 2, differ by 0.3%; fz's equals each)
-EVAL_KINDS = ("sft_completion", "reward", "dpo_ref", "kto")
+EVAL_KINDS = ("sft_completion", "reward", "dpo_ref", "dpo_peft", "kto")
 
 
 def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:

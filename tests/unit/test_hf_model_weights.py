@@ -1,8 +1,8 @@
-"""`trainer.model` holds no second copy of the trainable weights while fz.hf.Trainer trains
-(fz/hf/model_weights.py): transformers places the model on the device, where its own parameters
-were a whole stale copy beside the State (at ZeRO-3 more than the rank's share). While train()
-runs they are on the meta device, the same parameters (ties and attributes kept); the frozen ones
-keep their values; after train() they hold the trained weights, on their device again."""
+"""`trainer.model` holds no second copy of the weights while fz.hf.Trainer trains
+(fz/hf/model_weights.py, fz/hf/model_calls.py): the Trainer does not place the model whole on the
+device when it is made (as under DeepSpeed), and while train() runs its parameters, frozen ones
+too, are on the meta device, the same parameters (ties and attributes kept); a call of the model
+meanwhile runs on the State. After train() they hold the trained weights, on the trainer's device."""
 from __future__ import annotations
 
 import torch
@@ -15,16 +15,20 @@ from support import hf_pipeline as hp
 
 
 class Look(TrainerCallback):
-    def __init__(self):
+    def __init__(self, trainer=None):
         self.seen: list[dict[str, tuple[str, bool]]] = []
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.trainer = trainer
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.seen.append({n: (p.device.type, p.requires_grad) for n, p in model.named_parameters()})
+        x = torch.tensor([[3, 4, 5, 6]])
+        self.calls.append((model(input_ids=x).logits, fz.apply(self.trainer.fz_state, input_ids=x).logits))
 
 
 def test_trainable_weights_are_let_go_while_training_and_filled_in_after(tmp_path):
     model = hp.llama()
-    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: kept, it never changes
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: let go too, the same after
     frozen = model.model.embed_tokens.weight.detach().clone()
     initial = model.lm_head.weight.detach().clone()
     params = {n: p for n, p in model.named_parameters()}
@@ -34,11 +38,16 @@ def test_trainable_weights_are_let_go_while_training_and_filled_in_after(tmp_pat
                                    use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-2)
     trainer = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
                             callbacks=[look], spec=fz.Spec(stage=3))
+    assert trainer.place_model_on_device is False
+    look.trainer = trainer
     trainer.train()
-    assert len(look.seen) == 2
+    assert len(look.seen) == len(look.calls) == 2
     for seen in look.seen:
-        assert {n for n, (dev, grad) in seen.items() if dev == "meta"} == {n for n, (_, g) in seen.items() if g}
-        assert seen["model.embed_tokens.weight"] == ("cpu", False)
+        assert {n for n, (dev, _) in seen.items() if dev == "meta"} == set(params)
+        assert seen["model.embed_tokens.weight"] == ("meta", False)
+    for got, want in look.calls:  # the model called while training: the State's weights of that step
+        assert torch.equal(got, want)
+    assert not torch.equal(look.calls[0][0], look.calls[1][0])
     after = dict(trainer.model.named_parameters())
     assert all(after[n] is p and p.device.type == "cpu" for n, p in params.items())
     assert trainer.model.lm_head.weight.marker == "kept"

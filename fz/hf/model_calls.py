@@ -1,0 +1,172 @@
+"""`trainer.model` called directly while the fz State holds its weights, or before fz placed it.
+
+transformers places the whole model on the device when a Trainer is made; under DeepSpeed it does
+not (DeepSpeed shards the model from where it is), and under fz neither
+(`place_model_on_device` is False): a model larger than one device is never whole on one. While
+train() runs every parameter of `trainer.model` is let go (fz/hf/model_weights.py): the State holds
+them.
+
+TRL calls the trained model itself, not compute_loss's `model`: the reference forward of a PEFT
+policy with its adapter disabled (DPO, KTO), reference log-probabilities precomputed as the
+trainer is made. Under DeepSpeed ZeRO-3 that call gathers through the hooks on the module. Here,
+while the weights are let go, `trainer.model.forward` is a `StateForward`: inside a training step
+it runs on that step's forward (its gathered blocks, its mode), elsewhere through `fz.apply` (at
+ZeRO-3 a collective, as DeepSpeed's is), with the flags a library keeps on the model's modules
+(PEFT's disabled or active adapter, a dropout's `p`) carried onto fz's skeleton for the call.
+Before any weight is let go, the first call places the model where transformers would have put
+it at construction (`Placing`), and runs its own forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import functools
+import inspect
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+import fz
+from fz.model.skeleton import Skeleton
+
+log = logging.getLogger(__name__)
+_PLAIN = (bool, int, float, str, type(None))
+_STEP: contextvars.ContextVar[Any] = contextvars.ContextVar("fz_hf_step_model", default=None)
+
+
+def _flag(value: Any) -> bool:
+    """A setting a library keeps on a module: a plain value, or a collection of names."""
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value)
+
+
+def skeleton_modules(skel: Skeleton) -> dict[str, nn.Module]:
+    """Every module of the skeleton by the model's name for it (a block's insides included:
+    the root holds a stand-in where each block was)."""
+    units = {u.name: u.module for u in skel.units[1:]}
+    out: dict[str, nn.Module] = {}
+    for name, module in skel.root.named_modules():
+        if name in units:
+            for inner, m in units[name].named_modules():
+                out[f"{name}.{inner}" if inner else name] = m
+        elif not any(name.startswith(u + ".") for u in units):
+            out[name] = module
+    return out
+
+
+@contextlib.contextmanager
+def flags_mirrored(model: nn.Module, skel: Skeleton) -> Iterator[None]:
+    """The skeleton's modules with `model`'s module flags (not their mode, nor fz's own), put back after."""
+    theirs = dict(model.named_modules())
+    changed: list[tuple[nn.Module, str, Any]] = []
+    missing = object()
+    for name, mine in skeleton_modules(skel).items():
+        other = theirs.get(name)
+        if other is None:
+            continue
+        for key, value in vars(other).items():
+            if key == "training" or key.startswith("_fz") or not _flag(value):
+                continue
+            old = mine.__dict__.get(key, missing)
+            if old is not missing and (not _flag(old) or old == value):
+                continue
+            changed.append((mine, key, old))
+            mine.__dict__[key] = value
+    try:
+        yield
+    finally:
+        for mine, key, old in reversed(changed):
+            if old is missing:
+                del mine.__dict__[key]
+            else:
+                mine.__dict__[key] = old
+
+
+class _Forward:
+    """Stands as `model.forward` (an instance attribute) with its signature: transformers and
+    TRL read the columns and keyword arguments a model takes from it. A library may wrap it
+    in turn (TRL's fused LM head keeps the forward it found): once removed it passes calls on
+    to the forward it replaced."""
+
+    def __init__(self, trainer: Any, model: nn.Module):
+        self.trainer, self.model, self.active = trainer, model, True
+        self.replaced = model.__dict__.get("forward")  # an instance forward already there (a library's patch)
+        self.own = model.forward
+        functools.update_wrapper(self, self.own)  # type: ignore[arg-type]  # a callable object, as a function
+        self.__signature__ = inspect.signature(self.own)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the model (fz's skeleton) gets the model's own forward, bound to the copy."""
+        return copy.deepcopy(self.own, memo)
+
+    def remove(self) -> None:
+        self.active = False
+        if self.model.__dict__.get("forward") is not self:
+            log.debug("fz.hf: trainer.model.forward was replaced again since fz set it; left as it is")
+            return
+        if self.replaced is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = self.replaced
+
+
+class Placing(_Forward):
+    """Before fz lets the weights go: the first call puts the model on the trainer's device (as
+    transformers would have when the Trainer was made), then the model's own forward runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            self.remove()
+            device = self.trainer.args.device
+            if any(p.device != device for p in self.model.parameters() if not p.is_meta):
+                log.info("fz.hf: trainer.model was called before training: it is placed on %s", device)
+                self.model.to(device)
+        return self.own(*args, **kwargs)
+
+
+class StateForward(_Forward):
+    """While the State holds the weights: the call runs on it (see the module docstring)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.own(*args, **kwargs)
+        trainer = self.trainer
+        state = trainer.fz_ready()
+        with flags_mirrored(self.model, state.skeleton):
+            bound = _STEP.get()
+            if bound is not None:  # inside the step's loss: on the step's own forward
+                return bound(*args, **kwargs)
+            return fz.apply(state, *args, train=self.model.training, **kwargs)
+
+
+@contextlib.contextmanager
+def in_step(model: Any) -> Iterator[None]:
+    """While a step's loss runs: `model` (compute_loss's) is what a call of `trainer.model` runs on."""
+    token = _STEP.set(model)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def install(kind: type[_Forward], trainer: Any, model: nn.Module | None) -> None:
+    """`kind` as `model.forward`, in place of a forward fz set before."""
+    if model is None:
+        return
+    current = model.__dict__.get("forward")
+    if isinstance(current, _Forward):
+        if type(current) is kind:
+            return
+        current.remove()
+    model.__dict__["forward"] = kind(trainer, model)
+
+
+def uninstall(model: nn.Module) -> None:
+    """The model's forward as it was before fz set one."""
+    current = model.__dict__.get("forward")
+    if isinstance(current, _Forward):
+        current.remove()
