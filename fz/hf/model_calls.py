@@ -96,6 +96,7 @@ class _Forward:
         self.trainer, self.model, self.active = trainer, model, True
         self.replaced = model.__dict__.get("forward")  # an instance forward already there (a library's patch)
         self.own = model.forward
+        self.__self__ = model  # a copy of the model (fz's skeleton) that calls it calls its own (fz/model/skeleton.py)
         functools.update_wrapper(self, self.own)  # type: ignore[arg-type]  # a callable object, as a function
         self.__signature__ = inspect.signature(self.own)
 

@@ -11,6 +11,7 @@ parameters the root's leaves (embeddings, final norm, head) are units too (fz/mo
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,38 @@ def meta_copy(model: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    root = copy.deepcopy(model, memo)
+    for module in root.modules():
+        _rebind_patched_forward(module, memo)
+    return root
+
+
+def _rebind_patched_forward(module: nn.Module, memo: dict[int, Any]) -> None:
+    """A forward a library put on the module (TRL's fused LM head: `model.forward = MethodType(f,
+    model)`, `f` calling the forward it found, held in its closure) calls, in the copy, the copy's
+    forward: deepcopy rebinds the method but shares the function, whose closure still calls the
+    original module (its own weights, let go or stale)."""
+    patched = module.__dict__.get("forward")
+    func = getattr(patched, "__func__", None)
+    if not isinstance(patched, types.MethodType) or not isinstance(func, types.FunctionType) or not func.__closure__:
+        return
+    cells = []
+    for cell in func.__closure__:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            cells.append(cell)
+            continue
+        if isinstance(getattr(value, "__self__", None), nn.Module) and id(value.__self__) in memo:
+            cells.append(types.CellType(copy.deepcopy(value, memo)))  # the original's method, as the copy's
+        else:
+            cells.append(cell)
+    if all(a is b for a, b in zip(cells, func.__closure__)):
+        return
+    rebound = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
+    rebound.__kwdefaults__, rebound.__dict__ = func.__kwdefaults__, dict(func.__dict__)
+    rebound.__qualname__, rebound.__doc__ = func.__qualname__, func.__doc__
+    module.__dict__["forward"] = types.MethodType(rebound, patched.__self__)
 
 
 @dataclass(frozen=True)

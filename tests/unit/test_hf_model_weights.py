@@ -5,6 +5,10 @@ too, are on the meta device, the same parameters (ties and attributes kept); a c
 meanwhile runs on the State. After train() they hold the trained weights, on the trainer's device."""
 from __future__ import annotations
 
+import functools
+import types
+
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -26,7 +30,20 @@ class Look(TrainerCallback):
         self.calls.append((model(input_ids=x).logits, fz.apply(self.trainer.fz_state, input_ids=x).logits))
 
 
-def test_trainable_weights_are_let_go_while_training_and_filled_in_after(tmp_path):
+def patch_forward(model):
+    """As TRL's trainers patch the model they train, after transformers' Trainer is made (its fused
+    LM head: a method calling the forward it found, here fz's)."""
+    found = model.forward
+
+    @functools.wraps(type(model).forward)  # its signature kept, as TRL keeps it
+    def fused(self, *args, fused=False, **kwargs):
+        return found(*args, **kwargs)
+
+    model.forward = types.MethodType(fused, model)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_weights_are_let_go_while_training_and_filled_in_after(tmp_path, patched):
     model = hp.llama()
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen: let go too, the same after
     frozen = model.model.embed_tokens.weight.detach().clone()
@@ -39,6 +56,8 @@ def test_trainable_weights_are_let_go_while_training_and_filled_in_after(tmp_pat
     trainer = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
                             callbacks=[look], spec=fz.Spec(stage=3))
     assert trainer.place_model_on_device is False
+    if patched:
+        patch_forward(trainer.model)
     look.trainer = trainer
     trainer.train()
     assert len(look.seen) == len(look.calls) == 2

@@ -60,3 +60,34 @@ def test_buffers_dict_batches_and_hf_outputs():
         assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (stage, got, want)
         out = fz.apply(state, **_batch(0))
         assert out.logits.shape == (4, 8, 32)
+
+
+def test_a_forward_patched_over_the_original_runs_the_states_weights():
+    """A library's patch of `model.forward` (TRL's fused LM head: a method whose closure calls the
+    forward it found) runs, in fz's copy of the model, the copy's own forward on the State's
+    weights: never the original module's, whose weights fz does not train."""
+    import types
+
+    torch.manual_seed(0)
+    model = MaskedLM()
+    found = model.forward
+
+    def patched(self, *args, scale=1.0, **kwargs):
+        out = found(*args, **kwargs)
+        return SimpleNamespace(loss=out.loss * scale, logits=out.logits)
+
+    model.forward = types.MethodType(patched, model)
+    want = [model(**_batch(i), scale=2.0).loss.item() for i in range(2)]
+    for stage in (0, 3):
+        state = fz.init(model, fz.Spec(stage=stage))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()  # the original's weights: a call reaching them would give another loss
+        try:
+            got = [float(fz.apply(state, **_batch(i), scale=2.0).loss) for i in range(2)]
+        finally:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), MaskedLM().parameters()):
+                    p.copy_(q)
+        assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (stage, got, want)
