@@ -148,8 +148,7 @@ class DeepSpeedEngine:
     def destroy(self) -> None:
         """The hooks on the script's model go (fz/deepspeed/model_sync.py); the engine holds only its
         State (and no process group of its own)."""
-        for handle in self._watching:
-            handle.remove()
+        model_sync.unwatch(self._model, self._watching)
         self._watching = []
 
     @contextlib.contextmanager

@@ -7,10 +7,12 @@ from. fz's weights live in the State, so hooks on the model do what DeepSpeed's 
 before the model's forward or state_dict, the State's weights are copied in (once per update;
 at stage 3 gathered, every rank calling, as DeepSpeed's stage-3 forward gathers); after its
 load_state_dict, the loaded weights go into the State (fz.load_weights, optimizer state kept).
-The hooks are plain functions holding the engine weakly: a copy of the model does not copy it.
+At ZeRO 0-2 `model.parameters()` reads them too. The hooks hold the engine weakly: a copy of the
+model does not copy it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import weakref
@@ -61,21 +63,64 @@ def push(engine: Any) -> None:
         engine._syncing = False
 
 
+class _Sync:
+    """A hook on the script's model, holding the engine weakly. A copy of the model (deepcopy,
+    pickle: `torch.save(model)`, which DeepSpeed's ZeRO 0-2 module allows) gets one holding none:
+    it is the model's, not the engine's."""
+
+    def __init__(self, kind: str, engine: Any = None):
+        self.kind, self.engine = kind, weakref.ref(engine) if engine is not None else None
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        e = self.engine() if self.engine is not None else None
+        if e is not None:
+            push(e) if self.kind == "load" else pull(e)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Sync, (self.kind,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Sync:
+        return _Sync(self.kind)
+
+
+class _Reading:
+    """`module.named_parameters` (and so `parameters()`), reading the State's weights first at ZeRO
+    0-2, where DeepSpeed's module parameters are the trained ones between updates (an EMA over
+    `model.parameters()` reads them). Not at stage 3: DeepSpeed's are partitioned there, and a read
+    must not start a collective."""
+
+    def __init__(self, module: nn.Module, engine: Any = None):
+        self.module, self.engine = module, weakref.ref(engine) if engine is not None else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        e = self.engine() if self.engine is not None else None
+        if e is not None:
+            pull(e)
+        return type(self.module).named_parameters(self.module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Reading, (self.module,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Reading:
+        return _Reading(copy.deepcopy(self.module, memo))
+
+
 def watch(engine: Any, model: nn.Module) -> list[Any]:
-    """Hooks on `model` that pull before its forward and state_dict and push after load_state_dict."""
-    ref = weakref.ref(engine)
+    """Hooks on `model` that pull before its forward and state_dict and push after load_state_dict;
+    at ZeRO 0-2 its modules' `named_parameters` pull too (`unwatch` takes them away)."""
+    handles = [model.register_forward_pre_hook(_Sync("forward", engine)),
+               model.register_state_dict_pre_hook(_Sync("state_dict", engine)),
+               model.register_load_state_dict_post_hook(_Sync("load", engine))]
+    if engine.zero_optimization_stage() < 3:
+        for module in model.modules():
+            module.__dict__["named_parameters"] = _Reading(module, engine)
+    return handles
 
-    def before_forward(module: nn.Module, args: Any) -> None:
-        if (e := ref()) is not None:
-            pull(e)
 
-    def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if (e := ref()) is not None:
-            pull(e)
-
-    def after_load(module: nn.Module, incompatible: Any) -> None:
-        if (e := ref()) is not None:
-            push(e)
-
-    return [model.register_forward_pre_hook(before_forward), model.register_state_dict_pre_hook(before_state_dict),
-            model.register_load_state_dict_post_hook(after_load)]
+def unwatch(model: nn.Module, handles: list[Any]) -> None:
+    """The hooks and readers `watch` put on `model` taken away."""
+    for handle in handles:
+        handle.remove()
+    for module in model.modules():
+        if isinstance(module.__dict__.get("named_parameters"), _Reading):
+            del module.__dict__["named_parameters"]

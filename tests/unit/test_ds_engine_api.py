@@ -346,3 +346,34 @@ def test_engine_state_dict_keys_are_deepspeeds_and_load_back():
     _train(engine, _batches(2))
     engine.load_state_dict(sd)  # the weights before training, into the State
     assert all(torch.equal(v, sd[f"module.{k}"]) for k, v in fz.full_params(engine.state).items())
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_scripts_model_parameters_are_the_trained_ones_between_updates(stage):
+    """At ZeRO 0-2 DeepSpeed trains the module's own parameters: an EMA over `model.parameters()`,
+    as scripts keep one, reads each update's weights; a copy of the model (deepcopy, torch.save) is
+    the model's, detached from the engine."""
+    import copy
+    import io
+
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**ADAM, "zero_optimization": {"stage": stage}})
+    ema, want = copy.deepcopy(model), {n: p.detach().clone() for n, p in Net().named_parameters()}
+    for x, y in _batches(3):
+        engine.backward(engine(x, y))
+        engine.step()
+        trained = fz.full_params(engine.state)
+        with torch.no_grad():
+            for (n, a), b in zip(ema.named_parameters(), model.parameters()):
+                assert torch.equal(b, trained[n])
+                a.mul_(0.5).add_(b, alpha=0.5)
+                want[n] = want[n] * 0.5 + trained[n] * 0.5
+    assert all(torch.allclose(p, want[n], rtol=0, atol=1e-7) for n, p in ema.named_parameters())
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters())
+    engine.destroy()
+    assert "named_parameters" not in model.__dict__
