@@ -17,14 +17,16 @@ from transformers.trainer_pt_utils import nested_detach
 
 import fz
 from fz.hf import counts
+from fz.hf.redirection import RunsRedirected
 
 
-class Evaluated(nn.Module):
+class Evaluated(RunsRedirected):
     """What `_wrap_model` returns: calling it runs fz.apply on the trainer's State.
 
     `train(mode)` / `eval()` reach the user's model, as transformers' evaluation loop puts
     it in eval mode (TRL reads `trainer.model.training` to tell evaluation from training);
-    an attribute it lacks (`config`, `name_or_path`, ...) is the user's model's."""
+    an attribute it lacks (`config`, `name_or_path`, ...) is the user's model's, or, while a
+    forward put in its place runs (TRL's forward redirection: fz/hf/redirection.py), fz's copy's."""
 
     trainer: Any
 
@@ -42,10 +44,16 @@ class Evaluated(nn.Module):
             model.train(mode)
         return self
 
+    def _redirect_state(self) -> fz.State:
+        return self.trainer.fz_ready()
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
+            inside = self._inside()
+            if inside is not None:
+                return getattr(inside, name)
             value = getattr(object.__getattribute__(self, "trainer").model, name)
             if isinstance(value, (nn.Module, torch.Tensor)):  # the user's copy is not the State's weights
                 raise AttributeError(f"{name!r} of the user's model is not the trained one: fz.hf.Trainer "

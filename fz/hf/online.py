@@ -36,7 +36,7 @@ from fz.hf import draws
 
 # TRL's trainers whose `_prepare_inputs` makes a step's inputs by generating, and whose
 # `training_step` only counts micro-steps (replicated by `prepare`)
-ONLINE = ("GRPOTrainer", "RLOOTrainer")
+ONLINE = ("GRPOTrainer", "RLOOTrainer", "DistillationTrainer")
 
 
 def online_class(trainer: Any) -> type | None:
@@ -96,7 +96,7 @@ def reads(trainer: Any, dataset: Any) -> tuple[Any, int, RepeatOrder | None]:
     """(what fz.data reads, rows of a micro-batch, order) of an online trainer's training set: its
     generation batches in its sampler's order, as its get_train_dataloader reads them."""
     args = trainer.args
-    per_generation = args.steps_per_generation
+    per_generation = getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps  # distillation
     micro = int(args.per_device_train_batch_size) * int(per_generation)
     stream = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
     sampler = trainer._get_train_sampler(range(0) if stream else dataset)  # its sizes come from the arguments

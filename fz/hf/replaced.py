@@ -1,8 +1,8 @@
 """transformers.Trainer's methods that fz.hf.Trainer's loop does not call, and a subclass's
 overrides of them named when the trainer is made (never skipped in silence): an override of the
-step itself (TRL's GKD, or a user's) is refused, the others warned about. TRL's GRPO and RLOO
-are run as they are written (fz/hf/online.py): their `_prepare_inputs` and sampler are called,
-their `training_step`'s counting replicated."""
+step itself (TRL's experimental GKD, or a user's) is refused, the others warned about. TRL's GRPO,
+RLOO and Distillation trainers are run as they are written (fz/hf/online.py): their
+`_prepare_inputs` and sampler are called, their `training_step`'s counting replicated."""
 from __future__ import annotations
 
 import logging
@@ -67,7 +67,8 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
                 continue  # called by fz's loop (_prepare_inputs), or only counting micro-steps (replicated)
             if klass.__module__.startswith("trl."):  # TRL's own: the user cannot move its work elsewhere
                 problems.append(f"{where}: TRL's {klass.__name__} is not one fz runs (its step does work fz's loop "
-                                "does not call); fz runs TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers")
+                                "does not call); fz runs TRL's SFT, DPO, Reward, KTO, GRPO, RLOO and "
+                                "Distillation trainers")
                 break
             problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
                             "does (generating or scoring samples, changing the batch) would not happen. Put "

@@ -11,18 +11,26 @@ whose own weights are let go (moved to the meta device) once the State holds the
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 import fz
+from fz.hf.redirection import RunsRedirected
 
 log = logging.getLogger(__name__)
 
 
-class OnFzModel(nn.Module):
-    """A frozen model's stand-in: forward is fz.apply on its State, in eval mode."""
+class OnFzModel(RunsRedirected):
+    """A frozen model's stand-in: forward is fz.apply on its State, in eval mode.
+
+    A function put in its `forward`'s place (TRL's forward redirection: the distillation teacher's
+    backbone runs so; fz/hf/redirection.py) runs as the forward does; the root's own tensors it ran
+    with (embeddings, LM head: TRL reads the teacher's head after the call) are then kept in
+    `wrapped`, copies, until the next such call."""
 
     state: fz.State
     wrapped: nn.Module
@@ -35,11 +43,38 @@ class OnFzModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return fz.apply(self.state, *args, **kwargs)
 
+    def _redirect_state(self) -> fz.State:
+        return self.state
+
+    def _redirect_train(self) -> bool:
+        return False  # as its forward: the model is frozen
+
+    def _after_redirected(self, state: fz.State) -> None:
+        _keep_root_tensors(state, self.wrapped)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "wrapped"), name)
+            inside = self._inside()
+            return getattr(inside if inside is not None else object.__getattribute__(self, "wrapped"), name)
+
+
+def _keep_root_tensors(state: fz.State, wrapped: nn.Module) -> None:
+    """The root's parameters (and root leaves', fz/model/leaves.py) as bound in the running call,
+    copied into `wrapped`'s meta parameters' places (tied names share one copy)."""
+    skel = state.skeleton
+    copies: dict[str, torch.Tensor] = {}
+    for name, canonical in skel.aliases.items():
+        unit = skel.param_unit.get(canonical)
+        if unit is None or not (unit == 0 or skel.units[unit].leaf):
+            continue  # a buffer, or a block's (gathered only while the block runs)
+        if canonical not in copies:
+            value: Any = functools.reduce(getattr, canonical.split("."), skel.root)
+            copies[canonical] = value.detach().clone()
+        owner, _, leaf = name.rpartition(".")
+        module = wrapped.get_submodule(owner)
+        module._parameters[leaf] = nn.Parameter(copies[canonical], requires_grad=False)
 
 
 def second_models(trainer: Any, policy: nn.Module) -> list[str]:

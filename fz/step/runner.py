@@ -342,16 +342,28 @@ def _wants_checkpoint(policy: Any, name: str, module: Any) -> bool:
 
 class BoundModel:
     """What `loss_fn(model, batch)` receives: call it like the module; attributes, indexing and
-    iteration read through (to the model, whose blocks are stand-ins: fz/model/standin.py)."""
+    iteration read through (to the model, whose blocks are stand-ins: fz/model/standin.py). A
+    function set as its `forward` runs in the model's place, with the root's tensors bound (a
+    library's forward redirection: `model.forward = f; model(x)` runs `f(x)` as the forward)."""
 
     def __init__(self, runner: Runner):
         self._runner = runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        patched = self.__dict__.get("forward")
+        if patched is not None:  # a forward put in the model's place (TRL's forward redirection)
+            if getattr(patched, "__self__", None) is self._runner.skel.root:
+                del self.__dict__["forward"]  # the model's own, put back: the plain call
+            else:
+                return self._runner.inside(patched, *args, **kwargs)
         return self._runner(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner.skel.root, name)
+
+    @property  # type: ignore[misc]  # isinstance(model, PeftModel) reads __class__, as for stand-ins
+    def __class__(self) -> type:
+        return type(self._runner.skel.root)
 
     def __getitem__(self, key: Any) -> Any:
         root: Any = self._runner.skel.root  # indexable when the model is (nn.Sequential, ModuleList)

@@ -135,3 +135,14 @@ def apply(state: State, *args: Any, train: bool = False, residency: str | int | 
     sharded = any(b.sharded_param for b in state.plan.buckets)
     plan = None if residency is None else deciding(state, residency, None, "fz.apply")
     return _forward(state, lambda r, comm: r(*args, **kwargs), train=train, collective=sharded, residency=plan)
+
+
+def apply_call(state: State, fn: Callable[..., Any], *args: Any, train: bool = False, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` run as the model's own forward runs in `apply`: the root's tensors
+    bound in the model (and `fn` reading them), its blocks gathering as they are called. For a
+    forward put in the model's place (TRL's forward redirection runs its loss, or a backbone call,
+    through the model's call) and submodules called from outside the root's forward."""
+    expect_state(state, "fz.apply")
+    args, kwargs = on_device((args, kwargs), state.plan.device)
+    sharded = any(b.sharded_param for b in state.plan.buckets)
+    return _forward(state, lambda r, comm: r.inside(fn, *args, **kwargs), train=train, collective=sharded)

@@ -1,4 +1,4 @@
-"""TRL's online trainers (GRPO, RLOO) on fz with one line, `fz.hf.on_fz(trl.GRPOTrainer)`, against TRL
+"""TRL's online trainers (GRPO, RLOO, Distillation) on fz with one line, `fz.hf.on_fz(trl.GRPOTrainer)`, against TRL
 itself at world 2 in the same processes (tests/support/trl_online_jobs.py).
 
 Their `_prepare_inputs` generates completions with the policy, scores them and slices them into
@@ -7,8 +7,10 @@ the policy before TRL's code generates with it, and trains the prepared micro-ba
 ZeRO-3 (a DeepSpeed dict). Sampling draws from each process's generator, so the logged rewards
 and completion lengths agree with TRL's only if the data order, the weights each generation sees
 and every draw before it agree: they are equal, and the losses, norms and KL agree to fp32
-rounding; so do GRPO's evaluations (generating too) and a streamed dataset's. A GRPO run resumed
-from its step-2 checkpoint logs the uninterrupted run's steps 3-4.
+rounding; so do GRPO's evaluations (generating too) and a streamed dataset's. On-policy
+distillation runs its loss through TRL's forward redirection, the teacher an inference-only
+State: its losses and evaluations are TRL's. A GRPO run resumed from its step-2 checkpoint logs
+the uninterrupted run's steps 3-4.
 """
 from __future__ import annotations
 
@@ -45,18 +47,23 @@ def test_logs_equal_trls_own_run(runs, kind):
             else:
                 assert max_rel(ours, theirs) < TOL or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-6, \
                     (kind, key, ours, theirs)
-        assert len({log["reward"] for log in want["logs"] if "reward" in log}) > 1  # what it generates changes
+        key = "completions/mean_length" if kind.startswith("distill") else "reward"
+        assert len({log[key] for log in want["logs"] if key in log}) > 1  # what it generates changes
         if KINDS[kind].get("beta"):
             assert any(log["kl"] > 0 for log in want["logs"])
 
 
-def test_evaluations_equal_trls_own(runs):
-    """GRPO's evaluation generates too: every 2 steps, with the weights of that step."""
+@pytest.mark.parametrize("kind", ["grpo_stream", "distill"])
+def test_evaluations_equal_trls_own(runs, kind):
+    """GRPO's and distillation's evaluations generate too: every 2 steps, with the weights of that
+    step (distillation's loss with the teacher's)."""
+    exact = "eval_reward" if kind == "grpo_stream" else "eval_completions/mean_length"
     for r in runs:
-        got, want = r["grpo_stream"]["evals"], r["trl-grpo_stream"]["evals"]
+        got, want = r[kind]["evals"], r[f"trl-{kind}"]["evals"]
         assert len(want) == 2 and [sorted(e) for e in got] == [sorted(e) for e in want]
+        assert kind != "distill" or all(e["eval_loss"] > 0 for e in want)  # the teacher differs
         for ours, theirs in zip(got, want):
-            assert ours["eval_reward"] == theirs["eval_reward"], (ours, theirs)
+            assert ours[exact] == theirs[exact], (ours, theirs)
             assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=TOL, abs=1e-6), (ours, theirs)
 
 

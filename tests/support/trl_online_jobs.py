@@ -1,9 +1,9 @@
-"""TRL's online trainers (GRPO, RLOO) as a TRL user writes them, on fz and on TRL itself: a tiny
-Llama saved as a folder (TRL makes the reference model from it, as from a Hub name), prompts made
-here and a reward that counts words. Sampling draws from each process's generator, so a run on
-fz and TRL's own run of the same script generate the same completions only where the weights,
-the data order and every draw before agree: the logged rewards, completion lengths, losses,
-gradient norms and KL follow the whole loop."""
+"""TRL's online trainers (GRPO, RLOO, Distillation) as a TRL user writes them, on fz and on TRL itself:
+a tiny Llama saved as a folder (TRL makes the reference model from it, as from a Hub name; the
+distillation teacher is another), prompts made here and a reward that counts words. Sampling draws
+from each process's generator, so a run on fz and TRL's own run of the same script generate the same
+completions only where the weights, the data order and every draw before agree: the logged rewards,
+completion lengths, losses, gradient norms and KL follow the whole loop."""
 from __future__ import annotations
 
 import os
@@ -22,6 +22,11 @@ KINDS: dict[str, dict[str, Any]] = {
     "grpo_peft": dict(trainer="GRPO", beta=0.05),
     # a streamed dataset (TRL repeats its rows with IterableDataset.map), evaluated every 2 steps (generating)
     "grpo_stream": dict(trainer="GRPO", beta=0.05, eval_strategy="steps", eval_steps=2),
+    # on-policy distillation from a teacher (its backbone and LM head read through TRL's forward
+    # redirection), evaluated every 2 steps (generating)
+    "distill": dict(trainer="Distillation", eval_strategy="steps", eval_steps=2),
+    # a LoRA student (TRL reads its backbone as a PEFT model's: fz's step model passes for one)
+    "distill_peft": dict(trainer="Distillation"),
 }
 LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl", "completions/mean_length",
           "completions/clipped_ratio", "num_tokens", "epoch")
@@ -33,6 +38,22 @@ def policy_folder(out: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         m = llama()
         m.config.eos_token_id = 1
+        m.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path) if not os.path.exists(path) else None
+    return path
+
+
+def teacher_folder(out: str) -> str:
+    """The distillation teacher: the policy's shape, other weights."""
+    import torch
+    path = os.path.join(out, "teacher")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        m = llama()
+        m.config.eos_token_id = 1
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g), alpha=0.05)
         m.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path) if not os.path.exists(path) else None
     return path
@@ -58,17 +79,21 @@ def run(out: str, kind: str, on_fz: bool, world: int, model: str, **kw: Any) -> 
     if on_fz:
         trainer_cls, config_cls = fz.hf.on_fz(trainer_cls), fz.hf.on_fz(config_cls)
         settings["deepspeed"] = deepspeed(3)
+    distill = name == "Distillation"
     settings.update(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=2,
-                    num_generations=4, max_completion_length=8, max_steps=4, logging_steps=1, report_to=[],
+                    max_completion_length=8, max_steps=4, logging_steps=1, report_to=[],
                     use_cpu=True, learning_rate=3e-2, save_strategy="no", disable_tqdm=True, bf16=False, seed=0)
+    if not distill:
+        settings["num_generations"] = 4
     settings.update(kw)
-    stream = kind == "grpo_stream"
-    if stream:
+    stream, evaluated = kind == "grpo_stream", "eval_strategy" in settings
+    if evaluated:
         settings["per_device_eval_batch_size"] = GLOBAL_BATCH // world
-    trainer = trainer_cls(model=model, reward_funcs=words, args=config_cls(**settings),
+    given = {"teacher_model": teacher_folder(os.path.dirname(out))} if distill else {"reward_funcs": words}
+    trainer = trainer_cls(model=model, args=config_cls(**settings), **given,
                           train_dataset=prompts().to_iterable_dataset() if stream else prompts(),
-                          eval_dataset=prompts(8) if stream else None, processing_class=tokenizer(),
-                          **({"peft_config": _lora()} if kind == "grpo_peft" else {}))
+                          eval_dataset=prompts(8) if evaluated else None, processing_class=tokenizer(),
+                          **({"peft_config": _lora()} if kind.endswith("_peft") else {}))
     trainer.train()
     logs = [{k: float(h[k]) for k in LOGGED if k in h} for h in trainer.state.log_history if "loss" in h]
     evals = [{k: float(h[k]) for k in ("eval_loss", "eval_reward", "eval_kl", "eval_completions/mean_length")
@@ -87,6 +112,7 @@ def jobs(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch.distributed as dist
     if rank == 0:
         policy_folder(out)
+        teacher_folder(out)
     dist.barrier()
     model = policy_folder(out)
     res: dict[str, Any] = {}

@@ -42,15 +42,16 @@ def test_grpo_is_made_but_a_subclass_overriding_its_step_is_refused(tmp_path):
         Trainer(**kw)
 
 
-def test_trls_distillation_trainer_is_refused_naming_the_ones_fz_runs(tmp_path):
-    """It generates inside its step and runs the student through TRL's forward redirection, which
-    fz's State-bound model does not take: refused when made, not a TypeError at the first step."""
-    Trainer, Config = fz.hf.on_fz(trl.DistillationTrainer), fz.hf.on_fz(trl.DistillationConfig)
-    prompts = datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5 w6", "w7 w8 w9", "w1 w3 w5"]})
-    with pytest.raises(ConfigError, match=r"DistillationTrainer.training_step: TRL's DistillationTrainer is not one "
-                                          r"fz runs .* fz runs TRL's SFT, DPO, Reward, KTO, GRPO and RLOO trainers"):
-        Trainer(model=hp.llama(), teacher_model=hp.llama(), args=Config(**_settings(tmp_path, max_completion_length=4)),
-                train_dataset=prompts, processing_class=hp.tokenizer())
+def test_a_trl_trainer_fz_does_not_run_is_refused_naming_the_ones_it_does(tmp_path):
+    """TRL's experimental GKD generates inside its own training_step: refused when made, not a
+    TypeError at the first step."""
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    Trainer, Config = fz.hf.on_fz(gkd.GKDTrainer), fz.hf.on_fz(gkd.GKDConfig)
+    rows = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": t}] for t in hp.texts(4)]})
+    with pytest.raises(ConfigError, match=r"GKDTrainer.training_step: TRL's GKDTrainer is not one fz runs .* fz runs "
+                                          r"TRL's SFT, DPO, Reward, KTO, GRPO, RLOO and Distillation trainers"):
+        Trainer(model=hp.llama(), teacher_model=hp.llama(), args=Config(**_settings(tmp_path)), train_dataset=rows,
+                processing_class=hp.tokenizer())
 
 
 def test_a_subclass_step_is_refused_and_trl_arguments_fz_would_skip_too(tmp_path):
