@@ -14,7 +14,10 @@ it runs on that step's forward (its gathered blocks, its mode), elsewhere throug
 ZeRO-3 a collective, as DeepSpeed's is), with the flags a library keeps on the model's modules
 (PEFT's disabled or active adapter, a dropout's `p`) carried onto fz's skeleton for the call.
 Before any weight is let go, the first call places the model where transformers would have put
-it at construction (`Placing`), and runs its own forward.
+it at construction (`PlaceFirst`), and runs its own forward. A model TRL prepares for inference (a
+reference model, a distillation teacher: `accelerator.prepare_model(m, evaluation_mode=True)`,
+where DeepSpeed would shard it) is not placed either (`unplaced_second_models`): fz shards it
+into an inference State when the trainer first needs one; a call before that places it first.
 """
 from __future__ import annotations
 
@@ -115,18 +118,44 @@ class _Forward:
             self.model.__dict__["forward"] = self.replaced
 
 
-class Placing(_Forward):
-    """Before fz lets the weights go: the first call puts the model on the trainer's device (as
-    transformers would have when the Trainer was made), then the model's own forward runs."""
+class PlaceFirst:
+    """A forward pre-hook: before the model's first call, the model goes where transformers would
+    have put it when the Trainer was made (the trainer's device), and the hook goes. (A hook, not
+    a forward: libraries wrap a model's forward in closures, accelerate's autocast among them.) A
+    copy of the model gets one that does nothing."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.active:
-            self.remove()
-            device = self.trainer.args.device
-            if any(p.device != device for p in self.model.parameters() if not p.is_meta):
-                log.info("fz.hf: trainer.model was called before training: it is placed on %s", device)
-                self.model.to(device)
-        return self.own(*args, **kwargs)
+    def __init__(self, device: Any = None, what: str = ""):
+        self.device, self.what = device, what
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if self.device is not None and any(p.device != self.device for p in module.parameters() if not p.is_meta):
+            log.info("fz.hf: %s was called before fz sharded it: it is placed on %s", self.what, self.device)
+            module.to(self.device)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PlaceFirst, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PlaceFirst:
+        return PlaceFirst()
+
+
+def place_first(trainer: Any, model: nn.Module | None, what: str = "trainer.model") -> None:
+    """`model` placed on the trainer's device before its first call (`PlaceFirst`), once."""
+    if model is None or any(isinstance(h, PlaceFirst) for h in model._forward_pre_hooks.values()):
+        return
+    hook = PlaceFirst(trainer.args.device, what)
+    hook.handle = model.register_forward_pre_hook(hook)
+
+
+def not_placing(model: nn.Module) -> None:
+    """`place_first`'s hook taken away (the model's weights are the State's now)."""
+    for key, h in list(model._forward_pre_hooks.items()):
+        if isinstance(h, PlaceFirst):
+            del model._forward_pre_hooks[key]
 
 
 class StateForward(_Forward):
@@ -154,16 +183,11 @@ def in_step(model: Any) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def install(kind: type[_Forward], trainer: Any, model: nn.Module | None) -> None:
-    """`kind` as `model.forward`, in place of a forward fz set before."""
-    if model is None:
-        return
-    current = model.__dict__.get("forward")
-    if isinstance(current, _Forward):
-        if type(current) is kind:
-            return
-        current.remove()
-    model.__dict__["forward"] = kind(trainer, model)
+def install(trainer: Any, model: nn.Module) -> None:
+    """A `StateForward` as `model.forward` (once), its first-call placement gone."""
+    not_placing(model)
+    if not isinstance(model.__dict__.get("forward"), StateForward):
+        model.__dict__["forward"] = StateForward(trainer, model)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -171,3 +195,18 @@ def uninstall(model: nn.Module) -> None:
     current = model.__dict__.get("forward")
     if isinstance(current, _Forward):
         current.remove()
+
+
+def unplaced_second_models(trainer: Any) -> None:
+    """`trainer.accelerator.prepare_model(m, evaluation_mode=True)` (TRL's for a reference model
+    or teacher) leaves `m` where it is (`place_first`), instead of putting it whole on the device."""
+    accelerator = trainer.accelerator
+    prepare = accelerator.prepare_model
+
+    def prepare_model(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        if not evaluation_mode:
+            return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        place_first(trainer, model, "a model the trainer prepared for inference (a reference, a teacher)")
+        return prepare(model, device_placement=False, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_model

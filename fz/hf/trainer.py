@@ -85,7 +85,8 @@ class Trainer(transformers.Trainer):
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
         self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
-        model_calls.install(model_calls.Placing, self, self.model)  # not placed whole: a first call places it
+        model_calls.place_first(self, self.model)  # not placed whole: a first call places it
+        model_calls.unplaced_second_models(self)  # nor a reference model or teacher TRL prepares next
 
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
@@ -364,7 +365,7 @@ class Trainer(transformers.Trainer):
     def _let_go_of_weights(self) -> None:
         """`self.model`'s trainable weights freed while train() runs: the State holds them."""
         self._fz_released = {**self._fz_released, **model_weights.let_go(self._model(), self.args.device)}
-        model_calls.install(model_calls.StateForward, self, self._model())
+        model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:
         """A call every rank must make (it gathers from or averages over every rank): made on one

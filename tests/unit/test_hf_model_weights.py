@@ -75,3 +75,33 @@ def test_weights_are_let_go_while_training_and_filled_in_after(tmp_path, patched
     own = trainer.model.state_dict()
     assert trained and all(torch.equal(own[n], v) for n, v in trained.items() if n in own)
     assert not torch.equal(own["lm_head.weight"], initial)  # trained, not the copy the model was given
+
+
+def test_a_reference_model_trl_prepares_is_not_placed_whole_and_trains_as_an_inference_state(tmp_path, monkeypatch):
+    """TRL prepares its reference model with accelerate (`prepare_model(m, evaluation_mode=True)`),
+    which puts it whole on the device (under DeepSpeed, ZeRO-3 shards it instead); on fz it stays
+    where it is until fz shards it into an inference State."""
+    trl = pytest.importorskip("trl")
+    import accelerate
+    import datasets
+
+    placed = []
+    own = accelerate.Accelerator.prepare_model
+
+    def spy(self, model, device_placement=None, evaluation_mode=False):
+        placed.append((evaluation_mode, device_placement))
+        return own(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    monkeypatch.setattr(accelerate.Accelerator, "prepare_model", spy)
+    t = hp.texts(8)
+    rows = datasets.Dataset.from_dict({"prompt": [" ".join(x.split()[:2]) for x in t],
+                                       "chosen": [" ".join(x.split()[2:]) for x in t],
+                                       "rejected": [" ".join(x.split()[3:]) for x in t]})
+    args = fz.hf.on_fz(trl.DPOConfig)(str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                                      use_cpu=True, disable_tqdm=True, save_strategy="no", max_length=32)
+    ref = hp.llama()
+    trainer = fz.hf.on_fz(trl.DPOTrainer)(model=hp.llama(), ref_model=ref, args=args, train_dataset=rows,
+                                          processing_class=hp.tokenizer())
+    assert (True, False) in placed and (True, None) not in placed and (True, True) not in placed
+    trainer.train()
+    assert type(trainer.ref_model).__name__ == "OnFzModel" and ref.lm_head.weight.is_meta
