@@ -24,7 +24,7 @@ from torch import nn
 
 import fz
 from fz.errors import ConfigError
-from fz.observe.full_params import copy_full_params
+from fz.observe.full_params import copy_full_params, copy_local_params
 
 
 def pull(engine: Any) -> None:
@@ -33,7 +33,8 @@ def pull(engine: Any) -> None:
         return
     engine._syncing = True
     try:
-        copy_full_params(engine.state, engine._model)  # one bucket gathered at a time
+        if copy_local_params(engine.state, engine._model) is None:  # ZeRO 0-2: local, as DeepSpeed's module is
+            copy_full_params(engine.state, engine._model)  # stage 3: one bucket gathered at a time, every rank
         engine._synced_step = engine.global_steps
     finally:
         engine._syncing = False

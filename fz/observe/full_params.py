@@ -61,6 +61,34 @@ def copy_full_params(state: State, module: torch.nn.Module) -> set[int]:
     return done
 
 
+def copy_local_params(state: State, module: torch.nn.Module) -> set[int] | None:
+    """`copy_full_params` without a collective where every rank holds every parameter whole (no
+    bucket's parameters sharded: ZeRO 0-2): the copy the forward computes with (a bf16 run's bf16
+    values, as DeepSpeed's module holds them at those stages). None where parameters are sharded."""
+    expect_state(state, "fz.full_params")
+    if any(b.sharded_param for b in state.plan.buckets):
+        return None
+    flats, sync, _ = checked_flats(state)
+    if sync is not None:
+        sync.finish()  # this rank's reduction in flight, not a new collective
+    own = module.state_dict(keep_vars=True)
+    names: dict[str, list[str]] = {}
+    for name, canonical in state.skeleton.aliases.items():
+        names.setdefault(canonical, []).append(name)
+    done: set[int] = set()
+    with torch.no_grad():
+        for b, flat in zip(state.plan.buckets, flats):
+            for s, value in zip(b.slots, full_views(load(flat), b)):
+                for name in names.get(s.name, [s.name]):
+                    if name in own and id(own[name]) not in done:
+                        own[name].data.copy_(value.to(own[name].dtype))
+                        done.add(id(own[name]))
+        for name in state.skeleton.persistent:
+            if name in own and name in state.buffers:
+                own[name].data.copy_(state.buffers[name].to(own[name].dtype))
+    return done
+
+
 def source_dtype(state: State, b: Bucket, compute: bool) -> torch.dtype:
     """The dtype `gathered` yields bucket `b`'s tensors in (before any cast)."""
     return state.spec.compute_dtype if compute or b.index not in state.master_flats else torch.float32
