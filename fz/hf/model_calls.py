@@ -37,6 +37,7 @@ from fz.model.skeleton import Skeleton
 
 log = logging.getLogger(__name__)
 _PLAIN = (bool, int, float, str, type(None))
+_FZ_SETS = ("training", "gradient_checkpointing")  # fz's own choices on its copy (mode; it checkpoints itself)
 _STEP: contextvars.ContextVar[Any] = contextvars.ContextVar("fz_hf_step_model", default=None)
 
 
@@ -72,7 +73,7 @@ def flags_mirrored(model: nn.Module, skel: Skeleton) -> Iterator[None]:
         if other is None:
             continue
         for key, value in vars(other).items():
-            if key == "training" or key.startswith("_fz") or not _flag(value):
+            if key in _FZ_SETS or key.startswith("_fz") or not _flag(value):
                 continue
             old = mine.__dict__.get(key, missing)
             if old is not missing and (not _flag(old) or old == value):

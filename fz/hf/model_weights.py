@@ -6,9 +6,10 @@ the State itself), and a stale one: training never updates them. So while train(
 parameter of `trainer.model` (a frozen PEFT base too) is let go: it keeps its identity, shape,
 dtype, attributes and ties, on the meta device, and its storage is freed; a call of the model
 runs on the State meanwhile (fz/hf/model_calls.py). The whole weights come back from the State,
-one bucket gathered at a time, on the trainer's device (where transformers places the model)
-when they are read: at the end of train(), and around an online trainer's generation
-(fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
+one bucket gathered at a time, when they are read: at the end of train(), on the trainer's device
+(where transformers places the model; at ZeRO-3 where the model was: a model larger than one
+device is never whole on one), and around an online trainer's generation, on the trainer's
+device (fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
 """
 from __future__ import annotations
 
@@ -33,19 +34,21 @@ def _swap(p: nn.Parameter, device: torch.device | str) -> None:
     torch.utils.swap_tensors(p, other)
 
 
-def let_go(model: nn.Module, device: torch.device) -> Released:
-    """Each parameter's storage freed (the parameter kept, on the meta device), to come back on `device`."""
+def let_go(model: nn.Module, device: torch.device | None) -> Released:
+    """Each parameter's storage freed (the parameter kept, on the meta device), to come back on
+    `device` (None: the device it was on)."""
     out: Released = {}
     for name, p in model.named_parameters():  # a tied parameter once
         if p.is_meta:
             continue
+        p_device = p.device
         try:
             _swap(p, "meta")
         except RuntimeError as e:  # something holds on to it (an autograd graph kept alive)
             log.warning("fz.hf: trainer.model keeps its own copy of %s (%s): it cannot be let go while train() "
                         "runs", name, e)
             continue
-        out[name] = device
+        out[name] = device if device is not None else p_device
     return out
 
 
@@ -61,5 +64,5 @@ def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     if missing:
         raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
                           "filled in after training")
-    for device in set(released.values()):  # one: the trainer's device
+    for device in set(released.values()):  # one: the trainer's device, or where the model was
         model.to(device)

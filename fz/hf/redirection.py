@@ -19,6 +19,21 @@ import fz
 from fz.step.train import apply_call
 
 
+class Inside:
+    """The module as a redirected `f` is handed it: fz's copy of the model, its tensors bound; it
+    passes `isinstance` checks as the model's class (TRL reads a PEFT student's backbone so)."""
+
+    def __init__(self, root: nn.Module):
+        self.__dict__["_root"] = root
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_root"], name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self.__dict__["_root"])
+
+
 class RunsRedirected(nn.Module):
     """The mixin: `__call__` runs a forward put in the place of the own one on the State
     (`_redirect_state`); `_inside()` is fz's copy of the model while it runs, else None."""
@@ -44,7 +59,11 @@ class RunsRedirected(nn.Module):
         state = self._redirect_state()
 
         def redirected(*a: Any, **k: Any) -> Any:
-            self.__dict__["_fz_inside"] = state.skeleton.root
+            root = state.skeleton.root
+            self.__dict__["_fz_inside"] = root
+            seen = Inside(root)  # the module handed to `f` (TRL's `unwrapped_model`), as fz's copy
+            a = tuple(seen if x is self else x for x in a)
+            k = {n: seen if x is self else x for n, x in k.items()}
             try:
                 out = patched(*a, **k)
                 self._after_redirected(state)

@@ -364,7 +364,9 @@ class Trainer(transformers.Trainer):
 
     def _let_go_of_weights(self) -> None:
         """`self.model`'s trainable weights freed while train() runs: the State holds them."""
-        self._fz_released = {**self._fz_released, **model_weights.let_go(self._model(), self.args.device)}
+        placed = self.fz_ready().spec.stage < 3 or online.online_class(self) is not None  # it fits, or generates
+        let_go = model_weights.let_go(self._model(), self.args.device if placed else None)
+        self._fz_released = {**self._fz_released, **let_go}
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:

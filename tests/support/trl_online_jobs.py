@@ -26,7 +26,7 @@ KINDS: dict[str, dict[str, Any]] = {
     # redirection), evaluated every 2 steps (generating)
     "distill": dict(trainer="Distillation", eval_strategy="steps", eval_steps=2),
     # a LoRA student (TRL reads its backbone as a PEFT model's: fz's step model passes for one)
-    "distill_peft": dict(trainer="Distillation"),
+    "distill_peft": dict(trainer="Distillation", eval_strategy="steps", eval_steps=2),
 }
 LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl", "completions/mean_length",
           "completions/clipped_ratio", "num_tokens", "epoch")
