@@ -91,19 +91,27 @@ class _Reading:
     must not start a collective."""
 
     def __init__(self, module: nn.Module, engine: Any = None):
-        self.module, self.engine = module, weakref.ref(engine) if engine is not None else None
+        self.module = weakref.ref(module)  # the module holds this: no cycle keeps it alive
+        self.engine = weakref.ref(engine) if engine is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         e = self.engine() if self.engine is not None else None
         if e is not None:
             pull(e)
-        return type(self.module).named_parameters(self.module, *args, **kwargs)
+        module = self._own()
+        return type(module).named_parameters(module, *args, **kwargs)
+
+    def _own(self) -> nn.Module:
+        module = self.module()
+        if module is None:  # only its module holds it: called, it is alive
+            raise RuntimeError("fz.deepspeed: a parameter reader outlived its module")
+        return module
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _Reading, (self.module,)
+        return _Reading, (self._own(),)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Reading:
-        return _Reading(copy.deepcopy(self.module, memo))
+        return _Reading(copy.deepcopy(self._own(), memo))
 
 
 def watch(engine: Any, model: nn.Module) -> list[Any]:

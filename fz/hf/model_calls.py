@@ -205,7 +205,7 @@ def unplaced_second_models(trainer: Any) -> None:
     prepare = accelerator.prepare_model
 
     def prepare_model(model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
-        if not evaluation_mode:
+        if not evaluation_mode or device_placement is not None:  # asked for (TRL's reward models): as asked
             return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         place_first(trainer, model, "a model the trainer prepared for inference (a reference, a teacher)")
         return prepare(model, device_placement=False, evaluation_mode=True)
