@@ -198,6 +198,13 @@ def uninstall(model: nn.Module) -> None:
         current.remove()
 
 
+def not_placed(trainer: Any) -> None:
+    """Neither `trainer.model` nor the models TRL prepares for inference are placed whole on the
+    device; each goes there on its first call, if any comes before fz shards it."""
+    place_first(trainer, trainer.model)
+    unplaced_second_models(trainer)
+
+
 def unplaced_second_models(trainer: Any) -> None:
     """`trainer.accelerator.prepare_model(m, evaluation_mode=True)` (TRL's for a reference model
     or teacher) leaves `m` where it is (`place_first`), instead of putting it whole on the device."""

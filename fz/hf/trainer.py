@@ -85,8 +85,7 @@ class Trainer(transformers.Trainer):
         self._items: Any = None  # the step's num_items_in_batch (None: a per-micro-batch mean)
         self._micro_count = 1  # the step's micro-batches
         self._micro_losses: list[torch.Tensor] = []  # the step's micro-batches' losses on this rank
-        model_calls.place_first(self, self.model)  # not placed whole: a first call places it
-        model_calls.unplaced_second_models(self)  # nor a reference model or teacher TRL prepares next
+        model_calls.not_placed(self)  # nor a reference model or teacher TRL prepares next: a first call places it
 
     # ---------------------------------------------------------------- setup
     def _refuse(self, kwargs: dict[str, Any]) -> None:
@@ -363,10 +362,9 @@ class Trainer(transformers.Trainer):
             self._fz_released = {}
 
     def _let_go_of_weights(self) -> None:
-        """`self.model`'s trainable weights freed while train() runs: the State holds them."""
+        """`self.model`'s weights freed while train() runs: the State holds them."""
         placed = self.fz_ready().spec.stage < 3 or online.online_class(self) is not None  # it fits, or generates
-        let_go = model_weights.let_go(self._model(), self.args.device if placed else None)
-        self._fz_released = {**self._fz_released, **let_go}
+        self._fz_released |= model_weights.let_go(self._model(), self.args.device if placed else None)
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:

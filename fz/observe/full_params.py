@@ -5,7 +5,7 @@ A collective API: every rank of the mesh calls it (stage 3 all-gathers within th
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -51,10 +51,16 @@ def iter_full_params(state: State, dtype: torch.dtype | str | None = None) -> It
 def copy_full_params(state: State, module: torch.nn.Module) -> set[int]:
     """The State's weights copied into `module`'s own tensors of the same state_dict names (each in
     its dtype), one bucket gathered at a time; the ids of the tensors written. A collective."""
+    return _copy_into(module, iter_full_params(state))
+
+
+def _copy_into(module: torch.nn.Module, values: Iterable[tuple[str, Tensor]]) -> set[int]:
+    """Each (state_dict name, value) copied into `module`'s tensor of that name, in its dtype; the
+    ids of the tensors written."""
     own = module.state_dict(keep_vars=True)
     done: set[int] = set()
     with torch.no_grad():
-        for name, value in iter_full_params(state):
+        for name, value in values:
             if name in own:
                 own[name].data.copy_(value.to(own[name].dtype))
                 done.add(id(own[name]))
@@ -71,22 +77,13 @@ def copy_local_params(state: State, module: torch.nn.Module) -> set[int] | None:
     flats, sync, _ = checked_flats(state)
     if sync is not None:
         sync.finish()  # this rank's reduction in flight, not a new collective
-    own = module.state_dict(keep_vars=True)
-    names: dict[str, list[str]] = {}
-    for name, canonical in state.skeleton.aliases.items():
-        names.setdefault(canonical, []).append(name)
-    done: set[int] = set()
-    with torch.no_grad():
+
+    def local() -> Iterator[tuple[str, Tensor]]:
         for b, flat in zip(state.plan.buckets, flats):
-            for s, value in zip(b.slots, full_views(load(flat), b)):
-                for name in names.get(s.name, [s.name]):
-                    if name in own and id(own[name]) not in done:
-                        own[name].data.copy_(value.to(own[name].dtype))
-                        done.add(id(own[name]))
-        for name in state.skeleton.persistent:
-            if name in own and name in state.buffers:
-                own[name].data.copy_(state.buffers[name].to(own[name].dtype))
-    return done
+            yield from zip((s.name for s in b.slots), full_views(load(flat), b))
+        yield from ((n, state.buffers[n]) for n in state.skeleton.persistent if n in state.buffers)
+
+    return _copy_into(module, local())
 
 
 def source_dtype(state: State, b: Bucket, compute: bool) -> torch.dtype:
