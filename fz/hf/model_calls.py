@@ -90,23 +90,35 @@ def flags_mirrored(model: nn.Module, skel: Skeleton) -> Iterator[None]:
                 mine.__dict__[key] = old
 
 
-class _Forward:
-    """Stands as `model.forward` (an instance attribute) with its signature: transformers and
-    TRL read the columns and keyword arguments a model takes from it. A library may wrap it
-    in turn (TRL's fused LM head keeps the forward it found): once removed it passes calls on
-    to the forward it replaced."""
+class StateForward:
+    """While the State holds the weights, `model.forward` (an instance attribute): the call runs
+    on the State (see the module docstring). It has the forward's signature: transformers and TRL
+    read the columns and keyword arguments a model takes from it. A library may wrap it in turn
+    (TRL's fused LM head keeps the forward it found): once removed it passes calls on to the
+    forward it replaced."""
 
     def __init__(self, trainer: Any, model: nn.Module):
         self.trainer, self.model, self.active = trainer, model, True
         self.replaced = model.__dict__.get("forward")  # an instance forward already there (a library's patch)
         self.own = model.forward
         self.__self__ = model  # a copy of the model (fz's skeleton) that calls it calls its own (fz/model/skeleton.py)
-        functools.update_wrapper(self, self.own)  # type: ignore[arg-type]  # a callable object, as a function
+        functools.update_wrapper(self, self.own)  # a callable object, as a function
         self.__signature__ = inspect.signature(self.own)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy of the model (fz's skeleton) gets the model's own forward, bound to the copy."""
         return copy.deepcopy(self.own, memo)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.own(*args, **kwargs)
+        trainer = self.trainer
+        state = trainer.fz_ready()
+        with flags_mirrored(self.model, state.skeleton):
+            bound = _STEP.get()
+            if bound is not None:  # inside the step's loss: on the step's own forward
+                return bound(*args, **kwargs)
+            return fz.apply(state, *args, train=self.model.training, **kwargs)
 
     def remove(self) -> None:
         self.active = False
@@ -159,21 +171,6 @@ def not_placing(model: nn.Module) -> None:
             del model._forward_pre_hooks[key]
 
 
-class StateForward(_Forward):
-    """While the State holds the weights: the call runs on it (see the module docstring)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.active:
-            return self.own(*args, **kwargs)
-        trainer = self.trainer
-        state = trainer.fz_ready()
-        with flags_mirrored(self.model, state.skeleton):
-            bound = _STEP.get()
-            if bound is not None:  # inside the step's loss: on the step's own forward
-                return bound(*args, **kwargs)
-            return fz.apply(state, *args, train=self.model.training, **kwargs)
-
-
 @contextlib.contextmanager
 def in_step(model: Any) -> Iterator[None]:
     """While a step's loss runs: `model` (compute_loss's) is what a call of `trainer.model` runs on."""
@@ -194,7 +191,7 @@ def install(trainer: Any, model: nn.Module) -> None:
 def uninstall(model: nn.Module) -> None:
     """The model's forward as it was before fz set one."""
     current = model.__dict__.get("forward")
-    if isinstance(current, _Forward):
+    if isinstance(current, StateForward):
         current.remove()
 
 
