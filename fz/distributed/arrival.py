@@ -12,7 +12,12 @@ naming it, within seconds, and so is one whose script ended with an uncaught exc
 (naming that error: it crashed, it did not skip the call); a store that fails or does not
 answer (its host, rank 0, died or froze) is a PeerError naming the host. Every store call
 has a deadline (peers.call).
-One store round trip per rank and call; nothing on a training step's path.
+Where rank 0 hosts the store (env://, not torchrun's agent), rank 0 returns only once every
+other rank has seen the check-in complete (each says so with one more key): a call with no
+collective after it (`trainer.save_model()` at ZeRO 0-2 writes from rank 0's own copy) would
+otherwise let rank 0 finish its script and take the store down while a peer polls it, failing
+that peer at the very end of a good run.
+Two store round trips per rank and call; nothing on a training step's path.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from fz.distributed import beats, peers
+from fz.distributed.storecall import store_host
 from fz.errors import ConfigError
 
 STUCK_S = 2.0  # a missing rank waiting this long in another collective will not come
@@ -42,8 +48,28 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
         peers.call(lambda: store.set(f"{base}/{rank}", "1"))  # stored as the bytes b"1"
         with peers.waiting():
             _wait_for_all(store, api, ident, base, keys, ranks, rank)
+            if rank != _HOST:
+                peers.call(lambda: store.set(f"{base}/seen/{rank}", "1"))
+            elif store_host()[1] == (_HOST,):
+                _wait_for_readers(store, api, [f"{base}/seen/{r}" for r in ranks if r != rank], ranks)
     except peers.StoreDown as e:
         raise peers.store_lost(f"{peers.activity()}: checking in for {api}", e) from e
+
+
+_HOST = 0  # the rank whose process hosts the store, unless torchrun's agent does
+
+
+def _wait_for_readers(store: dist.Store, api: str, seen: list[str], ranks: Sequence[int]) -> None:
+    """Wait until every other rank has seen the check-in complete (they are past their last
+    store read of it); a rank that dies before saying so is a PeerError."""
+    deadline, watched = time.monotonic() + peers.timeout_s(), {}  # type: ignore[var-annotated]
+    others = [r for r in ranks if r != _HOST]
+    while not _poll(store, seen, 0.5):
+        missing = [r for r, k in zip(others, seen) if not peers.call(lambda k=k: store.check([k]))]  # type: ignore[misc]
+        lost = beats.stopped(missing, watched)
+        if lost or time.monotonic() > deadline:
+            raise peers.lost_error(f"{peers.activity()}: {api}: rank(s) {lost or missing} checked in but did "
+                                   "not say they saw every rank had", lost or missing)
 
 
 def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:

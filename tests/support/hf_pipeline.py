@@ -140,8 +140,6 @@ def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:
         if kind in AT_WORLD_2 and key not in res:
             res[key] = run(os.path.join(out, "ddp-" + key), False, kind=kind, accum=accum, world=world, **extra)
     res["one_rank"] = one_rank_calls(rank, out)
-    import torch.distributed as dist
-    dist.barrier()  # its last check-in polls rank 0's store: rank 0 leaves only once both are past it
     return res
 
 
