@@ -14,6 +14,7 @@ device (fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -54,15 +55,35 @@ def let_go(model: nn.Module, device: torch.device | None) -> Released:
 
 def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     """The State's weights in `model` (in its dtype), the parameters let go given storage again on
-    their devices first, and its buffers moved there. A collective: every rank calls it."""
+    their devices first, and its buffers moved there; if the copy fails they are let go again. A
+    collective: every rank calls it."""
     own = dict(model.named_parameters())
-    for name, device in released.items():
-        if own[name].is_meta:
-            _swap(own[name], device)
-    done = copy_full_params(state, model)
+    given = [n for n in released if own[n].is_meta]
+    for name in given:
+        _swap(own[name], released[name])
+    try:
+        done = copy_full_params(state, model)
+    except BaseException:
+        for name in given:  # let go again: never storage that holds no weights
+            _swap(own[name], "meta")
+        raise
     missing = [n for n in released if id(own[n]) not in done]
     if missing:
         raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
                           "filled in after training")
     for device in set(released.values()):  # one: the trainer's device, or where the model was
         model.to(device)
+
+
+def fill_after_error(fill_in: Callable[[], None]) -> None:
+    """train() raised while the State held `trainer.model`'s weights: `fill_in` puts them back
+    where that still works (every rank raised and gathers; one rank holds them all); where it does
+    not (a rank still in a step cannot join the gather) the model stays on meta, and the warning
+    says where the weights are. The train() error is what is raised either way."""
+    try:
+        fill_in()
+    except Exception as e:  # noqa: BLE001 - the train() error is the one raised
+        log.warning("fz.hf: train() failed, and trainer.model's weights could not be filled back in from "
+                    "trainer.fz_state (%s: %s): its parameters stay on the meta device. trainer.fz_state holds the "
+                    "weights as of the failure: fz.save(trainer.fz_state, dir) on every rank keeps them",
+                    type(e).__name__, str(e)[:300])

@@ -47,7 +47,7 @@ from transformers.trainer_utils import SaveStrategy, TrainOutput, speed_metrics
 import fz
 from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import counts, data, draws, model_calls, model_weights, online, trainer_checkpoints
+from fz.hf import collective_calls, counts, data, draws, model_calls, model_weights, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.evaluation import Evaluated, prediction
 from fz.hf.export import save_pretrained
@@ -197,7 +197,12 @@ class Trainer(transformers.Trainer):
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = dirs.to_resume(resume_from_checkpoint, str(self.args.output_dir))
             trainer_checkpoints.trainer_state(resume_from_checkpoint)  # checked before transformers reads it
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except BaseException:  # Ctrl-C too: the model is not left without its weights where they can come back
+            if self._fz_released:
+                model_weights.fill_after_error(self._copy_weights_into_model)
+            raise
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
                              resume_from_checkpoint: str | None = None, trial: Any = None,
@@ -368,17 +373,7 @@ class Trainer(transformers.Trainer):
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:
-        """A call every rank must make (it gathers from or averages over every rank): made on one
-        rank alone it fails in seconds, naming the call and the fix, instead of hanging."""
-        state = self.fz_ready()
-        if len(state.plan.ranks) == 1:
-            return
-        try:
-            fz.distributed.arrive(f"trainer.{call}()", state.plan.ranks, state.plan.rank)
-        except ConfigError as e:  # transformers' idiom for "on one rank", and why it is not needed here
-            raise ConfigError(str(e).replace(
-                "not under `if rank == 0:`", "not under `if trainer.is_world_process_zero():` (fz.hf writes files "
-                "on rank 0 only, and gathers the weights from every rank)")) from None
+        collective_calls.check_in(self.fz_ready(), call)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self._check_in("evaluate")

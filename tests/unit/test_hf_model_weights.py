@@ -105,3 +105,47 @@ def test_a_reference_model_trl_prepares_is_not_placed_whole_and_trains_as_an_inf
     assert (True, False) in placed and (True, None) not in placed and (True, True) not in placed
     trainer.train()
     assert type(trainer.ref_model).__name__ == "OnFzModel" and ref.lm_head.weight.is_meta
+
+
+class Stop(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == 2:
+            raise KeyboardInterrupt  # Ctrl-C in a notebook, between steps
+
+
+def _stopped_trainer(tmp_path):
+    args = fz.hf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=4, report_to=[],
+                                   use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-2)
+    return fz.hf.Trainer(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(),
+                         data_collator=hp.collator("lm"), callbacks=[Stop()], spec=fz.Spec(stage=3))
+
+
+def test_a_train_that_raises_gives_the_model_back_its_weights_as_of_the_failure(tmp_path):
+    trainer = _stopped_trainer(tmp_path)
+    initial = trainer.model.lm_head.weight.detach().clone()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert not any(p.is_meta for p in trainer.model.parameters())
+    trained = dict(iter_full_params(trainer.fz_state))
+    own = trainer.model.state_dict()
+    assert trained and all(torch.equal(own[n], v) for n, v in trained.items() if n in own)
+    assert not torch.equal(own["lm_head.weight"], initial)
+    assert "forward" not in vars(trainer.model)  # a plain module again: no call routed to the State
+    trainer.model(input_ids=torch.tensor([[3, 4, 5]]))
+
+
+def test_weights_that_cannot_come_back_stay_on_meta_and_the_warning_says_where_they_are(tmp_path, monkeypatch,
+                                                                                        caplog):
+    from fz.hf import model_weights
+
+    def fails(state, model):
+        raise fz.ConfigError("a rank is still in its step")
+
+    trainer = _stopped_trainer(tmp_path)
+    monkeypatch.setattr(model_weights, "copy_full_params", fails)
+    with pytest.raises(KeyboardInterrupt):  # the train() error, not the filling's
+        trainer.train()
+    assert all(p.is_meta for p in trainer.model.parameters())  # never storage that holds no weights
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "could not be filled back in" in said and "a rank is still in its step" in said, said
+    assert "fz.save(trainer.fz_state" in said, said
