@@ -1,77 +1,109 @@
-"""`trainer.model`'s weights: let go while train() runs, filled in from the State.
+"""`trainer.model`'s weights while train() runs: the State's, never a second copy.
 
 fz trains a skeleton of the model whose tensors are the State's. `trainer.model`'s own
 parameters would stay a second whole copy on every rank (at ZeRO-3 more than the rank's share of
 the State itself), and a stale one: training never updates them. So while train() runs, each
 parameter of `trainer.model` (a frozen PEFT base too) is let go: it keeps its identity, shape,
-dtype, attributes and ties, on the meta device, and its storage is freed; a call of the model
-runs on the State meanwhile (fz/hf/model_calls.py). The whole weights come back from the State,
-one bucket gathered at a time, when they are read: at the end of train(), on the trainer's device
-(where transformers places the model; at ZeRO-3 where the model was: a model larger than one
-device is never whole on one), and around an online trainer's generation, on the trainer's
-device (fz/hf/online.py). Every rank calls `fill` (at ZeRO-3 it gathers).
+attributes and ties, and its own storage is freed. At ZeRO 0-2, where every rank holds every
+parameter whole, it becomes a view of the State's copy (the one the forward computes with, in
+its dtype: a bf16 run's bf16, as DeepSpeed's module is at those stages), so a callback that
+reads the model (TRL's BEMACallback, an EMA) reads each update's weights, for free (`follow`
+keeps it so). At ZeRO-3 (or on the disk tier) it is on the meta device, as DeepSpeed's
+partitioned parameters hold nothing. A call of the model runs on the State meanwhile
+(fz/hf/model_calls.py). The model's own weights, in its dtype, come back from the State (the
+fp32 masters where there are), one bucket gathered at a time: at the end of train(), on the
+trainer's device (where transformers places the model; at ZeRO-3 where the model was: a model
+larger than one device is never whole on one), and around an online trainer's generation, on
+the trainer's device (fz/hf/online.py). Every rank calls `fill` (it may gather).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 import fz
 from fz.errors import ConfigError
-from fz.observe.full_params import copy_full_params
+from fz.observe.full_params import copy_full_params, local_param_views
 
 log = logging.getLogger(__name__)
-Released = dict[str, torch.device]  # the parameters let go, by name, and the device each comes back on
 
 
-def _swap(p: nn.Parameter, device: torch.device | str) -> None:
-    """`p` itself (its identity, attributes and ties kept) on `device`: meta frees it, another
-    device gives it new, unset storage."""
-    other = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+class Given(NamedTuple):
+    """Where a parameter let go comes back, and in which dtype (its own)."""
+    device: torch.device
+    dtype: torch.dtype
+
+
+Released = dict[str, Given]  # the parameters let go, by name
+
+
+def _swap(p: nn.Parameter, storage: torch.Tensor) -> None:
+    """`p` itself (its identity, attributes and ties kept) holding `storage` (meta: nothing)."""
+    other = nn.Parameter(storage, requires_grad=p.requires_grad)
     other.__dict__.update(p.__dict__)
     torch.utils.swap_tensors(p, other)
 
 
-def let_go(model: nn.Module, device: torch.device | None) -> Released:
-    """Each parameter's storage freed (the parameter kept, on the meta device), to come back on
-    `device` (None: the device it was on)."""
+def _nothing(p: nn.Parameter) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+
+def let_go(model: nn.Module, device: torch.device | None, state: fz.State) -> Released:
+    """Each parameter's own storage freed: a view of the State's where there is one (ZeRO 0-2),
+    else on the meta device; it comes back on `device` (None: the device it was on)."""
+    views = local_param_views(state) or {}
     out: Released = {}
     for name, p in model.named_parameters():  # a tied parameter once
-        if p.is_meta:
-            continue
-        p_device = p.device
+        view = views.get(name)
+        if p.is_meta or (view is not None and p.data_ptr() == view.data_ptr()):
+            continue  # let go already
+        given = Given(device if device is not None else p.device, p.dtype)
         try:
-            _swap(p, "meta")
+            _swap(p, view if view is not None and view.shape == p.shape else _nothing(p))
         except RuntimeError as e:  # something holds on to it (an autograd graph kept alive)
             log.warning("fz.hf: trainer.model keeps its own copy of %s (%s): it cannot be let go while train() "
                         "runs", name, e)
             continue
-        out[name] = device if device is not None else p_device
+        out[name] = given
     return out
 
 
-def fill(model: nn.Module, state: fz.State, released: Released) -> None:
-    """The State's weights in `model` (in its dtype), the parameters let go given storage again on
-    their devices first, and its buffers moved there; if the copy fails they are let go again. A
-    collective: every rank calls it."""
+def follow(model: nn.Module, state: fz.State, released: Released) -> None:
+    """After a step: each parameter held as a view of the State reads this update's weights (its
+    parameter sync in flight finished; a State whose storage moved gets new views)."""
+    views = local_param_views(state)
+    if not views:
+        return
     own = dict(model.named_parameters())
-    given = [n for n in released if own[n].is_meta]
-    for name in given:
-        _swap(own[name], released[name])
+    for name in released:
+        view, p = views.get(name), own[name]
+        if view is not None and not p.is_meta and p.data_ptr() != view.data_ptr():
+            _swap(p, view)
+
+
+def fill(model: nn.Module, state: fz.State, released: Released) -> None:
+    """The State's weights in `model` (in its dtype), the parameters let go given storage of their
+    own again on their devices first, and its buffers moved there; if the copy fails they are let
+    go again as they were. A collective: every rank calls it."""
+    own = dict(model.named_parameters())
+    before = {n: own[n].data for n in released}
+    for name, (device, dtype) in released.items():
+        _swap(own[name], torch.empty(own[name].shape, dtype=dtype, device=device))
     try:
         done = copy_full_params(state, model)
     except BaseException:
-        for name in given:  # let go again: never storage that holds no weights
-            _swap(own[name], "meta")
+        for name, held in before.items():  # never storage that holds no weights
+            _swap(own[name], held)
         raise
     missing = [n for n in released if id(own[n]) not in done]
     if missing:
         raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
                           "filled in after training")
-    for device in set(released.values()):  # one: the trainer's device, or where the model was
+    for device in {g.device for g in released.values()}:  # one: the trainer's device, or where the model was
         model.to(device)
 
 

@@ -264,6 +264,7 @@ class Trainer(transformers.Trainer):
                 self.fz_state = online.train_step(self, batches)
             else:
                 self.fz_state, _ = draws.train_step(self.fz_state, batches)
+            model_weights.follow(self._model(), self.fz_state, self._fz_released)  # what callbacks read
             self._add_losses()
             # transformers' hooks in its order; fz's update is one call, so they come after it
             for _ in range(len(batches) - 1):
@@ -368,8 +369,9 @@ class Trainer(transformers.Trainer):
 
     def _let_go_of_weights(self) -> None:
         """`self.model`'s weights freed while train() runs: the State holds them."""
-        placed = self.fz_ready().spec.stage < 3 or online.online_class(self) is not None  # it fits, or generates
-        self._fz_released |= model_weights.let_go(self._model(), self.args.device if placed else None)
+        state = self.fz_ready()
+        placed = state.spec.stage < 3 or online.online_class(self) is not None  # it fits, or generates
+        self._fz_released |= model_weights.let_go(self._model(), self.args.device if placed else None, state)
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:

@@ -9,6 +9,7 @@ in a new Trainer; one world-1 run makes transformers' reference (same global bat
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -116,3 +117,16 @@ def test_save_model_and_consolidate_hf_of_a_checkpoint_load_alike(runs, out, tmp
         a = GPT2LMHeadModel.from_pretrained(f"{out}/final").eval()(input_ids=ids).logits
         b = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+def test_a_callback_reading_the_model_reads_each_update_at_zero_2(runs):
+    """TRL's BEMACallback averages the weights it reads from trainer.model after each update: at
+    ZeRO-2 (world 2, each update's parameters gathered after it) those are the State's own, as
+    DeepSpeed's module holds them; its average equals the one over transformers' own run."""
+    fz2, ref = runs
+    if ref["bema"] is None:
+        pytest.skip("TRL is not installed")
+    for r in fz2:
+        assert r["bema"].keys() == ref["bema"].keys()
+        for k, v in ref["bema"].items():
+            torch.testing.assert_close(r["bema"][k], v, rtol=1e-5, atol=1e-6)

@@ -82,6 +82,7 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     resumed = fz.hf.Trainer(model=gpt2(), args=arguments(out, True, deepspeed=ZERO3), train_dataset=Tokens())
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
     seed = seed_002(out + "-seed002")
+    bema = bema_weights(True, out + "-bema", deepspeed={**ZERO3, "zero_optimization": {"stage": 2}})
     listing = sorted(os.listdir(out)) if rank == 0 else []
     ckpt3 = sorted(os.listdir(os.path.join(out, "checkpoint-3"))) if rank == 0 else []
     state_json = json.load(open(os.path.join(out, "checkpoint-3", "trainer_state.json"))) if rank == 0 else {}
@@ -89,7 +90,23 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
             "metrics": metrics, "pred_shape": tuple(pred.predictions.shape), "pred_metrics": pred.metrics,
             "logs": seen, "listing": listing, "ckpt3": ckpt3, "state_json_step": state_json.get("global_step"),
             "model_matches_state": all(torch.equal(sd[k], full[k]) for k in full if k in sd),
-            "world": (args.world_size, args.process_index), "seed_002": seed}
+            "world": (args.world_size, args.process_index), "seed_002": seed, "bema": bema}
+
+
+def bema_weights(on_fz: bool, out: str, **kw: Any) -> dict[str, torch.Tensor] | None:
+    """TRL's BEMACallback (an average of the weights it reads from `trainer.model` after every
+    update) over 6 steps: its averaged weights (None without TRL)."""
+    try:
+        from trl import BEMACallback
+    except ImportError:
+        return None
+    import transformers
+
+    import fz.hf
+    bema = BEMACallback(update_freq=1)
+    cls = fz.hf.Trainer if on_fz else transformers.Trainer
+    cls(model=gpt2(), args=arguments(out, on_fz, **kw), train_dataset=Tokens(), callbacks=[bema]).train()
+    return {k: v.clone() for k, v in bema.running_model.state_dict().items()}
 
 
 SEED_002 = dict(per_device_train_batch_size=2, gradient_checkpointing=True, optim="adafactor", logging_steps=1,
@@ -145,7 +162,8 @@ def reference_and_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     longer = fz.hf.Trainer(model=gpt2(), args=arguments(out + "-rot", True, max_steps=8), train_dataset=Tokens())
     longer.train(resume_from_checkpoint=True)
     steps = [h["step"] for h in longer.state.log_history if "loss" in h]
+    bema = bema_weights(False, out + "-bema-ref", gradient_accumulation_steps=2)
     events = [f for _, _, fs in os.walk(out + "-rot") for f in fs if f.startswith("events.out.tfevents")]
     return {"losses": losses(ref), "lrs": lrs, "metrics": metrics, "resumed": losses(resumed), "kept": kept,
             "resumed_steps": steps, "tensorboard_files": len(events), "seed_002": losses(seed_ref),
-            "eval_only": (untrained, untrained_fz)}
+            "eval_only": (untrained, untrained_fz), "bema": bema}

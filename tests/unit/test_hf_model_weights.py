@@ -149,3 +149,37 @@ def test_weights_that_cannot_come_back_stay_on_meta_and_the_warning_says_where_t
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "could not be filled back in" in said and "a rank is still in its step" in said, said
     assert "fz.save(trainer.fz_state" in said, said
+
+
+def test_at_zero_2_the_model_holds_views_of_the_states_weights_while_training(tmp_path):
+    """As DeepSpeed's module at ZeRO 0-2 (bf16 there too): the parameters read each update's
+    weights in the State's own storage (no second copy), and after train() the model's own, in
+    its dtype (the fp32 masters)."""
+    class Read(TrainerCallback):
+        def __init__(self):
+            self.reads = []
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            w = model.lm_head.weight
+            states = trainer.fz_state
+            ours = [f.to_local() if hasattr(f, "to_local") else f for f in states.param_flats]
+            inside = any(f.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for f in ours)
+            self.reads.append((w.dtype, model.device.type, inside, w.detach().clone(),
+                               fz.full_params(states, dtype="compute")["lm_head.weight"]))
+
+    read = Read()
+    args = fz.hf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
+                                   use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-2, bf16=True)
+    trainer = fz.hf.Trainer(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(),
+                            data_collator=hp.collator("lm"), callbacks=[read], spec=fz.Spec(stage=2, precision="bf16"))
+    params = dict(trainer.model.named_parameters())
+    trainer.train()
+    assert len(read.reads) == 2
+    for dtype, device, inside, seen, state_value in read.reads:
+        assert (dtype, device, inside) == (torch.bfloat16, "cpu", True)
+        assert torch.equal(seen, state_value)
+    assert not torch.equal(read.reads[0][3], read.reads[1][3])
+    after = dict(trainer.model.named_parameters())
+    assert all(after[n] is p and p.dtype == torch.float32 for n, p in params.items())
+    masters = fz.full_params(trainer.fz_state)
+    assert torch.equal(trainer.model.lm_head.weight, masters["lm_head.weight"])
