@@ -68,31 +68,58 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def _rebind_patched_forward(module: nn.Module, memo: dict[int, Any]) -> None:
-    """A forward a library put on the module (TRL's fused LM head: `model.forward = MethodType(f,
-    model)`, `f` calling the forward it found, held in its closure) calls, in the copy, the copy's
-    forward: deepcopy rebinds the method but shares the function, whose closure still calls the
-    original module (its own weights, let go or stale)."""
+    """A forward a library put on the module calls, in the copy, the copy's forward. TRL's fused LM
+    head sets `model.forward = MethodType(f, model)`, `f` calling the forward it found, held in its
+    closure; accelerate's mixed precision then wraps that in autocast and an output cast (closures
+    and a callable object). deepcopy rebinds the outer method but shares what it wraps, which would
+    still call the original module (its own weights, let go or stale)."""
     patched = module.__dict__.get("forward")
-    func = getattr(patched, "__func__", None)
-    if not isinstance(patched, types.MethodType) or not isinstance(func, types.FunctionType) or not func.__closure__:
-        return
-    cells = []
-    for cell in func.__closure__:
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            cells.append(cell)
-            continue
-        if isinstance(getattr(value, "__self__", None), nn.Module) and id(value.__self__) in memo:
-            cells.append(types.CellType(copy.deepcopy(value, memo)))  # the original's method, as the copy's
-        else:
-            cells.append(cell)
-    if all(a is b for a, b in zip(cells, func.__closure__)):
-        return
-    rebound = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
-    rebound.__kwdefaults__, rebound.__dict__ = func.__kwdefaults__, dict(func.__dict__)
-    rebound.__qualname__, rebound.__doc__ = func.__qualname__, func.__doc__
-    module.__dict__["forward"] = types.MethodType(rebound, patched.__self__)
+    if isinstance(patched, types.MethodType):
+        func = _rebound(patched.__func__, memo, 0)
+        if func is not patched.__func__:
+            module.__dict__["forward"] = types.MethodType(func, patched.__self__)
+    elif patched is not None:
+        module.__dict__["forward"] = _rebound(patched, memo, 0)
+
+
+_WRAPS = 8  # wrappers deep: a forward patched, cast, autocast, ... is a handful
+
+
+def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
+    """`value` calling the copies (in `memo`) of the modules it calls a method of, however deep in
+    closures and wrapper objects; `value` itself where it calls none."""
+    if depth > _WRAPS:
+        return value
+    if isinstance(value, types.MethodType):
+        owner = value.__self__
+        if isinstance(owner, nn.Module) and id(owner) in memo:  # the original's method, as the copy's
+            return types.MethodType(_rebound(value.__func__, memo, depth + 1), memo[id(owner)])
+        return value
+    if isinstance(value, types.FunctionType):
+        if not value.__closure__:
+            return value
+        cells = []
+        for cell in value.__closure__:
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(cell)
+                continue
+            other = _rebound(inner, memo, depth + 1)
+            cells.append(cell if other is inner else types.CellType(other))
+        if all(a is b for a, b in zip(cells, value.__closure__)):
+            return value
+        func = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, tuple(cells))
+        func.__kwdefaults__, func.__dict__ = value.__kwdefaults__, dict(value.__dict__)
+        func.__qualname__, func.__doc__ = value.__qualname__, value.__doc__
+        return func
+    if callable(value) and hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, torch.Tensor)):
+        changed = {k: o for k, v in vars(value).items() if (o := _rebound(v, memo, depth + 1)) is not v}
+        if changed:  # a wrapper object (accelerate's output cast, which refuses to be copied): a new one
+            clone = object.__new__(type(value))
+            vars(clone).update({**vars(value), **changed})
+            return clone
+    return value
 
 
 @dataclass(frozen=True)

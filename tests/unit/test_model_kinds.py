@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -91,3 +92,30 @@ def test_a_forward_patched_over_the_original_runs_the_states_weights():
                 for p, q in zip(model.parameters(), MaskedLM().parameters()):
                     p.copy_(q)
         assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (stage, got, want)
+
+
+def test_a_patched_forward_wrapped_again_runs_the_states_weights():
+    """TRL's fused head patched on a reference model, then wrapped by accelerate's mixed precision
+    (autocast and an output cast, as `prepare_model` does under bf16): fz's copy calls its own
+    weights however deep the original's forward sits in the wrappers."""
+    import types
+
+    accelerate_ops = pytest.importorskip("accelerate.utils.operations")
+    torch.manual_seed(0)
+    model = MaskedLM()
+    found = model.forward
+
+    def patched(self, *args, scale=1.0, **kwargs):
+        out = found(*args, **kwargs)
+        return SimpleNamespace(loss=out.loss * scale, logits=out.logits)
+
+    model.forward = types.MethodType(patched, model)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=False)  # the wrapping, not its numerics
+    model.forward = types.MethodType(accelerate_ops.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    want = [model(**_batch(i), scale=2.0).loss.item() for i in range(2)]
+    state = fz.init(model, fz.Spec(stage=3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the original's weights: a call reaching them would give another loss
+    got = [float(fz.apply(state, **_batch(i), scale=2.0).loss) for i in range(2)]
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (got, want)
