@@ -63,14 +63,10 @@ def test_buffers_dict_batches_and_hf_outputs():
         assert out.logits.shape == (4, 8, 32)
 
 
-def test_a_forward_patched_over_the_original_runs_the_states_weights():
-    """A library's patch of `model.forward` (TRL's fused LM head: a method whose closure calls the
-    forward it found) runs, in fz's copy of the model, the copy's own forward on the State's
-    weights: never the original module's, whose weights fz does not train."""
+def _fused_head(model: nn.Module) -> None:
+    """TRL's fused LM head's patch: a method whose closure calls the forward it found."""
     import types
 
-    torch.manual_seed(0)
-    model = MaskedLM()
     found = model.forward
 
     def patched(self, *args, scale=1.0, **kwargs):
@@ -78,19 +74,33 @@ def test_a_forward_patched_over_the_original_runs_the_states_weights():
         return SimpleNamespace(loss=out.loss * scale, logits=out.logits)
 
     model.forward = types.MethodType(patched, model)
+
+
+def _losses_of_state_apart_from_the_model(model: nn.Module, stage: int) -> tuple[list[float], list[float]]:
+    """(the patched model's losses, the State's, its original's weights zeroed meanwhile)."""
     want = [model(**_batch(i), scale=2.0).loss.item() for i in range(2)]
-    for stage in (0, 3):
-        state = fz.init(model, fz.Spec(stage=stage))
+    state = fz.init(model, fz.Spec(stage=stage))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the original's weights: a call reaching them would give another loss
+    try:
+        return want, [float(fz.apply(state, **_batch(i), scale=2.0).loss) for i in range(2)]
+    finally:
+        torch.manual_seed(0)
         with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()  # the original's weights: a call reaching them would give another loss
-        try:
-            got = [float(fz.apply(state, **_batch(i), scale=2.0).loss) for i in range(2)]
-        finally:
-            torch.manual_seed(0)
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), MaskedLM().parameters()):
-                    p.copy_(q)
+            for p, q in zip(model.parameters(), MaskedLM().parameters()):
+                p.copy_(q)
+
+
+def test_a_forward_patched_over_the_original_runs_the_states_weights():
+    """A library's patch of `model.forward` (TRL's fused LM head) runs, in fz's copy of the model,
+    the copy's own forward on the State's weights: never the original module's, whose weights fz
+    does not train."""
+    torch.manual_seed(0)
+    model = MaskedLM()
+    _fused_head(model)
+    for stage in (0, 3):
+        want, got = _losses_of_state_apart_from_the_model(model, stage)
         assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (stage, got, want)
 
 
@@ -103,19 +113,8 @@ def test_a_patched_forward_wrapped_again_runs_the_states_weights():
     accelerate_ops = pytest.importorskip("accelerate.utils.operations")
     torch.manual_seed(0)
     model = MaskedLM()
-    found = model.forward
-
-    def patched(self, *args, scale=1.0, **kwargs):
-        out = found(*args, **kwargs)
-        return SimpleNamespace(loss=out.loss * scale, logits=out.logits)
-
-    model.forward = types.MethodType(patched, model)
+    _fused_head(model)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=False)  # the wrapping, not its numerics
     model.forward = types.MethodType(accelerate_ops.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
-    want = [model(**_batch(i), scale=2.0).loss.item() for i in range(2)]
-    state = fz.init(model, fz.Spec(stage=3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()  # the original's weights: a call reaching them would give another loss
-    got = [float(fz.apply(state, **_batch(i), scale=2.0).loss) for i in range(2)]
+    want, got = _losses_of_state_apart_from_the_model(model, 3)
     assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (got, want)
