@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 import fz
+from fz.errors import ConfigError
 from fz.model.skeleton import Skeleton
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,15 @@ class StateForward:
             bound = _STEP.get()
             if bound is not None:  # inside the step's loss: on the step's own forward
                 return bound(*args, **kwargs)
-            return fz.apply(state, *args, train=self.model.training, **kwargs)
+            try:
+                return fz.apply(state, *args, train=self.model.training, **kwargs)
+            except ConfigError as e:  # made on one rank (a callback's sample under `if rank == 0:`)
+                if "every rank must call" not in str(e):
+                    raise
+                raise ConfigError(f"trainer.model called while train() runs: its weights are the State's, sharded "
+                                  f"over the ranks (ZeRO-3), so the call gathers them on every rank, as under "
+                                  f"DeepSpeed ZeRO-3: make it on every rank (generate on each, print on one). {e}"
+                                  ) from None
 
     def remove(self) -> None:
         self.active = False

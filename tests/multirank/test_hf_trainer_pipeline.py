@@ -71,6 +71,9 @@ def test_save_model_or_evaluate_on_one_rank_fails_fast_naming_the_call_and_the_f
     assert seconds < fast, (seconds, load)
     said, seconds = fz2[1]["one_rank"]["evaluate"]
     assert "trainer.evaluate()" in said and seconds < fast, (said, seconds, load)
+    said, seconds = fz2[0]["one_rank"]["model_call"]  # a callback's sample under `if rank == 0:` at ZeRO-3
+    assert "trainer.model called while train() runs" in said and "make it on every rank" in said, said
+    assert seconds < fast, (said, seconds, load)
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint_lists_the_checkpoints(runs):

@@ -217,4 +217,42 @@ def one_rank_calls(rank: int, out: str) -> dict[str, Any]:
         trainer.train(resume_from_checkpoint=os.path.join(out, "one", "runs"))
     except fz.ConfigError as e:
         got["resume"] = str(e)
+    got["model_call"] = _model_called_on_one_rank_while_training(rank, out)
     return got
+
+
+def _model_called_on_one_rank_while_training(rank: int, out: str) -> tuple[str, float]:
+    """A callback calling trainer.model on rank 0 alone after an update at ZeRO-3 (a sample under
+    `if rank == 0:`): the error's text and how long it took; both ranks then train on."""
+    import time
+
+    from transformers import TrainerCallback
+
+    import fz.hf
+    from fz.distributed import peers
+    said: list[tuple[str, float]] = []
+
+    class Sample(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step != 1:
+                return
+            ranks, flag = trainer.fz_state.plan.ranks, "test/done/model_call"
+            start = time.monotonic()
+            if rank == 0:
+                try:
+                    model(input_ids=torch.tensor([[3, 4, 5]]))
+                except fz.ConfigError as e:
+                    said.append((str(e), time.monotonic() - start))
+                finally:
+                    peers.store_for(ranks).set(flag, "1")
+            else:
+                _elsewhere(flag, ranks)
+            _meet("test/after/model_call", ranks, rank)
+
+    args = fz.hf.TrainingArguments(output_dir=os.path.join(out, "sample"), per_device_train_batch_size=2, max_steps=2,
+                                   use_cpu=True, report_to=[], save_strategy="no", deepspeed=deepspeed(3),
+                                   disable_tqdm=True)
+    trainer = fz.hf.Trainer(model=llama(), args=args, train_dataset=causal_lm_data(), data_collator=collator("lm"),
+                            callbacks=[Sample()])
+    trainer.train()
+    return said[0] if said else ("", 0.0)
