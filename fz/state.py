@@ -93,8 +93,9 @@ class State:
     def check_alive(self, what: str) -> None:
         if to := self.donated_to:
             raise ConfigError(f"{what}: this state was donated to {to}; use the state it returned"
-                              + ("" if to == "fz.train_step" else " (where it raised, there is none: make a new "
-                                 "state with fz.init; a load that failed may have filled this one in part)"))
+                              + (" (`state, loss = fz.train_step(state, batch)`; donate=False keeps this one, at the "
+                                 "cost of a copy)" if to == "fz.train_step" else " (where it raised, there is none: "
+                                 "make a new state with fz.init; a load that failed may have filled this one in part)"))
 
     def donate(self, to: str = "fz.train_step") -> None:
         """Mark this state as given up to a step or a load (`to`: its buffers now belong to the new state);

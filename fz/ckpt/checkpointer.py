@@ -342,18 +342,25 @@ def _install_exit_guards() -> None:
 
 
 def _world_note(where: Path, state: State) -> str:
-    """Restoring at another world size changes the global batch (the same rows per rank, more or
-    fewer ranks): said in the restore line, with the grad_accum that keeps it."""
+    """Restoring at another world size changes the global batch unless the rows per rank or the
+    accumulation changed with it: said in the restore line, with the grad_accum that keeps it."""
     try:
-        saved = int(read_json(where / META)["world"])
-    except (ConfigError, KeyError, TypeError, ValueError, OSError):
+        meta = read_json(where / META)
+        saved = int(meta["world"])
+        was = [meta.get("micro_batch"), meta.get("grad_accum")]  # absent in checkpoints of fz before 0.x
+    except (ConfigError, KeyError, TypeError, ValueError, OSError, AttributeError):
         return ""
-    now, accum = len(state.plan.ranks), state.spec.grad_accum
+    now, accum, micro = len(state.plan.ranks), state.spec.grad_accum, state.spec.micro_batch
     if saved == now:
         return ""
-    keep = accum * saved / now
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in was) and micro is not None:
+        before, after = was[0] * was[1] * saved, micro * accum * now
+        if before == after:
+            return ""
+        keep, rows = before / (micro * now), f"{micro} rows per rank"
+    else:  # the rows per rank unknown: taken as the same
+        before, after, keep, rows = saved, now, accum * saved / now, "the same rows per rank"
     fix = (f"Spec(grad_accum={int(keep)}) keeps it" if keep == int(keep) and keep >= 1
-           else f"no whole grad_accum keeps it ({accum} x {saved} / {now}): change the rows per rank")
-    return (f"; saved at world {saved}, restored at world {now}: with the same rows per rank the global batch is "
-            f"{now / saved:g}x what it was ({fix})")
-
+           else f"no whole grad_accum keeps it with {rows}: change the rows per rank")
+    return (f"; saved at world {saved}, restored at world {now}: with {rows} the global batch is "
+            f"{after / before:g}x what it was ({fix})")

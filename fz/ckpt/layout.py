@@ -254,8 +254,23 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
         what = "does not exist" if not root.exists() else "holds no committed checkpoint"
         partial = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
         extra = f" (incomplete: {', '.join(partial[:5])})" if partial else ""
+        inside = _checkpoints_inside(root) if root.is_dir() and not partial else []
+        if inside:  # a Trainer's checkpoint-N/ holds fz's checkpoint in its fz/
+            extra += f"; a checkpoint is inside it: pass {' or '.join(str(p) for p in inside[:3])}"
         raise CheckpointError(f"checkpoint path {root} {what}{extra}")
     return current(root, step_name(steps[-1]))
+
+
+def _checkpoints_inside(root: Path, look: int = 200) -> list[Path]:
+    """The folders right inside `root` (of its first `look` entries) that hold a checkpoint."""
+    found = []
+    for i, p in enumerate(root.iterdir()):
+        if i >= look:
+            break
+        if p.is_dir() and not p.is_symlink() and (committed_steps(p) or
+                                                  any((p / n).exists() for n in (LATEST, MANIFEST, META))):
+            found.append(p)
+    return sorted(found)
 
 
 def clean_stale(root: Path) -> None:

@@ -274,6 +274,7 @@ def prepare(state: State, target: Target, step: int, client_state: dict[str, Any
         spec = state.spec
         meta = {"format": FORMAT, "fz_version": __version__, "torch_version": torch.__version__, "step": step,
                 "train_step": int(state.step), "world": world, "stage": spec.stage, "precision": spec.precision,
+                "micro_batch": spec.micro_batch, "grad_accum": spec.grad_accum,
                 "master": _has_master(state), "checksum": signing.ALGORITHM if key else manifest.ALGORITHM,
                 "signed": key is not None,
                 "state_dict_buffers": list(state.skeleton.persistent),

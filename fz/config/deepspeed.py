@@ -24,7 +24,7 @@ from fz.config import keys as K
 from fz.config.explain import Provenance
 from fz.config.keywords import AUTO_NAMES, COUNT, check_keywords
 from fz.config.optimizer import OptimizerConfig, read_scheduler
-from fz.config.reader import Reader
+from fz.config.reader import Reader, key_order
 from fz.config.values import AUTO, MISSING, boolean, choice, integer, number, optional, section, string
 from fz.config.warn import report
 from fz.config.zero import read_zero
@@ -307,6 +307,20 @@ def _monitor(r: Reader, cfg: dict[str, Any], path: str, field: str) -> str | Non
     return out
 
 
+def _data_types(r: Reader, cfg: dict[str, Any], precision: str) -> None:
+    """data_types.grad_accum_dtype: fz keeps a gradient between micro-batches in the compute dtype,
+    DeepSpeed's default; another dtype is a DeepSpeed optimizer fz does not have (warned)."""
+    d = r.section("", cfg, "data_types")
+    r.check_keys("data_types", d, K.DATA_TYPES)
+    dtype = r.get("data_types", d, "grad_accum_dtype", optional(choice(K.COMM_DTYPES)), None)[0]
+    if dtype is None:
+        return
+    same = dtype == precision
+    r.mark("data_types.grad_accum_dtype", "mapped" if same else "unsupported",
+           f"fz accumulates gradients between micro-batches in the compute dtype ({precision})" +
+           ("" if same else f", not {dtype}"))
+
+
 def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
     """Known keys are checked; DeepSpeed accepts unknown top-level keys, and so does fz (listed,
     warned) unless strict or a near-miss of a known key (a typo); `_`-prefixed ones are comments.
@@ -347,6 +361,7 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     out["micro_batch"], out["grad_accum"] = _batch(r, cfg, world)
     out.update(read_zero(r, cfg, fields))
     out["precision"], out["loss_scaling"] = _precision(r, cfg)
+    _data_types(r, cfg, out["precision"])
 
     # DeepSpeed's default is 1.0 (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT): clipping is on unless set to 0
     clip, source = r.get("", cfg, "gradient_clipping", number(0.0), 1.0, auto="clip_grad_norm")
@@ -371,23 +386,15 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     schedule = read_scheduler(r, cfg, opt.lr, has_betas=opt.kind not in ("sgd", "adafactor"))
     out["optimizer"], text = opt.build(schedule if schedule is not None else opt.lr)
     r.record("optimizer", text, opt.source, "optimizer" if opt.from_section else "(no optimizer section)")
+    for path, note in K.READ_ELSEWHERE.items():
+        if r.outcomes.get(path, ("",))[0] == "ignored":
+            r.mark(path, "mapped", note)
     prov = Provenance(r.entries, r.keys, r.outcomes, [k for k in r.auto if k not in r.used_auto], origin,
                       objects={"optimizer": out["optimizer"], "lr": schedule if schedule is not None else opt.lr},
-                      order=_order(cfg))
+                      order=key_order(cfg))
     try:
         spec = spec_cls(**out, provenance=prov)
     except ConfigError as e:
         raise ConfigError(f"the DeepSpeed config gives an invalid Spec: {e}") from None
     report(prov.outcomes, r.unknown, r.advice, origin, strict)
     return spec
-
-
-def _order(cfg: dict[str, Any], prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
-    """Every key path of the input, numbered in reading order (explain() lists keys so)."""
-    out = {} if out is None else out
-    for k, v in cfg.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        out[path] = len(out)
-        if isinstance(v, dict):
-            _order(v, path, out)
-    return out

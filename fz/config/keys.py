@@ -23,12 +23,12 @@ def _not(*off: Any) -> Callable[[Any], bool]:
 TOP_USED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "activation_checkpointing",
-    "tensorboard", "csv_monitor", "steps_per_print", "seed", "communication_data_type", "aio",
+    "tensorboard", "csv_monitor", "steps_per_print", "seed", "communication_data_type", "aio", "data_types",
 }
 TOP_IGNORED = {
     "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
     "disable_allgather", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint",
-    "data_types", "dataloader_drop_last", "graph_harvesting", "fp32_allreduce", "vocabulary_size",
+    "dataloader_drop_last", "graph_harvesting", "fp32_allreduce", "vocabulary_size",
     "disable_python_gc", "timers", "seq_parallel_communication_data_type", "seq_parallel_comm_data_type",
     "use_data_before_expert_parallelism", "load_universal_checkpoint", "use_node_local_storage",
     "managed_gradient_accumulation", "comms_logger",
@@ -72,6 +72,14 @@ ZERO_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "mics_hierarchical_params_gather": in_use,
     "zenflow": in_use,
 }
+_SAVE_16BIT = "read by fz.deepspeed's engine.save_16bit_model (fz.hf's save_model writes the weights at any setting)"
+READ_ELSEWHERE = {  # keys no Spec field holds, which a shell reads from the config itself
+    "dataloader_drop_last": "read by fz.deepspeed.initialize's training_data loader",
+    **{f"zero_optimization.{k}": _SAVE_16BIT for k in (
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save")},
+}
+DATA_TYPES = {"grad_accum_dtype"}
 OFFLOAD_KEYS = {
     "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init",
     "pipeline_read", "pipeline_write", "pipeline", "super_offload", "cpuadam_cores_perc",

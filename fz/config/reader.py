@@ -133,3 +133,14 @@ class Reader:
         self.agree(full, value, auto)
         self.mark(full, "mapped")
         return value, "config"
+
+
+def key_order(cfg: dict[str, Any], prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
+    """Every key path of the input, numbered in reading order (explain() lists keys so)."""
+    out = {} if out is None else out
+    for k, v in cfg.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        out[path] = len(out)
+        if isinstance(v, dict):
+            key_order(v, path, out)
+    return out

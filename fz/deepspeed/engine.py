@@ -359,8 +359,9 @@ class DeepSpeedEngine:
         in an fp32 run), as DeepSpeed writes it; at stage 3 only with the config's
         stage3_gather_16bit_weights_on_model_save (else False, as DeepSpeed). Every rank calls it."""
         zero = self.config.get("zero_optimization") or {}
-        if self.zero_optimization_stage() == 3 and not (zero.get("stage3_gather_16bit_weights_on_model_save") or
-                                                        zero.get("gather_16bit_weights_on_model_save")):
+        if self.zero_optimization_stage() == 3 and not any(zero.get(k) for k in (  # the last: its deprecated name
+                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save")):
             log.info("did not save %s: stage3_gather_16bit_weights_on_model_save is false (as DeepSpeed)",
                      os.path.join(str(save_dir), save_filename))
             return False

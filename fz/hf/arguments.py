@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import warnings
 from collections.abc import Collection
 from typing import Any
 
@@ -60,12 +61,13 @@ import torch
 from fz.config.deepspeed import load as load_deepspeed
 from fz.config.explain import Described, Provenance
 from fz.errors import ConfigError
+from fz.hf.config_mismatch import lookup, refuse_mismatches
 from fz.hf.data import sampling
 from fz.hf.optimizers import choice_errors, optimizer_from_args, schedule_from_args
 from fz.precision import LossScale
 from fz.spec import Spec
 
-__all__ = ["spec_from_args", "unsupported", "deepspeed_mismatches", "decay_parameter_names", "ARGUMENT"]
+__all__ = ["spec_from_args", "check_deepspeed", "unsupported", "decay_parameter_names", "ARGUMENT"]
 log = logging.getLogger(__name__)
 GRAD_SCALER = LossScale(initial_scale_power=16, loss_scale_window=2000, hysteresis=1,  # torch.amp.GradScaler's
                         growth="grad_scaler")
@@ -75,7 +77,7 @@ ARGUMENT = {  # Spec.from_deepspeed keyword -> the TrainingArguments field (expl
     "micro_batch": "TrainingArguments.per_device_train_batch_size",
     "grad_accum": "TrainingArguments.gradient_accumulation_steps",
     "clip_grad_norm": "TrainingArguments.max_grad_norm", "precision": "TrainingArguments.bf16/fp16",
-    "total_steps": "max_steps", "warmup_steps": "TrainingArguments.warmup_steps",
+    "total_steps": "max_steps", "warmup_steps": "max(1, TrainingArguments.warmup_steps)",  # as transformers fills it
     "hidden_size": "model.config.hidden_size", "optimizer": "TrainingArguments.optim",
     "schedule": "TrainingArguments.lr_scheduler_type",
 }
@@ -106,47 +108,6 @@ def decay_parameter_names(model: torch.nn.Module) -> frozenset[str]:
     import transformers
     # an instance method that reads nothing of the instance: transformers' own rule, whatever its version
     return frozenset(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
-
-
-def _lookup(cfg: dict[str, Any], path: str) -> tuple[bool, Any]:
-    """(found, value) for "a.b.c", as HfDeepSpeedConfig.find_config_node + get."""
-    *nodes, key = path.split(".")
-    for node in nodes:
-        cfg = cfg.get(node)  # type: ignore[assignment]
-        if not isinstance(cfg, dict):
-            return False, None
-    return key in cfg, cfg.get(key)
-
-
-def deepspeed_mismatches(cfg: dict[str, Any], args: Any, max_steps: int) -> list[str]:
-    """transformers' fill_match checks (trainer_config_process / _finalize): every stated value that
-    differs from its argument, one line each."""
-    world = int(args.world_size)
-    checks = [
-        ("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size"),
-        ("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps"),
-        ("train_batch_size", world * args.per_device_train_batch_size * args.gradient_accumulation_steps,
-         "world_size * per_device_train_batch_size * gradient_accumulation_steps"),
-        ("gradient_clipping", args.max_grad_norm, "max_grad_norm"),
-        ("optimizer.params.lr", args.learning_rate, "learning_rate"),
-        ("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1, adam_beta2"),
-        ("optimizer.params.eps", args.adam_epsilon, "adam_epsilon"),
-        ("optimizer.params.weight_decay", args.weight_decay, "weight_decay"),
-        ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate"),
-        ("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16 or fp16_full_eval"),
-        ("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16 or bf16_full_eval"),
-        ("scheduler.params.total_num_steps", max_steps, "max_steps (the Trainer's num_training_steps)"),
-        ("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(max_steps)),
-         "warmup_steps (at least 1, as transformers fills it)"),
-    ]
-    out = []
-    for path, want, name in checks:
-        found, value = _lookup(cfg, path)
-        if not found or value is None or value == "auto":
-            continue
-        if list(value) != list(want) if isinstance(value, (list, tuple)) else value != want:
-            out.append(f"- {path}={value!r} in the DeepSpeed config vs TrainingArguments {name}={want!r}")
-    return out
 
 
 def _keywords(cfg: dict[str, Any], args: Any, model: torch.nn.Module, max_steps: int, optimizer: Any,
@@ -188,12 +149,26 @@ def _with_arguments(spec: Spec, prov: Provenance, extra: dict[str, tuple[Any, st
     return spec.replace(**changes, provenance=new)
 
 
+def check_deepspeed(args: Any) -> None:
+    """`args.deepspeed` checked when the arguments are made, as far as it needs no model nor data:
+    the file, its keys and values, its contradictions with the arguments (transformers reads the
+    file then too; TRL would tokenize the data first). The Trainer reads it again, and warns."""
+    cfg, _ = load_deepspeed(args.deepspeed)
+    known = args.max_steps if args.max_steps > 0 else None
+    refuse_mismatches(cfg, args, known)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said once, when the Trainer reads it
+        steps = known or max(1000, args.get_warmup_steps(1000) + 1)  # a stand-in where the data sets it
+        kw = _keywords(cfg, args, torch.nn.Linear(1, 1), steps, optimizer_from_args(args, None),
+                       schedule_from_args(args, steps))
+        stated = {k for k, key in (("total_steps", "total_num_steps"), ("warmup_steps", "warmup_num_steps"))
+                  if lookup(cfg, f"scheduler.params.{key}")[1] not in (None, "auto")}
+        Spec.from_deepspeed(cfg, **{k: v for k, v in kw.items() if k != "hidden_size" and (known or k not in stated)})
+
+
 def _from_deepspeed(args: Any, model: torch.nn.Module, max_steps: int, optimizer: Any, schedule: Any) -> Spec:
     cfg, _ = load_deepspeed(args.deepspeed)
-    mismatches = deepspeed_mismatches(cfg, args, max_steps)
-    if mismatches:
-        raise ConfigError("the DeepSpeed config contradicts TrainingArguments:\n" + "\n".join(mismatches)
-                          + '\n(set these DeepSpeed values to "auto", or make them equal)')
+    refuse_mismatches(cfg, args, max_steps)
     spec = Spec.from_deepspeed(args.deepspeed, **_keywords(cfg, args, model, max_steps, optimizer, schedule))
     extra: dict[str, tuple[Any, str, str]] = {}
     if "seed" not in cfg:

@@ -18,6 +18,7 @@ from typing import Any
 import transformers
 
 from fz.errors import ConfigError
+from fz.hf.arguments import check_deepspeed
 
 
 class OnFzArguments:
@@ -33,8 +34,10 @@ class OnFzArguments:
             _ = self._setup_devices  # type: ignore[attr-defined]  # cached now, while Accelerate sees no DeepSpeed config
         finally:
             me.deepspeed = config
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         args: Any = self
+        if args.deepspeed:
+            check_deepspeed(args)  # its errors now: transformers reads the file now too
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if launched > 1 and args.world_size == 1:
             raise ConfigError(
                 f"TrainingArguments: the launcher started {launched} processes, but transformers set each up to train "

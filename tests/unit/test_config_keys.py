@@ -214,3 +214,25 @@ def test_docs_worked_example_prints_what_the_page_shows(capsys, monkeypatch):
         warnings.simplefilter("error", fz.config.DeepSpeedConfigWarning)  # everything in it is honoured
         exec(compile(code, "docs/deepspeed-config.md", "exec"), {})
     assert capsys.readouterr().out == shown
+
+
+def test_grad_accum_dtype_is_honoured_as_fz_accumulates_and_warned_otherwise():
+    """fz keeps a gradient between micro-batches in the compute dtype, DeepSpeed's default."""
+    for precision, dtype in (("bf16", "bf16"), ("fp32", "fp32")):
+        cfg = {"train_batch_size": 8, "data_types": {"grad_accum_dtype": dtype}}
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        outcome, note = fz.Spec.from_deepspeed(cfg, world_size=1).provenance.outcomes["data_types.grad_accum_dtype"]
+        assert outcome == "mapped" and f"compute dtype ({precision})" in note, (outcome, note)
+    cfg = {"train_batch_size": 8, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.warns(fz.config.DeepSpeedConfigWarning, match="data_types.grad_accum_dtype"):
+        spec = fz.Spec.from_deepspeed(cfg, world_size=1)
+    assert spec.provenance.outcomes["data_types.grad_accum_dtype"][0] == "unsupported"
+    with pytest.raises(fz.ConfigError, match="data_types.grad_accum_dtyp: unknown DeepSpeed key"):
+        fz.Spec.from_deepspeed({"train_batch_size": 8, "data_types": {"grad_accum_dtyp": "fp32"}}, world_size=1)
+
+
+def test_a_key_a_shell_reads_is_not_called_ignored():
+    cfg = {"train_batch_size": 8, "dataloader_drop_last": True}
+    outcome, note = fz.Spec.from_deepspeed(cfg, world_size=1).provenance.outcomes["dataloader_drop_last"]
+    assert outcome == "mapped" and "training_data loader" in note, (outcome, note)

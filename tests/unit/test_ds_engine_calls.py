@@ -117,12 +117,15 @@ def test_save_16bit_model_writes_the_weights_in_the_training_precision(tmp_path,
         assert saved[name].dtype == want.dtype and torch.equal(saved[name], want), name
 
 
-def test_save_16bit_model_at_stage_3_needs_the_gather_flag_as_in_deepspeed(tmp_path):
+@pytest.mark.parametrize("flag", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                  "stage3_gather_fp16_weights_on_model_save"])  # the last: DeepSpeed's deprecated name
+def test_save_16bit_model_at_stage_3_needs_the_gather_flag_as_in_deepspeed(tmp_path, flag):
     engine, *_ = _engine({**CONFIG, "zero_optimization": {"stage": 3}})
     assert engine.save_16bit_model(str(tmp_path)) is False and not any(tmp_path.iterdir())
-    flagged = {**CONFIG, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
-    engine, *_ = _engine(flagged)
+    engine, *_ = _engine({**CONFIG, "zero_optimization": {"stage": 3, flag: True}})
     assert engine.save_16bit_model(str(tmp_path)) is True and (tmp_path / "pytorch_model.bin").is_file()
+    outcome, note = engine.state.spec.provenance.outcomes[f"zero_optimization.{flag}"]
+    assert outcome == "mapped" and "save_16bit_model" in note, (outcome, note)  # not called ignored
 
 
 def test_zero_init_builds_the_model_deepspeed_builds_and_says_it_is_whole(caplog):

@@ -80,7 +80,9 @@ def test_donated_state_refuses_reuse():
     state = fz.init(make_model(), spec(0, 1))
     batch = rank_batches(1, 1, 1)[0][0]
     new, _ = fz.train_step(state, batch)
-    with pytest.raises(fz.ConfigError, match="donated"):
+    with pytest.raises(fz.ConfigError, match=r"fz.train_step: this state was donated to fz.train_step; use the "
+                                             r"state it returned \(`state, loss = fz.train_step\(state, batch\)`; "
+                                             r"donate=False keeps this one"):
         fz.train_step(state, batch)
     kept, _ = fz.train_step(new, batch, donate=False)
     fz.train_step(new, batch)  # donate=False left `new` usable

@@ -87,6 +87,15 @@ def test_restoring_a_step_that_is_not_there_lists_the_steps(tmp_path):
         fz.restore(fz.init(Net(), fz.Spec()), tmp_path / "step_7")
 
 
+def test_a_folder_holding_a_checkpoint_one_level_down_names_it(tmp_path):
+    """A Trainer's checkpoint-N/ keeps fz's checkpoint in checkpoint-N/fz."""
+    fz.save(fz.init(Net(), fz.Spec()), tmp_path / "checkpoint-4" / "fz")
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    with pytest.raises(fz.CheckpointError, match=r"checkpoint-4 holds no committed checkpoint; a checkpoint is inside "
+                                                 r"it: pass .*checkpoint-4/fz$"):
+        fz.restore(fz.init(Net(), fz.Spec()), tmp_path / "checkpoint-4")
+
+
 def test_saving_where_nothing_can_be_written_names_the_path(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(fz.CheckpointError, match=r"^fz\.save: cannot write the checkpoint directory .*file/ckpt: "
@@ -103,6 +112,13 @@ def test_restoring_at_another_world_size_says_what_keeps_the_global_batch(tmp_pa
                             r"is 0\.25x what it was \(Spec\(grad_accum=8\) keeps it\)$"),
                         (1, r"^$")):
         (tmp_path / "fz.json").write_text(json.dumps({"world": saved}))
+        assert re.search(says, _world_note(tmp_path, st)), _world_note(tmp_path, st)
+    # the checkpoint names its rows per rank: a global batch kept by more rows per rank is not changed
+    st = fz.init(Net(), fz.Spec(grad_accum=2, micro_batch=8))
+    for micro, accum, says in ((4, 2, r"^$"),  # 4 x 2 x 2 ranks = 8 x 2 x 1 rank: the same global batch
+                               (4, 4, r"; saved at world 2, restored at world 1: with 8 rows per rank the global "
+                                      r"batch is 0\.5x what it was \(Spec\(grad_accum=4\) keeps it\)$")):
+        (tmp_path / "fz.json").write_text(json.dumps({"world": 2, "micro_batch": micro, "grad_accum": accum}))
         assert re.search(says, _world_note(tmp_path, st)), _world_note(tmp_path, st)
 
 

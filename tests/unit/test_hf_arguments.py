@@ -114,7 +114,8 @@ def test_explain_names_the_training_arguments(tmp_path):
     text = spec.explain()
     for note in ("TrainingArguments.per_device_train_batch_size=4", "TrainingArguments.learning_rate=5e-05",
                  "TrainingArguments.max_grad_norm=1.0", "TrainingArguments.bf16/fp16='bf16'",
-                 "TrainingArguments.adam_beta1/adam_beta2=(0.9, 0.999)", "max_steps=20", "TrainingArguments.seed"):
+                 "TrainingArguments.adam_beta1/adam_beta2=(0.9, 0.999)", "max_steps=20", "TrainingArguments.seed",
+                 "max(1, TrainingArguments.warmup_steps)=1"):  # warmup_steps=0, filled as transformers fills it
         assert note in text, note
     assert not re.search(r"\b(keyword|micro_batch=|lr=5e-05)", text) and "had no use for" not in text
     seeded = quiet(spec_from_args, make_args(tmp_path, gradient_checkpointing=True, deepspeed={**cfg, "seed": 3}),
@@ -261,3 +262,30 @@ def test_processes_launched_together_without_use_cpu_on_a_cpu_machine_name_the_f
                           timeout=120, cwd=tmp_path)
     assert done.returncode != 0
     assert "use_cpu=True (--use_cpu)" in done.stderr and "started 2 processes" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_deepspeed_config_fz_cannot_read_is_refused_when_the_arguments_are_made(tmp_path, recwarn):
+    """transformers reads `deepspeed=` when the arguments are made; fz checks there all that needs no
+    model nor data, so a TRL script fails before it tokenizes its data. Warnings wait for the Trainer."""
+    def made(config, **kw):
+        return fz.hf.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], deepspeed=config, **kw)
+
+    base = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500, "warmup_num_steps": "auto"}}}
+    for config, says in (
+            (str(tmp_path / "missing.json"), r"cannot read DeepSpeed config .*missing\.json"),
+            ({**base, "zero_optimization": {"stage": "2"}}, r'zero_optimization\.stage: must be an integer'),
+            ({**base, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sz": 1}},
+             r"unknown DeepSpeed key \(did you mean 'stage3_prefetch_bucket_size'\?\)"),
+            ({**base, "train_micro_batch_size_per_gpu": 8}, r"contradicts TrainingArguments:\n- "
+                                                            r"train_micro_batch_size_per_gpu=8")):
+        with pytest.raises(fz.ConfigError, match=says):
+            made(config, per_device_train_batch_size=4)
+    # the steps come from the data: an explicit total is not compared yet, and nothing is warned twice
+    args = made({**base, "amp": {"enabled": True}}, per_device_train_batch_size=4)
+    assert args.deepspeed["scheduler"]["params"]["total_num_steps"] == 500
+    assert not [w for w in recwarn if issubclass(w.category, DeepSpeedConfigWarning)]
+    with pytest.raises(fz.ConfigError, match=r"total_num_steps=500 in the DeepSpeed config vs TrainingArguments "
+                                             r"max_steps \(the Trainer's num_training_steps\)=20"):
+        made(base, per_device_train_batch_size=4, max_steps=20)  # known now: compared
