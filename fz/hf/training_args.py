@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copyreg
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,12 @@ import transformers
 
 from fz.errors import ConfigError
 from fz.hf.arguments import check_deepspeed
+
+
+def _not_ddp_advice(record: logging.LogRecord) -> bool:
+    """transformers' advice to launch for DDP when a process group exists in a one-process run: the
+    group is fz's own (fz.init starts one at world 1), not a launch gone wrong."""
+    return "parallel_mode != ParallelMode.DISTRIBUTED" not in record.getMessage()
 
 
 class OnFzArguments:
@@ -29,11 +36,14 @@ class OnFzArguments:
     def __post_init__(self) -> None:
         me: Any = self
         config, me.deepspeed = me.deepspeed, None
+        told = logging.getLogger(transformers.training_args.__name__)
+        told.addFilter(_not_ddp_advice)
         try:
             super().__post_init__()  # type: ignore[misc]  # the arguments class this mixes into
             _ = self._setup_devices  # type: ignore[attr-defined]  # cached now, while Accelerate sees no DeepSpeed config
         finally:
             me.deepspeed = config
+            told.removeFilter(_not_ddp_advice)
         args: Any = self
         if args.deepspeed:
             check_deepspeed(args)  # its errors now: transformers reads the file now too

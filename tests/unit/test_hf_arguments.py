@@ -289,3 +289,23 @@ def test_a_deepspeed_config_fz_cannot_read_is_refused_when_the_arguments_are_mad
     with pytest.raises(fz.ConfigError, match=r"total_num_steps=500 in the DeepSpeed config vs TrainingArguments "
                                              r"max_steps \(the Trainer's num_training_steps\)=20"):
         made(base, per_device_train_batch_size=4, max_steps=20)  # known now: compared
+
+
+def test_no_ddp_launch_advice_for_fz_s_own_one_process_group(tmp_path):
+    """fz.init starts a one-process group at world 1; transformers then advises launching for DDP,
+    which is not what happened: the arguments on fz do not pass that advice on."""
+    import logging
+
+    fz.init(torch.nn.Linear(2, 2), fz.Spec())
+    assert torch.distributed.is_initialized()
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    told = logging.getLogger("transformers.training_args")
+    told.addHandler(handler)
+    try:
+        fz.hf.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+        transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])  # transformers' own still says it
+    finally:
+        told.removeHandler(handler)
+    assert len([m for m in said if "parallel_mode != ParallelMode.DISTRIBUTED" in m]) == 1, said
