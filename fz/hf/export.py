@@ -296,9 +296,7 @@ class _Job:
         setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", str(written).removeprefix("torch."))
         cfg.architectures = [type(model).__name__]
         cfg.save_pretrained(self.tmp)
-        can_generate, generation = getattr(model, "can_generate", None), getattr(model, "generation_config", None)
-        if generation is not None and callable(can_generate) and can_generate():
-            generation.save_pretrained(self.tmp)
+        save_generation_config(model, self.tmp)
         if processing_class is not None:
             processing_class.save_pretrained(self.tmp)
         self._commit()
@@ -329,3 +327,9 @@ def _move(src: Path, dst: Path) -> None:
         shutil.rmtree(dst)
     os.replace(src, dst)
 
+
+def save_generation_config(model: Any, folder: str | Path) -> None:
+    """generation_config.json, as `save_pretrained` writes it: for a model that can generate."""
+    can_generate, generation = getattr(model, "can_generate", None), getattr(model, "generation_config", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(folder)

@@ -21,7 +21,7 @@ import fz
 from fz.ckpt.regular import inside, parse_json, read_regular
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf.export import save_pretrained
+from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
 from fz.rng import capture
 
@@ -71,6 +71,7 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     config = getattr(trainer.model, "config", None)
     if config is not None and hasattr(config, "save_pretrained") and not args.save_only_model:
         config.save_pretrained(staging)
+        save_generation_config(trainer.model, staging)  # as transformers' checkpoint-N/ (fz consolidate --hf copies it)
     if tok is not None and hasattr(tok, "save_pretrained") and not args.save_only_model:
         tok.save_pretrained(staging)
     torch.save(args, os.path.join(staging, ARGS_FILE))
