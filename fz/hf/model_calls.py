@@ -98,10 +98,12 @@ class StateForward:
     (TRL's fused LM head keeps the forward it found): once removed it passes calls on to the
     forward it replaced."""
 
+    name = "forward"  # the method it stands in for
+
     def __init__(self, trainer: Any, model: nn.Module):
         self.trainer, self.model, self.active = trainer, model, True
-        self.replaced = model.__dict__.get("forward")  # an instance forward already there (a library's patch)
-        self.own = model.forward
+        self.replaced = model.__dict__.get(self.name)  # an instance one already there (a library's patch)
+        self.own = getattr(model, self.name)
         self.__self__ = model  # a copy of the model (fz's skeleton) that calls it calls its own (fz/model/skeleton.py)
         functools.update_wrapper(self, self.own)  # a callable object, as a function
         self.__signature__ = inspect.signature(self.own)
@@ -131,13 +133,13 @@ class StateForward:
 
     def remove(self) -> None:
         self.active = False
-        if self.model.__dict__.get("forward") is not self:
-            log.debug("fz.hf: trainer.model.forward was replaced again since fz set it; left as it is")
+        if self.model.__dict__.get(self.name) is not self:
+            log.debug("fz.hf: trainer.model.%s was replaced again since fz set it; left as it is", self.name)
             return
         if self.replaced is None:
-            del self.model.__dict__["forward"]
+            del self.model.__dict__[self.name]
         else:
-            self.model.__dict__["forward"] = self.replaced
+            self.model.__dict__[self.name] = self.replaced
 
 
 class PlaceFirst:
@@ -190,18 +192,39 @@ def in_step(model: Any) -> Iterator[None]:
         _STEP.reset(token)
 
 
+class SyncedGenerate(StateForward):
+    """While the State holds the weights sharded (ZeRO-3, several ranks), `model.generate`:
+    `synced_gpus=True` unless the call says otherwise, as transformers sets it under DeepSpeed
+    ZeRO-3. Each forward gathers on every rank, so a rank whose sequences ended keeps stepping
+    until every rank's have (its own generate otherwise stops calling, and the others wait)."""
+
+    name = "generate"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            kwargs.setdefault("synced_gpus", True)
+        return self.own(*args, **kwargs)
+
+
 def install(trainer: Any, model: nn.Module) -> None:
-    """A `StateForward` as `model.forward` (once), its first-call placement gone."""
+    """A `StateForward` as `model.forward` (once), its first-call placement gone; at ZeRO-3 on
+    several ranks a `SyncedGenerate` as `model.generate`."""
     not_placing(model)
     if not isinstance(model.__dict__.get("forward"), StateForward):
         model.__dict__["forward"] = StateForward(trainer, model)
+    plan = trainer.fz_ready().plan
+    sharded = any(b.sharded_param for b in plan.buckets) and len(plan.ranks) > 1
+    if sharded and callable(getattr(model, "generate", None)) and \
+            not isinstance(model.__dict__.get("generate"), SyncedGenerate):
+        model.__dict__["generate"] = SyncedGenerate(trainer, model)
 
 
 def uninstall(model: nn.Module) -> None:
-    """The model's forward as it was before fz set one."""
-    current = model.__dict__.get("forward")
-    if isinstance(current, StateForward):
-        current.remove()
+    """The model's forward (and generate) as they were before fz set them."""
+    for name in ("forward", "generate"):
+        current = model.__dict__.get(name)
+        if isinstance(current, StateForward):
+            current.remove()
 
 
 def not_placed(trainer: Any) -> None:

@@ -130,3 +130,12 @@ def test_a_callback_reading_the_model_reads_each_update_at_zero_2(runs):
         assert r["bema"].keys() == ref["bema"].keys()
         for k, v in ref["bema"].items():
             torch.testing.assert_close(r["bema"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_in_a_callback_at_zero_3_runs_on_every_rank_as_under_deepspeed(runs):
+    """trainer.model.generate while training at ZeRO-3 gathers on every rank, so transformers'
+    synced_gpus is on (as under DeepSpeed ZeRO-3): a rank whose sequence ends first keeps stepping."""
+    fz2, _ = runs
+    for rank, r in enumerate(fz2):
+        sampled, whole = r["sampled"]
+        assert len(sampled[0]) == 4 + 2 + 3 * rank and sampled == whole, (rank, sampled, whole)

@@ -67,13 +67,21 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
                      eval_steps=3)
     seen: list[dict[str, Any]] = []
 
+    sampled: list[list[int]] = []
+    prompt, new_tokens = torch.tensor([[3, 4, 5, 6]]), 2 + 3 * rank  # one rank's sequence ends first
+
     class Record(__import__("transformers").TrainerCallback):
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             seen.append(dict(logs or {}))
 
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step == state.max_steps:  # the trained weights, still the State's (ZeRO-3)
+                sampled.extend(model.generate(prompt, max_new_tokens=new_tokens, do_sample=False).tolist())
+
     trainer = fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(16, seed=1),
                             compute_metrics=accuracy, callbacks=[Record()])
     result = trainer.train()
+    whole = trainer.model.generate(prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
     metrics = trainer.evaluate()
     pred = trainer.predict(Tokens(8, seed=2))
     trainer.save_model(os.path.join(out, "final"))  # every rank; the folder from_pretrained loads
@@ -90,7 +98,8 @@ def train_save_resume(rank: int, world: int, out: str) -> dict[str, Any]:
             "metrics": metrics, "pred_shape": tuple(pred.predictions.shape), "pred_metrics": pred.metrics,
             "logs": seen, "listing": listing, "ckpt3": ckpt3, "state_json_step": state_json.get("global_step"),
             "model_matches_state": all(torch.equal(sd[k], full[k]) for k in full if k in sd),
-            "world": (args.world_size, args.process_index), "seed_002": seed, "bema": bema}
+            "world": (args.world_size, args.process_index), "seed_002": seed, "bema": bema,
+            "sampled": (sampled, whole)}
 
 
 def bema_weights(on_fz: bool, out: str, **kw: Any) -> dict[str, torch.Tensor] | None:
