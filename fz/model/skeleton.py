@@ -11,6 +11,7 @@ parameters the root's leaves (embeddings, final norm, head) are units too (fz/mo
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,15 @@ def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
     closures and wrapper objects; `value` itself where it calls none."""
     if depth > _WRAPS:
         return value
+    if isinstance(value, nn.Module):  # a module the closure calls itself (TRL's fp32 LM head: `lm_head.weight`)
+        return memo.get(id(value), value)
+    if isinstance(value, functools.partial):
+        parts = [_rebound(v, memo, depth + 1) for v in (value.func, *value.args)]
+        words = {k: _rebound(v, memo, depth + 1) for k, v in value.keywords.items()}
+        if parts[0] is value.func and all(a is b for a, b in zip(parts[1:], value.args)) and \
+                all(words[k] is v for k, v in value.keywords.items()):
+            return value
+        return functools.partial(parts[0], *parts[1:], **words)
     if isinstance(value, types.MethodType):
         owner = value.__self__
         if isinstance(owner, nn.Module) and id(owner) in memo:  # the original's method, as the copy's
@@ -116,7 +126,10 @@ def _rebound(value: Any, memo: dict[int, Any], depth: int) -> Any:
     if callable(value) and hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, torch.Tensor)):
         changed = {k: o for k, v in vars(value).items() if (o := _rebound(v, memo, depth + 1)) is not v}
         if changed:  # a wrapper object (accelerate's output cast, which refuses to be copied): a new one
-            clone = object.__new__(type(value))
+            try:
+                clone = object.__new__(type(value))
+            except TypeError:  # a C type's instance (not a wrapper Python code made)
+                return value
             vars(clone).update({**vars(value), **changed})
             return clone
     return value

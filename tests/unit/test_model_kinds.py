@@ -118,3 +118,36 @@ def test_a_patched_forward_wrapped_again_runs_the_states_weights():
     model.forward = types.MethodType(accelerate_ops.convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
     want, got = _losses_of_state_apart_from_the_model(model, 3)
     assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-6, (got, want)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_submodule_whose_patched_forward_holds_the_module_trains_in_the_state(stage):
+    """TRL's GRPO casts its LM head to fp32 so: `lm_head.forward = f`, `f` reading `lm_head.weight`
+    from its closure. fz's copy reads its own head, so the head trains as the reference's does."""
+    def patched(model):
+        head = model.out
+
+        def cast_forward_to_fp32(x):
+            return F.linear(x.to(torch.float32), head.weight.to(torch.float32), head.bias.to(torch.float32))
+
+        head.forward = cast_forward_to_fp32
+        return model
+
+    torch.manual_seed(0)
+    ref = patched(MaskedLM())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    want = []
+    for i in range(4):
+        opt.zero_grad()
+        loss = ref(**_batch(i)).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    torch.manual_seed(0)
+    state = fz.init(patched(MaskedLM()), fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2)))
+    got = []
+    for i in range(4):
+        state, loss = fz.train_step(state, _batch(i))
+        got.append(float(loss))
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < 1e-5, (got, want)
+    torch.testing.assert_close(fz.full_params(state)["out.weight"], ref.out.weight.detach(), rtol=1e-5, atol=1e-6)
