@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import fz
-from fz.errors import ConfigError
+from fz.errors import ConfigError, PeerError
 from fz.observe.full_params import copy_full_params, local_param_views
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,10 @@ def _swap(p: nn.Parameter, storage: torch.Tensor) -> None:
     """`p` itself (its identity, attributes and ties kept) holding `storage` (meta: nothing)."""
     other = nn.Parameter(storage, requires_grad=p.requires_grad)
     other.__dict__.update(p.__dict__)
-    torch.utils.swap_tensors(p, other)
+    try:
+        torch.utils.swap_tensors(p, other)
+    except RuntimeError:  # a weak reference to it (a callback's): its data, as Module._apply sets it
+        p.data = storage
 
 
 def _nothing(p: nn.Parameter) -> torch.Tensor:
@@ -82,7 +85,11 @@ def follow(model: nn.Module, state: fz.State, released: Released) -> None:
     for name in released:
         view, p = views.get(name), own[name]
         if view is not None and not p.is_meta and p.data_ptr() != view.data_ptr():
-            _swap(p, view)
+            try:
+                _swap(p, view)
+            except RuntimeError as e:  # something holds on to it: it keeps the last update's values
+                log.warning("fz.hf: trainer.model's %s cannot follow the State (%s): it holds an earlier update's "
+                            "weights", name, e)
 
 
 def fill(model: nn.Module, state: fz.State, released: Released) -> None:
@@ -91,20 +98,37 @@ def fill(model: nn.Module, state: fz.State, released: Released) -> None:
     go again as they were. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     before = {n: own[n].data for n in released}
-    for name, (device, dtype) in released.items():
-        _swap(own[name], torch.empty(own[name].shape, dtype=dtype, device=device))
+    given: list[str] = []
+    stuck: dict[str, str] = {}
     try:
+        for name, (device, dtype) in released.items():
+            try:
+                _swap(own[name], torch.empty(own[name].shape, dtype=dtype, device=device))
+            except RuntimeError as e:  # a weak reference to a parameter on meta: it cannot have storage again
+                stuck[name] = str(e)
+                continue
+            given.append(name)
         done = copy_full_params(state, model)
+        missing = [n for n in given if id(own[n]) not in done]
+        if missing:
+            raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
+                              "filled in after training")
     except BaseException:
-        for name, held in before.items():  # never storage that holds no weights
-            _swap(own[name], held)
+        for name in given:  # never storage that holds no weights: each as it was
+            _swap(own[name], before[name])
         raise
-    missing = [n for n in released if id(own[n]) not in done]
-    if missing:
-        raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
-                          "filled in after training")
+    if stuck:
+        log.warning("fz.hf: trainer.model's %s cannot hold the trained weights (%s): something keeps a weak "
+                    "reference to them; they stay as they were while training, and fz.full_params(trainer.fz_state) "
+                    "has their values", list(stuck)[:5], next(iter(stuck.values())))
     for device in {g.device for g in released.values()}:  # one: the trainer's device, or where the model was
-        model.to(device)
+        if not stuck:
+            model.to(device)
+            continue
+        for module in model.modules():  # the buffers alone: a parameter left on meta cannot move
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(device)
 
 
 def fill_after_error(fill_in: Callable[[], None]) -> None:
@@ -115,7 +139,9 @@ def fill_after_error(fill_in: Callable[[], None]) -> None:
     try:
         fill_in()
     except Exception as e:  # noqa: BLE001 - the train() error is the one raised
+        keep = ("this process's State is unusable: restart from the last checkpoint" if isinstance(e, PeerError)
+                else "trainer.fz_state holds them as of the failure: fz.save(trainer.fz_state, dir) on every rank "
+                "keeps them")
         log.warning("fz.hf: train() failed, and trainer.model's weights could not be filled back in from "
-                    "trainer.fz_state (%s: %s): its parameters stay on the meta device. trainer.fz_state holds the "
-                    "weights as of the failure: fz.save(trainer.fz_state, dir) on every rank keeps them",
-                    type(e).__name__, str(e)[:300])
+                    "trainer.fz_state (%s: %s): its parameters stay as they were while training (views of the "
+                    "State's copy at ZeRO 0-2, on the meta device at ZeRO-3); %s", type(e).__name__, str(e)[:300], keep)
