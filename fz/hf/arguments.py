@@ -149,18 +149,33 @@ def _with_arguments(spec: Spec, prov: Provenance, extra: dict[str, tuple[Any, st
     return spec.replace(**changes, provenance=new)
 
 
+def choice_problems(args: Any, cfg: dict[str, Any]) -> list[str]:
+    """Each optim / lr_scheduler_type value (and their arguments) fz has not; not those a DeepSpeed
+    config's optimizer or scheduler section replaces (transformers ignores them then)."""
+    replaced = (("optim",) if cfg.get("optimizer") else ()) + (("lr_scheduler",) if cfg.get("scheduler") else ())
+    return [e for e in choice_errors(args) if not e.startswith(replaced)]
+
+
+def refuse_choices(args: Any, cfg: dict[str, Any]) -> None:
+    errors = choice_problems(args, cfg)
+    if errors:
+        raise ConfigError("TrainingArguments fz cannot honour:\n- " + "\n- ".join(errors))
+
+
 def check_deepspeed(args: Any) -> None:
     """`args.deepspeed` checked when the arguments are made, as far as it needs no model nor data:
     the file, its keys and values, its contradictions with the arguments (transformers reads the
     file then too; TRL would tokenize the data first). The Trainer reads it again, and warns."""
     cfg, _ = load_deepspeed(args.deepspeed)
+    refuse_choices(args, cfg)
     known = args.max_steps if args.max_steps > 0 else None
     refuse_mismatches(cfg, args, known)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said once, when the Trainer reads it
         steps = known or max(1000, args.get_warmup_steps(1000) + 1)  # a stand-in where the data sets it
-        kw = _keywords(cfg, args, torch.nn.Linear(1, 1), steps, optimizer_from_args(args, None),
-                       schedule_from_args(args, steps))
+        kw = _keywords(cfg, args, torch.nn.Linear(1, 1), steps,
+                       None if cfg.get("optimizer") else optimizer_from_args(args, None),
+                       None if cfg.get("scheduler") else schedule_from_args(args, steps))
         stated = {k for k, key in (("total_steps", "total_num_steps"), ("warmup_steps", "warmup_num_steps"))
                   if lookup(cfg, f"scheduler.params.{key}")[1] not in (None, "auto")}
         Spec.from_deepspeed(cfg, **{k: v for k, v in kw.items() if k != "hidden_size" and (known or k not in stated)})
@@ -249,13 +264,12 @@ def spec_from_args(args: Any, model: torch.nn.Module, *, max_steps: int, spec: S
     if spec is not None and args.deepspeed:
         raise ConfigError("TrainingArguments.deepspeed and spec= are both given: each is a whole ZeRO setup; "
                           "pass one")
-    errors = choice_errors(args)
-    if errors:
-        raise ConfigError("TrainingArguments fz cannot honour:\n- " + "\n- ".join(errors))
+    cfg = load_deepspeed(args.deepspeed)[0] if args.deepspeed else {}
+    refuse_choices(args, cfg)
     names = frozenset(decay_names) if decay_names is not None else decay_parameter_names(model)
     every = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
-    optimizer = optimizer_from_args(args, None if every <= names else names)
-    schedule = schedule_from_args(args, max_steps)
+    optimizer = None if cfg.get("optimizer") else optimizer_from_args(args, None if every <= names else names)
+    schedule = None if cfg.get("scheduler") else schedule_from_args(args, max_steps)
     if args.deepspeed:
         return _from_deepspeed(args, model, max_steps, optimizer, schedule)
     return _from_args(args, spec, optimizer, schedule)
@@ -319,7 +333,7 @@ def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) 
     if spec is not None and args.deepspeed:
         problems.append("deepspeed= together with spec=: two ZeRO setups; pass one")
     problems += _accelerator_problems(getattr(args, "accelerator_config", None))
-    problems += choice_errors(args)
+    problems += choice_problems(args, load_deepspeed(args.deepspeed)[0] if args.deepspeed else {})
     if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
         problems.append("the model is quantized: fz trains full-precision parameters")
     devices = set((getattr(model, "hf_device_map", None) or {}).values())

@@ -309,3 +309,20 @@ def test_no_ddp_launch_advice_for_fz_s_own_one_process_group(tmp_path):
     finally:
         told.removeHandler(handler)
     assert len([m for m in said if "parallel_mode != ParallelMode.DISTRIBUTED" in m]) == 1, said
+
+
+def test_optim_and_schedule_a_deepspeed_section_replaces_are_not_refused(tmp_path):
+    """transformers ignores `optim` / `lr_scheduler_type` where the DeepSpeed config has its own
+    optimizer / scheduler section; fz refuses one it has not only where it would be used."""
+    sections = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    odd = dict(optim="adamw_bnb_8bit", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": .1})
+    args = fz.hf.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], deepspeed=sections, max_steps=STEPS,
+                                   **odd)
+    spec = quiet(spec_from_args, args, Tiny(), max_steps=STEPS)
+    assert spec.provenance["optimizer"][1] == "config"
+    for config in ({"zero_optimization": {"stage": 2}}, None):
+        with pytest.raises(fz.ConfigError, match=r"optim='adamw_bnb_8bit': fz has no such optimizer(.|\n)*"
+                                                 r"lr_scheduler_type='cosine_with_min_lr'"):
+            made = fz.hf.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], deepspeed=config, **odd)
+            spec_from_args(made, Tiny(), max_steps=STEPS)  # without a config: when the Trainer reads the arguments
