@@ -346,14 +346,17 @@ def _world_note(where: Path, state: State) -> str:
     accumulation changed with it: said in the restore line, with the grad_accum that keeps it."""
     try:
         meta = read_json(where / META)
-        saved = int(meta["world"])
-        was = [meta.get("micro_batch"), meta.get("grad_accum")]  # absent in checkpoints of fz before 0.x
+        saved, was = meta["world"], [meta.get("micro_batch"), meta.get("grad_accum")]  # absent before this fz
     except (ConfigError, KeyError, TypeError, ValueError, OSError, AttributeError):
         return ""
+
+    def count(v: object) -> bool:  # a file's number, checked before it is used (a note, never a failure)
+        return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**40
+
     now, accum, micro = len(state.plan.ranks), state.spec.grad_accum, state.spec.micro_batch
-    if saved == now:
+    if not count(saved) or saved == now:
         return ""
-    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in was) and micro is not None:
+    if all(count(v) for v in was) and micro is not None:
         before, after = was[0] * was[1] * saved, micro * accum * now
         if before == after:
             return ""

@@ -120,6 +120,11 @@ def test_restoring_at_another_world_size_says_what_keeps_the_global_batch(tmp_pa
                                       r"batch is 0\.5x what it was \(Spec\(grad_accum=4\) keeps it\)$")):
         (tmp_path / "fz.json").write_text(json.dumps({"world": 2, "micro_batch": micro, "grad_accum": accum}))
         assert re.search(says, _world_note(tmp_path, st)), _world_note(tmp_path, st)
+    for hostile in ('{"world": 0}', '{"world": -3}', '{"world": 1e999}', '{"world": [2]}',  # the note is left out
+                    '{"world": 2, "micro_batch": 1' + "0" * 400 + ', "grad_accum": 1}'):  # or says what it can
+        (tmp_path / "fz.json").write_text(hostile)
+        assert _world_note(tmp_path, st) in ("", "; saved at world 2, restored at world 1: with the same rows per "
+                                             "rank the global batch is 0.5x what it was (Spec(grad_accum=4) keeps it)")
 
 
 def test_weights_of_another_size_lead_with_the_shapes_and_the_configs_sizes(tmp_path):
