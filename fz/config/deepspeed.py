@@ -307,18 +307,16 @@ def _monitor(r: Reader, cfg: dict[str, Any], path: str, field: str) -> str | Non
     return out
 
 
-def _data_types(r: Reader, cfg: dict[str, Any], precision: str) -> None:
-    """data_types.grad_accum_dtype: fz keeps a gradient between micro-batches in the compute dtype,
-    DeepSpeed's default; another dtype is a DeepSpeed optimizer fz does not have (warned)."""
+def _data_types(r: Reader, cfg: dict[str, Any], accum: str) -> None:
+    """data_types.grad_accum_dtype: fz keeps a gradient between micro-batches in `accum` (the compute
+    dtype, DeepSpeed's default; fp32 on the host with the optimizer offloaded); another is warned."""
     d = r.section("", cfg, "data_types")
     r.check_keys("data_types", d, K.DATA_TYPES)
     dtype = r.get("data_types", d, "grad_accum_dtype", optional(choice(K.COMM_DTYPES)), None)[0]
     if dtype is None:
         return
-    same = dtype == precision
-    r.mark("data_types.grad_accum_dtype", "mapped" if same else "unsupported",
-           f"fz accumulates gradients between micro-batches in the compute dtype ({precision})" +
-           ("" if same else f", not {dtype}"))
+    r.mark("data_types.grad_accum_dtype", "mapped" if dtype == accum else "unsupported",
+           f"fz accumulates gradients between micro-batches in {accum}" + ("" if dtype == accum else f", not {dtype}"))
 
 
 def _top_level(r: Reader, cfg: dict[str, Any], strict: bool) -> None:
@@ -361,7 +359,8 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     out["micro_batch"], out["grad_accum"] = _batch(r, cfg, world)
     out.update(read_zero(r, cfg, fields))
     out["precision"], out["loss_scaling"] = _precision(r, cfg)
-    _data_types(r, cfg, out["precision"])
+    offload = out.get("offload")
+    _data_types(r, cfg, "fp32" if offload is not None and offload.optimizer != "device" else out["precision"])
 
     # DeepSpeed's default is 1.0 (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT): clipping is on unless set to 0
     clip, source = r.get("", cfg, "gradient_clipping", number(0.0), 1.0, auto="clip_grad_norm")

@@ -223,11 +223,17 @@ def test_grad_accum_dtype_is_honoured_as_fz_accumulates_and_warned_otherwise():
         if precision == "bf16":
             cfg["bf16"] = {"enabled": True}
         outcome, note = fz.Spec.from_deepspeed(cfg, world_size=1).provenance.outcomes["data_types.grad_accum_dtype"]
-        assert outcome == "mapped" and f"compute dtype ({precision})" in note, (outcome, note)
+        assert outcome == "mapped" and note == f"fz accumulates gradients between micro-batches in {precision}", note
     cfg = {"train_batch_size": 8, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
     with pytest.warns(fz.config.DeepSpeedConfigWarning, match="data_types.grad_accum_dtype"):
         spec = fz.Spec.from_deepspeed(cfg, world_size=1)
     assert spec.provenance.outcomes["data_types.grad_accum_dtype"][0] == "unsupported"
+    offloaded = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fp32, on the host
+    spec = fz.Spec.from_deepspeed({**cfg, **offloaded}, world_size=1)
+    assert spec.provenance.outcomes["data_types.grad_accum_dtype"][0] == "mapped"
+    with pytest.warns(fz.config.DeepSpeedConfigWarning, match=r"data_types.grad_accum_dtype \(fz accumulates "
+                                                              r"gradients between micro-batches in fp32, not bf16\)"):
+        fz.Spec.from_deepspeed({**cfg, **offloaded, "data_types": {"grad_accum_dtype": "bf16"}}, world_size=1)
     with pytest.raises(fz.ConfigError, match="data_types.grad_accum_dtyp: unknown DeepSpeed key"):
         fz.Spec.from_deepspeed({"train_batch_size": 8, "data_types": {"grad_accum_dtyp": "fp32"}}, world_size=1)
 
