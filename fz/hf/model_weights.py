@@ -19,7 +19,7 @@ the trainer's device (fz/hf/online.py). Every rank calls `fill` (it may gather).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -39,6 +39,7 @@ class Given(NamedTuple):
 
 
 Released = dict[str, Given]  # the parameters let go, by name
+_OWN = ("transformers.", "fz.")  # callbacks that read no parameter (logging, progress, flow)
 
 
 def _swap(p: nn.Parameter, storage: torch.Tensor) -> None:
@@ -75,10 +76,11 @@ def let_go(model: nn.Module, device: torch.device | None, state: fz.State) -> Re
     return out
 
 
-def follow(model: nn.Module, state: fz.State, released: Released) -> None:
-    """After a step: each parameter held as a view of the State reads this update's weights (its
-    parameter sync in flight finished; a State whose storage moved gets new views)."""
-    views = local_param_views(state)
+def follow(model: nn.Module, state: fz.State, released: Released, callbacks: Iterable[object]) -> None:
+    """After a step: each parameter held as a view of the State reads this update's weights (a State
+    whose storage moved gets new views). Where a callback may read them (any but transformers' and
+    fz's own), the parameters' gather in flight (ZeRO 1-2) is finished now, else the next forward's."""
+    views = local_param_views(state, settle=any(not type(c).__module__.startswith(_OWN) for c in callbacks))
     if not views:
         return
     own = dict(model.named_parameters())

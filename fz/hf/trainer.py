@@ -264,7 +264,7 @@ class Trainer(transformers.Trainer):
                 self.fz_state = online.train_step(self, batches)
             else:
                 self.fz_state, _ = draws.train_step(self.fz_state, batches)
-            model_weights.follow(self._model(), self.fz_state, self._fz_released)  # what callbacks read
+            model_weights.follow(self._model(), self.fz_state, self._fz_released, self.callback_handler.callbacks)
             self._add_losses()
             # transformers' hooks in its order; fz's update is one call, so they come after it
             for _ in range(len(batches) - 1):

@@ -86,20 +86,22 @@ def copy_local_params(state: State, module: torch.nn.Module) -> set[int] | None:
     return _copy_into(module, local())
 
 
-def local_param_views(state: State) -> dict[str, Tensor] | None:
+def local_param_views(state: State, settle: bool = True) -> dict[str, Tensor] | None:
     """Each parameter, by canonical name, as a view of this rank's own storage of it in the State
     (the copy the forward computes with: a bf16 run's bf16 values), where every rank holds every
     parameter whole in memory (ZeRO 0-2, none on the disk tier); None elsewhere. Local: no
-    collective (this rank's parameter sync still in flight is finished). A step updates that
-    storage in place, so a module holding these views as its parameters, as DeepSpeed's module
-    holds its own at those stages, reads every later update's values at no cost in memory."""
+    collective (this rank's parameter sync still in flight is finished; with `settle=False` it is
+    left to finish when the next forward needs it, and the views read its values after that). A step
+    updates that storage in place, so a module holding these views as its parameters, as
+    DeepSpeed's module holds its own at those stages, reads every later update's values at no cost
+    in memory."""
     expect_state(state, "fz.full_params")
     if any(b.sharded_param for b in state.plan.buckets):
         return None
     flats, sync, _ = checked_flats(state)
     if any(load(f) is not f for f in flats):  # on the disk tier: a view would be of a copy read now
         return None
-    if sync is not None:
+    if sync is not None and settle:
         sync.finish()
     return {s.name: v for b, flat in zip(state.plan.buckets, flats) for s, v in zip(b.slots, full_views(flat, b))}
 
