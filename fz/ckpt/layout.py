@@ -264,12 +264,15 @@ def resolve(path: PathLike, step: int | None = None) -> Path:
 def _checkpoints_inside(root: Path, look: int = 200) -> list[Path]:
     """The folders right inside `root` (of its first `look` entries) that hold a checkpoint."""
     found = []
-    for i, p in enumerate(root.iterdir()):
-        if i >= look:
-            break
-        if p.is_dir() and not p.is_symlink() and (committed_steps(p) or
-                                                  any((p / n).exists() for n in (LATEST, MANIFEST, META))):
-            found.append(p)
+    try:
+        for i, p in enumerate(root.iterdir()):
+            if i >= look:
+                break
+            if p.is_dir() and not p.is_symlink() and (committed_steps(p) or
+                                                      any((p / n).exists() for n in (LATEST, MANIFEST, META))):
+                found.append(p)
+    except OSError:  # unreadable: the error it would have added to is said without it
+        return []
     return sorted(found)
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fz.distributed import beats, peers
 from fz.distributed.storecall import store_host
-from fz.errors import ConfigError
+from fz.errors import ConfigError, PeerError
 
 STUCK_S = 2.0  # a missing rank waiting this long in another collective will not come
 _calls: Counter = Counter()  # (api, ranks) -> calls made by this rank
@@ -67,9 +67,11 @@ def _wait_for_readers(store: dist.Store, api: str, seen: list[str], ranks: Seque
     while not _poll(store, seen, 0.5):
         missing = [r for r, k in zip(others, seen) if not peers.call(lambda k=k: store.check([k]))]  # type: ignore[misc]
         lost = beats.stopped(missing, watched)
-        if lost or time.monotonic() > deadline:
-            raise peers.lost_error(f"{peers.activity()}: {api}: rank(s) {lost or missing} checked in but did "
-                                   "not say they saw every rank had", lost or missing)
+        if lost:
+            raise peers.lost_error(f"{peers.activity()}: {api}: rank(s) {lost} checked in, then", lost)
+        if time.monotonic() > deadline:  # alive, but not past a check-in every rank had made: its store is slow
+            raise PeerError(f"{peers.activity()}: {api}: rank(s) {missing} checked in but did not see every rank "
+                            f"had within Spec.timeout_s={peers.timeout_s():g} s", tuple(missing))
 
 
 def _poll(store: dist.Store, keys: list[str], seconds: float) -> bool:

@@ -45,8 +45,6 @@ class OnFzArguments:
             me.deepspeed = config
             told.removeFilter(_not_ddp_advice)
         args: Any = self
-        if args.deepspeed:
-            check_deepspeed(args)  # its errors now: transformers reads the file now too
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if launched > 1 and args.world_size == 1:
             raise ConfigError(
@@ -55,6 +53,8 @@ class OnFzArguments:
                 "same data. " + ("On a machine without a GPU pass use_cpu=True (--use_cpu), so that the processes "
                                  "train together over gloo." if args.device.type == "cpu" else
                                  "Check that every process sees its GPU (CUDA_VISIBLE_DEVICES)."))
+        if args.deepspeed:
+            check_deepspeed(args)  # its errors now: transformers reads the file now too
 
     @property
     def place_model_on_device(self) -> bool:
