@@ -17,7 +17,9 @@ other rank has seen the check-in complete (each says so with one more key): a ca
 collective after it (`trainer.save_model()` at ZeRO 0-2 writes from rank 0's own copy) would
 otherwise let rank 0 finish its script and take the store down while a peer polls it, failing
 that peer at the very end of a good run.
-Two store round trips per rank and call; nothing on a training step's path.
+Each rank takes back its keys of the call before last (every rank is past it), so the store
+holds two calls' keys however long the job. A few store round trips per rank and call; nothing
+on a training step's path.
 """
 from __future__ import annotations
 
@@ -42,10 +44,14 @@ def arrive(api: str, ranks: Sequence[int], rank: int) -> None:
         return
     ident = (api, tuple(ranks))
     _calls[ident] += 1
-    base = f"fz/call/{api}/{min(ranks)}-{len(ranks)}/{_calls[ident]}"
+    prefix = f"fz/call/{api}/{min(ranks)}-{len(ranks)}"
+    base = f"{prefix}/{_calls[ident]}"
     keys = [f"{base}/{r}" for r in ranks]
     try:
         peers.call(lambda: store.set(f"{base}/{rank}", "1"))  # stored as the bytes b"1"
+        if _calls[ident] > 2:  # every rank is past the call before last (each checked in after it): its keys go
+            old = f"{prefix}/{_calls[ident] - 2}"
+            peers.call(lambda: (store.delete_key(f"{old}/{rank}"), store.delete_key(f"{old}/seen/{rank}")))
         with peers.waiting():
             _wait_for_all(store, api, ident, base, keys, ranks, rank)
             if rank != _HOST:

@@ -32,3 +32,19 @@ def _job(rank, world):
 def test_rank_0_leaving_after_its_last_check_in_does_not_fail_a_peer_still_polling():
     names = run_ranks(2, _job, timeout=120)
     assert names[0] == names[1] and names[0], names
+
+
+def _calls(rank, world):
+    from fz.distributed import peers
+    state = fz.init(make_model(), spec(3, 1, timeout_s=30.0))
+    for _ in range(5):
+        fz.full_params(state)
+    prefix = f"fz/call/fz.full_params/0-{world}"
+    store = peers.store_for(list(range(world)))
+    fz.distributed.arrive("test/all_done", list(range(world)), rank)  # every rank is past its fifth call
+    return {n: [store.check([f"{prefix}/{n}/{r}"]) for r in range(world)] for n in range(1, 6)}
+
+
+def test_the_store_keeps_two_calls_check_in_keys_however_many_calls():
+    held = run_ranks(2, _calls, timeout=120)[0]
+    assert held == {1: [False, False], 2: [False, False], 3: [False, False], 4: [True, True], 5: [True, True]}
