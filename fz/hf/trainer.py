@@ -371,7 +371,8 @@ class Trainer(transformers.Trainer):
         """`self.model`'s weights freed while train() runs: the State holds them."""
         state = self.fz_ready()
         placed = state.spec.stage < 3 or online.online_class(self) is not None  # it fits, or generates
-        self._fz_released |= model_weights.let_go(self._model(), self.args.device if placed else None, state)
+        let_go = model_weights.let_go(self._model(), self.args.device if placed else None, state)
+        self._fz_released = let_go | self._fz_released  # a parameter let go before keeps its first record (its dtype)
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:

@@ -39,17 +39,22 @@ def _batch(i):
     return {"input_ids": ids, "labels": ids.roll(-1, 1)}
 
 
-def test_buffers_dict_batches_and_hf_outputs():
-    torch.manual_seed(0)
-    ref = MaskedLM()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+def _reference_losses(model: nn.Module, steps: int) -> list[float]:
+    """Plain PyTorch: AdamW (lr 1e-2, its default weight decay 0.01) over `steps` batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     want = []
-    for i in range(5):
+    for i in range(steps):
         opt.zero_grad()
-        loss = ref(**_batch(i)).loss
+        loss = model(**_batch(i)).loss
         loss.backward()
         opt.step()
         want.append(loss.item())
+    return want
+
+
+def test_buffers_dict_batches_and_hf_outputs():
+    torch.manual_seed(0)
+    want = _reference_losses(MaskedLM(), 5)
     for stage in (0, 3):
         torch.manual_seed(0)
         state = fz.init(MaskedLM(), fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2, weight_decay=0.01)))
@@ -135,14 +140,7 @@ def test_a_submodule_whose_patched_forward_holds_the_module_trains_in_the_state(
 
     torch.manual_seed(0)
     ref = patched(MaskedLM())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    want = []
-    for i in range(4):
-        opt.zero_grad()
-        loss = ref(**_batch(i)).loss
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _reference_losses(ref, 4)
     torch.manual_seed(0)
     state = fz.init(patched(MaskedLM()), fz.Spec(stage=stage, optimizer=fz.optim.adamw(lr=1e-2)))
     got = []
