@@ -181,8 +181,8 @@ def check_deepspeed(args: Any) -> None:
         Spec.from_deepspeed(cfg, **{k: v for k, v in kw.items() if k != "hidden_size" and (known or k not in stated)})
 
 
-def _from_deepspeed(args: Any, model: torch.nn.Module, max_steps: int, optimizer: Any, schedule: Any) -> Spec:
-    cfg, _ = load_deepspeed(args.deepspeed)
+def _from_deepspeed(args: Any, cfg: dict[str, Any], model: torch.nn.Module, max_steps: int, optimizer: Any,
+                    schedule: Any) -> Spec:
     refuse_mismatches(cfg, args, max_steps)
     spec = Spec.from_deepspeed(args.deepspeed, **_keywords(cfg, args, model, max_steps, optimizer, schedule))
     extra: dict[str, tuple[Any, str, str]] = {}
@@ -271,7 +271,7 @@ def spec_from_args(args: Any, model: torch.nn.Module, *, max_steps: int, spec: S
     optimizer = None if cfg.get("optimizer") else optimizer_from_args(args, None if every <= names else names)
     schedule = None if cfg.get("scheduler") else schedule_from_args(args, max_steps)
     if args.deepspeed:
-        return _from_deepspeed(args, model, max_steps, optimizer, schedule)
+        return _from_deepspeed(args, cfg, model, max_steps, optimizer, schedule)
     return _from_args(args, spec, optimizer, schedule)
 
 

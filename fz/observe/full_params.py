@@ -67,16 +67,26 @@ def _copy_into(module: torch.nn.Module, values: Iterable[tuple[str, Tensor]]) ->
     return done
 
 
-def copy_local_params(state: State, module: torch.nn.Module) -> set[int] | None:
-    """`copy_full_params` without a collective where every rank holds every parameter whole (no
-    bucket's parameters sharded: ZeRO 0-2): the copy the forward computes with (a bf16 run's bf16
-    values, as DeepSpeed's module holds them at those stages). None where parameters are sharded."""
+def _whole_local_flats(state: State, settle: bool = True) -> list[Tensor] | None:
+    """This rank's parameter storage per bucket where every rank holds every parameter whole (no
+    bucket's parameters sharded: ZeRO 0-2), its sync in flight finished with `settle` (this rank's
+    own, not a new collective); None where parameters are sharded."""
     expect_state(state, "fz.full_params")
     if any(b.sharded_param for b in state.plan.buckets):
         return None
     flats, sync, _ = checked_flats(state)
-    if sync is not None:
-        sync.finish()  # this rank's reduction in flight, not a new collective
+    if sync is not None and settle:
+        sync.finish()
+    return flats
+
+
+def copy_local_params(state: State, module: torch.nn.Module) -> set[int] | None:
+    """`copy_full_params` without a collective where every rank holds every parameter whole (no
+    bucket's parameters sharded: ZeRO 0-2): the copy the forward computes with (a bf16 run's bf16
+    values, as DeepSpeed's module holds them at those stages). None where parameters are sharded."""
+    flats = _whole_local_flats(state)
+    if flats is None:
+        return None
 
     def local() -> Iterator[tuple[str, Tensor]]:
         for b, flat in zip(state.plan.buckets, flats):
@@ -95,14 +105,9 @@ def local_param_views(state: State, settle: bool = True) -> dict[str, Tensor] | 
     updates that storage in place, so a module holding these views as its parameters, as
     DeepSpeed's module holds its own at those stages, reads every later update's values at no cost
     in memory."""
-    expect_state(state, "fz.full_params")
-    if any(b.sharded_param for b in state.plan.buckets):
+    flats = _whole_local_flats(state, settle)
+    if flats is None or any(load(f) is not f for f in flats):  # on the disk tier: a view would be of a copy read now
         return None
-    flats, sync, _ = checked_flats(state)
-    if any(load(f) is not f for f in flats):  # on the disk tier: a view would be of a copy read now
-        return None
-    if sync is not None and settle:
-        sync.finish()
     return {s.name: v for b, flat in zip(state.plan.buckets, flats) for s, v in zip(b.slots, full_views(flat, b))}
 
 
