@@ -61,7 +61,7 @@ import torch
 from fz.config.deepspeed import load as load_deepspeed
 from fz.config.explain import Described, Provenance
 from fz.errors import ConfigError
-from fz.hf.config_mismatch import lookup, refuse_mismatches
+from fz.hf.config_mismatch import drop_last_outcome, lookup, refuse_mismatches
 from fz.hf.data import sampling
 from fz.hf.optimizers import choice_errors, optimizer_from_args, schedule_from_args
 from fz.precision import LossScale
@@ -135,15 +135,17 @@ def _named(text: str) -> str:
     return _ASSIGNED.sub(lambda m: ARGUMENT[m.group(1)] + "=", text)
 
 
-def _with_arguments(spec: Spec, prov: Provenance, extra: dict[str, tuple[Any, str, str]]) -> Spec:
-    """`spec` with `extra` (field -> (value, source, where)) set and provenance naming arguments."""
+def _with_arguments(spec: Spec, prov: Provenance, extra: dict[str, tuple[Any, str, str]],
+                    notes: dict[str, tuple[str, str]] | None = None) -> Spec:
+    """`spec` with `extra` (field -> (value, source, where)) set and provenance naming arguments
+    (`notes`: config keys whose outcome the Trainer changes)."""
     entries = dict(prov.items())
     keys = {k: _named(v) for k, v in prov.ds_keys.items()}
     changes = {}
     for field, (value, source, where) in extra.items():
         changes[field] = value
         entries[field], keys[field] = (value, source), where
-    outcomes = {p: (o, _named(note)) for p, (o, note) in prov.outcomes.items()}
+    outcomes = {p: (o, _named(note)) for p, (o, note) in prov.outcomes.items()} | (notes or {})
     # every argument is passed whatever the config holds: "keywords the config had no use for" would be noise
     new = Provenance(entries, keys, outcomes, [], prov.origin, objects=prov.objects, kind=prov.kind)
     return spec.replace(**changes, provenance=new)
@@ -190,8 +192,9 @@ def _from_deepspeed(args: Any, cfg: dict[str, Any], model: torch.nn.Module, max_
         extra["seed"] = (int(args.seed), "args", "TrainingArguments.seed")
     if _checkpointing(args) and spec.activation_checkpointing is False:
         extra["activation_checkpointing"] = (True, "args", _checkpointing(args))
+    drop_last = drop_last_outcome(cfg, args)
     assert isinstance(spec.provenance, Provenance)
-    return _with_arguments(spec, spec.provenance, extra)
+    return _with_arguments(spec, spec.provenance, extra, {"dataloader_drop_last": drop_last} if drop_last else None)
 
 
 def _checkpointing(args: Any) -> str:

@@ -2,8 +2,10 @@
 the argument's, as transformers' HfTrainerDeepSpeedConfig checks (its fill_match), or "auto"."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+from fz.config.warn import DeepSpeedConfigWarning
 from fz.errors import ConfigError
 
 
@@ -56,3 +58,17 @@ def refuse_mismatches(cfg: dict[str, Any], args: Any, max_steps: int | None) -> 
     if mismatches:
         raise ConfigError("the DeepSpeed config contradicts TrainingArguments:\n" + "\n".join(mismatches)
                           + '\n(set these DeepSpeed values to "auto", or make them equal)')
+
+
+def drop_last_outcome(cfg: dict[str, Any], args: Any) -> tuple[str, str] | None:
+    """The config's `dataloader_drop_last` under the Trainer, which reads the argument instead (as
+    transformers does, silently): mapped when the two agree, else ignored, and said at once."""
+    if "dataloader_drop_last" not in cfg:
+        return None
+    stated, used = cfg["dataloader_drop_last"], bool(args.dataloader_drop_last)
+    if stated == used:
+        return "mapped", f"as TrainingArguments.dataloader_drop_last={used}, which the Trainer's loader reads"
+    note = f"the Trainer's loader reads TrainingArguments.dataloader_drop_last={used} instead, as transformers does"
+    warnings.warn(f"DeepSpeed config: dataloader_drop_last={stated!r} is IGNORED: {note}; set the argument to "
+                  "change it", DeepSpeedConfigWarning, stacklevel=5)
+    return "ignored", note

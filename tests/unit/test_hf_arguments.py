@@ -326,3 +326,16 @@ def test_optim_and_schedule_a_deepspeed_section_replaces_are_not_refused(tmp_pat
                                                  r"lr_scheduler_type='cosine_with_min_lr'"):
             made = fz.hf.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], deepspeed=config, **odd)
             spec_from_args(made, Tiny(), max_steps=STEPS)  # without a config: when the Trainer reads the arguments
+
+
+@pytest.mark.parametrize("arg", [False, True])
+def test_a_configs_dataloader_drop_last_is_the_arguments_under_the_trainer(arg, tmp_path, recwarn):
+    """transformers' loader reads TrainingArguments.dataloader_drop_last and never the config's key:
+    explain() says so, and a config that says otherwise is warned about, not dropped silently."""
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "dataloader_drop_last": True, "zero_optimization": {"stage": 2}}
+    spec = spec_from_args(make_args(tmp_path, deepspeed=cfg, dataloader_drop_last=arg), Tiny(), max_steps=STEPS)
+    outcome, note = spec.provenance.outcomes["dataloader_drop_last"]
+    warned = [str(w.message) for w in recwarn if "dataloader_drop_last" in str(w.message)]
+    assert (outcome, bool(warned)) == (("mapped", False) if arg else ("ignored", True))
+    assert f"TrainingArguments.dataloader_drop_last={arg}" in note
+    assert re.search(r"dataloader_drop_last\s+" + outcome, spec.explain())
