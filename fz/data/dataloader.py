@@ -53,6 +53,13 @@ class Loader:
         return self._pos[0]
 
     @property
+    def at_epoch_start(self) -> bool:
+        """Whether the next batch opens an epoch: at its first sample, or (map-style) past the last
+        step of the one before (a position saved at an epoch's end)."""
+        index = self._pos[1]
+        return not index or (self.size is not None and not self.layout.steps_in(self.size, index))
+
+    @property
     def steps_per_epoch(self) -> int | None:
         """Steps in a whole epoch (map-style datasets; None for an iterable one)."""
         return None if self.size is None else self.layout.steps_in(self.size)

@@ -54,6 +54,11 @@ class AsAccelerate:
     def state_dict(self) -> dict[str, Any]:
         return dict(self._position)
 
+    @property
+    def at_epoch_start(self) -> bool:
+        """Before the first step is handed out: whether it opens an epoch (fz.data.Loader's)."""
+        return bool(self.loader.at_epoch_start)
+
     def attach(self, state: fz.State) -> fz.State:
         return self.loader.attach(state, position=self._position)
 

@@ -229,7 +229,7 @@ class Trainer(transformers.Trainer):
         self.fz_state = state
         self._let_go_of_weights()  # the State holds them (fz/hf/model_weights.py)
         self._loader = self._train_loader()
-        if resumed_rng is not None and not self._loader.state_dict()["index"]:  # an epoch's start: before its reads
+        if resumed_rng is not None and self._loader.at_epoch_start:  # before the epoch's reads, as transformers
             restore(resumed_rng, state.plan.device)
             resumed_rng = None
         self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader

@@ -122,6 +122,37 @@ def test_resume_with_ignore_data_skip_reads_the_epoch_from_its_start(tmp_path):
     assert runs[1][0][3] < 0.5  # the epoch's first samples again
 
 
+class Masking:
+    """A collator drawing from torch's generator, as DataCollatorForLanguageModeling's masks do."""
+
+    def __init__(self) -> None:
+        self.inner = hp.collator("lm")
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.inner(rows)
+        batch["labels"] = batch["labels"].masked_fill(torch.rand(batch["labels"].shape) < 0.3, -100)
+        return batch
+
+
+def test_resuming_at_an_epochs_end_draws_what_the_uninterrupted_run_draws(tmp_path):
+    """save_strategy="epoch": the generator saved with checkpoint-6 (epoch 1's end) is set before
+    epoch 2 reads its first batches, as transformers sets it: the resumed run's masks and losses
+    are the uninterrupted run's, and transformers' own."""
+    runs = []
+    for on_fz in (False, True):
+        out = str(tmp_path / str(on_fz))
+        whole = trainer(on_fz, out, num_train_epochs=2, save_strategy="epoch")
+        whole.data_collator = Masking()
+        whole.train()
+        resumed = trainer(on_fz, out, num_train_epochs=2)
+        resumed.data_collator = Masking()
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+        runs.append((logged(whole)[6:], logged(resumed)[6:]))
+        assert len(runs[-1][1]) == 6
+    same(runs[1][1], runs[1][0])
+    same(runs[1][1], runs[0][1])
+
+
 def test_an_iterable_datasets_epoch_is_counted_as_transformers_counts_it(tmp_path):
     ref, got = (trainer(f, str(tmp_path / str(f)), data=Rows(hp.causal_lm_data()), max_steps=4)
                 for f in (False, True))
