@@ -156,8 +156,8 @@ class TrainerOptimizer:
 
 def _hf_adafactor(lr: Any, weight_decay: float) -> GradientTransformation:
     """transformers' Adafactor(scale_parameter=False, relative_step=False, warmup_init=False), its defaults."""
-    return optim.adafactor(lr=lr, beta2_decay=-0.8, d=1.0, weight_decay=weight_decay, capped_lr=False,
-                           scale_by_rms=False)
+    return optim.adafactor(lr=lr, beta2_decay=-0.8, eps=(1e-30, 1e-3), d=1.0, weight_decay=weight_decay,
+                           capped_lr=False, scale_by_rms=False, eps1_added=True)
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,12 @@ def _rows_across_shards(p: Tensor) -> bool:
 
 def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float] = (None, 1e-3),
               d: float = 1.0, weight_decay: float = 0.0, *, capped_lr: bool = True,
-              scale_by_rms: bool = True) -> GradientTransformation:
+              scale_by_rms: bool = True, eps1_added: bool = False) -> GradientTransformation:
     """torch.optim.Adafactor (foreach=False, maximize=False), sharding-aware; eps1 None = dtype eps.
 
     capped_lr=False, scale_by_rms=False: the step size is lr itself (transformers' Adafactor with
-    scale_parameter=False, relative_step=False)."""
+    scale_parameter=False, relative_step=False). eps1_added: eps1 is added to g^2 before the
+    running means (transformers' way, with its eps1 1e-30) instead of flooring the estimate."""
     eps1_arg, eps2 = eps
     if not beta2_decay <= 0:
         raise ConfigError(f"adafactor beta2_decay={beta2_decay!r}: must be <= 0")
@@ -87,15 +88,26 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
         beta2_t = t ** beta2_decay
         rho = min(lr_t, 1 / math.sqrt(t)) if capped_lr else lr_t
 
+        keep = 1.0 - beta2_t  # transformers' beta2t: its running means as it writes them (rounding included)
+
+        def squared(g: Tensor) -> Tensor:
+            sq = g.square()
+            return sq.add_(eps1_arg or 0.0) if eps1_added else sq
+
+        def mix(v: Tensor, x: Tensor) -> None:
+            v.mul_(keep).add_(x, alpha=1.0 - keep) if eps1_added else v.lerp_(x, beta2_t)
+
         # Round 1: per parameter [sum p^2, local rows, (2-D: column sums of g^2, sum of row stat)].
         stats: dict[str, Tensor] = {}
         for k, g in updates.items():
             p = params[k]
             parts = [p.float().square().sum().reshape(1), p.new_full((1,), float(p.shape[0] if p.dim() else 1))]
             if _factored(p):
-                v_rows[k].lerp_(g.square().mean(dim=-1), beta2_t)
+                g2 = squared(g)
+                mix(v_rows[k], g2.mean(dim=-1))
                 if _rows_across_shards(p):
-                    parts += [g.square().sum(dim=0), v_rows[k].sum().reshape(1)]
+                    parts += [g2.sum(dim=0), v_rows[k].sum().reshape(1)]
+                del g2
             stats[k] = torch.cat([x.float() for x in parts])
         stats = sum_across_shards(stats, shard_sum)
 
@@ -104,7 +116,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
         alpha: dict[str, float] = {}
         for k, g in updates.items():
             p, s = params[k], stats[k]
-            eps1 = torch.finfo(p.dtype).eps if eps1_arg is None else eps1_arg
+            eps1 = 0.0 if eps1_added else torch.finfo(p.dtype).eps if eps1_arg is None else eps1_arg
             numel[k] = int(round(float(s[1]))) * (math.prod(p.shape[1:]) if p.dim() else 1)
             rms = math.sqrt(float(s[0])) / math.sqrt(max(numel[k], 1))
             alpha[k] = max(eps2, rms) * rho if scale_by_rms else rho
@@ -114,16 +126,21 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
                     col_mean = s[2:-1].to(g.dtype) / rows
                     row_mean = s[-1] / rows
                 else:
-                    col_mean = g.square().mean(dim=-2)
+                    col_mean = squared(g).mean(dim=-2)
                     row_mean = v_rows[k].mean(dim=-1)
-                v_cols[k].lerp_(col_mean, beta2_t)
+                mix(v_cols[k], col_mean)
                 denom = torch.as_tensor(row_mean, dtype=g.dtype).clamp(min=eps1)
+                denom = denom.unsqueeze(-1) if denom.dim() else denom
+                if eps1_added:  # transformers' _approx_sq_grad: rsqrt(row / mean(row)) x rsqrt(col)
+                    factor = (v_rows[k] / denom).rsqrt_().unsqueeze(-1) * v_cols[k].unsqueeze(-2).rsqrt()
+                    out[k] = g.mul_(factor)  # in place: scratch is one parameter
+                    continue
                 v = v_rows[k].unsqueeze(-1) * v_cols[k].unsqueeze(-2)
-                v.div_(denom.reshape(denom.shape + (1, 1)) if denom.dim() else denom)
+                v.div_(denom.unsqueeze(-1))
             else:
-                v_full[k].lerp_(g.square(), beta2_t)
+                mix(v_full[k], squared(g))
                 v = v_full[k].clone()
-            out[k] = g.mul_(v.clamp_(min=eps1 * eps1).rsqrt_())  # in place: scratch is one parameter
+            out[k] = g.mul_((v if eps1_added else v.clamp_(min=eps1 * eps1)).rsqrt_())  # in place: one parameter
             del v
 
         # Round 2: sum of update^2, for the update's RMS clipping.

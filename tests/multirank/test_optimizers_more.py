@@ -1,6 +1,6 @@
 """Lion, Adafactor and LAMB on shards follow an unsharded reference for 10 steps.
 
-Adafactor's reference is torch.optim.Adafactor; Lion and LAMB have none in torch, so the
+Adafactor's reference is torch.optim.Adafactor (and transformers' Adafactor); Lion and LAMB have none in torch, so the
 reference is the plain whole-tensor algorithm (Lion's in support/helpers.py, LAMB's below;
 DeepSpeed FusedLion / FusedLamb semantics). Each runs at world 1 and 2, ZeRO stages 0 and 3, through
 fz.init / fz.train_step; a schedule rides along and `current_lr` must report it.
@@ -59,6 +59,17 @@ CASES = {
     "lamb": (lambda: fz.optim.lamb(lr=WARMUP, eps=1e-6, weight_decay=0.01),
              lambda ps: LambRef(ps, lr=0.0, eps=1e-6, weight_decay=0.01)),
 }
+try:  # transformers' own Adafactor (TrainingArguments.optim="adafactor"): eps1 added to g^2, lr as the step
+    from transformers.optimization import Adafactor as HfAdafactor
+    CASES["adafactor_transformers"] = (
+        lambda: fz.optim.adafactor(lr=1e-2, eps=(1e-30, 1e-3), capped_lr=False, scale_by_rms=False, eps1_added=True),
+        lambda ps: HfAdafactor(ps, lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False))
+except ImportError:
+    pass
+# transformers' Adafactor is itself this sensitive to rounding (a row of tiny gradients over eps1=1e-30
+# is magnified): on this model its run differs by 1e-4 from the same run summing two half-batches'
+# gradients, and by 1.1e-4 from its float64 run; torch's Adafactor by 2e-6 and 1e-6.
+PARAMS_REL = {"adafactor_transformers": 3e-4}
 SCHEDULES = {"lion": WARMUP, "lamb": WARMUP, "adafactor_warmup": fz.optim.linear(0.02, 0.005, 10)}
 
 
@@ -103,7 +114,7 @@ def test_optimizers_match_reference(world):
             for res in results:
                 losses, params, lrs = res[name, stage]
                 assert max_rel(losses, want_losses) < 1e-5, (name, stage, losses, want_losses)
-                assert params_rel(params, want_params) < 1e-5, (name, stage)
+                assert params_rel(params, want_params) < PARAMS_REL.get(name, 1e-5), (name, stage)
                 assert lrs == pytest.approx(want_lrs, rel=1e-12, abs=0), (name, stage)
 
 
