@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,9 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
     Tied weights are written once, as transformers does: of names sharing one tensor, those its
     `_tied_weights_keys` declare are dropped (from_pretrained ties them again). Returns an Exported.
 
+    A model that is not a transformers one (no config with save_pretrained) is written as
+    transformers' Trainer.save_model writes it: its state_dict in one model.safetensors, no config.
+
     A PEFT model (`peft.PeftModel`) is written as PEFT writes it: its adapter only
     (adapter_config.json, adapter_model.safetensors, from the fp32 masters), or with
     `merged=True` the base model with the adapter merged in (fz/hf/peft_export.py).
@@ -114,16 +118,13 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
         return Exported(out=str(out), files=tuple(files), shards=1, tensors=tensors, bytes=nbytes, dtype="float32")
     if merged:
         raise ConfigError("fz.hf.save_pretrained(merged=True) merges a PEFT adapter; the model is not a PeftModel")
-    config = getattr(model, "config", None)
-    if not hasattr(config, "save_pretrained"):
-        raise ConfigError(f"fz.hf.save_pretrained: the model ({type(model).__name__}) is not a transformers "
-                          "PreTrainedModel (it has no config with save_pretrained)")
+    plain = not hasattr(getattr(model, "config", None), "save_pretrained")  # not a transformers model
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"fz.hf.save_pretrained(dtype={dtype!r}): give None (the precision the run computes in) "
                           "or a floating torch.dtype such as torch.float32 (the fp32 master weights)")
     if len(state.plan.ranks) > 1:  # before the group below is made: one rank alone fails fast, not a hang
         arrive("fz.hf.save_pretrained", state.plan.ranks, state.plan.rank)
-    limit = shard_size(max_shard_size)
+    limit = sys.maxsize if plain else shard_size(max_shard_size)  # transformers writes a plain one's in one file
     entries, convert = _entries(state, model, dtype)
     shards = cut([(e, e.nbytes) for e in entries], limit)
     names = filenames(len(shards))
@@ -292,11 +293,12 @@ class _Job:
             index = {"metadata": {"total_parameters": parameters, "total_size": sum(e.nbytes for e in self.entries)},
                      "weight_map": {e.name: n for n, shard in zip(self.names, self.shards) for e in shard}}
             (self.tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        cfg: Any = copy.deepcopy(model.config)
-        setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", str(written).removeprefix("torch."))
-        cfg.architectures = [type(model).__name__]
-        cfg.save_pretrained(self.tmp)
-        save_generation_config(model, self.tmp)
+        if hasattr(getattr(model, "config", None), "save_pretrained"):
+            cfg: Any = copy.deepcopy(model.config)
+            setattr(cfg, "dtype" if hasattr(cfg, "dtype") else "torch_dtype", str(written).removeprefix("torch."))
+            cfg.architectures = [type(model).__name__]
+            cfg.save_pretrained(self.tmp)
+            save_generation_config(model, self.tmp)
         if processing_class is not None:
             processing_class.save_pretrained(self.tmp)
         self._commit()

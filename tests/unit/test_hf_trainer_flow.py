@@ -49,7 +49,7 @@ class Rows(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
-def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, **kw: Any) -> Any:
+def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, model: Any = None, **kw: Any) -> Any:
     trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
                              (transformers.Trainer, transformers.TrainingArguments))
     settings: dict[str, Any] = dict(
@@ -57,7 +57,7 @@ def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, **kw
         learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, lr_scheduler_type="linear", logging_steps=1,
         use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True, train_sampling_strategy="sequential")
     settings.update(kw)
-    return trainer_cls(model=hp.llama(), args=args_cls(**settings), callbacks=list(callbacks),
+    return trainer_cls(model=model or hp.llama(), args=args_cls(**settings), callbacks=list(callbacks),
                        train_dataset=hp.causal_lm_data() if data is None else data, data_collator=hp.collator("lm"))
 
 
@@ -169,6 +169,42 @@ def test_checkpoints_and_save_model_hold_the_collators_tokenizer_and_the_argumen
     for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "final"):
         assert {"tokenizer.json", "tokenizer_config.json", "training_args.bin"} <= set(os.listdir(folder)), folder
         assert transformers.AutoTokenizer.from_pretrained(folder)("w1 w2")["input_ids"] == [5, 6]
+
+
+class PlainLM(torch.nn.Module):
+    """A language model that is not a transformers one (no config, no save_pretrained)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(hp.WORDS + 4, 16)
+        self.head = torch.nn.Linear(16, hp.WORDS + 4)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        logits = self.head(torch.tanh(self.emb(input_ids)))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_save_model_of_a_plain_module_writes_its_state_dict_as_transformers(tmp_path, stage):
+    """transformers' save_model writes a plain module's state_dict alone, in one model.safetensors:
+    the same files, names and values (ZeRO-3: gathered from the State's shards)."""
+    from safetensors.torch import load_file
+    files = {}
+    for on_fz in (False, True):
+        out = str(tmp_path / str(on_fz))
+        t = trainer(on_fz, out, model=PlainLM(), max_steps=2,
+                    **({"deepspeed": hp.deepspeed(stage)} if on_fz and stage else {}))
+        t.train()
+        t.save_model(os.path.join(out, "final"))
+        files[on_fz] = sorted(os.listdir(os.path.join(out, "final")))
+        files[on_fz, "weights"] = load_file(os.path.join(out, "final", "model.safetensors"))
+    assert files[True] == files[False] and "config.json" not in files[True]
+    ref, got = files[False, "weights"], files[True, "weights"]
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):
