@@ -296,6 +296,7 @@ class Trainer(transformers.Trainer):
         metrics["total_flos"] = self.state.total_flos
         self.log(metrics)
         self._copy_weights_into_model()
+        trainer_checkpoints.keep_the_best(self, trial)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)

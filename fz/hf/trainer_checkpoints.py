@@ -10,7 +10,9 @@ is written beside `fz/` too, as the Trainer writes it (`PeftModel.from_pretraine
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from fz.hf import checkpoint_dirs as dirs
 from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
 from fz.rng import capture
+
+log = logging.getLogger(__name__)
 
 ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME
 
@@ -68,8 +72,8 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
             else:
                 callbacks[name] = cb.state()
     os.makedirs(staging, exist_ok=True)
-    config = getattr(trainer.model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained") and not args.save_only_model:
+    config: Any = getattr(trainer.model, "config", None)  # a PEFT checkpoint holds the adapter's files alone, as PEFT's
+    if hasattr(config, "save_pretrained") and not (args.save_only_model or is_peft_model(trainer.model)):
         config.save_pretrained(staging)
         save_generation_config(trainer.model, staging)  # as transformers' checkpoint-N/ (fz consolidate --hf copies it)
     if tok is not None and hasattr(tok, "save_pretrained") and not args.save_only_model:
@@ -78,6 +82,18 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     trainer.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
     dirs.publish(run_dir, step)
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)
+
+
+def keep_the_best(trainer: Any, trial: Any) -> None:
+    """transformers' end of train(): with save_total_limit=1 only the best checkpoint stays
+    (rotation kept the newest beside it while training)."""
+    args, best = trainer.args, trainer.state.best_model_checkpoint
+    if not (args.should_save and best is not None and args.save_total_limit == 1 and os.path.isdir(best)):
+        return
+    for _, path in dirs.numbered(trainer._get_output_dir(trial=trial)):
+        if not os.path.samefile(path, best):
+            log.info("fz.hf.Trainer: deleting %s (save_total_limit=1 keeps the best checkpoint)", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _NUM, _NONE = (int, float), type(None)

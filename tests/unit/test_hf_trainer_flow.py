@@ -49,7 +49,8 @@ class Rows(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
-def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, model: Any = None, **kw: Any) -> Any:
+def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, model: Any = None, eval_data: Any = None,
+            **kw: Any) -> Any:
     trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
                              (transformers.Trainer, transformers.TrainingArguments))
     settings: dict[str, Any] = dict(
@@ -58,7 +59,8 @@ def trainer(on_fz: bool, out: str, callbacks: tuple = (), data: Any = None, mode
         use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True, train_sampling_strategy="sequential")
     settings.update(kw)
     return trainer_cls(model=model or hp.llama(), args=args_cls(**settings), callbacks=list(callbacks),
-                       train_dataset=hp.causal_lm_data() if data is None else data, data_collator=hp.collator("lm"))
+                       train_dataset=hp.causal_lm_data() if data is None else data, data_collator=hp.collator("lm"),
+                       eval_dataset=eval_data)
 
 
 def logged(t: Any) -> list[tuple]:
@@ -205,6 +207,20 @@ def test_save_model_of_a_plain_module_writes_its_state_dict_as_transformers(tmp_
     assert sorted(got) == sorted(ref)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_save_total_limit_1_leaves_the_best_checkpoint_alone_at_the_end(tmp_path):
+    """Rotation keeps the newest beside the best while training; at the end transformers deletes
+    all but the best (here the first: the highest eval loss is "best")."""
+    left = []
+    for on_fz in (False, True):
+        out = tmp_path / str(on_fz)
+        t = trainer(on_fz, str(out), eval_data=hp.causal_lm_data()[:8], max_steps=6, eval_strategy="steps",
+                    eval_steps=2, save_strategy="steps", save_steps=2, save_total_limit=1,
+                    metric_for_best_model="loss", greater_is_better=True)
+        t.train()
+        left.append((sorted(os.listdir(out)), os.path.basename(t.state.best_model_checkpoint)))
+    assert left[1] == left[0] == (["checkpoint-2"], "checkpoint-2")
 
 
 def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):

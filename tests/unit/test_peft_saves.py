@@ -49,14 +49,25 @@ def test_the_adapter_holds_the_embeddings_where_peft_saves_them(tmp_path, target
         assert torch.equal(loaded(input_ids=IDS).logits, fz.apply(state, input_ids=IDS).logits)
 
 
-def test_a_trainer_checkpoint_holds_the_adapter_and_consolidate_hf_refuses_it(tmp_path):
+def _peft_checkpoint(tmp_path, on_fz: bool):
+    import transformers
     torch.manual_seed(1)
     model = peft.get_peft_model(hp.llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    args = fz.hf.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2, save_steps=2,
-                                   learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True)
-    trainer = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"))
+    hf = fz.hf if on_fz else transformers
+    args = hf.TrainingArguments(str(tmp_path / str(on_fz)), per_device_train_batch_size=4, max_steps=2, save_steps=2,
+                                learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"))
     trainer.train()
-    folder = tmp_path / "run" / "checkpoint-2"
+    return trainer, tmp_path / str(on_fz) / "checkpoint-2"
+
+
+def test_a_trainer_checkpoint_holds_the_adapter_and_consolidate_hf_refuses_it(tmp_path):
+    """checkpoint-N holds the files transformers' holds (the adapter's, not the base model's
+    config), fz's State in place of its optimizer, scheduler and generator files."""
+    trainer, folder = _peft_checkpoint(tmp_path, True)
+    _, theirs = _peft_checkpoint(tmp_path, False)
+    torch_files = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt"}
+    assert set(os.listdir(folder)) - {"fz"} == set(os.listdir(theirs)) - torch_files
     assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "LORA"
     saved = load_file(folder / "adapter_model.safetensors")
     trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
