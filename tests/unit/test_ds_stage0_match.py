@@ -71,3 +71,22 @@ def test_import_with_other_frozen_parameters_refuses_rather_than_misplacing_mome
     state = fz.init(model, fz.Spec(optimizer=fz.optim.adamw(1e-2)))
     with pytest.raises(CheckpointError, match="cannot be placed .*do not tell them apart"):
         fz.import_deepspeed(state, DATA / "stage0_fp32_groups" / "ckpt")
+
+
+def test_a_file_whose_shapes_fit_too_many_ways_is_refused_before_its_search_grows():
+    """800 same-shape tensors and two groups of 160 with no state (any shape fits): a 66 KB file whose
+    search kept N x K^2 placements (3 GB, a minute) is refused once it holds MAX_KEPT in all, while a
+    7B-Llama-like layout with Hugging Face's two groups and frozen tensors places at once."""
+    names = [f"p{i}" for i in range(800)]
+    with pytest.raises(CheckpointError, match="partial ways by shape; the file does not name them"):
+        assign(names, dict.fromkeys(names, (1,)), [[None] * 160, [None] * 160], "f")
+    shapes: dict[str, tuple[int, ...]] = {"embed": (100, 64)}
+    for i in range(32):
+        shapes |= {f"{i}.{k}": (64, 64) for k in "qkvo"} | {f"{i}.gate": (96, 64), f"{i}.up": (96, 64),
+                                                            f"{i}.down": (64, 96), f"{i}.n1": (64,), f"{i}.n2": (64,)}
+    shapes |= {"norm": (64,), "head": (100, 64)}
+    frozen = {"0.q", "5.v", "31.down", "head"}
+    groups = [[s for n, s in shapes.items() if len(s) == 2 and n not in frozen],
+              [s for n, s in shapes.items() if len(s) == 1]]
+    placed, _ = assign(list(shapes), shapes, groups, "f")
+    assert [len(g) for g in placed] == [len(g) for g in groups]  # one of the ways (same shapes: several)

@@ -23,6 +23,7 @@ from fz.errors import CheckpointError
 Shape = tuple[int, ...] | None  # None: the optimizer holds no state for it yet, so any shape fits
 Placed = tuple[int, ...]  # parameters placed so far, per group
 MAX_WAYS = 200_000  # partial placements followed at once: beyond, the shapes say too little to place them
+MAX_KEPT = 1_000_000  # partial placements kept in all (for the walk back): bounds a crafted file's time and memory
 
 
 def assign(names: list[str], shapes: dict[str, tuple[int, ...]], groups: list[list[Shape]], file: Path | str,
@@ -64,6 +65,7 @@ def _layers(names: list[str], shapes: dict[str, tuple[int, ...]], groups: list[l
     need = tuple(len(g) for g in groups)
     total = sum(need)
     layers: list[dict[Placed, tuple[int, Placed, int]]] = [{(0,) * len(need): (1, (), -1)}]
+    kept = 1
     for i, name in enumerate(names):
         left = len(names) - i - 1
         nxt: dict[Placed, tuple[int, Placed, int]] = {}
@@ -76,9 +78,11 @@ def _layers(names: list[str], shapes: dict[str, tuple[int, ...]], groups: list[l
                     continue
                 got = nxt.get(to)
                 nxt[to] = (ways, placed, g) if got is None else (min(2, got[0] + ways), got[1], got[2])
-        if len(nxt) > MAX_WAYS:
+        kept += len(nxt)
+        if len(nxt) > MAX_WAYS or kept > MAX_KEPT:
             raise CheckpointError(f"{file}: the optimizer's {len(groups)} parameter groups fit the module's tensors "
-                                  f"in more than {MAX_WAYS} partial ways by shape; the file does not name them")
+                                  f"in more than {MAX_WAYS if len(nxt) > MAX_WAYS else MAX_KEPT} partial ways by "
+                                  "shape; the file does not name them")
         layers.append(nxt)
     return layers
 
