@@ -251,3 +251,18 @@ def test_an_engine_whose_load_was_refused_says_to_make_it_again(tmp_path: Path) 
     engine, *_ = deepspeed.initialize(model=h.Net(), config=config)
     with pytest.raises(fz.NonFiniteError, match="make the engine again with deepspeed.initialize"):
         engine.load_checkpoint(root, tag=h.TAG)
+
+
+def test_a_tensor_named_many_times_in_the_client_state_is_read_once(tmp_path: Path) -> None:
+    """One 4 MiB tensor referenced 1000 times (2 bytes of pickle each) and 50 views of it: read once,
+    every reference a view of that one storage, as torch.load makes them (a copy per reference made
+    a 4 MB file cost 1 GB at 200 references)."""
+    big = torch.arange(1 << 20, dtype=torch.float32)
+
+    def patch(kind: str, rank: int, obj: dict) -> None:
+        if kind == "model":
+            obj["many"], obj["views"] = [big] * 1000, [big[i:i + 1000] for i in range(50)]
+    client = DeepSpeedCheckpoint(h.checkpoint(tmp_path / "ck", patch=patch)).client_state
+    every = [*client["many"], *client["views"]]
+    assert len({t.untyped_storage().data_ptr() for t in every}) == 1
+    assert torch.equal(client["many"][999], big) and torch.equal(client["views"][49], big[49:1049])

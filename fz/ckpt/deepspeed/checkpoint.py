@@ -42,18 +42,26 @@ _FROZEN_COPY = "frozen_param_fragments"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _plain(x: Any, numbers: bool = True) -> Any:
+def _plain(x: Any, numbers: bool = True, storages: dict | None = None) -> Any:
     """DSObjects as dicts ({"class": ..., **state}), tensors read (scalar ones as numbers, for the public
-    fields: `numbers`; the client state keeps them as tensors, as DeepSpeed returns them)."""
+    fields: `numbers`; the client state keeps them as tensors, as DeepSpeed returns them). Each storage
+    is read once and its tensors are views of it, as torch.load makes them: what a file's references
+    cost is bounded by its bytes (a list naming one tensor a million times is one tensor)."""
+    storages = {} if storages is None else storages
     if isinstance(x, DSObject):
-        return {"class": x.cls, **{k: _plain(v, numbers) for k, v in x.state.items()}}
+        return {"class": x.cls, **{k: _plain(v, numbers, storages) for k, v in x.state.items()}}
     if isinstance(x, Lazy):
-        return ds_pickle.materialize(x).item() if numbers and x.numel == 1 else ds_pickle.materialize(x)
+        key = (x.file, x.at, x.dtype)
+        if key not in storages:
+            storages[key] = ds_pickle.materialize(Lazy(x.file, x.at, x.dtype, x.storage_numel, 0,
+                                                       (x.storage_numel,), (1,)))
+        t = storages[key].as_strided(x.shape, x.stride, x.offset)
+        return t.item() if numbers and x.numel == 1 else t
     if isinstance(x, dict):
         kind = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict  # param_shapes' order
-        return kind((k, _plain(v, numbers)) for k, v in x.items())
+        return kind((k, _plain(v, numbers, storages)) for k, v in x.items())
     if isinstance(x, list | tuple):
-        return type(x)(_plain(v, numbers) for v in x)
+        return type(x)(_plain(v, numbers, storages) for v in x)
     return x
 
 
@@ -125,7 +133,8 @@ class DeepSpeedCheckpoint:
         self.global_samples = self._count(m, "global_samples")
         self.skipped_steps = self._count(m, "skipped_steps")
         self.lr_scheduler: dict | None = self._scheduler(m.get("lr_scheduler"))
-        self.client_state: dict = {k: None if k == _FROZEN_COPY else _plain(v, numbers=False)
+        storages: dict = {}
+        self.client_state: dict = {k: None if k == _FROZEN_COPY else _plain(v, False, storages)
                                    for k, v in m.items() if k not in _LOADED}
         self.ds_version: str | None = m.get("ds_version")
         self.world = self._count(m, "dp_world_size", 1, lo=1)
