@@ -12,13 +12,13 @@ refuses `checkpoint_in_cpu` and a model-parallel `mpu_`, naming them.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from fz.config.deepspeed import load as load_deepspeed
 from fz.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,8 @@ def _section(deepspeed_config: Any) -> dict[str, Any]:
     """The `activation_checkpointing` section of a DeepSpeed config (a dict, a JSON path, or an
     object with a `.config` dict, as DeepSpeed's DeepSpeedConfig)."""
     cfg = getattr(deepspeed_config, "config", deepspeed_config)
-    if isinstance(cfg, (str, os.PathLike)):
-        with open(cfg) as f:
-            cfg = json.load(f)
+    if isinstance(cfg, (str, os.PathLike)):  # read as Spec.from_deepspeed reads it (a regular file, bounded, no
+        cfg = load_deepspeed(cfg)[0]  # repeated key)
     if not isinstance(cfg, dict):
         raise ConfigError(f"deepspeed.checkpointing.configure: deepspeed_config is a {type(cfg).__name__}; pass the "
                           "config dict or its JSON path")

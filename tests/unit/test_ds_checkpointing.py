@@ -68,3 +68,21 @@ def test_configure_takes_what_means_the_same_and_refuses_the_rest():
         deepspeed.checkpointing.configure(None, {"activation_checkpointing": {"cpu_checkpointing": True}})
     with pytest.raises(fz.ConfigError, match=r"an mpu \(model parallelism\) is not fz's"):
         deepspeed.checkpointing.configure(object())
+
+
+def test_configure_reads_a_config_path_as_spec_from_deepspeed_reads_it(tmp_path):
+    """A FIFO is refused unread (open() + json.load blocked forever), a repeated key is refused (json
+    keeps the last), nesting and bad text are ConfigErrors naming the file; a good file is read."""
+    import json
+    import os
+    good = tmp_path / "ds.json"
+    good.write_text(json.dumps({"activation_checkpointing": {"partition_activations": True}}))
+    deepspeed.checkpointing.configure(None, str(good))
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "dup.json").write_text('{"activation_checkpointing": {"cpu_checkpointing": true, '
+                                       '"cpu_checkpointing": false}}')
+    (tmp_path / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    for name, words in [("fifo.json", "not a regular file"), ("dup.json", "appears twice"),
+                        ("deep.json", "nests deeper"), ("missing.json", "No such file")]:
+        with pytest.raises(fz.ConfigError, match=words):
+            deepspeed.checkpointing.configure(None, str(tmp_path / name))
