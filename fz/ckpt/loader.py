@@ -29,7 +29,7 @@ from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.reader import read_metadata
-from fz.ckpt.tree import decode, entries, tensor_refs
+from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, tensor_refs, too_deep
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
 from fz.rng import seeded, well_formed
@@ -79,6 +79,9 @@ def _verify(path: PathLike, step: int | None, rank: int, world: int, key: bytes 
 def _refs(tree: Any, prefix: str, file: Path, saved: dict[str, Any]) -> list[str]:
     """The tensors an encoded tree of `file` refers to: its own (`prefix`...) and in the checkpoint.
     A reference to a weight would load it there and leave the weight unrestored."""
+    if too_deep(tree, MAX_ENCODED_DEPTH):
+        raise CheckpointError(f"checkpoint file {file}: its {prefix.rstrip('/')} tree nests deeper than "
+                              f"{MAX_ENCODED_DEPTH} levels, more than fz.save writes: damaged or altered")
     refs = tensor_refs(tree)
     bad = [r for r in refs if not isinstance(r, str) or not r.startswith(prefix) or r not in saved]
     if bad:

@@ -23,6 +23,20 @@ from fz.errors import ConfigError
 from fz.state import State
 
 _TENSOR, _TUPLE = "__fz_tensor__", "__fz_tuple__"
+MAX_DEPTH = 256  # nesting of a data or client tree fz.save writes
+MAX_ENCODED_DEPTH = 2 * MAX_DEPTH + 1  # the same encoded (a tuple and a tensor are one dict deeper): restore's limit
+
+
+def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether a tree of dicts, lists and tuples nests deeper than `limit` (found without recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list, tuple)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def path_key(path: Sequence[Any]) -> str:
@@ -62,6 +76,8 @@ def entries(state: State) -> dict[str, Tensor]:
 
 def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
     """A JSON-able copy of `obj` with each tensor replaced by a reference to `prefix/<path>`."""
+    if too_deep(obj):
+        raise ConfigError(f"checkpoint {prefix}: it nests deeper than {MAX_DEPTH} levels, more than fz.restore reads")
     tensors: dict[str, Tensor] = {}
 
     def go(x: Any, path: str) -> Any:

@@ -59,6 +59,37 @@ def test_a_tree_pointing_at_a_weight_is_refused(tmp_path, where):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
 
 
+def _nested(depth: int, leaf):
+    tree = leaf
+    for i in range(depth - 1):
+        tree = (tree,) if i % 2 else {"k": tree}
+    return tree
+
+
+@pytest.mark.parametrize("where", ["data", "client"])
+def test_a_tree_nested_past_what_save_writes_is_refused_before_it_is_walked(tmp_path, where):
+    """fz.save writes trees up to MAX_DEPTH deep (tuples and tensors encoded one level deeper), and
+    restore reads them back; one nested 900 deep in the file (under json's own limit) is a
+    CheckpointError naming the file, not a RecursionError from the walk."""
+    from fz.ckpt.tree import MAX_DEPTH
+    state = _trained()
+    deepest = _nested(MAX_DEPTH, torch.ones(2))
+    fz.save(state, tmp_path / "ok", client_state={"deep": deepest})
+    _, client = fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "ok", with_client_state=True)
+    assert str(client["deep"]) == str(deepest)
+    with pytest.raises(ConfigError, match=f"nests deeper than {MAX_DEPTH} levels"):
+        fz.save(state, tmp_path / "no", client_state={"deep": _nested(MAX_DEPTH + 1, 1)})
+    fz.save(state, tmp_path / "bad", client_state={"x": 1})
+    step = tmp_path / "bad" / "step_1"
+    name = "data_0.json" if where == "data" else "fz.json"
+    doc = json.loads((step / name).read_text())
+    doc["data" if where == "data" else "client_state"] = json.loads("[" * 900 + "]" * 900)
+    (step / name).write_text(json.dumps(doc))
+    _relist(step, name)
+    with pytest.raises(CheckpointError, match=rf"{name}: its {where} tree nests deeper than"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
 def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path):
     fz.save(_trained(), tmp_path)
     step = tmp_path / "step_1"
