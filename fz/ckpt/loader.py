@@ -12,6 +12,7 @@ Data position: rank r gets rank r's, or rank 0's when rank r did not exist.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,8 @@ def _impossible(tensors: dict[str, Tensor]) -> list[str]:
     out = []
     for key, t in tensors.items():
         parts = key.split("/")
+        if parts[0] == "scaler":
+            out += _impossible_scaler(key, _local(t))
         if parts[0] != "opt":
             continue
         local = _local(t)
@@ -136,6 +139,22 @@ def _impossible(tensors: dict[str, Tensor]) -> list[str]:
                 out.append(f"{'/'.join([*parts[:-2], 'mu', parts[-1]])} has {bad} values over {_MU_OVER_ROOT_NU:g} "
                            "x the square root of nu's (a mean beside its mean of squares)")
     return out
+
+
+_SCALER_LOWEST = {"iter": 0, "skipped": 0, "skipped_in_a_row": 0, "hysteresis": 0, "last_overflow": -1}
+
+
+def _impossible_scaler(key: str, t: Tensor) -> list[str]:
+    """A loss scale that is not a finite number > 0 (0 divides by zero, NaN or inf skips every step
+    silently), or a negative count."""
+    if t.numel() != 1:
+        return [f"{key} holds {t.numel()} values, not one"]
+    name, x = key.split("/")[-1], t.item()
+    if name == "scale" and not (math.isfinite(x) and x > 0):
+        return [f"{key} = {x} (a loss scale: a finite number > 0)"]
+    if name in _SCALER_LOWEST and not x >= _SCALER_LOWEST[name]:
+        return [f"{key} = {x} (a count, from {_SCALER_LOWEST[name]})"]
+    return []
 
 
 def _differences(target: dict[str, Tensor], saved: dict[str, Any]) -> tuple[list[str], set]:
@@ -272,8 +291,8 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0)
         impossible = _impossible(load)
         if impossible:
-            err = CheckpointError(f"checkpoint {d} holds optimizer values no run writes, which would put NaN into "
-                                  f"the weights at the next step: {'; '.join(impossible[:_SHOWN])}"
+            err = CheckpointError(f"checkpoint {d} holds optimizer or loss-scale values no run writes, which would "
+                                  f"put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
                                   f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
     except CheckpointException as e:
         err = dcp_error(e, "loading checkpoint", d)

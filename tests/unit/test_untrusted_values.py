@@ -114,8 +114,22 @@ def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_p
     fz.save(state, tmp_path)
     words = {"count": r"opt/0/count = -1 \(a step count\)", "nu": r"opt/0/nu/.* has 1 negative values",
              "mu": r"opt/0/mu/.* has 1 values over 1e\+30 x the square root of nu's"}[what]
-    with pytest.raises(CheckpointError, match=rf"optimizer values no run writes, .*NaN .*{words}"):
+    with pytest.raises(CheckpointError, match=rf"values no run writes, .*NaN .*{words}"):
         _restore(tmp_path / "step_1")
+
+
+@pytest.mark.parametrize("field, value", [("scale", float("nan")), ("scale", float("inf")), ("scale", 0.0),
+                                          ("scale", -65536.0), ("iter", -5), ("skipped", -1)])
+def test_an_impossible_loss_scale_is_refused(tmp_path, field, value):
+    """fp16: a NaN or inf scale skipped every later step silently, 0 divided by zero at the next
+    step, a negative one was taken; a negative count is no count. The DeepSpeed import refused them."""
+    state = fz.init(make_model(), spec(1, 1, precision="fp16"))
+    state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+    bad = dict(state.scaler, **{field: torch.tensor(value, dtype=state.scaler[field].dtype)})
+    fz.save(state.replace(scaler=bad), tmp_path)
+    template = fz.init(make_model(1), spec(1, 1, precision="fp16"))
+    with pytest.raises(CheckpointError, match=rf"loss-scale values no run writes.*scaler/{field} = "):
+        fz.restore(template, tmp_path / "step_1")
 
 
 def test_a_generator_state_that_is_not_one_is_refused(tmp_path):
