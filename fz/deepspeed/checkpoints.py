@@ -57,8 +57,12 @@ def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Pa
     state, client = fz.restore(state, read, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
     client = dict(client)
     counters = client.pop(ENGINE_KEY, None) or {}
-    if not counters and isinstance(client.get("global_samples"), int):  # DeepSpeed's file: its own count
+    if not counters and "global_samples" in client:  # DeepSpeed's file: its own count
         counters = {"global_samples": client["global_samples"]}
+    samples = counters.get("global_samples", 0) if isinstance(counters, dict) else None
+    if type(samples) is not int or samples < 0:
+        raise CheckpointError(f"load_checkpoint: {read} holds engine counters {str(counters)[:80]!r}, not "
+                              "{'global_samples': an integer >= 0}: damaged or altered")
     return state, path, client, dict(counters)
 
 

@@ -266,3 +266,27 @@ def test_a_tensor_named_many_times_in_the_client_state_is_read_once(tmp_path: Pa
     every = [*client["many"], *client["views"]]
     assert len({t.untyped_storage().data_ptr() for t in every}) == 1
     assert torch.equal(client["many"][999], big) and torch.equal(client["views"][49], big[49:1049])
+
+
+@pytest.mark.parametrize("counters", [{"global_samples": -7.9}, {"global_samples": "abc"},
+                                      {"global_samples": float("inf")}, [1, 2, 3], {"global_samples": True}])
+def test_engine_counters_that_are_not_counts_are_refused(counters: object, tmp_path: Path) -> None:
+    """engine.load_checkpoint read global_samples with int(): a string, inf or a list was a raw
+    ValueError / OverflowError / TypeError, -7.9 became -7. Now a CheckpointError naming the folder."""
+    import json
+
+    import fz.deepspeed as deepspeed
+    from fz.ckpt import manifest
+    from fz.deepspeed.checkpoints import ENGINE_KEY
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=h.Net(), config=config)
+    engine.save_checkpoint(str(tmp_path), tag="t1")
+    step = tmp_path / "t1"
+    doc = json.loads((step / "data_0.json").read_text())
+    doc["client"][ENGINE_KEY] = counters
+    (step / "data_0.json").write_text(json.dumps(doc))
+    files = manifest.read(step)
+    files.update(manifest.describe(step, ["data_0.json"]))
+    manifest.write(step, files)
+    with pytest.raises(CheckpointError, match=r"holds engine counters .*not \{'global_samples': an integer >= 0\}"):
+        engine.load_checkpoint(str(tmp_path), tag="t1")
