@@ -27,7 +27,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from fz.ckpt.regular import inside, parse_json, read_regular, read_small
+from fz.ckpt.regular import inside, parse_json, plain_name, read_regular, read_small
 from fz.errors import CheckpointError, ConfigError
 
 PathLike = str | os.PathLike
@@ -199,7 +199,7 @@ def _tag_folder(root: Path) -> Path | None:
         return None
     raw = read_small(inside(root, root / LATEST, "the checkpoint pointer"), 4096, "the checkpoint pointer")
     tag = raw.decode("utf-8", "replace").strip()
-    if not tag or _LATEST_RE.match(tag) or "/" in tag or tag in (".", ".."):
+    if not plain_name(tag) or _LATEST_RE.match(tag):  # fz's own `latest`, or not a name: pointer() says which
         return None
     d = current(root, tag)
     return d if (d / MANIFEST).is_file() or (d / LATEST).is_file() else None

@@ -16,10 +16,15 @@ from typing import Any
 
 from fz.errors import CheckpointError
 
+NAME_MAX = 255  # bytes of one file name (Linux's)
+
 
 def inside(folder: Path, file: Path, what: str = "checkpoint file", where: str = "the checkpoint folder") -> Path:
     """`file`, refused unless it (symlinks followed) lies inside `folder` (`where` names it)."""
-    real, root = Path(file).resolve(), Path(folder).resolve()
+    try:
+        real, root = Path(file).resolve(), Path(folder).resolve()
+    except (ValueError, OSError) as e:  # a NUL byte, a name over NAME_MAX, a symlink loop
+        raise CheckpointError(f"{what} {str(file)[:200]!r} is not a path that can be read ({e}): not read") from None
     if not real.is_relative_to(root):
         raise CheckpointError(f"{what} {file} leads to {real}, outside {where} {root} "
                               "(a symlink or a name with '..'): not read")
@@ -27,9 +32,10 @@ def inside(folder: Path, file: Path, what: str = "checkpoint file", where: str =
 
 
 def plain_name(name: object) -> bool:
-    """A file name of the folder itself: no directory part, not '.' or '..', no NUL."""
+    """A file name of the folder itself: no directory part, not '.' or '..', no NUL, at most
+    NAME_MAX (255) bytes."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\0" not in name)
+            and "\0" not in name and len(name.encode("utf-8", "replace")) <= NAME_MAX)
 
 
 def _kind(mode: int) -> str:

@@ -290,3 +290,21 @@ def test_engine_counters_that_are_not_counts_are_refused(counters: object, tmp_p
     manifest.write(step, files)
     with pytest.raises(CheckpointError, match=r"holds engine counters .*not \{'global_samples': an integer >= 0\}"):
         engine.load_checkpoint(str(tmp_path), tag="t1")
+
+
+@pytest.mark.parametrize("tag", [b"global_step3\x00", b"a" * 300])
+def test_a_latest_that_names_no_file_is_a_checkpoint_error(tag: bytes, tmp_path: Path) -> None:
+    """A NUL byte or a name over 255 bytes in `latest` was a raw ValueError("embedded null byte") or
+    OSError(ENAMETOOLONG) from every reader; each is now a CheckpointError naming `latest`."""
+    import fz.deepspeed as deepspeed
+    ds = h.checkpoint(tmp_path / "ds")
+    (ds / "latest").write_bytes(tag)
+    own = tmp_path / "fz"
+    fz.save(h.state(), own)
+    (own / "latest").write_bytes(tag.replace(b"global_step3", b"step_0"))
+    engine, *_ = deepspeed.initialize(model=h.Net(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": {
+        "type": "AdamW", "params": {"lr": 1e-3}}})
+    for read in (lambda: fz.import_deepspeed(h.state(), ds), lambda: fz.restore(h.state(), ds),
+                 lambda: engine.load_checkpoint(str(ds)), lambda: fz.restore(h.state(), own)):
+        with pytest.raises(CheckpointError, match=r"latest (holds|is corrupted)"):
+            read()

@@ -203,3 +203,13 @@ def test_a_config_json_beside_weights_that_do_not_fit_is_read_safely(state, tmp_
         with pytest.raises(CheckpointError, match=rf"config.json beside the weights {cfg} {said}"):
             fz.load_weights(state, tmp_path)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("name", ["a" * 5000 + ".safetensors", "a\x00.safetensors"])
+def test_an_index_naming_no_possible_file_is_refused(state, tmp_path, name):
+    """A shard name over 255 bytes was a raw OSError(ENAMETOOLONG) from f.exists(): now named."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": name}}))
+    with pytest.raises(CheckpointError, match="not a .safetensors file in the folder"):
+        fz.load_weights(state, folder)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fz.ckpt import signing
-from fz.ckpt.regular import open_regular_file
+from fz.ckpt.regular import NAME_MAX, open_regular_file
 from fz.errors import CheckpointError
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -36,7 +36,11 @@ def _latest(path: Path) -> str:
         raw = fh.read(_MAX_LATEST + 1)
     if len(raw) > _MAX_LATEST:
         raise CheckpointError(f"{path / 'latest'} is over {_MAX_LATEST} bytes: not a tag name (pass tag=...)")
-    return raw.decode("utf-8", "replace").strip()
+    tag = raw.decode("utf-8", "replace").strip()
+    if len(tag.encode()) > NAME_MAX or any(c < " " or c == "\x7f" for c in tag):
+        raise CheckpointError(f"{path / 'latest'} holds {tag[:60]!r}, not a tag folder's name (control characters, or "
+                              f"over {NAME_MAX} bytes): damaged or altered (pass tag=...)")
+    return tag
 
 
 def is_deepspeed(path: Path) -> bool:

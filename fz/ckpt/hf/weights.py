@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fz.ckpt.hf import st_header
 from fz.ckpt.hf.st_header import DTYPES, read_json
-from fz.ckpt.regular import inside, open_regular
+from fz.ckpt.regular import inside, open_regular, plain_name
 from fz.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "Entry", "WeightFiles", "read", "read_all", "read_range"]
@@ -105,9 +105,9 @@ class WeightFiles:
         entries: dict[str, Entry] = {}
         for file, names in by_file.items():
             f = folder / file
-            if Path(file).name != file or not file.endswith(".safetensors"):
-                raise CheckpointError(f"{folder / INDEX} names {file!r} for {names[0]!r}: not a .safetensors file in "
-                                      "the folder")
+            if not plain_name(file) or Path(file).name != file or not file.endswith(".safetensors"):
+                raise CheckpointError(f"{folder / INDEX} names {file[:100]!r} for {names[0][:100]!r}: not a "
+                                      ".safetensors file in the folder")
             if not f.exists():
                 raise CheckpointError(f"{folder / INDEX} names {file} (for {len(names)} tensors, e.g. {names[0]!r}), "
                                       f"which does not exist in {folder}: a shard is missing (an interrupted "
