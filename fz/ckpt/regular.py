@@ -99,11 +99,22 @@ def read_regular(path: Path, what: str = "checkpoint file", limit: int = JSON_MA
     return data
 
 
+def _distinct(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct: fz never writes one twice, and json.loads would keep
+    the last silently (a second entry for a tensor, a step count, after the one checked)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice[:100]!r} appears twice")
+    return out
+
+
 def parse_json(raw: bytes | str, where: str) -> Any:
     """json.loads, with nesting past Python's recursion limit a CheckpointError naming `where`
-    (JSON errors stay ValueErrors, which callers word)."""
+    (JSON errors, a repeated key among them, stay ValueErrors, which callers word)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_distinct)
     except RecursionError:
         raise CheckpointError(f"{where} nests deeper than Python's recursion limit ({sys.getrecursionlimit()} "
                               "levels): not read") from None

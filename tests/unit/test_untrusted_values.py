@@ -278,3 +278,17 @@ def test_a_tensor_of_more_chunks_than_ranks_is_refused_before_they_are_planned(t
     with pytest.raises(CheckpointError, match=rf"index.json is unreadable or damaged \(ValueError: '{key}': 131073 "
                        r"chunks, more than the 131072 of a tensor fz.save writes \(one per rank"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+@pytest.mark.parametrize("name, key", [("fz.json", "train_step"), ("index.json", "format")])
+def test_a_key_written_twice_is_refused(tmp_path, name, key):
+    """json.loads keeps the last of a repeated key silently: a second train_step, or a second entry
+    for a tensor, after the one checked. fz never writes one twice."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    text = (step / name).read_text()
+    assert text.startswith("{")
+    (step / name).write_text("{" + json.dumps(key) + ": 0, " + text[1:])
+    _relist(step, name)
+    with pytest.raises(CheckpointError, match=rf"{name} is unreadable.*the key '{key}' appears twice"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
