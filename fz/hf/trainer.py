@@ -23,12 +23,11 @@ is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.ap
   (Spec.accumulate="sum") and averages the ranks, as DDP and DeepSpeed under the Trainer do.
   The logged loss is transformers' account of it (per micro-batch, NaN-filtered, rank-averaged),
   and evaluation takes `compute_loss` as transformers' prediction_step does (fz/hf/evaluation.py).
-- Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the
-  model's config and the tokenizer, but no full weights (as DeepSpeed's ZeRO checkpoints);
-  it is written as `tmp-checkpoint-N/` and renamed last (fz/hf/checkpoint_dirs.py).
-  `trainer.save_model()` writes a `from_pretrained` folder, `fz consolidate` a file.
-- `trainer.model`'s trainable weights are let go while train() runs (the State holds them) and
-  hold the trained ones after it (fz/hf/model_weights.py).
+- Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the model's
+  config (a PEFT model: its adapter) and the tokenizer, written as `tmp-checkpoint-N/` and
+  renamed last (fz/hf/checkpoint_dirs.py). `trainer.save_model()` writes a `from_pretrained` folder.
+- While train() runs `trainer.model`'s trainable weights are the State's (views of its compute
+  copy at ZeRO 0-2, meta at ZeRO-3); after it, the trained ones (fz/hf/model_weights.py).
 """
 from __future__ import annotations
 
