@@ -117,7 +117,7 @@ def candidates(model: Any, *, base: Spec | None = None, world_size: int | None =
     """The ladder's rungs, estimated and checked, up to the first that fits (or all of them),
     starting at `start_precision`."""
     budgets = plan_budgets(nvme_path, device_budget, host_budget, disk_budget)
-    world = world_size or local_devices() * nodes
+    world = local_devices() * nodes if world_size is None else world_size  # 0 is refused by estimate, not 1
     base = base or Spec()
     base = base.replace(precision=start_precision(base, precision, budgets)[0])
     device_type: Literal["cuda", "cpu"] = "cpu" if budgets.device_is_host else "cuda"  # as its autocast keeps them

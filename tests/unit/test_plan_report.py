@@ -89,3 +89,8 @@ def test_the_ladder_has_a_bf16_rung_only_when_it_starts_below(precision, tmp_pat
                           nvme_path=str(tmp_path), stop_at_first=False, precision=precision)
     assert any(c.name == "+ bf16 mixed precision" for c in found) == (precision == "fp32")
     assert found[-1].spec.precision == "bf16"
+
+
+def test_a_world_size_of_0_is_refused_not_planned_for_one_rank(capsys):
+    assert main(["plan", "--params", "1e9", "--largest-layer", "1e8", "--world-size", "0"]) == 2
+    assert "world_size=0 must be a positive multiple of nodes=1" in capsys.readouterr().err
