@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NonFiniteError) as e:  # NonFiniteError: consolidate refuses NaN weights
         print(f"fz {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file it cannot read or write (the disk filled up while writing...): said, not a traceback
+        print(f"fz {args.cmd}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

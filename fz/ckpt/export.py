@@ -7,6 +7,7 @@ drops it: peak host memory stays near the largest chunk (plus its cast copy), no
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,22 @@ def _meta(d: Path) -> dict[str, Any]:
     return meta
 
 
+def _check_target(out: Path, hf: bool) -> None:
+    """Where consolidate writes, checked before anything is read: a file's name (not a folder), in
+    a folder that exists (for --hf, the nearest one there is) and that this process may write."""
+    if not hf and out.is_dir():
+        raise CheckpointError(f"{out} is a folder: give a file name (OUT.safetensors), or --hf "
+                              "(hf=True) to write a Hugging Face folder there")
+    where = out if hf else out.parent
+    if not hf and not where.is_dir():
+        raise CheckpointError(f"cannot write {out}: the folder {where} does not exist")
+    while hf and not where.exists() and where != where.parent:
+        where = where.parent
+    if where.is_dir() and not os.access(where, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: {where} is not writable (permissions, or a "
+                              "read-only filesystem)")
+
+
 def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step: int | None = None,
                 verify: bool = True, progress: bool | None = None, key: signing.Key = None, hf: bool = False,
                 max_shard_size: int | str = "5GB") -> Consolidated:
@@ -90,6 +107,7 @@ def consolidate(ckpt: PathLike, out: PathLike, *, dtype: str | None = None, step
     global_stepN) is consolidated as DeepSpeed's zero_to_fp32 does it (fz/ckpt/deepspeed/export.py).
     (From a live state, a Hugging Face model folder: fz.hf.save_pretrained.)
     """
+    _check_target(Path(out), hf)
     if ds_files.is_deepspeed(Path(ckpt)):  # a DeepSpeed save_dir or tag folder: fz/ckpt/deepspeed/export.py
         tag = ds_files.unsigned_tag(Path(ckpt), step, key)
         return ds_export.consolidate(ckpt, out, cast=_dtype(dtype), progress=progress, hf=hf,

@@ -104,3 +104,25 @@ def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full(tmp_path, monke
     msg = str(full.value)
     assert msg.startswith("the disk is full (1.0 MiB free of "), msg
     assert str(tmp_path / "full" / "step_0.tmp") in msg and "unexpected pos 704 vs 598" in msg, msg
+
+
+def test_fz_consolidate_names_an_output_it_cannot_write_before_reading(saved, tmp_path, capsys, monkeypatch):
+    """A folder given as the output file was found only after the whole file was written; a
+    missing folder or a read-only one was a raw OSError traceback (exit 1). Each is one line, exit 2."""
+    import errno
+    import os
+    (tmp_path / "a_folder").mkdir()
+    for out, words in ((tmp_path / "a_folder", "is a folder: give a file name"),
+                       (tmp_path / "no" / "x.safetensors", "the folder .*no does not exist")):
+        assert main(["consolidate", str(saved), str(out)]) == 2
+        assert re.search(r"^fz consolidate: error: .*" + words, capsys.readouterr().err)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # as on a read-only mount (we may run as root)
+    assert main(["consolidate", str(saved), str(tmp_path / "x.safetensors")]) == 2
+    assert "is not writable (permissions, or a read-only filesystem)" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "x.safetensors.tmp"))
+    monkeypatch.setattr("fz.ckpt.hf.safetensors_io.open", read_only, raising=False)
+    assert main(["consolidate", str(saved), str(tmp_path / "x.safetensors")]) == 2
+    assert capsys.readouterr().err.startswith("fz consolidate: error: Read-only file system: ")
