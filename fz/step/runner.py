@@ -392,4 +392,10 @@ def default_loss(model: BoundModel, batch: Any) -> Any:
         raise ConfigError(f"the Spec has no loss_fn, so fz called {how}, and the model's forward refused it ({e}). "
                           "Set Spec(loss_fn=fn): fn(model, batch) returns the loss, e.g. "
                           "`lambda model, b: F.cross_entropy(model(b['x']), b['y'])`") from e
-    return getattr(out, "loss", out)
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"the Spec has no loss_fn, so fz took the model's output as the loss, and it is {got}, not "
+                          "a scalar (no .loss: labels not passed?). Set Spec(loss_fn=fn): fn(model, batch) returns "
+                          "the loss, e.g. `lambda model, b: F.cross_entropy(model(b['x']), b['y'])`")
+    return loss

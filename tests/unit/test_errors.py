@@ -64,6 +64,11 @@ def test_loss_fn_returning_non_scalar():
     state = fz.init(make_model(), fz.Spec(loss_fn=lambda m, b: m(b)))  # logits, not a loss
     with pytest.raises(fz.ConfigError, match=r"loss_fn must return a scalar tensor; got \(4, 16, 64\)"):
         fz.train_step(state, torch.zeros(4, 16, dtype=torch.long))
+    state = fz.init(make_model(), fz.Spec())  # no loss_fn: the model's output is taken as the loss
+    for step in (fz.train_step, fz.eval_step):
+        with pytest.raises(fz.ConfigError, match=r"the Spec has no loss_fn, so fz took the model's output as the "
+                                                 r"loss, and it is a tensor of shape \(4, 16, 64\), not a scalar"):
+            step(state, torch.zeros(4, 16, dtype=torch.long))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
