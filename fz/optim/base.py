@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from fz.errors import ConfigError
 
 Params = dict[str, Tensor]
 NormSq = Callable[[Params], Tensor]
@@ -150,8 +153,13 @@ def sum_across_shards(partial: Params, shard_sum: Callable[[Params], Params] | N
 
 
 def lr_at(lr: float | Callable[[int], float], count: int) -> float:
-    """A learning rate is a number or a schedule: a function of the step count."""
-    return float(lr(count)) if callable(lr) else float(lr)
+    """A learning rate is a number or a schedule: a function of the step count. A NaN or inf
+    one (any weight it touches would be NaN) and a negative number are ConfigErrors, as in torch."""
+    value = float(lr(count)) if callable(lr) else float(lr)
+    if not math.isfinite(value) or (value < 0 and not callable(lr)):
+        raise ConfigError(f"learning rate {value!r}" + (f" (the schedule's, at update {count})" if callable(lr) else "")
+                          + ": it must be a finite number >= 0")
+    return value
 
 
 def masked(inner: GradientTransformation, names: frozenset[str]) -> GradientTransformation:

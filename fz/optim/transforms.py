@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from fz.errors import ConfigError
 from fz.optim.base import GradientTransformation, NormSq, Params, global_norm, lr_at, owned
 
 LR = float | Callable[[int], float]
@@ -51,6 +52,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     `bias_correction=False` is DeepSpeed's FusedAdam option of that name: m / (sqrt(v) + eps).
     """
+    for name, value, ok in (("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1),
+                            ("eps", eps, 0 <= eps < math.inf)):
+        if not ok:  # as torch.optim.Adam refuses them: a beta of 1 or more, or a negative eps, diverges
+            raise ConfigError(f"adam {name}={value!r}: must be in " + ("[0, inf)" if name == "eps" else "[0, 1)"))
 
     def init(params: Params) -> AdamState:
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
@@ -83,6 +88,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """updates += weight_decay * params (decoupled decay when chained before the lr)."""
+    if not 0 <= weight_decay < math.inf:
+        raise ConfigError(f"weight_decay={weight_decay!r}: must be a finite number >= 0, as in torch.optim")
 
     def init(params: Params) -> tuple:
         return ()
@@ -164,6 +171,8 @@ class TraceState(NamedTuple):
 
 def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     """Heavy-ball momentum as torch.optim.SGD computes it (dampening 0)."""
+    if not 0 <= momentum < math.inf:
+        raise ConfigError(f"momentum={momentum!r}: must be a finite number >= 0, as in torch.optim.SGD")
 
     def init(params: Params) -> TraceState:
         return TraceState({k: torch.zeros_like(p) for k, p in params.items()})

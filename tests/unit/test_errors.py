@@ -107,3 +107,21 @@ def test_meta_module_without_reset_parameters():
         m = Bare()
     with pytest.raises(fz.ConfigError, match="reset_parameters"):
         fz.init(m, fz.Spec())
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: fz.optim.adamw(lr=-1.0), r"learning rate -1.0: it must be a finite number >= 0"),
+    (lambda: fz.optim.adamw(lr=float("nan")), r"learning rate nan"),
+    (lambda: fz.optim.adamw(betas=(1.5, 0.999)), r"adam betas\[0\]=1.5: must be in \[0, 1\)"),
+    (lambda: fz.optim.adam(eps=-1.0), r"adam eps=-1.0: must be in \[0, inf\)"),
+    (lambda: fz.optim.adamw(weight_decay=float("inf")), r"weight_decay=inf: must be a finite number >= 0"),
+    (lambda: fz.optim.sgd(momentum=-0.5), r"momentum=-0.5: must be a finite number >= 0"),
+    (lambda: fz.optim.adamw(lr=lambda step: float("nan") if step else 1e-3), r"the schedule's, at update 1"),
+])
+def test_optimizer_hyperparameters_torch_refuses_are_refused(make, words):
+    """lr=nan turned every weight to NaN at the first step, then skipped each one after; a beta of 1.5
+    or a negative eps trained on. torch.optim and the DeepSpeed config path refuse them."""
+    with pytest.raises(fz.ConfigError, match=words):
+        state = fz.init(make_model(), spec(0, 1, optimizer=make()))
+        for batch in rank_batches(1, 1, 2):
+            state, _ = fz.train_step(state, batch[0])
