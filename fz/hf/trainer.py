@@ -53,7 +53,7 @@ from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
-from fz.hf.views import TrainerOptimizer, TrainerSchedule, next_lr
+from fz.hf.views import TrainerOptimizer, TrainerSchedule, logged_lr, next_lr
 from fz.rng import restore
 
 log = logging.getLogger(__name__)
@@ -329,8 +329,8 @@ class Trainer(transformers.Trainer):
             norm = float(metrics.get("grad_norm", math.nan))
             if not math.isnan(norm):
                 logs["grad_norm"] = norm
-            if metrics.get("lr") is not None:
-                logs["learning_rate"] = float(metrics["lr"])
+            if (lr := logged_lr(self.fz_state)) is not None:  # DeepSpeed's sections: the next one, as there
+                logs["learning_rate"] = lr
             self._fz_running, self._fz_total, self._fz_logged_at = 0.0, self._fz_total + tr, self.state.global_step
             self.store_flos()
             self.log(logs)

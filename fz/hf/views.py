@@ -31,6 +31,18 @@ def next_lr(state: fz.State) -> float:
     return lr_at(schedule, int(state.step) - skipped)
 
 
+def logged_lr(state: fz.State) -> float | None:
+    """The lr transformers logs for the update just made: that update's own (the Trainer reads it
+    before stepping its scheduler), or, with a DeepSpeed config's optimizer or scheduler section,
+    the next update's, as under DeepSpeed, whose engine has stepped the schedule by then."""
+    lr = state.metrics.get("lr")
+    if lr is None:
+        return None
+    keys = state.spec.provenance.ds_keys if state.spec.provenance is not None else {}
+    sections = keys.get("optimizer") == "optimizer" or keys.get("scheduler") == "scheduler"
+    return next_lr(state) if sections else float(lr)
+
+
 class _Group(dict):
     def __setitem__(self, key: Any, value: Any) -> None:
         raise ConfigError(f"trainer.optimizer.param_groups[i][{key!r}] = ...: fz's lr comes from the arguments' "

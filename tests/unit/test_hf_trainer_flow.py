@@ -93,6 +93,30 @@ def test_callbacks_get_transformers_events_optimizer_and_schedule(tmp_path, stop
     same(got_logs, ref_logs)
 
 
+# What transformers.Trainer + DeepSpeed 0.19.8 logs as learning_rate for this run (lr 0.01, linear, no warmup,
+# 4 steps), the config's optimizer section "auto": its engine steps the schedule inside backward, before the
+# Trainer reads it, so each step logs the next one's lr (recorded with /work/venv-ds, world 1, ZeRO-2).
+DEEPSPEED_LOGGED_LR = [0.0075, 0.005, 0.0025, 0.0]
+
+
+@pytest.mark.parametrize("section", [True, False])
+def test_the_logged_lr_is_transformers_or_deepspeeds_as_the_config_has_sections(tmp_path, section):
+    """A DeepSpeed config with its own optimizer (or scheduler) section logs the next update's lr, as
+    under DeepSpeed; without one, the update's own, as transformers (and DeepSpeed then) log it."""
+    cfg = {**hp.deepspeed(2), **({"optimizer": {"type": "AdamW", "params": {
+        "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}} if section else {})}
+    settings = dict(max_steps=4, learning_rate=0.01, warmup_steps=0, weight_decay=0.0)
+    ours = trainer(True, str(tmp_path / "fz"), deepspeed=cfg, **settings)
+    ours.train()
+    got = [x[2] for x in logged(ours)]
+    if section:
+        assert got == pytest.approx(DEEPSPEED_LOGGED_LR, abs=1e-12)
+    else:
+        ref = trainer(False, str(tmp_path / "hf"), **settings)
+        ref.train()
+        assert got == pytest.approx([x[2] for x in logged(ref)], abs=1e-12) == [0.01, 0.0075, 0.005, 0.0025]
+
+
 def test_max_grad_norm_0_logs_the_norm_and_clips_nothing(tmp_path):
     ref, got = (trainer(f, str(tmp_path / str(f)), max_grad_norm=0.0) for f in (False, True))
     ref.train()
