@@ -1,9 +1,9 @@
 """What fz.hf.Trainer writes into `checkpoint-N/` and reads back on resuming.
 
 A checkpoint holds fz's checkpoint of the State (`fz/`: weights, optimizer, data position and
-the generator), `trainer_state.json`, the config, the tokenizer and `training_args.bin`, as
-transformers' does; with `save_only_model=True` the model's weights (a `from_pretrained`
-folder) in place of `fz/`, from which transformers cannot resume either. Written as
+the generator), `trainer_state.json`, the config, the tokenizer and `training_args.bin`, and the
+weights where transformers' does (`weights_in_checkpoints`); with `save_only_model=True` the
+weights (a `from_pretrained` folder) in place of `fz/`, from which transformers cannot resume either. Written as
 `tmp-checkpoint-N/` and renamed when complete (fz/hf/checkpoint_dirs.py). A PEFT model's adapter
 is written beside `fz/` too, as the Trainer writes it (`PeftModel.from_pretrained(base, checkpoint)`).
 """
@@ -21,6 +21,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 
 import fz
 from fz.ckpt.regular import inside, parse_json, read_regular
+from fz.config.deepspeed import load as load_deepspeed
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf.export import save_generation_config, save_pretrained
@@ -50,7 +51,8 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
         dirs.clear_staging(run_dir, step)  # a crashed save's leftovers; the others wait in fz.save's check-in
     staging = dirs.staging_dir(run_dir, step)
     tok = tokenizer(trainer)
-    if args.save_only_model or is_peft_model(trainer.model):  # the weights; a PEFT adapter beside fz's too
+    weights = args.save_only_model or is_peft_model(trainer.model) or weights_in_checkpoints(trainer)
+    if weights:  # the weights (with their config), as transformers' save_model writes them; a PEFT adapter
         save_pretrained(trainer.fz_ready(), staging, model=trainer._model(), processing_class=tok)
     if not args.save_only_model:
         loader = trainer._loader
@@ -73,7 +75,7 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
                 callbacks[name] = cb.state()
     os.makedirs(staging, exist_ok=True)
     config: Any = getattr(trainer.model, "config", None)  # a PEFT checkpoint holds the adapter's files alone, as PEFT's
-    if hasattr(config, "save_pretrained") and not (args.save_only_model or is_peft_model(trainer.model)):
+    if hasattr(config, "save_pretrained") and not weights:
         config.save_pretrained(staging)
         save_generation_config(trainer.model, staging)  # as transformers' checkpoint-N/ (fz consolidate --hf copies it)
     if tok is not None and hasattr(tok, "save_pretrained") and not args.save_only_model:
@@ -82,6 +84,18 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     trainer.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
     dirs.publish(run_dir, step)
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)
+
+
+def weights_in_checkpoints(trainer: Any) -> bool:
+    """Whether transformers' checkpoint-N holds the model's weights (its _save_checkpoint calls
+    save_model): at ZeRO 0-2 (DeepSpeed's module is whole on each rank) and without DeepSpeed; at
+    ZeRO-3 only with the config's 16-bit gather on save (else DeepSpeed's own files hold them)."""
+    if trainer.fz_ready().spec.stage < 3:
+        return True
+    zero = (load_deepspeed(trainer.args.deepspeed)[0].get("zero_optimization") or {}) if trainer.args.deepspeed else {}
+    return any(zero.get(k) is True for k in ("stage3_gather_16bit_weights_on_model_save",
+                                             "gather_16bit_weights_on_model_save",
+                                             "stage3_gather_fp16_weights_on_model_save"))
 
 
 def keep_the_best(trainer: Any, trial: Any) -> None:

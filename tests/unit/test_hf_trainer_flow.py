@@ -247,6 +247,23 @@ def test_save_total_limit_1_leaves_the_best_checkpoint_alone_at_the_end(tmp_path
     assert left[1] == left[0] == (["checkpoint-2"], "checkpoint-2")
 
 
+@pytest.mark.parametrize("stage, gather", [(None, False), (2, False), (3, False), (3, True)])
+def test_a_checkpoint_holds_the_weights_where_transformers_and_deepspeed_write_them(tmp_path, stage, gather):
+    """transformers' checkpoint-N has the weights (save_model) without DeepSpeed and at ZeRO-2, and at
+    ZeRO-3 only with the 16-bit gather on save; `from_pretrained("checkpoint-N")` loads them there."""
+    cfg = None if stage is None else {**hp.deepspeed(stage), "zero_optimization": {
+        "stage": stage, "stage3_gather_16bit_weights_on_model_save": gather}}
+    t = trainer(True, str(tmp_path), save_strategy="steps", save_steps=2, max_steps=2,
+                **({"deepspeed": cfg} if cfg else {}))
+    t.train()
+    folder = tmp_path / "checkpoint-2"
+    held = (folder / "model.safetensors").exists()
+    assert held == (stage != 3 or gather) and (folder / "config.json").exists()
+    if held:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in loaded.items())
+
+
 def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):
     out = tmp_path / "run"
     t = trainer(True, str(out), save_strategy="steps", save_steps=2, max_steps=2, save_only_model=True)
