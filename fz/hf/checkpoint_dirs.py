@@ -114,6 +114,7 @@ def to_resume(checkpoint: str | bool, output_dir: str) -> str:
                               f"checkpoint-N folder{_listing(output_dir)}")
         return str(done[-1][1])
     folder = Path(str(checkpoint))
+    refuse_deepspeeds(folder)
     if complete(folder):
         return str(folder)
     if not folder.is_dir():
@@ -127,6 +128,25 @@ def to_resume(checkpoint: str | bool, output_dir: str) -> str:
     listed = "".join(_listing(p) for p in places) or " (no checkpoint-N folders in " + " or ".join(places) + ")"
     raise ConfigError(f"fz.hf.Trainer: resume_from_checkpoint={str(checkpoint)!r} {why}; pass a checkpoint-N "
                       f"folder, or resume_from_checkpoint=True for the last one{listed}")
+
+
+def written_by_deepspeed(folder: str | Path) -> str | None:
+    """The tag folder of a checkpoint-N that transformers + DeepSpeed wrote (its `latest` and
+    global_stepN/), or None."""
+    folder = Path(folder)
+    tags = sorted(p.name for p in folder.glob("global_step*") if p.is_dir())
+    return tags[-1] if tags and (folder / "latest").is_file() else None
+
+
+def refuse_deepspeeds(folder: str | Path) -> None:
+    """A ConfigError naming the way on when `folder` is a transformers + DeepSpeed checkpoint."""
+    tag = written_by_deepspeed(folder)
+    if tag is not None:
+        raise ConfigError(
+            f"fz.hf.Trainer: {folder} was written by transformers + DeepSpeed ({tag}/), not by fz.hf.Trainer, which "
+            "resumes from its own checkpoints only. To go on from its weights and optimizer state on fz: "
+            f"state, _ = fz.import_deepspeed(trainer.fz_ready(), '{folder}') (docs/deepspeed.md), or start a new "
+            "run from its weights (from_pretrained, or fz consolidate)")
 
 
 def _listing(run_dir: str | Path) -> str:

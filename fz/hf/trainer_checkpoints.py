@@ -174,6 +174,7 @@ def trainer_state(checkpoint: str) -> TrainerState:
 def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
     """`state` restored from `checkpoint`'s fz checkpoint, the trainer state and callbacks with it;
     with ignore_data_skip, the data from the start of the checkpoint's epoch, as transformers."""
+    dirs.refuse_deepspeeds(checkpoint)  # resume_from_checkpoint=True may have picked one
     if not os.path.isdir(os.path.join(checkpoint, dirs.FZ_DIR)):
         raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved with save_only_model=True: it holds the model's "
                           "weights, not the optimizer or the data position, so training cannot resume from it "

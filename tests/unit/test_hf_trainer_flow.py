@@ -325,3 +325,19 @@ def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_pa
     with pytest.raises(CheckpointError, match=words[tamper]):
         t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert t.train().global_step == 4  # its State was not given to the refused restore
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_resuming_from_a_checkpoint_transformers_and_deepspeed_wrote_names_the_way_on(tmp_path, explicit):
+    """Its checkpoint-N holds DeepSpeed's `latest` and global_stepN/ (and at ZeRO-2 model.safetensors):
+    named as DeepSpeed's, with fz.import_deepspeed, not as a save_only_model one or "not fz's"."""
+    import json
+    folder = tmp_path / "checkpoint-2"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (folder / "model.safetensors").write_bytes(b"")
+    t = trainer(True, str(tmp_path), max_steps=4)
+    with pytest.raises(ConfigError, match=r"written by transformers \+ DeepSpeed \(global_step2/\).*"
+                                          r"fz.import_deepspeed"):
+        t.train(resume_from_checkpoint=str(folder) if explicit else True)
