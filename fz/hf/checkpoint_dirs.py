@@ -144,9 +144,9 @@ def refuse_deepspeeds(folder: str | Path) -> None:
     if tag is not None:
         raise ConfigError(
             f"fz.hf.Trainer: {folder} was written by transformers + DeepSpeed ({tag}/), not by fz.hf.Trainer, which "
-            "resumes from its own checkpoints only. To go on from its weights and optimizer state on fz: "
-            f"state, _ = fz.import_deepspeed(trainer.fz_ready(), '{folder}') (docs/deepspeed.md), or start a new "
-            "run from its weights (from_pretrained, or fz consolidate)")
+            f"resumes from its own checkpoints only. Start the fz run from its weights (`fz consolidate {folder} "
+            "OUT --hf`, then from_pretrained(OUT)); fz.import_deepspeed reads its optimizer state too "
+            "(docs/deepspeed.md)")
 
 
 def _listing(run_dir: str | Path) -> str:
