@@ -55,12 +55,14 @@ class State:
     @cached_property
     def params(self) -> dict[str, DTensor]:
         """{name: DTensor} views of `param_flats` (no copy, no wait)."""
+        self.check_alive("state.params")
         plan = self.plan
         return plan.named([f._local_tensor for f in self.param_flats], plan.param_locals, lambda b: b.place.param)
 
     @cached_property
     def master(self) -> dict[str, DTensor] | None:
         """{name: fp32 master weights} views of `master_flats`; None in fp32 (the params are the master)."""
+        self.check_alive("state.master")
         if self.spec.precision == "fp32":
             return None
         plan = self.plan

@@ -144,7 +144,12 @@ def current_lr(opt_state: Any) -> float:
     Accepts `state.opt_state` (or a whole fz.State); the first learning-rate record in
     depth-first order wins. Before the first step it is the lr the first step will use.
     """
+    if callable(getattr(opt_state, "check_alive", None)):
+        opt_state.check_alive("fz.optim.current_lr")
     tree = getattr(opt_state, "opt_state", opt_state)
+    if tree is None:
+        raise ConfigError("fz.optim.current_lr: the optimizer state is None: a donated state's (fz.train_step "
+                          "gave it up)? Read the state it returned")
     found = _find_lr(tree)
     if found is None:
         raise ValueError("no learning rate recorded in this optimizer state "

@@ -89,6 +89,12 @@ def test_donated_state_refuses_reuse():
                                              r"state it returned \(`state, loss = fz.train_step\(state, batch\)`; "
                                              r"donate=False keeps this one"):
         fz.train_step(state, batch)
+    for read, what in ((lambda: state.params, "state.params"), (lambda: state.master, "state.master"),
+                       (lambda: fz.optim.current_lr(state), "fz.optim.current_lr")):
+        with pytest.raises(fz.ConfigError, match=rf"{what}: this state was donated to fz.train_step"):
+            read()  # a TypeError / AttributeError / "no learning rate recorded" before
+    with pytest.raises(fz.ConfigError, match=r"the optimizer state is None: a donated state's"):
+        fz.optim.current_lr(state.opt_state)
     kept, _ = fz.train_step(new, batch, donate=False)
     fz.train_step(new, batch)  # donate=False left `new` usable
     assert int(kept.step) == 2
