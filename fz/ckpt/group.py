@@ -105,11 +105,15 @@ def run_local(fn, *args: Any) -> tuple[Any, BaseException | None]:
         return None, e
 
 
-def dcp_error(err: CheckpointException, what: str, where) -> CheckpointError:
-    """DCP's CheckpointException (a BaseException) as a CheckpointError with each rank's cause."""
+def dcp_error(err: CheckpointException, what: str, where, rank: int | None = None) -> BaseException:
+    """DCP's CheckpointException (a BaseException) as a CheckpointError with each rank's cause; a
+    Ctrl-C (or exit) DCP caught on this `rank` stays what it was, so that the caller's
+    `except KeyboardInterrupt` and the exit status see it."""
     causes = []
-    for rank, failure in sorted(getattr(err, "failures", {}).items()):
+    for r, failure in sorted(getattr(err, "failures", {}).items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        causes.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and rank in (None, r):
+            return exc
+        causes.append(f"rank {r}: {type(exc).__name__}: {exc}")
     detail = "; ".join(causes) or str(err)
     return CheckpointError(f"{what} {where} failed: {detail}")

@@ -295,7 +295,7 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
                                   f"put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
                                   f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
     except CheckpointException as e:
-        err = dcp_error(e, "loading checkpoint", d)
+        err = dcp_error(e, "loading checkpoint", d, rank)
     caller = who if who.startswith("fz.") else f"fz.{who}"
     try:
         found = summed(exchange(group, found, err, f"loading checkpoint {d}"))

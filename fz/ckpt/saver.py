@@ -139,7 +139,7 @@ class SaveJob:
             try:
                 md = written.result()
             except CheckpointException as e:
-                raise dcp_error(e, "writing checkpoint", self.tmp) from e
+                raise dcp_error(e, "writing checkpoint", self.tmp, self.rank) from e
             self._commit_all(md)
         self._cleaning(go)
 
@@ -159,7 +159,7 @@ class SaveJob:
         try:
             md = dcp.save(self.tensors, storage_writer=self._writer(), process_group=self.group, planner=_ReadsDisk())
         except CheckpointException as e:
-            raise dcp_error(e, "writing checkpoint", self.tmp) from e
+            raise dcp_error(e, "writing checkpoint", self.tmp, self.rank) from e
         finally:
             self.tensors = {}  # on disk (or failed): free them now
         self._commit_all(md)

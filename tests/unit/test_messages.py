@@ -126,3 +126,21 @@ def test_fz_consolidate_names_an_output_it_cannot_write_before_reading(saved, tm
     monkeypatch.setattr("fz.ckpt.hf.safetensors_io.open", read_only, raising=False)
     assert main(["consolidate", str(saved), str(tmp_path / "x.safetensors")]) == 2
     assert capsys.readouterr().err.startswith("fz consolidate: error: Read-only file system: ")
+
+
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_loses_nothing(tmp_path, monkeypatch):
+    """DCP catches the KeyboardInterrupt of its write and reports it as a failure: it surfaced as a
+    CheckpointError (exit 1, `except KeyboardInterrupt` missed it). The last good step stays."""
+    state = fz.init(make_model(), spec(0, 1))
+    fz.save(state, tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", interrupted)
+    state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
+    with pytest.raises(KeyboardInterrupt):
+        fz.save(state, tmp_path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_0"]
+    assert int(fz.restore(fz.init(make_model(), spec(0, 1)), tmp_path).step) == 0
