@@ -20,6 +20,7 @@ start-up.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,8 @@ from fz.errors import PeerError
 
 T = TypeVar("T")
 _POLL = 0.1  # s between looks at the check-in count
+_SAY_WAITING_S = 10.0  # s of waiting for the other ranks before it is said (once)
+log = logging.getLogger(__name__)
 _starts = 0  # default groups this process started: each start checks in under keys of its own
 
 
@@ -85,15 +88,23 @@ def check_in(store: dist.Store, rank: int, world: int, limit: float) -> None:
     try:
         call(lambda: store.set(f"{base}/{rank}", "1"))
         arrived = call(lambda: store.add(base, 1))
+        said = False
         with peers.waiting():
             while arrived < world:
-                if time.monotonic() > deadline:
+                late = time.monotonic() > deadline
+                if late or (not said and time.monotonic() > deadline - limit + min(_SAY_WAITING_S, limit / 2)):
                     keys = [f"{base}/{r}" for r in range(world)]
                     missing = [r for r, k in enumerate(keys) if not call(lambda k=k: store.check([k]))]  # type: ignore[misc]
-                    raise PeerError(
-                        f"{peers.activity()}: rank(s) {missing} did not join the job within Spec.timeout_s={limit:g} "
-                        f"s: not started, or killed, stopped or hung before joining (all {world} processes of "
-                        "WORLD_SIZE must start and call fz.init)", missing)
+                    if late:
+                        raise PeerError(
+                            f"{peers.activity()}: rank(s) {missing} did not join the job within {limit:g} s "
+                            "(Spec.timeout_s, or fz.distributed.init's timeout): not started, or killed, stopped or "
+                            f"hung before joining (all {world} processes of WORLD_SIZE must start and call fz.init)",
+                            missing)
+                    said = True  # once, so that a job started by hand (no launcher) does not wait in silence
+                    log.warning("fz: rank %d waits for rank(s) %s to join (WORLD_SIZE=%d; each process starts with "
+                                "its own RANK: launch with `fz run` or torchrun), for up to %g s more", rank, missing,
+                                world, max(deadline - time.monotonic(), 0))
                 time.sleep(_POLL)
                 arrived = call(lambda: store.add(base, 0))
     except StoreDown as e:
