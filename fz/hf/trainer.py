@@ -191,8 +191,7 @@ class Trainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
-        """transformers' train(); `resume_from_checkpoint` (True: the last complete checkpoint-N of
-        output_dir) is checked first, an error listing the checkpoints there are if it is none."""
+        """transformers' train(); `resume_from_checkpoint` (True: the last complete one) checked first."""
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = dirs.to_resume(resume_from_checkpoint, str(self.args.output_dir))
             trainer_checkpoints.trainer_state(resume_from_checkpoint)  # checked before transformers reads it
@@ -237,9 +236,10 @@ class Trainer(transformers.Trainer):
             self._next_lr, lambda: self.state.global_step)
         start, first = time.time(), self.state.global_step
         self._fz_running, self._fz_total, self._fz_logged_at = 0.0, 0.0, first  # transformers' loss accounting
-        log.info("fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s",
-                 max_steps, self._samples_per_step(), args.per_device_train_batch_size,
-                 args.gradient_accumulation_steps, args.world_size, state.spec.explain().splitlines()[0])
+        (log.info if self.is_world_process_zero() else log.debug)(  # once, as transformers' replicas log less
+            "fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s", max_steps,
+            self._samples_per_step(), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+            args.world_size, state.spec.explain().splitlines()[0])
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if getattr(args, "eval_on_start", False):
             self.evaluate(ignore_keys=ignore_keys_for_eval)
