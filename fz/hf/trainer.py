@@ -388,13 +388,13 @@ class Trainer(transformers.Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """What transformers' save_model writes: a folder `from_pretrained` loads (config, sharded
-        safetensors and their index; a PEFT model's adapter as PEFT writes it), the tokenizer and
-        training_args.bin; gathered from the State one bucket at a time. Every rank calls it."""
+        """What transformers' save_model writes (a `from_pretrained` folder, or a PEFT adapter, in its
+        dtype: trainer_checkpoints.saved_dtype), gathered one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
         self._check_in("save_model")
         out = output_dir or str(self.args.output_dir)
-        save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self))
+        save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self),
+                        dtype=trainer_checkpoints.saved_dtype(self))
         if self.args.should_save:
             torch.save(self.args, os.path.join(out, "training_args.bin"))

@@ -53,7 +53,8 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     tok = tokenizer(trainer)
     weights = args.save_only_model or is_peft_model(trainer.model) or weights_in_checkpoints(trainer)
     if weights:  # the weights (with their config), as transformers' save_model writes them; a PEFT adapter
-        save_pretrained(trainer.fz_ready(), staging, model=trainer._model(), processing_class=tok)
+        save_pretrained(trainer.fz_ready(), staging, model=trainer._model(), processing_class=tok,
+                        dtype=saved_dtype(trainer))
     if not args.save_only_model:
         loader = trainer._loader
         state = loader.attach(trainer.fz_state) if loader is not None else trainer.fz_ready()
@@ -84,6 +85,13 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     trainer.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
     dirs.publish(run_dir, step)
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)
+
+
+def saved_dtype(trainer: Any) -> torch.dtype | None:
+    """The dtype transformers' save_model writes: under DeepSpeed the module's, the precision the
+    run computes in (None); without, the model's own parameters, fp32 (the masters) under bf16 or
+    fp16 autocast."""
+    return None if trainer.args.deepspeed else torch.float32
 
 
 def weights_in_checkpoints(trainer: Any) -> bool:

@@ -264,6 +264,22 @@ def test_a_checkpoint_holds_the_weights_where_transformers_and_deepspeed_write_t
         assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in loaded.items())
 
 
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_a_bf16_runs_save_model_writes_the_dtype_transformers_writes(tmp_path, deepspeed):
+    """Without DeepSpeed transformers saves the model's own fp32 parameters (bf16 is autocast); under
+    DeepSpeed its bf16 module. fz.hf writes the fp32 masters, or the bf16 copy the run computed with."""
+    from safetensors.torch import load_file
+    dtypes = {}
+    for on_fz in ((True,) if deepspeed else (False, True)):
+        t = trainer(on_fz, str(tmp_path / str(on_fz)), max_steps=2, bf16=True,
+                    **({"deepspeed": {**hp.deepspeed(2), "bf16": {"enabled": "auto"}}} if deepspeed else {}))
+        t.train()
+        t.save_model(str(tmp_path / str(on_fz) / "final"))
+        dtypes[on_fz] = {v.dtype for v in load_file(tmp_path / str(on_fz) / "final" / "model.safetensors").values()}
+    assert dtypes[True] == {torch.bfloat16 if deepspeed else torch.float32}
+    assert deepspeed or dtypes[False] == {torch.float32}  # transformers' own, without DeepSpeed
+
+
 def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):
     out = tmp_path / "run"
     t = trainer(True, str(out), save_strategy="steps", save_steps=2, max_steps=2, save_only_model=True)
