@@ -94,10 +94,11 @@ def follow(model: nn.Module, state: fz.State, released: Released, callbacks: Ite
                             "weights", name, e)
 
 
-def fill(model: nn.Module, state: fz.State, released: Released) -> None:
-    """The State's weights in `model` (in its dtype), the parameters let go given storage of their
-    own again on their devices first, and its buffers moved there; if the copy fails they are let
-    go again as they were. A collective: every rank calls it."""
+def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtype | None = None) -> None:
+    """The State's weights in `model` (in its dtype; then the whole model cast to `cast`, if given, as
+    DeepSpeed casts its module), the parameters let go given storage of their own again on their
+    devices first, and its buffers moved there; if the copy fails they are let go again as they
+    were. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     before = {n: own[n].data for n in released}
     given: list[str] = []
@@ -131,6 +132,8 @@ def fill(model: nn.Module, state: fz.State, released: Released) -> None:
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(device)
+    if cast is not None and not stuck:
+        model.to(cast)
 
 
 def fill_after_error(fill_in: Callable[[], None]) -> None:

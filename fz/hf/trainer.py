@@ -361,9 +361,9 @@ class Trainer(transformers.Trainer):
         return prediction(self, model, inputs, prediction_loss_only, ignore_keys)
 
     def _copy_weights_into_model(self) -> None:
-        """The State's weights in `self.model` (in its dtype): after train(), and to generate with."""
+        """The State's weights in `self.model` (in the dtype transformers' holds): after train(), to generate."""
         if self.fz_state is not None:
-            model_weights.fill(self._model(), self.fz_state, self._fz_released)
+            model_weights.fill(self._model(), self.fz_state, self._fz_released, trainer_checkpoints.module_dtype(self))
             model_calls.uninstall(self._model())
             self._fz_released = {}
 

@@ -94,6 +94,15 @@ def saved_dtype(trainer: Any) -> torch.dtype | None:
     return None if trainer.args.deepspeed else torch.float32
 
 
+def module_dtype(trainer: Any) -> torch.dtype | None:
+    """The dtype `trainer.model` holds after training: with a DeepSpeed bf16 (fp16) config that one,
+    DeepSpeed's module being cast whole to it; otherwise its own (None)."""
+    precision = trainer.fz_ready().spec.precision
+    if not trainer.args.deepspeed or precision == "fp32":
+        return None
+    return torch.bfloat16 if precision == "bf16" else torch.float16
+
+
 def weights_in_checkpoints(trainer: Any) -> bool:
     """Whether transformers' checkpoint-N holds the model's weights (its _save_checkpoint calls
     save_model): at ZeRO 0-2 (DeepSpeed's module is whole on each rank) and without DeepSpeed; at

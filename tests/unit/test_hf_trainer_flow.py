@@ -265,9 +265,9 @@ def test_a_checkpoint_holds_the_weights_where_transformers_and_deepspeed_write_t
 
 
 @pytest.mark.parametrize("deepspeed", [False, True])
-def test_a_bf16_runs_save_model_writes_the_dtype_transformers_writes(tmp_path, deepspeed):
-    """Without DeepSpeed transformers saves the model's own fp32 parameters (bf16 is autocast); under
-    DeepSpeed its bf16 module. fz.hf writes the fp32 masters, or the bf16 copy the run computed with."""
+def test_a_bf16_runs_model_and_save_are_in_the_dtype_transformers_holds(tmp_path, deepspeed):
+    """Without DeepSpeed transformers' model stays fp32 and saves so (bf16 is autocast); under
+    DeepSpeed its module is bf16, and saved so. fz.hf: the fp32 masters, or the bf16 copy."""
     from safetensors.torch import load_file
     dtypes = {}
     for on_fz in ((True,) if deepspeed else (False, True)):
@@ -276,8 +276,9 @@ def test_a_bf16_runs_save_model_writes_the_dtype_transformers_writes(tmp_path, d
         t.train()
         t.save_model(str(tmp_path / str(on_fz) / "final"))
         dtypes[on_fz] = {v.dtype for v in load_file(tmp_path / str(on_fz) / "final" / "model.safetensors").values()}
-    assert dtypes[True] == {torch.bfloat16 if deepspeed else torch.float32}
-    assert deepspeed or dtypes[False] == {torch.float32}  # transformers' own, without DeepSpeed
+        dtypes[on_fz, "model"] = {p.dtype for p in t.model.parameters()}  # DeepSpeed's module is cast whole
+    assert dtypes[True] == dtypes[True, "model"] == {torch.bfloat16 if deepspeed else torch.float32}
+    assert deepspeed or dtypes[False] == dtypes[False, "model"] == {torch.float32}  # transformers' own
 
 
 def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_path):
