@@ -1,4 +1,4 @@
-"""A step's batch as micro-batches, and the loss as a scalar: checked, with errors that name the cause.
+"""A step's batch as micro-batches, and the loss as a scalar (the model's own without a loss_fn): checked.
 
 A batch is any tree of tensors a data loader yields: torch's pytree containers (dict, list,
 tuple, namedtuple) and every other `Mapping`, walked as transformers' Trainer walks its inputs
@@ -152,3 +152,26 @@ def scalar_loss(loss: Any) -> Tensor:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ConfigError(f"loss_fn must return a scalar tensor; got {shape}. Reduce it (e.g. .mean()) in loss_fn")
     return loss.reshape(())
+
+
+_SET_LOSS_FN = ("Set Spec(loss_fn=fn): fn(model, batch) returns the loss, e.g. "
+                "`lambda model, b: F.cross_entropy(model(b['x']), b['y'])`")
+
+
+def default_loss(model: Any, batch: Any) -> Any:
+    """model(**batch) for a dict, else model(batch); an output with `.loss` gives that. A forward
+    that does not take the batch, or an output that is no scalar, is told as the missing loss_fn."""
+    try:
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+    except TypeError as e:
+        if "argument" not in str(e) or "forward()" not in str(e):
+            raise
+        how = f"model(**batch) with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else "model(batch)"
+        raise ConfigError(f"the Spec has no loss_fn, so fz called {how}, and the model's forward refused it ({e}). "
+                          + _SET_LOSS_FN) from e
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise ConfigError(f"the Spec has no loss_fn, so fz took the model's output as the loss, and it is {got}, not "
+                          f"a scalar (no .loss: labels not passed?). {_SET_LOSS_FN}")
+    return loss

@@ -23,7 +23,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from fz.errors import ConfigError
 from fz.model.skeleton import Skeleton
 from fz.model.standin import running
 from fz.offload.transfer import Upload
@@ -378,24 +377,3 @@ class BoundModel:
 
     def __bool__(self) -> bool:
         return True
-
-
-def default_loss(model: BoundModel, batch: Any) -> Any:
-    """model(**batch) for a dict, else model(batch); an output with `.loss` gives that. A forward
-    that does not take the batch so is told to the user as the missing Spec.loss_fn it is."""
-    try:
-        out = model(**batch) if isinstance(batch, dict) else model(batch)
-    except TypeError as e:
-        if "argument" not in str(e) or "forward()" not in str(e):
-            raise
-        how = f"model(**batch) with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else "model(batch)"
-        raise ConfigError(f"the Spec has no loss_fn, so fz called {how}, and the model's forward refused it ({e}). "
-                          "Set Spec(loss_fn=fn): fn(model, batch) returns the loss, e.g. "
-                          "`lambda model, b: F.cross_entropy(model(b['x']), b['y'])`") from e
-    loss = getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"the Spec has no loss_fn, so fz took the model's output as the loss, and it is {got}, not "
-                          "a scalar (no .loss: labels not passed?). Set Spec(loss_fn=fn): fn(model, batch) returns "
-                          "the loss, e.g. `lambda model, b: F.cross_entropy(model(b['x']), b['y'])`")
-    return loss

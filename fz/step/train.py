@@ -24,10 +24,10 @@ from fz.sharding.comm import Comm
 from fz.sharding.pack import checked_flats
 from fz.state import State, expect_state
 from fz.step.agree import Agreement
-from fz.step.batches import micro_batches, on_device, scalar_loss
+from fz.step.batches import default_loss, micro_batches, on_device, scalar_loss
 from fz.step.phases import StepInProgress, autocast
 from fz.step.residency import Residency, ResidentRunner, deciding
-from fz.step.runner import BoundModel, Runner, default_loss
+from fz.step.runner import BoundModel, Runner
 
 
 def train_step(state: State, batch: Any, *, donate: bool = True) -> tuple[State, Tensor]:
