@@ -3,8 +3,8 @@
 A checkpoint holds fz's checkpoint of the State (`fz/`: weights, optimizer, data position and
 the generator), `trainer_state.json`, the config, the tokenizer and `training_args.bin`, and the
 weights where transformers' does (`weights_in_checkpoints`); with `save_only_model=True` the
-weights (a `from_pretrained` folder) in place of `fz/`, from which transformers cannot resume either. Written as
-`tmp-checkpoint-N/` and renamed when complete (fz/hf/checkpoint_dirs.py). A PEFT model's adapter
+weights (a `from_pretrained` folder) in place of `fz/`, from which transformers cannot resume
+either. Written as `tmp-checkpoint-N/` and renamed when complete (fz/hf/checkpoint_dirs.py). A PEFT model's adapter
 is written beside `fz/` too, as the Trainer writes it (`PeftModel.from_pretrained(base, checkpoint)`).
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
             else:
                 callbacks[name] = cb.state()
     os.makedirs(staging, exist_ok=True)
-    config: Any = getattr(trainer.model, "config", None)  # a PEFT checkpoint holds the adapter's files alone, as PEFT's
-    if hasattr(config, "save_pretrained") and not weights:
+    config: Any = getattr(trainer.model, "config", None)
+    if hasattr(config, "save_pretrained") and not weights:  # written with the weights (a PEFT adapter: none, as PEFT)
         config.save_pretrained(staging)
         save_generation_config(trainer.model, staging)  # as transformers' checkpoint-N/ (fz consolidate --hf copies it)
     if tok is not None and hasattr(tok, "save_pretrained") and not args.save_only_model:
