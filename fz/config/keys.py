@@ -72,13 +72,20 @@ ZERO_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "mics_hierarchical_params_gather": in_use,
     "zenflow": in_use,
 }
-_SAVE_16BIT = "read by fz.deepspeed's engine.save_16bit_model (fz.hf's save_model writes the weights at any setting)"
+GATHER_16BIT = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save")  # zero_optimization's; the last: its deprecated name
+_SAVE_16BIT = ("read by fz.deepspeed's engine.save_16bit_model and fz.hf's checkpoints (whether ZeRO-3 writes the "
+               "weights there; fz.hf's save_model writes them at any setting)")
 READ_ELSEWHERE = {  # keys no Spec field holds, which a shell reads from the config itself
     "dataloader_drop_last": "read by fz.deepspeed.initialize's training_data loader",
-    **{f"zero_optimization.{k}": _SAVE_16BIT for k in (
-        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save")},
+    **{f"zero_optimization.{k}": _SAVE_16BIT for k in GATHER_16BIT},
 }
+
+
+def gathers_16bit_on_save(cfg: dict) -> bool:
+    """Whether a DeepSpeed config has ZeRO-3 gather the 16-bit weights on save (any of its names)."""
+    zero = cfg.get("zero_optimization") or {}
+    return isinstance(zero, dict) and any(bool(zero.get(k)) for k in GATHER_16BIT)
 DATA_TYPES = {"grad_accum_dtype"}
 OFFLOAD_KEYS = {
     "device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init",

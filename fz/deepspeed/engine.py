@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import fz
+from fz.config.keys import gathers_16bit_on_save
 from fz.deepspeed import model_sync, zero
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import CheckpointError, ConfigError, NonFiniteError
@@ -358,10 +359,7 @@ class DeepSpeedEngine:
         """`save_dir/save_filename`: the model's state_dict in the training precision (bf16/fp16; fp32
         in an fp32 run), as DeepSpeed writes it; at stage 3 only with the config's
         stage3_gather_16bit_weights_on_model_save (else False, as DeepSpeed). Every rank calls it."""
-        zero = self.config.get("zero_optimization") or {}
-        if self.zero_optimization_stage() == 3 and not any(zero.get(k) for k in (  # the last: its deprecated name
-                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-                "stage3_gather_fp16_weights_on_model_save")):
+        if self.zero_optimization_stage() == 3 and not gathers_16bit_on_save(self.config):
             log.info("did not save %s: stage3_gather_16bit_weights_on_model_save is false (as DeepSpeed)",
                      os.path.join(str(save_dir), save_filename))
             return False

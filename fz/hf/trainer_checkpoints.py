@@ -22,6 +22,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 import fz
 from fz.ckpt.regular import inside, parse_json, read_regular
 from fz.config.deepspeed import load as load_deepspeed
+from fz.config.keys import gathers_16bit_on_save
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf.export import save_generation_config, save_pretrained
@@ -109,10 +110,7 @@ def weights_in_checkpoints(trainer: Any) -> bool:
     ZeRO-3 only with the config's 16-bit gather on save (else DeepSpeed's own files hold them)."""
     if trainer.fz_ready().spec.stage < 3:
         return True
-    zero = (load_deepspeed(trainer.args.deepspeed)[0].get("zero_optimization") or {}) if trainer.args.deepspeed else {}
-    return any(zero.get(k) is True for k in ("stage3_gather_16bit_weights_on_model_save",
-                                             "gather_16bit_weights_on_model_save",
-                                             "stage3_gather_fp16_weights_on_model_save"))
+    return bool(trainer.args.deepspeed) and gathers_16bit_on_save(load_deepspeed(trainer.args.deepspeed)[0])
 
 
 def keep_the_best(trainer: Any, trial: Any) -> None:

@@ -95,7 +95,10 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
             return sq.add_(eps1_arg or 0.0) if eps1_added else sq
 
         def mix(v: Tensor, x: Tensor) -> None:
-            v.mul_(keep).add_(x, alpha=1.0 - keep) if eps1_added else v.lerp_(x, beta2_t)
+            if eps1_added:
+                v.mul_(keep).add_(x, alpha=1.0 - keep)
+            else:
+                v.lerp_(x, beta2_t)
 
         # Round 1: per parameter [sum p^2, local rows, (2-D: column sums of g^2, sum of row stat)].
         stats: dict[str, Tensor] = {}
