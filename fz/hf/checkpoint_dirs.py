@@ -60,9 +60,11 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.s
 
 
 def complete(folder: str | Path) -> bool:
-    """A published checkpoint: fz's checkpoint, or (save_only_model) the weights, with the trainer state."""
+    """A published checkpoint: fz's checkpoint, DeepSpeed's (transformers + DeepSpeed wrote it), or
+    (save_only_model) the weights, with the trainer state."""
     folder = Path(folder)
-    held = (folder / FZ_DIR).is_dir() or any((folder / w).is_file() for w in WEIGHTS)
+    held = (folder / FZ_DIR).is_dir() or written_by_deepspeed(folder) is not None or \
+        any((folder / w).is_file() for w in WEIGHTS)
     return held and (folder / STATE_FILE).is_file()
 
 
@@ -100,8 +102,8 @@ def rotate(run_dir: str, limit: int | None, keep: str | None = None) -> None:
 
 def to_resume(checkpoint: str | bool, output_dir: str) -> str:
     """The folder `resume_from_checkpoint` names: with True the highest complete `checkpoint-N` of
-    `output_dir`; a path must be a complete fz.hf.Trainer checkpoint. Else a ConfigError listing
-    the ones there are."""
+    `output_dir`; a path must be a complete checkpoint of fz.hf.Trainer (or of transformers +
+    DeepSpeed, fz/hf/deepspeed_resume.py). Else a ConfigError listing the ones there are."""
     if checkpoint is True:
         found = numbered(output_dir)
         done = [(n, p) for n, p in found if complete(p)]
@@ -114,7 +116,6 @@ def to_resume(checkpoint: str | bool, output_dir: str) -> str:
                               f"checkpoint-N folder{_listing(output_dir)}")
         return str(done[-1][1])
     folder = Path(str(checkpoint))
-    refuse_deepspeeds(folder)
     if complete(folder):
         return str(folder)
     if not folder.is_dir():
@@ -136,17 +137,6 @@ def written_by_deepspeed(folder: str | Path) -> str | None:
     folder = Path(folder)
     tags = sorted(p.name for p in folder.glob("global_step*") if p.is_dir())
     return tags[-1] if tags and (folder / "latest").is_file() else None
-
-
-def refuse_deepspeeds(folder: str | Path) -> None:
-    """A ConfigError naming the way on when `folder` is a transformers + DeepSpeed checkpoint."""
-    tag = written_by_deepspeed(folder)
-    if tag is not None:
-        raise ConfigError(
-            f"fz.hf.Trainer: {folder} was written by transformers + DeepSpeed ({tag}/), not by fz.hf.Trainer, which "
-            f"resumes from its own checkpoints only. Start the fz run from its weights (`fz consolidate {folder} "
-            "OUT --hf`, then from_pretrained(OUT)); fz.import_deepspeed reads its optimizer state too "
-            "(docs/deepspeed.md)")
 
 
 def _listing(run_dir: str | Path) -> str:

@@ -54,7 +54,6 @@ from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, TrainerSchedule, logged_lr, next_lr
-from fz.rng import restore
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -217,8 +216,7 @@ class Trainer(transformers.Trainer):
         self._one_checkpointing(state.spec)
         resumed_rng = None  # the generator saved with the checkpoint, set as transformers sets it on resuming
         if resume_from_checkpoint is not None:
-            state = trainer_checkpoints.resume(self, state, resume_from_checkpoint)
-            resumed_rng = state.rng
+            state, resumed_rng = trainer_checkpoints.resume(self, state, resume_from_checkpoint)
         elif int(state.step):  # train() again: transformers keeps the optimizer, makes a new schedule, reads anew
             unread = {k: v for k, v in state.data.items() if k != "loader"} if isinstance(state.data, dict) else {}
             state = state.replace(step=torch.zeros_like(state.step), data=unread,
@@ -228,7 +226,7 @@ class Trainer(transformers.Trainer):
         self._let_go_of_weights()  # the State holds them (fz/hf/model_weights.py)
         self._loader = self._train_loader()
         if resumed_rng is not None and self._loader.at_epoch_start:  # before the epoch's reads, as transformers
-            restore(resumed_rng, state.plan.device)
+            resumed_rng()
             resumed_rng = None
         self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader
         self.optimizer = self.callback_handler.optimizer = TrainerOptimizer(self._next_lr)  # type: ignore[assignment]
@@ -256,7 +254,7 @@ class Trainer(transformers.Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             self._model().train()  # as transformers' training_step (an evaluation put it in eval mode)
             if resumed_rng is not None:  # mid-epoch: after the first step's batches are read, as transformers
-                restore(resumed_rng, state.plan.device)
+                resumed_rng()
                 resumed_rng = None
             self._before_step(batches)
             if online.online_class(self) is not None:  # TRL's GRPO, RLOO: generated, scored, then trained

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from fz.config.deepspeed import load as load_deepspeed
 from fz.config.keys import gathers_16bit_on_save
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
+from fz.hf import deepspeed_resume
 from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
-from fz.rng import capture
+from fz.rng import capture, restore
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +188,12 @@ def trainer_state(checkpoint: str) -> TrainerState:
         raise CheckpointError(f"the trainer state {path} does not make a TrainerState ({e})") from None
 
 
-def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
-    """`state` restored from `checkpoint`'s fz checkpoint, the trainer state and callbacks with it;
-    with ignore_data_skip, the data from the start of the checkpoint's epoch, as transformers."""
-    dirs.refuse_deepspeeds(checkpoint)  # resume_from_checkpoint=True may have picked one
-    if not os.path.isdir(os.path.join(checkpoint, dirs.FZ_DIR)):
+def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Callable[[], None] | None]:
+    """(`state` restored from `checkpoint` (fz's, or one transformers + DeepSpeed wrote), the trainer
+    state and callbacks with it, a function setting the generators as saved); with ignore_data_skip
+    the data from the start of the checkpoint's epoch, as transformers."""
+    by_deepspeed = dirs.written_by_deepspeed(checkpoint) is not None
+    if not by_deepspeed and not os.path.isdir(os.path.join(checkpoint, dirs.FZ_DIR)):
         raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved with save_only_model=True: it holds the model's "
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")
@@ -200,8 +203,12 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
     except (TypeError, ValueError, AttributeError) as e:  # a callback's saved args it does not take
         raise CheckpointError(f"the trainer state {os.path.join(checkpoint, dirs.STATE_FILE)}: its stateful_callbacks "
                               f"do not make this run's callbacks ({type(e).__name__}: {e})") from None
-    restored = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
-    assert isinstance(restored, fz.State)
+    if by_deepspeed:
+        restored, generators = deepspeed_resume.resume(trainer, state, checkpoint, trainer.state.global_step)
+    else:
+        loaded = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
+        assert isinstance(loaded, fz.State)
+        restored, generators = loaded, (loaded.rng, None)
     trainer._load_optimizer_and_scheduler(checkpoint)  # fz's does nothing; a subclass's additions (GRPO's) load
     trainer.state.global_step = int(restored.step)
     position = restored.data.get("loader") if isinstance(restored.data, dict) else None
@@ -209,4 +216,14 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> fz.State:
         per_epoch = trainer._max_steps()[1]
         epoch = trainer.state.global_step // per_epoch if per_epoch else int(position["epoch"])
         restored = restored.replace(data={**restored.data, "loader": {**position, "epoch": epoch, "index": 0}})
-    return restored
+    if generators is None:
+        return restored, None
+    torch_rng, host = generators
+    device = restored.plan.device
+
+    def set_generators() -> None:
+        restore(torch_rng, device)
+        if host is not None:
+            host()
+
+    return restored, set_generators
