@@ -9,6 +9,7 @@ by block; every rank takes part). The loss is what transformers' prediction_step
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -18,6 +19,17 @@ from transformers.trainer_pt_utils import nested_detach
 import fz
 from fz.hf import counts
 from fz.hf.redirection import RunsRedirected
+
+
+def prepared(trainer: Any) -> None:
+    """The State made (the model sharded) for an evaluation or a prediction. transformers' first one
+    before any training prepares the model there and reports the time it took as
+    `model_preparation_time`, in it and in every later one: so does this."""
+    if trainer._loader is not None or hasattr(trainer, "model_preparation_time"):  # trained: prepared by train()
+        return
+    start = time.time()
+    trainer.fz_ready()
+    trainer.model_preparation_time = round(time.time() - start, 4)
 
 
 class Evaluated(RunsRedirected):

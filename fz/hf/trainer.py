@@ -48,7 +48,7 @@ from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf import collective_calls, counts, data, draws, model_calls, model_weights, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
-from fz.hf.evaluation import Evaluated, prediction
+from fz.hf.evaluation import Evaluated, prediction, prepared
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
@@ -377,11 +377,13 @@ class Trainer(transformers.Trainer):
         collective_calls.check_in(self.fz_ready(), call)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        prepared(self)
         self._check_in("evaluate")
         with online.weights_held(self):  # an online trainer's evaluation generates with trainer.model
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
+        prepared(self)
         self._check_in("predict")
         return super().predict(*args, **kwargs)
 

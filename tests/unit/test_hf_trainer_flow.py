@@ -361,3 +361,21 @@ def test_a_transformers_and_deepspeed_checkpoint_without_deepspeeds_files_is_ref
     with pytest.raises(CheckpointError, match=r"^DeepSpeed checkpoint \S+checkpoint-2: tag 'global_step2' not found"):
         t.train(resume_from_checkpoint=str(folder) if explicit else True)
     assert t.train().global_step == 4
+
+
+def test_metrics_name_the_model_preparation_as_transformers_does(tmp_path):
+    """An evaluation before training prepares the model (fz: makes the State) and says how long it
+    took, in every later evaluation and prediction too; one after training does not."""
+    keys = {}
+    for on_fz in (False, True):
+        first = trainer(on_fz, str(tmp_path / f"a{on_fz}"), eval_data=hp.causal_lm_data(), max_steps=1)
+        seen = [sorted(first.evaluate())]
+        first.train()
+        seen += [sorted(first.evaluate()), sorted(first.predict(hp.causal_lm_data()).metrics)]
+        later = trainer(on_fz, str(tmp_path / f"b{on_fz}"), eval_data=hp.causal_lm_data(), max_steps=1)
+        later.train()
+        seen += [sorted(later.evaluate()), sorted(later.predict(hp.causal_lm_data()).metrics)]
+        keys[on_fz] = seen
+    assert keys[True] == keys[False]
+    assert "eval_model_preparation_time" in keys[True][0] and "test_model_preparation_time" in keys[True][2]
+    assert not any("preparation" in k for k in keys[True][3] + keys[True][4])
