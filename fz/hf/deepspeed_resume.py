@@ -92,11 +92,8 @@ def position(reader: fz.data.Loader, state: fz.State, global_step: int) -> fz.St
 def resume(trainer: Any, state: fz.State, checkpoint: str, global_step: int) -> tuple[fz.State, Any]:
     """(`state` from DeepSpeed's checkpoint in `checkpoint` and the data position after
     `global_step`, the generators' saved state or None). Every rank calls it."""
-    from fz.hf.peft_export import is_peft_model
-
     reader = trainer._train_loader().loader  # this run's data layout and order, made before `state` is given up
-    peft = is_peft_model(trainer.model)  # DeepSpeed saved the adapter only (exclude_frozen_parameters)
-    restored, _ = fz.import_deepspeed(state, checkpoint, strict=not peft)
+    restored, _ = fz.import_deepspeed(state, checkpoint)  # a PEFT run's: the adapter only, the base is the model's
     if int(restored.step) != global_step:
         raise CheckpointError(f"{checkpoint}: DeepSpeed's checkpoint is at step {int(restored.step)}, its "
                               f"trainer_state.json at {global_step}: not one save")

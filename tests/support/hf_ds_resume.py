@@ -33,10 +33,12 @@ DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_ma
                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}}
 # name: (ZeRO stage, task, DeepSpeed sections): a causal LM over an epoch's end (ZeRO-3, DeepSpeed's
 # optimizer and schedule), and BERT's masked LM with dropout (ZeRO-2, the Trainer's AdamW and schedule):
-# its masks and dropout come from the generators saved in rng_state_{rank}.pth
+# its masks and dropout come from the generators saved in rng_state_{rank}.pth; and a PEFT LoRA
+# run (ZeRO-3), whose checkpoint DeepSpeed saves without the frozen base (exclude_frozen_parameters)
 FIXTURES: dict[str, tuple[int, str, dict[str, Any]]] = {
     "z3_lm": (3, "lm", {"optimizer": ADAMW, "scheduler": DECAY}),
     "z2_mlm_dropout": (2, "mlm", {}),
+    "z3_lora": (3, "lora", {}),
 }
 
 
@@ -70,6 +72,10 @@ def model(task: str) -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if task == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model("lm"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
     if task == "mlm":
         return BertForMaskedLM(BertConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                           intermediate_size=64, max_position_embeddings=64, pad_token_id=0))

@@ -13,6 +13,7 @@ any fz stage and world size. What comes across:
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from fz.ckpt.finite import Counts, report
 from fz.ckpt.hf.pretrained import Place, _places, _put, _span
 from fz.errors import CheckpointError
 from fz.state import State, block_until_ready, expect_state
+
+log = logging.getLogger(__name__)
 
 _MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
 
@@ -93,12 +96,16 @@ def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     by_canon: dict[str, list[str]] = {}
     for name, canon in state.skeleton.aliases.items():
         by_canon.setdefault(canon, []).append(name)
-    problems, pairs = [], {}
+    problems, pairs, kept = [], {}, []
+    trainable = _trainable(state)
     for canon, (_, s) in state.plan.slots().items():
         names = [canon] + [n for n in by_canon.get(canon, []) if n != canon]
         key = next((n for n in names if n in stored), None)
         if key is None:
             key = next((ck.shared[n] for n in names if n in ck.shared and ck.shared[n] in stored), None)
+        if key is None and not ck.frozen and canon not in trainable and ck.params:
+            kept.append(canon)  # saved with exclude_frozen_parameters (a PEFT adapter's run): this state's stay
+            continue
         if key is None:
             problems.append(f"missing: {canon}")
             continue
@@ -109,6 +116,9 @@ def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     for key in sorted(set(stored) - set(pairs.values())):
         if state.skeleton.aliases.get(key) not in pairs:
             problems.append(f"unexpected: {key}")
+    if kept and not problems:
+        log.info("DeepSpeed checkpoint %s holds the trainable parameters only (saved with exclude_frozen_parameters):"
+                 " the %d frozen ones keep this state's values", ck.path, len(kept))
     return pairs, problems
 
 
@@ -138,9 +148,10 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
     the step count, loss scale and buffers. Returns (state, client_state). Every rank calls it;
     each reads only what it holds. Names or shapes that differ are a CheckpointError listing them
     (strict=False: a warning, and the rest is loaded); so are moments the state's optimizer has
-    no place for. Pickled files are parsed, never run: a class outside DeepSpeed's is refused. A NaN
-    or inf in the weights or moments is fz.NonFiniteError naming them, on every rank
-    (allow_nonfinite=True: a warning with the counts)."""
+    no place for. One saved with `exclude_frozen_parameters` (it holds no frozen weight: a PEFT
+    run's) leaves this state's frozen parameters as they are. Pickled files are parsed, never
+    run: a class outside DeepSpeed's is refused. A NaN or inf in the weights or moments is
+    fz.NonFiniteError naming them, on every rank (allow_nonfinite=True: a warning with the counts)."""
     from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint  # the pickle reader, only when one is read
 
     expect_state(state, "fz.import_deepspeed")
