@@ -27,13 +27,29 @@ STAGING = "tmp-"  # tmp-checkpoint-N: a save in progress (never matched by get_l
 _NUMBERED = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is a `checkpoint-N` folder's name."""
+    return _NUMBERED.fullmatch(name) is not None
+
+
 def staging_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, f"{STAGING}{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
 def clear_staging(run_dir: str, step: int) -> None:
-    """Before a save, on the rank that writes: what a crashed save of this step left."""
-    shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+    """Before a save, on the rank that writes: what a crashed save of this step left (a link or a
+    file of that name removed itself: a save never writes through it to where it leads)."""
+    _remove(staging_dir(run_dir, step))
+
+
+def _remove(path: str) -> None:
+    """`path` gone: a folder with what is in it, a link or a file itself (never what a link leads to)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        raise ConfigError(f"fz.hf.Trainer: {path} is in the way of a checkpoint and cannot be removed")
 
 
 def final_dir(run_dir: str, step: int) -> str:
@@ -45,14 +61,14 @@ def publish(run_dir: str, step: int) -> str:
     staging, final = staging_dir(run_dir, step), final_dir(run_dir, step)
     _fsync_tree(staging)
     old = None
-    if os.path.exists(final):
+    if os.path.lexists(final):
         old = f"{staging}.replaced"
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.rename(final, old)  # the complete old copy stays until the new one is in place
     os.rename(staging, final)
     _fsync(run_dir)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
 
 
@@ -69,15 +85,18 @@ def complete(folder: str | Path) -> bool:
 
 
 def numbered(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(N, path) of every `checkpoint-N` folder in `run_dir`, by N."""
+    """(N, path) of every `checkpoint-N` folder in `run_dir`, by N; a link of that name is none
+    (it may lead out of the run: resuming, rotating and keeping the best never follow one)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = []
     for p in run_dir.iterdir():
         m = _NUMBERED.fullmatch(p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and not p.is_symlink():
             found.append((int(m.group(1)), p))
+        elif m and p.is_symlink():
+            log.warning("fz.hf.Trainer: %s is a link, not a checkpoint of this run: passed over", p)
     return sorted(found)
 
 
@@ -89,14 +108,15 @@ def rotate(run_dir: str, limit: int | None, keep: str | None = None) -> None:
     done = [p for _, p in numbered(run_dir) if complete(p)]
     if not done:
         return
-    protected = {done[-1].resolve()} | ({Path(keep).resolve()} if keep else set())
+    protected = {done[-1].resolve()} | ({Path(keep).resolve()} if keep and Path(keep).resolve() in
+                                        {p.resolve() for p in done} else set())
     remaining = len(done)
     for path in done:
         if remaining <= max(limit, len(protected)):
             break
         if path.resolve() not in protected:
             log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(str(path))
             remaining -= 1
 
 

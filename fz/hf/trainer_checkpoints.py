@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import compare_trainer_and_checkpoint_args
 
 import fz
 from fz.ckpt.regular import inside, parse_json, read_regular
@@ -119,10 +121,13 @@ def keep_the_best(trainer: Any, trial: Any) -> None:
     """transformers' end of train(): with save_total_limit=1 only the best checkpoint stays
     (rotation kept the newest beside it while training)."""
     args, best = trainer.args, trainer.state.best_model_checkpoint
-    if not (args.should_save and best is not None and args.save_total_limit == 1 and os.path.isdir(best)):
+    if not (args.should_save and best is not None and args.save_total_limit == 1):
         return
-    for _, path in dirs.numbered(trainer._get_output_dir(trial=trial)):
-        if not os.path.samefile(path, best):
+    run = dirs.numbered(trainer._get_output_dir(trial=trial))
+    if not any(path.resolve() == Path(best).resolve() for _, path in run):  # the best is a checkpoint of this run
+        return
+    for _, path in run:
+        if path.resolve() != Path(best).resolve():
             log.info("fz.hf.Trainer: deleting %s (save_total_limit=1 keeps the best checkpoint)", path)
             shutil.rmtree(path, ignore_errors=True)
 
@@ -135,6 +140,24 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {  # TrainerState's fields as its JS
     **dict.fromkeys(("best_model_checkpoint", "trial_name"), (str, _NONE)),
     **dict.fromkeys(("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search"), (bool,)),
     "log_history": (list,), "trial_params": (dict, _NONE), "stateful_callbacks": (dict, _NONE)}
+_COUNTS = ("global_step", "max_steps", "num_input_tokens_seen", "best_global_step", "train_batch_size")
+_INTERVALS = ("logging_steps", "eval_steps", "save_steps")  # the loop divides by them
+_AMOUNTS = ("epoch", "num_train_epochs", "total_flos")
+
+
+def _out_of_range(name: str, v: Any) -> str | None:
+    """Why a number (or the best checkpoint's path) of the right type cannot be what transformers wrote."""
+    if v is None or name == "best_metric":
+        return None
+    if name in _COUNTS and not (isinstance(v, int) and 0 <= v <= 2**62):
+        return "not a whole number from 0 to 2**62"
+    if name in _INTERVALS and not (math.isfinite(v) and v > 0):
+        return "not a finite number > 0"
+    if name in _AMOUNTS and not (math.isfinite(v) and v >= 0):
+        return "not a finite number >= 0"
+    if name == "best_model_checkpoint" and ("\0" in v or not dirs.is_checkpoint_name(os.path.basename(v))):
+        return "not the path of a checkpoint-N folder"
+    return None
 
 
 def _wrong_field(value: dict[str, Any]) -> str | None:
@@ -144,6 +167,9 @@ def _wrong_field(value: dict[str, Any]) -> str | None:
         types = _FIELD_TYPES.get(name)
         if types is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
             return f"{name} is {v!r:.60}, not {' or '.join('null' if t is _NONE else t.__name__ for t in types)}"
+        why = _out_of_range(name, v) if types is not None else None
+        if why is not None:
+            return f"{name} is {v!r:.60}: {why}"
     if not all(isinstance(e, dict) for e in value.get("log_history") or []):
         return "log_history is not a list of objects"
     for name, saved in (value.get("stateful_callbacks") or {}).items():
@@ -198,6 +224,12 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")
     trainer.state = trainer_state(checkpoint)  # read, checked and applied before the State is given to restore
+    best = trainer.state.best_model_checkpoint
+    if best is not None and not os.path.isdir(best):  # as transformers
+        log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
+                    "Ignoring it for this run.", best)
+        trainer.state.best_model_checkpoint = None
+    compare_trainer_and_checkpoint_args(trainer.args, trainer.state)  # its warning: the saved intervals are kept
     try:
         trainer._load_callback_state()
     except (TypeError, ValueError, AttributeError) as e:  # a callback's saved args it does not take

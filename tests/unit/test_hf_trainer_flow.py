@@ -294,8 +294,14 @@ def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_
         trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(folder))
 
 
+RANGES = {"interval_zero": ("logging_steps", 0, "not a finite number > 0"),
+          "interval_inf": ("save_steps", 1e999, "not a finite number > 0"),
+          "negative_step": ("global_step", -1, "not a whole number from 0 to 2"),
+          "best_elsewhere": ("best_model_checkpoint", "/etc", "not the path of a checkpoint-N folder")}
+
+
 @pytest.mark.parametrize("tamper", ["link_out", "unknown_key", "not_json", "sparse", "deep", "wrong_type",
-                                    "callback_args", "fz_out"])
+                                    "callback_args", "fz_out", *RANGES])
 def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_path, tamper):
     """trainer_state.json is read as a regular file inside the checkpoint, bounded and not too deep, an
     object of TrainerState's fields of their types whose callbacks this run's take, before fz.restore
@@ -322,9 +328,11 @@ def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_pa
         os.truncate(path, 300 << 20)
     elif tamper == "deep":
         path.write_text("[" * 5000 + "]" * 5000)
-    elif tamper in ("wrong_type", "callback_args"):
+    elif tamper in ("wrong_type", "callback_args", *RANGES):
         saved = json.loads(path.read_text())
-        if tamper == "wrong_type":
+        if tamper in RANGES:
+            saved[RANGES[tamper][0]] = RANGES[tamper][1]
+        elif tamper == "wrong_type":
             saved["logging_steps"] = "1"
         else:
             saved["stateful_callbacks"]["TrainerControl"]["args"]["evil"] = 1
@@ -337,7 +345,8 @@ def test_a_tampered_trainer_state_is_refused_before_the_state_is_restored(tmp_pa
              "sparse": rf"{state} is 314572800 bytes, over the 256 MiB", "deep": rf"{state} nests deeper",
              "wrong_type": rf"{state}: logging_steps is '1', not int or float: damaged",
              "callback_args": rf"{state}: its stateful_callbacks do not make this run's callbacks \(TypeError",
-             "fz_out": r"^fz's checkpoint \S+fz leads to \S+elsewhere, outside the checkpoint folder"}
+             "fz_out": r"^fz's checkpoint \S+fz leads to \S+elsewhere, outside the checkpoint folder",
+             **{k: rf"{state}: {f} is .*: {why}" for k, (f, _, why) in RANGES.items()}}
     t = trainer(True, str(out), max_steps=4, restore_callback_states_from_checkpoint=True)
     with pytest.raises(CheckpointError, match=words[tamper]):
         t.train(resume_from_checkpoint=str(out / "checkpoint-2"))

@@ -1,0 +1,65 @@
+"""A run's output_dir may hold what someone else put there: a `tmp-checkpoint-N` or `checkpoint-N`
+that is a link, a trainer state naming another folder as the best. fz.hf.Trainer never writes
+through such a link, never resumes from where one leads, and never deletes a checkpoint for a
+best one outside the run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import fz.hf  # noqa: E402
+from fz.errors import ConfigError  # noqa: E402
+
+from support import hf_pipeline as hp  # noqa: E402
+
+
+def trainer(out: Path, **kw: Any) -> fz.hf.Trainer:
+    settings: dict[str, Any] = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=4,
+                                    learning_rate=3e-3, use_cpu=True, report_to=[], save_strategy="steps",
+                                    save_steps=2, seed=0, disable_tqdm=True, logging_steps=1)
+    settings.update(kw)
+    return fz.hf.Trainer(model=hp.llama(), args=fz.hf.TrainingArguments(**settings),
+                         train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"))
+
+
+def test_a_staging_link_is_removed_not_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "config.json").write_text("mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tmp-checkpoint-2").symlink_to(victim)
+    trainer(out).train()
+    assert sorted(p.name for p in victim.iterdir()) == ["config.json"]
+    assert (victim / "config.json").read_text() == "mine"
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-2").is_symlink()
+
+
+def test_resume_true_passes_over_a_checkpoint_link(tmp_path):
+    other = tmp_path / "other"
+    trainer(other, max_steps=2).train()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint-999").symlink_to(other / "checkpoint-2")
+    with pytest.raises(ConfigError, match="holds no complete checkpoint-N folder"):
+        trainer(out).train(resume_from_checkpoint=True)
+
+
+def test_a_best_checkpoint_outside_the_run_protects_nothing_and_deletes_nothing(tmp_path):
+    """save_total_limit=1 keeps the best at the end: a best that is not one of the run's is none."""
+    out = tmp_path / "run"
+    trainer(out, max_steps=2).train()
+    path = out / "checkpoint-2" / "trainer_state.json"
+    saved = json.loads(path.read_text())
+    outside = tmp_path / "elsewhere" / "checkpoint-7"
+    outside.mkdir(parents=True)
+    saved["best_model_checkpoint"], saved["best_global_step"] = str(outside), None
+    path.write_text(json.dumps(saved))
+    trainer(out, max_steps=6, save_total_limit=1).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]  # rotation kept the newest, as without a best
+    assert outside.is_dir()
