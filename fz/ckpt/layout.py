@@ -55,16 +55,20 @@ def fsync_path(path: PathLike) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Write and fsync one file (the caller fsyncs the directory)."""
-    with open(path, "wb") as f:
+    """Write and fsync one file (the caller fsyncs the directory); a symlink at `path` is not
+    followed (the open fails: a save never writes where a planted link leads)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def replace_durable(path: Path, data: bytes) -> None:
-    """Atomically replace `path` with `data`: write a sibling .tmp, fsync, rename, fsync the dir."""
+    """Atomically replace `path` with `data`: write a sibling .tmp (whatever had that name, a link
+    too, removed first, never followed), fsync, rename, fsync the dir."""
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
     write_durable(tmp, data)
     os.replace(tmp, path)
     fsync_path(path.parent)

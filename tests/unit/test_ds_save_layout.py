@@ -216,3 +216,19 @@ def test_fields_follow_deepspeeds_walk_of_a_submodule_shared_by_two_parents():
     assert [b for b in f["buffer_names"] if "running_mean" in b] == ["enc.1.running_mean", "dec.0.running_mean"]
     assert list(f["param_shapes"][0]) == ["enc.0.weight", "enc.0.bias", "enc.1.weight", "enc.1.bias",
                                           "dec.1.weight", "dec.1.bias"]
+
+
+def test_a_planted_latest_tmp_link_is_not_written_through(tmp_path):
+    """A save_dir (one downloaded, shared) holding `latest.tmp` as a link out of it: the save
+    replaces the link, and the file it leads to keeps its contents."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / "latest.tmp").symlink_to(victim)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    engine.save_checkpoint(str(save_dir), tag="t1")
+    assert victim.read_text() == "mine"
+    assert (save_dir / "latest").read_text() == "t1" and not (save_dir / "latest").is_symlink()
+    assert not os.path.lexists(save_dir / "latest.tmp")
