@@ -31,7 +31,26 @@ def ckpt(tmp_path_factory):
     state = fz.init(make_model(), spec(0, 1))
     fz.save(state, root / "ck", verbose=False)
     (root / "config.json").write_text('{"model_type": "test"}')  # beside the root, as in a Trainer's checkpoint-N/
+    (root / "trainer_state.json").write_text("{}")
     return root / "ck", {k: v.clone() for k, v in fz.full_params(state).items()}
+
+
+def test_only_a_trainers_checkpoint_folder_lends_the_root_its_files(tmp_path):
+    """A folder above the checkpoint that is no Trainer's checkpoint-N/ (a home folder) keeps its
+    config.json and *.model files; the root's own are taken first."""
+    state = fz.init(make_model(), spec(0, 1))
+    fz.save(state, tmp_path / "ck", verbose=False)
+    for name in ("config.json", "tokenizer.json", "id_rsa_backup.model"):
+        (tmp_path / name).write_text("not the checkpoint's")
+    consolidate(tmp_path / "ck", tmp_path / "hf", hf=True)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    (tmp_path / "ck" / "config.json").write_text('{"model_type": "own"}')
+    (tmp_path / "ck" / "tokenizer.model").write_text("spm")
+    (tmp_path / "trainer_state.json").write_text("{}")
+    consolidate(tmp_path / "ck", tmp_path / "hf2", hf=True)
+    assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == ["config.json", "model.safetensors",
+                                                                     "tokenizer.model"]
+    assert (tmp_path / "hf2" / "config.json").read_text() == '{"model_type": "own"}'
 
 
 def test_the_folder_holds_every_weight_once_in_shards_with_the_config(ckpt, tmp_path):

@@ -27,7 +27,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 # Files a Trainer's checkpoint-N folder (or a from_pretrained folder) keeps beside the weights
 _SIDE = re.compile(r"^(config|generation_config|tokenizer(_config)?|special_tokens_map|added_tokens|"
                    r"preprocessor_config|processor_config|chat_template)\.(json|jinja)$|^(vocab|merges)\.\w+$|"
-                   r"\.model$")
+                   r"^(tokenizer|spiece|spm|sentencepiece(\.bpe)?)\.model$")  # sentencepiece's names
 
 
 def shard_size(size: int | str) -> int:
@@ -71,11 +71,15 @@ SIDE_MAX = 256 << 20  # bytes of one config or tokenizer file copied beside the 
 
 
 def side_files(step_dir: Path) -> list[Path]:
-    """Config and tokenizer files beside the checkpoint: in the folder holding its root (a
-    Trainer's checkpoint-N/) or in the root itself. Each is a regular file inside that folder
-    (a link out of it, to another file or /proc, is refused: it would be copied into a folder
-    users publish) of at most SIDE_MAX bytes."""
-    for where in (step_dir.parent.parent, step_dir.parent):
+    """Config and tokenizer files beside the checkpoint: in its root (fz's root, DeepSpeed's save_dir:
+    a transformers + DeepSpeed checkpoint-N/), else in the folder holding the root where that is a
+    Trainer's checkpoint-N/ (it holds trainer_state.json: fz.hf's keeps them next to `fz/`); never
+    another folder above the checkpoint, whose files are not its. Each is a regular file inside
+    that folder (a link out of it, to another file or /proc, is refused: it would be copied into
+    a folder users publish) of at most SIDE_MAX bytes."""
+    root = step_dir.parent
+    trainers = [root.parent] if (root.parent / "trainer_state.json").is_file() else []
+    for where in (root, *trainers):
         found = sorted(p for p in where.iterdir() if _SIDE.search(p.name) and (p.is_file() or p.is_symlink()))
         if any(p.name == "config.json" for p in found):
             for p in found:
