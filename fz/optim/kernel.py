@@ -11,7 +11,9 @@ memory, `FZ_HOST_KERNEL=0`), the two passes run as before, with the same results
 
 DeepSpeed builds its CPU Adam the same way (a JIT-compiled op); this kernel needs no ninja and
 no Python headers, only `c++` (or `$CXX`). The cache is `$FZ_KERNEL_CACHE`, else
-`$XDG_CACHE_HOME/fz/kernels` (~/.cache/fz/kernels), one file per source, torch and CPU kind.
+`$XDG_CACHE_HOME/fz/kernels` (~/.cache/fz/kernels), one file per source, torch and CPU kind;
+only a folder and files of this user's that no one else can write are used (others could
+put code there that fz would load).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -39,6 +42,7 @@ _FLAGS = {  # torch's own flags for its kernels of each CPU capability (the defi
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
 }
 _log = logger("fz.optim")
+_TEMP = "fz-kernels-"  # a private folder's prefix, where the cache is not one
 why_not: str | None = None  # why the kernel is not used here, once `_library` has looked
 
 
@@ -58,6 +62,37 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fz" / "kernels"
 
 
+def _safe(st: os.stat_result) -> bool:
+    """Made by this user and writable by no one else: what fz may load code from."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _ours(lib: Path) -> bool:
+    """A kernel built here before: a regular file (not a link) that `_safe` allows; else one is built."""
+    try:
+        st = os.lstat(lib)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and _safe(st)
+
+
+def _private_cache() -> Path:
+    """The cache folder (made private if missing), where it is this user's and no one else can write:
+    a library another user could replace would run as this one. Else a private folder of this
+    process's (the kernel compiled again, seconds), said once."""
+    cache = _cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(cache)
+        if stat.S_ISDIR(st.st_mode) and _safe(st):
+            return cache
+    except OSError:
+        pass
+    _log.warning("fz: the kernel cache %s is not a folder of this user's that only it can write; the host AdamW "
+                 "kernel is compiled into a private temporary folder instead", cache)
+    return Path(tempfile.mkdtemp(prefix=_TEMP))
+
+
 def _command(cxx: str, capability: str, out: str) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
@@ -71,14 +106,14 @@ def _build(cxx: str, capability: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, capability, version,
                                     " ".join(_command(cxx, capability, ""))]).encode()).hexdigest()[:16]
-    cache = _cache_dir()
+    cache = _private_cache()
     lib = cache / f"host_adamw-{capability.lower()}-{key}.so"
-    if lib.exists():
+    if _ours(lib):
         return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:  # ranks starting together compile once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not lib.exists():
+    lock = os.open(cache / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with open(lock, "w") as held:  # ranks starting together compile once
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not _ours(lib):
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
             try:
@@ -121,15 +156,18 @@ def _load() -> tuple[ctypes.CDLL, int] | None:
         _log.debug("fz: host AdamW casts in a second pass (%s)", why_not)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cxx, capability)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        built = _build(cxx, capability)
+        lib = ctypes.CDLL(str(built))
+        if built.parent.name.startswith(_TEMP):  # a private folder of this process's: loaded, not needed again
+            shutil.rmtree(built.parent, ignore_errors=True)
+        lib.fz_adamw_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_double] * 7
+        lib.fz_adamw_bf16.restype = None
+        found = (lib, int(lib.fz_vec_size()))
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:  # AttributeError: a symbol missing
         why_not = f"did not build: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         _log.warning("fz: the one-pass host AdamW kernel %s; the update casts the parameters in a second pass "
                      "(same results, slower)", why_not)
         return None
-    lib.fz_adamw_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_double] * 7
-    lib.fz_adamw_bf16.restype = None
-    found = (lib, int(lib.fz_vec_size()))
     if not _agrees(found):
         why_not = "disagrees with torch"
         _log.warning("fz: the one-pass host AdamW kernel's results differ from torch's fused AdamW here; it is "

@@ -208,3 +208,27 @@ def test_init_starts_the_kernel_build_where_the_update_runs_on_the_host(monkeypa
     assert kernel._READY.result() is kernel._library()
     state, loss = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
     assert torch.isfinite(loss)
+
+
+def test_code_is_loaded_only_from_a_cache_no_one_else_can_write(tmp_path, monkeypatch):
+    """A kernel cache others can write (a shared FZ_KERNEL_CACHE) is not used: a library planted
+    there would run as this user. In a private cache a file others can write is built again."""
+    found = kernel._library()
+    if found is None:
+        pytest.skip(f"fz's host AdamW kernel is not used here ({kernel.why_not})")
+    real = found[0]._name
+    monkeypatch.setattr(kernel, "_command", lambda cxx, capability, out: ["cp", real, out])  # a build, in no time
+    cxx, capability = kernel.compiler(), torch.backends.cpu.get_cpu_capability()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("FZ_KERNEL_CACHE", str(shared))
+    built = kernel._build(cxx, capability)
+    assert not built.is_relative_to(shared) and list(shared.iterdir()) == []
+    private = tmp_path / "private"
+    monkeypatch.setenv("FZ_KERNEL_CACHE", str(private))
+    lib = kernel._build(cxx, capability)
+    assert lib.parent == private and kernel._ours(lib) and (private.stat().st_mode & 0o777) == 0o700
+    lib.write_bytes(b"planted")
+    lib.chmod(0o666)
+    assert kernel._build(cxx, capability) == lib and lib.read_bytes() != b"planted" and kernel._ours(lib)
