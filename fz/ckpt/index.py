@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fz.ckpt.chunk import read_chunk
-from fz.ckpt.regular import inside, parse_json, read_regular, stat_regular
+from fz.ckpt.regular import inside, parse_json, plain_name, read_regular, stat_regular
 from fz.errors import CheckpointError, ConfigError
 
 INDEX = "index.json"
@@ -84,18 +84,35 @@ def read_index(directory: Path) -> dict[str, Any]:
     return index
 
 
+def _listed(directory: Path) -> set[str] | None:
+    """The files the folder's manifest lists (None: it has none, as DCP's own folders)."""
+    from fz.ckpt import manifest  # its layout helpers import nothing of the index's
+
+    if not (directory / manifest.MANIFEST).exists():
+        return None
+    return set(manifest.read(directory))
+
+
 MAX_CHUNKS = 1 << 22  # chunks of one checkpoint: a save writes about one per rank and tensor (or bucket)
 MAX_TENSOR_CHUNKS = 1 << 17  # chunks of one tensor: one per rank holding a shard, 4 x a 32768-rank run
 
 
 def _in_files(directory: Path, index: dict[str, Any]) -> None:
-    """Each chunk's record is its own bytes of a regular file of the folder, inside its end: the
-    tensors restore allocates are bounded by the bytes on disk (a record claims at least its
-    values' bytes: `_check`), not by what the index says."""
+    """Each chunk's record is its own bytes of a regular file of the folder that its manifest
+    lists (so its checksum was checked), inside its end: the tensors restore allocates are
+    bounded by the bytes on disk (a record claims at least its values' bytes: `_check`), not by
+    what the index says."""
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for key, t in index["tensors"].items():
         for c in t["chunks"]:
             spans.setdefault(c["file"], []).append((c["at"], c["length"], key))
+    listed = _listed(directory)
+    for name in spans:
+        if not plain_name(name):
+            raise ValueError(f"a chunk's file {name!r:.80} is not a plain file name of the folder")
+        if listed is not None and name not in listed:
+            raise CheckpointError(f"checkpoint file {directory / INDEX} names {name!r:.80}, a file its manifest does "
+                                  "not list (whose checksum no one checked): damaged or altered")
     for name, found in spans.items():
         size = stat_regular(inside(directory, directory / name)).st_size
         found.sort()

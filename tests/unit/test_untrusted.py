@@ -239,8 +239,8 @@ def test_a_fifo_in_the_checkpoint_is_refused_without_blocking(saved, tmp_path, n
                 at += c["length"]
         _rewrite(step, "index.json", json.dumps(index).encode())
     with fed_fifo(fifo):
-        if name == "pipe":
-            _list(step, {name: {"size": 0, "checksum": "0", "algorithm": "xxh3"}})
+        if name in ("pipe", "chunk"):  # listed: a file the manifest does not list is refused before it is looked at
+            _list(step, {fifo.name: {"size": 0, "checksum": "0", "algorithm": "xxh3"}})
         start = time.monotonic()
         with pytest.raises(fz.CheckpointError, match=rf"{fifo.name} is not a regular file \(a FIFO\): not read"):
             _restore(step)
@@ -316,3 +316,25 @@ def test_a_chunk_is_not_allocated_from_a_size_its_zip_directory_states(tmp_path)
                                                  r"at byte \d+, past the chunk's \d+ bytes"):
         read_chunk(f, 0, f.stat().st_size, torch.float32, (5,))
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("name, said", [
+    ("a" * 300, r"a chunk's file 'a+ is not a plain file name of the folder"),
+    ("unlisted.distcp", r"names 'unlisted.distcp', a file its manifest does not list \(whose checksum no one checked\)"),
+])
+def test_a_chunk_file_must_be_a_plain_name_the_manifest_lists(saved, tmp_path, name, said):
+    """index.json names the chunks' files: one the manifest does not list was never checksummed (an
+    unsigned checkpoint's index may be rewritten with its manifest's crc), a name over NAME_MAX was a
+    raw OSError."""
+    _, step = _copy(saved, tmp_path)
+    data = next(p for p in step.iterdir() if p.suffix == ".distcp")
+    if "/" not in name and len(name) < 255:
+        shutil.copy(data, step / name)
+    index = json.loads((step / "index.json").read_text())
+    for t in index["tensors"].values():
+        for c in t["chunks"]:
+            if c["file"] == data.name:
+                c["file"] = name
+    _rewrite(step, "index.json", json.dumps(index).encode())
+    with pytest.raises(fz.CheckpointError, match=said):
+        _restore(step)

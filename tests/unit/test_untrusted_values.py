@@ -153,6 +153,7 @@ def test_consolidate_hf_copies_no_config_or_tokenizer_from_outside_the_folder(tm
     secret = tmp_path / "secret.txt"
     secret.write_text("CANARY")
     (tmp_path / "checkpoint-1" / "config.json").symlink_to(secret)
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("{}")  # a Trainer's: its files are looked at
     with pytest.raises(CheckpointError, match=r"config.json .*outside|outside .*config.json"):
         consolidate(tmp_path / "checkpoint-1" / "fz", tmp_path / "out", hf=True)
     assert not any("CANARY" in p.read_text(errors="ignore") for p in (tmp_path / "out").glob("*") if p.is_file())
