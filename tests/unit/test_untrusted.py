@@ -320,7 +320,7 @@ def test_a_chunk_is_not_allocated_from_a_size_its_zip_directory_states(tmp_path)
 
 @pytest.mark.parametrize("name, said", [
     ("a" * 300, r"a chunk's file 'a+ is not a plain file name of the folder"),
-    ("unlisted.distcp", r"names 'unlisted.distcp', a file its manifest does not list \(whose checksum no one checked\)"),
+    ("unlisted.distcp", r"names 'unlisted.distcp', a file its manifest does not list \(whose checksum"),
 ])
 def test_a_chunk_file_must_be_a_plain_name_the_manifest_lists(saved, tmp_path, name, said):
     """index.json names the chunks' files: one the manifest does not list was never checksummed (an
