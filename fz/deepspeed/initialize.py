@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ import fz
 from fz.config.deepspeed import load as load_config
 from fz.config.warn import DeepSpeedConfigWarning
 from fz.deepspeed.engine import DeepSpeedEngine
-from fz.deepspeed.optimizers import ClientOptimizer, client_optimizer, client_schedule, parameter_groups
+from fz.deepspeed.optimizers import ClientOptimizer, client_optimizer, client_schedule
 from fz.errors import ConfigError
 
 
@@ -93,33 +94,42 @@ def _drop(cfg: dict[str, Any], key: str, why: str) -> None:
                       DeepSpeedConfigWarning, stacklevel=3)
 
 
+_TORCH_KINDS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
 def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model: nn.Module) -> ClientOptimizer | None:
     """Param groups given with a config optimizer (the "no decay for biases and norms" groups): the
-    config's Adam with their weight-decay mask; None when the groups change nothing."""
+    config's optimizer with the groups' settings over its own, as torch and DeepSpeed build it (a
+    group's weight_decay a mask; settings fz cannot honour per group refused by client_optimizer);
+    None when the groups change nothing."""
     section = cfg.get("optimizer") or {}
     params = dict(section.get("params") or {})
     for key in ("lr", "weight_decay", "eps"):
         if params.get(key) == "auto":
             raise ConfigError(f'the config\'s optimizer.params.{key} is "auto": deepspeed.initialize has no '
                               f"Trainer to fill it (as in DeepSpeed): give the number")
-    groups = parameter_groups(model_parameters, model, float(params.get("lr", 1e-3)))
-    if groups is None:
-        return None
-    wd = float(params.get("weight_decay", 0.0))
-    for g in groups.param_groups:
-        g.setdefault("weight_decay", wd)
-        g["betas"], g["eps"] = tuple(params.get("betas", (0.9, 0.999))), float(params.get("eps", 1e-8))
-    if len({float(g["weight_decay"]) for g in groups.param_groups}) == 1 and len(groups.param_groups[0]["params"]) \
-            == sum(1 for p in model.parameters() if p.requires_grad):
+    items = list(model_parameters) if model_parameters is not None else []
+    if not items or not isinstance(items[0], dict):
         return None
     kind = str(section.get("type", "adamw")).lower()
-    if kind not in ("adam", "adamw"):
+    if kind == "adam" and bool(params.get("adam_w_mode", True)):
+        kind = "adamw"  # DeepSpeed's Adam decouples the decay unless adam_w_mode is false
+    if kind not in _TORCH_KINDS:
         raise ConfigError(f"deepspeed.initialize(model_parameters=groups) with optimizer.type {kind!r}: fz reads "
-                          "parameter groups for Adam and AdamW; pass one group (model.parameters())")
-    built = client_optimizer(groups, model)
-    w_mode = kind == "adamw" or bool(params.get("adam_w_mode", True))
-    return ClientOptimizer("adamw" if w_mode else "adam", built.lr, built.betas, built.eps, built.weight_decay,
-                           built.decay, groups=built.groups, members=built.members)
+                          "parameter groups for Adam, AdamW and SGD; pass one group (model.parameters())")
+    cls = _TORCH_KINDS[kind]
+    accepted = set(inspect.signature(cls).parameters) - {"params", "amsgrad", "foreach", "fused", "capturable",
+                                                          "differentiable", "maximize"}
+    defaults = {k: tuple(v) if k == "betas" else v for k, v in params.items() if k in accepted}
+    defaults.setdefault("lr", 1e-3)
+    if cls is torch.optim.AdamW:
+        defaults.setdefault("weight_decay", 0.0)  # DeepSpeed's default, not torch's 0.01
+    stand_in = cls([dict(g) for g in items], **defaults)  # a group's own settings over the config's
+    changed = any(g.get(k) != stand_in.defaults.get(k) for g in stand_in.param_groups for k in g if k != "params")
+    covered = len(stand_in.param_groups[0]["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
+    if not changed and covered:
+        return None
+    return client_optimizer(stand_in, model)
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
