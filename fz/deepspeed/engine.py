@@ -66,6 +66,9 @@ class DeepSpeedEngine:
         self.monitor = Monitor.from_spec(state.spec)
         self._counted = [0, 0]  # rows and tokens of this step's micro-batches (this rank)
         zero.register(self)  # deepspeed.zero.GatheredParameters finds the engine of a model's parameters
+        if state.spec.stage < 3 and state.plan.world > 1:  # fz.init took rank 0's weights: this rank's model too,
+            self._synced_step = -1  # as DeepSpeed broadcasts them into the module (a local copy at ZeRO 0-2)
+            model_sync.pull(self)
 
     # ------------------------------------------------------------ what DeepSpeed's engine tells
     @property
@@ -250,7 +253,6 @@ class DeepSpeedEngine:
             self._counted = [0, 0]
             self.monitor(self.state, self.losses, rows=rows, tokens=tokens or None)
         self.micro_steps += 1
-        self._boundary = None
 
     def zero_grad(self) -> None:
         """Nothing to do: gradients live only inside a step."""

@@ -71,3 +71,9 @@ def test_against_a_live_deepspeed_run(runs, tmp_path):
     subprocess.run([os.environ["FZ_DEEPSPEED_PYTHON"], str(RECORD.parents[1] / "support" / "ds_engine_jobs.py"),
                     str(out)], env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     _check_against(json.loads(out.read_text()), runs)
+
+
+def test_every_ranks_model_holds_rank_0s_weights_after_initialize(runs):
+    """Before any update, at ZeRO 0-2 (a local copy): rank 1's model reads rank 0's initial weights."""
+    for name, w in runs[0]["own_init"].items():
+        assert torch.equal(runs[1]["own_init"][name], w), name

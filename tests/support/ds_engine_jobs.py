@@ -114,9 +114,19 @@ def train_step_reference(stage: int) -> dict[str, Any]:
     return {"losses": losses, "weights": fz.full_params(state)}
 
 
-def fz_job(rank: int, world: int, save_root: str) -> dict[int, Any]:
+def own_init(deepspeed) -> dict[str, torch.Tensor]:
+    """A script seeding each rank differently: after initialize (ZeRO-1) every rank's own model
+    holds rank 0's weights, as DeepSpeed broadcasts them into the module."""
+    import torch.distributed as dist
+    torch.manual_seed(dist.get_rank())
+    model = nn.Linear(4, 3)
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(1))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
     import fz.deepspeed as deepspeed
-    out = {}
+    out: dict[Any, Any] = {"own_init": own_init(deepspeed)}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

@@ -377,3 +377,17 @@ def test_the_scripts_model_parameters_are_the_trained_ones_between_updates(stage
     assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters())
     engine.destroy()
     assert "named_parameters" not in model.__dict__
+
+
+def test_a_boundary_set_by_the_script_holds_until_it_is_set_again():
+    """DeepSpeed's set_gradient_accumulation_boundary(True) stays: every step() then updates."""
+    engine, *_ = deepspeed.initialize(model=Net(), config={**ADAM, "gradient_accumulation_steps": 2})
+    engine.set_gradient_accumulation_boundary(True)
+    for x, y in _batches(4):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.global_steps == 4 and engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(engine(*_batches(1)[0]))
+    engine.step()
+    assert engine.global_steps == 4
