@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,25 @@ def nonfinite(t: Tensor) -> int:
         ok = torch.isfinite(piece)
         bad += piece.numel() - int(ok.sum())
     return bad
+
+
+def nonfinite_as(dtype: torch.dtype) -> Callable[[Tensor], int]:
+    """`nonfinite` of a tensor's values as they land cast to `dtype` (a master's 1e5 is inf in an
+    fp16 parameter): its range checked first, a piece cast only where it reaches past it."""
+    top = torch.finfo(dtype).max
+
+    def count(t: Tensor) -> int:
+        if not t.is_floating_point() or torch.finfo(t.dtype).max <= top:
+            return nonfinite(t)
+        bad = 0
+        for piece in t.detach().reshape(-1).split(_CHUNK):
+            lo, hi = torch.aminmax(piece) if piece.numel() else (piece.new_zeros(()), piece.new_zeros(()))
+            if math.isfinite(float(lo)) and math.isfinite(float(hi)) and max(-float(lo), float(hi)) <= top:
+                continue
+            bad += piece.numel() - int(torch.isfinite(piece.to(dtype)).sum())
+        return bad
+
+    return count
 
 
 def negative(t: Tensor) -> int:
@@ -101,19 +120,22 @@ class Counts:
                 for (k, n), c in zip(keys, summed) if c}
 
 
-def owned_locals(tensors: Mapping[str, Tensor], first_rank: bool) -> dict[str, tuple[int, int]]:
+def owned_locals(tensors: Mapping[str, Tensor], first_rank: bool,
+                 counted_as: Mapping[str, Callable[[Tensor], int]] | None = None) -> dict[str, tuple[int, int]]:
     """{label: (non-finite values, values)} of a loaded state's tensors in memory (fz.restore),
     each counted on the ranks whose local part no other rank counts: a DTensor where this rank is
-    the first along every mesh dimension it is replicated on; a plain tensor on the first rank."""
+    the first along every mesh dimension it is replicated on; a plain tensor on the first rank.
+    `counted_as`: a key's own count (`nonfinite_as`: as cast to its parameter's dtype)."""
+    counted_as = counted_as or {}
     out = {}
     for key, t in tensors.items():
         if isinstance(t, DTensor):
             coord: Sequence[int] = t.device_mesh.get_coordinate() or ()
             if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
                 continue
-            n = nonfinite(t._local_tensor)
+            n = counted_as.get(key, nonfinite)(t._local_tensor)
         else:
-            n = nonfinite(t) if first_rank else 0
+            n = counted_as.get(key, nonfinite)(t) if first_rank else 0
         if n:
             out[repr(key.removeprefix("model/"))] = (n, t.numel())
     return out

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import manifest
-from fz.ckpt.finite import owned_locals, report, summed
+from fz.ckpt.finite import nonfinite_as, owned_locals, report, summed
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
@@ -288,7 +288,8 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
     err, found = None, {}  # found: {label: (non-finite values, values)} this rank counts
     try:
         dcp.load(load, storage_reader=SafeReader(d), process_group=group)
-        found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0)
+        narrow = {f"model/{n}": nonfinite_as(p.dtype) for n, p in state.params.items()} if state.master else {}
+        found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0, narrow)
         impossible = _impossible(load)
         if impossible:
             err = CheckpointError(f"checkpoint {d} holds optimizer or loss-scale values no run writes, which would "

@@ -123,3 +123,28 @@ def test_import_deepspeed_names_weights_and_moments(tmp_path, name):
     with pytest.warns(UserWarning, match=said):
         state, _ = fz.import_deepspeed(fz.init(m.TinyLM(seed=1), _spec(0, "fp32", 1)), ck, allow_nonfinite=True)
     assert math.isnan(float(fz.full_params(state)["blocks.0.up.bias"][0]))
+
+
+def test_restore_and_import_count_a_master_past_the_parameters_range(tmp_path):
+    """A finite fp32 master of 1e5 restored (or imported from DeepSpeed) into an fp16 state is inf in
+    its fp16 parameter: named as such, never in the weights (fz.load_weights already counted so)."""
+    state = fz.init(Net(), _spec_of("fp32"))
+    fz.save(state, tmp_path / "ck", verbose=False)
+    big = fz.init(Net(), _spec_of("fp32"))  # the same model, its out.bias past fp16's range
+    with torch.no_grad():
+        big.params["out.bias"]._local_tensor.fill_(1e5)
+    fz.save(big, tmp_path / "big", verbose=False)
+    said = r"holds NaN or inf in 1 tensors \(1 values\): 'out.bias' 1 of 1"
+    with pytest.raises(fz.NonFiniteError, match=rf"fz.restore: checkpoint .*step_0 {said}"):
+        fz.restore(fz.init(Net(), _spec_of("fp16")), tmp_path / "big", verbose=False)
+    fz.restore(fz.init(Net(), _spec_of("fp16")), tmp_path / "ck", verbose=False)  # its own values fit
+    ck = tmp_path / "ds"
+    shutil.copytree(DATA / "stage0_fp32" / "ckpt", ck)
+    piece = next(iter(DeepSpeedCheckpoint(ck, trainable={n for n, p in m.TinyLM().named_parameters()}
+                                          | {"head.weight"})._pieces_of("blocks.0.up.bias", "fp32")))
+    src = piece.src
+    with open(src.file, "r+b") as f:
+        f.seek(src.at + (src.offset + piece.src_start) * src.dtype.itemsize)
+        f.write(torch.tensor([1e5], dtype=src.dtype).view(torch.uint8).numpy().tobytes())
+    with pytest.raises(fz.NonFiniteError, match=r"holds NaN or inf in 1 tensors \(1 values\): 'blocks.0.up.bias' 1"):
+        fz.import_deepspeed(fz.init(m.TinyLM(seed=1), _spec(0, "fp32", 1).replace(precision="fp16")), ck)

@@ -17,6 +17,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from fz.ckpt.finite import Counts, report
-from fz.ckpt.hf.pretrained import Place, _places, _put, _span
+from fz.ckpt.hf.pretrained import Place, _narrowest, _places, _put, _see, _span
 from fz.errors import CheckpointError
 from fz.state import State, block_until_ready, expect_state
 
@@ -136,8 +137,10 @@ def _refuse_negative(found: dict[str, tuple[int, int]], path: Any) -> None:
 def _fill(places: list[Place], ck: Any, key: str, kind: str, counts: Counts, canon: str) -> None:
     lo, hi = _span(places)
     if hi > lo:
+        narrow = _narrowest(places)  # a finite fp32 value past an fp16 place's range lands as inf: counted so
+        see = partial(counts.see, canon, kind="" if kind == "fp32" else kind)
         for at, chunk in ck.read(key, kind, lo, hi):
-            counts.see(canon, at, chunk, "" if kind == "fp32" else kind)
+            _see(see, narrow, at, chunk)
             _put(places, at, chunk)
 
 
