@@ -9,6 +9,8 @@ import torch
 from fz.errors import ConfigError
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_SCALE_POWER = 64  # a loss scale past 2**64 overflows every fp16 gradient (fp16's largest value is 65504)
+MAX_LOSS_SCALE = 2.0 ** MAX_SCALE_POWER  # nor does dynamic scaling grow past it (kept as fp32: finite)
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,12 @@ class LossScale:
     (the Trainer's fp16), at every `loss_scale_window`-th clean step in a row."""
 
     def __post_init__(self) -> None:
-        if self.loss_scale < 0:
-            raise ConfigError(f"LossScale.loss_scale={self.loss_scale!r}: must be 0 (dynamic) or > 0")
+        if not 0 <= self.loss_scale <= MAX_LOSS_SCALE:
+            raise ConfigError(f"LossScale.loss_scale={self.loss_scale!r}: must be 0 (dynamic) or > 0, at most 2**"
+                              f"{MAX_SCALE_POWER} (a larger one overflows every fp16 gradient)")
+        if not 0 <= self.initial_scale_power <= MAX_SCALE_POWER:
+            raise ConfigError(f"LossScale.initial_scale_power={self.initial_scale_power!r}: must be from 0 to "
+                              f"{MAX_SCALE_POWER} (a larger one overflows every fp16 gradient)")
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ConfigError("LossScale.loss_scale_window and hysteresis must be >= 1")
         if self.min_loss_scale <= 0:

@@ -12,7 +12,6 @@ Data position: rank r gets rank r's, or rank 0's when rank r did not exist.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from fz.ckpt.reader import read_metadata
 from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, tensor_refs, too_deep
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
+from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER
 from fz.rng import seeded, well_formed
 from fz.state import State, block_until_ready
 
@@ -150,8 +150,9 @@ def _impossible_scaler(key: str, t: Tensor) -> list[str]:
     if t.numel() != 1:
         return [f"{key} holds {t.numel()} values, not one"]
     name, x = key.split("/")[-1], t.item()
-    if name == "scale" and not (math.isfinite(x) and x > 0):
-        return [f"{key} = {x} (a loss scale: a finite number > 0)"]
+    if name == "scale" and not 0 < x <= MAX_LOSS_SCALE:
+        return [f"{key} = {x} (a loss scale: a number > 0, at most 2**{MAX_SCALE_POWER}, past which every fp16 "
+                "gradient overflows)"]
     if name in _SCALER_LOWEST and not x >= _SCALER_LOWEST[name]:
         return [f"{key} = {x} (a count, from {_SCALER_LOWEST[name]})"]
     return []

@@ -29,7 +29,7 @@ from fz.config.values import AUTO, MISSING, boolean, choice, integer, number, op
 from fz.config.warn import report
 from fz.config.zero import read_zero
 from fz.errors import ConfigError
-from fz.precision import LossScale
+from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER, LossScale
 
 __all__ = ["AUTO_NAMES", "read_deepspeed"]
 NEAR_MISS = 0.8  # difflib ratio above which an unknown top-level key is a typo of a known one
@@ -248,8 +248,8 @@ def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
     d = enabled["fp16"][2]
     p = "fp16"
     args = dict(
-        loss_scale=r.get(p, d, "loss_scale", number(0.0), 0.0)[0],
-        initial_scale_power=r.get(p, d, "initial_scale_power", integer(0, 1000), 16)[0],
+        loss_scale=r.get(p, d, "loss_scale", number(0.0, MAX_LOSS_SCALE), 0.0)[0],
+        initial_scale_power=r.get(p, d, "initial_scale_power", integer(0, MAX_SCALE_POWER), 16)[0],
         loss_scale_window=r.get(p, d, "loss_scale_window", integer(1, 2**62), 1000)[0],
         hysteresis=r.get(p, d, "hysteresis", integer(1, 2**62), 2)[0],
         consecutive_hysteresis=r.get(p, d, "consecutive_hysteresis", boolean, False)[0],

@@ -20,8 +20,10 @@ from fz.config.explain import Described
 from fz.config.reader import Reader
 from fz.config.values import MISSING, Check, betas, boolean, choice, integer, join, number, optional
 from fz.errors import ConfigError, suggest
+from fz.optim.base import LR_MAX
 
 NONNEG = number(0.0)
+LR = number(0.0, LR_MAX)  # a learning rate: past LR_MAX the update writes inf into the weights
 UNIT = number(0.0, 1.0)
 STEPS = integer(1, 2**62)
 WARMUP = integer(0, 2**62)  # DeepSpeed warms up over max(2, warmup_num_steps): 0 is fine
@@ -66,7 +68,7 @@ class OptimizerConfig:
         self.builder: Any = MISSING if d else r.keyword("optimizer")  # a section wins, as in the Trainer
         if not d and self.builder is not MISSING:  # the Trainer's optimizer, built by the caller from the lr
             self.kind, self.source = "adamw", "auto"
-            self.lr = self.get({}, "lr", NONNEG, DEFAULT_LR["adamw"], auto="lr")
+            self.lr = self.get({}, "lr", LR, DEFAULT_LR["adamw"], auto="lr")
             r.record("optimizer.type", Described(repr(self.builder)), "auto",
                      "(no optimizer section: the keyword optimizer=)")
             return
@@ -105,7 +107,7 @@ class OptimizerConfig:
 
     def _read(self, p: dict[str, Any]) -> None:
         kind, get = self.kind, self.get
-        self.lr = get(p, "lr", NONNEG, DEFAULT_LR[kind], auto="lr")
+        self.lr = get(p, "lr", LR, DEFAULT_LR[kind], auto="lr")
         if kind in ("adam", "adamw"):
             path = "optimizer.params"
             torch_adam = self.r.get(path, p, "torch_adam", boolean, not self.from_section)[0]
@@ -187,16 +189,16 @@ REQUIRED, OPT_LR = MISSING, object()  # table defaults: no default / the optimiz
 # scheduler type -> [(key, check, default, keyword that fills "auto")]
 _WARMUP = [("warmup_num_steps", WARMUP, 1000, "warmup_steps"), ("warmup_type", choice(("log", "linear")), "log", None)]
 SCHEDULES: dict[str, tuple[Callable, list]] = {
-    "WarmupLR": (optim.WarmupLR, [("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
-                                  ("warmup_max_lr", NONNEG, OPT_LR, "lr")] + _WARMUP),
+    "WarmupLR": (optim.WarmupLR, [("warmup_min_lr", LR, 0.0, "warmup_min_lr"),
+                                  ("warmup_max_lr", LR, OPT_LR, "lr")] + _WARMUP),
     "WarmupDecayLR": (optim.WarmupDecayLR, [("total_num_steps", STEPS, REQUIRED, "total_steps"),
-                                            ("warmup_min_lr", NONNEG, 0.0, "warmup_min_lr"),
-                                            ("warmup_max_lr", NONNEG, 0.001, "lr")] + _WARMUP),
+                                            ("warmup_min_lr", LR, 0.0, "warmup_min_lr"),
+                                            ("warmup_max_lr", LR, 0.001, "lr")] + _WARMUP),
     "WarmupCosineLR": (optim.WarmupCosineLR, [("total_num_steps", STEPS, REQUIRED, "total_steps"),
                                               ("warmup_min_ratio", UNIT, 0.0, None),
                                               ("cos_min_ratio", NONNEG, 0.0001, None)] + _WARMUP),
     "OneCycle": (optim.OneCycle, [
-        ("cycle_min_lr", NONNEG, REQUIRED, None), ("cycle_max_lr", NONNEG, REQUIRED, None),
+        ("cycle_min_lr", LR, REQUIRED, None), ("cycle_max_lr", LR, REQUIRED, None),
         ("decay_lr_rate", NONNEG, 0.0, None), ("cycle_first_step_size", STEPS, 2000, None),
         ("cycle_second_step_size", optional(STEPS), None, None),
         ("cycle_first_stair_count", integer(0, 2**62), 0, None),
@@ -205,7 +207,7 @@ SCHEDULES: dict[str, tuple[Callable, list]] = {
         ("cycle_min_mom", UNIT, 0.8, None), ("cycle_max_mom", UNIT, 0.9, None),
         ("decay_mom_rate", number(), 0.0, None)]),
     "LRRangeTest": (optim.LRRangeTest, [
-        ("lr_range_test_min_lr", NONNEG, 0.001, None), ("lr_range_test_step_size", STEPS, 2000, None),
+        ("lr_range_test_min_lr", LR, 0.001, None), ("lr_range_test_step_size", STEPS, 2000, None),
         ("lr_range_test_step_rate", NONNEG, 1.0, None), ("lr_range_test_staircase", boolean, False, None)]),
 }
 

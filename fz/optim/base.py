@@ -152,13 +152,18 @@ def sum_across_shards(partial: Params, shard_sum: Callable[[Params], Params] | N
     return partial if shard_sum is None else shard_sum(partial)
 
 
+LR_MAX = 1e4  # no optimizer trains with more; 1e300 (finite in Python) is inf in fp32 and in every weight
+
+
 def lr_at(lr: float | Callable[[int], float], count: int) -> float:
     """A learning rate is a number or a schedule: a function of the step count. A NaN or inf
-    one (any weight it touches would be NaN) and a negative number are ConfigErrors, as in torch."""
+    one (any weight it touches would be NaN), one past LR_MAX (the update overflows into inf)
+    and a negative number are ConfigErrors, as in torch."""
     value = float(lr(count)) if callable(lr) else float(lr)
-    if not math.isfinite(value) or (value < 0 and not callable(lr)):
+    if not math.isfinite(value) or value > LR_MAX or (value < 0 and not callable(lr)):
         raise ConfigError(f"learning rate {value!r}" + (f" (the schedule's, at update {count})" if callable(lr) else "")
-                          + ": it must be a finite number >= 0")
+                          + f": it must be a finite number >= 0, at most {LR_MAX:g} (a larger one writes inf into the "
+                          "weights)")
     return value
 
 

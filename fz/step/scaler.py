@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fz.precision import MAX_LOSS_SCALE
 from fz.spec import Spec
 
 Scaler = dict[str, Tensor]
@@ -61,6 +62,6 @@ def update_scaler(spec: Spec, scaler: Scaler, overflow: bool) -> Scaler:
         if clean > 0 and clean % ls.loss_scale_window == 0:
             if not ls.consecutive_hysteresis:
                 hyst = ls.hysteresis
-            scale *= 2.0
+            scale = min(scale * 2.0, MAX_LOSS_SCALE)  # never inf: an fp32 tensor holds it
     return {"scale": torch.tensor(scale), "iter": i64(it + 1), "last_overflow": i64(last),
             "hysteresis": i64(hyst), "skipped": i64(skipped), IN_A_ROW: in_a_row}

@@ -116,7 +116,9 @@ def test_meta_module_without_reset_parameters():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: fz.optim.adamw(lr=-1.0), r"learning rate -1.0: it must be a finite number >= 0"),
+    (lambda: fz.optim.adamw(lr=-1.0), r"learning rate -1.0: it must be a finite number >= 0, at most 10000"),
+    (lambda: fz.optim.sgd(lr=1e300), r"learning rate 1e\+300: it must be a finite number >= 0, at most 10000 \(a larger "
+                                     r"one writes inf into the weights\)"),
     (lambda: fz.optim.adamw(lr=float("nan")), r"learning rate nan"),
     (lambda: fz.optim.adamw(betas=(1.5, 0.999)), r"adam betas\[0\]=1.5: must be in \[0, 1\)"),
     (lambda: fz.optim.adam(eps=-1.0), r"adam eps=-1.0: must be in \[0, inf\)"),
@@ -131,3 +133,30 @@ def test_optimizer_hyperparameters_torch_refuses_are_refused(make, words):
         state = fz.init(make_model(), spec(0, 1, optimizer=make()))
         for batch in rank_batches(1, 1, 2):
             state, _ = fz.train_step(state, batch[0])
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e300}}}, r"optimizer.params.lr: 1e\+300 must be <= 10000"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 1e39}}}, r"optimizer.params.lr: 1e\+39 must be <= 10000"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e300}}},
+     r"scheduler.params.warmup_max_lr: 1e\+300 must be <= 10000"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 1000}}, r"fp16.initial_scale_power: 1000 must be <= 64"),
+    ({"fp16": {"enabled": True, "loss_scale": 1e300}}, r"fp16.loss_scale: 1e\+300 must be <= 1.8"),
+])
+def test_a_config_value_that_would_write_inf_is_refused_naming_the_key(section, words):
+    """Finite in JSON, inf in fp32: an lr of 1e300 made every weight inf at the first step (the
+    gradients are checked, not the update); a loss scale past 2**64 (2**1000: inf) skipped every step."""
+    with pytest.raises(fz.ConfigError, match=words):
+        fz.Spec.from_deepspeed({"train_micro_batch_size_per_gpu": 2, **section})
+
+
+def test_the_dynamic_loss_scale_never_grows_to_inf():
+    """Clean steps double it every window; fp32 holds it, so it stops at 2**64 (every fp16 gradient
+    overflows long before): never inf, which would skip every later step."""
+    from fz.precision import MAX_LOSS_SCALE, LossScale
+    from fz.step.scaler import init_scaler, update_scaler
+    spec = fz.Spec(precision="fp16", loss_scaling=LossScale(initial_scale_power=63, loss_scale_window=1))
+    scaler = init_scaler(spec)
+    for _ in range(5):
+        scaler = update_scaler(spec, scaler, overflow=False)
+    assert float(scaler["scale"]) == MAX_LOSS_SCALE
