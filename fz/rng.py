@@ -10,6 +10,8 @@ state always gives the same masks.
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -26,6 +28,29 @@ def well_formed(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     generator's state, and maybe a CUDA generator's (a few bytes) after it."""
     n = _cpu_bytes()
     return dtype == torch.uint8 and len(shape) == 1 and n <= shape[0] <= n + 256
+
+
+_MT_WORDS = 624  # the Mersenne Twister's state words; torch's CPU state is its legacy struct, 5056 bytes
+
+
+def problem(rng: Tensor) -> str | None:
+    """Why a saved state (as `capture` makes it) is not one a generator can be in, or None. torch
+    checks only part of it: a position past the state's words passes, and the generator then reads
+    memory beyond them (its draws, dropout masks, come from whatever lies there); a bool byte
+    other than 0 or 1 is undefined behaviour in its C++."""
+    raw = rng[:_cpu_bytes()].contiguous().numpy().tobytes()
+    if len(raw) != 5056:  # another torch's layout: only torch's own check applies
+        return None
+    _, left, seeded, position = struct.unpack_from("<qiiQ", raw, 0)
+    normal_valid = struct.unpack_from("<i", raw, 24 + 8 * _MT_WORDS + 24)[0]
+    sample, sample_valid = struct.unpack_from("<fB", raw, 5048)
+    reached = (left == 1 and position == 0) or (1 <= left <= _MT_WORDS and left + position == _MT_WORDS + 1)
+    if seeded != 1 or not reached:
+        return (f"its Mersenne Twister position (left {left}, next {position}, seeded {seeded}) is not one a "
+                "generator reaches")
+    if normal_valid not in (0, 1) or sample_valid not in (0, 1) or not math.isfinite(sample):
+        return "its cached normal sample's flags or value are not ones a generator writes"
+    return None
 
 
 def capture(device: torch.device) -> Tensor:

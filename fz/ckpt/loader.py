@@ -33,6 +33,7 @@ from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, tensor_refs, too_de
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
 from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER
+from fz.rng import problem as rng_problem
 from fz.rng import seeded, well_formed
 from fz.state import State, block_until_ready
 
@@ -296,6 +297,10 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
             err = CheckpointError(f"checkpoint {d} holds optimizer or loss-scale values no run writes, which would "
                                   f"put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
                                   f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
+        bad_rng = rng_problem(rng) if f"rng/{rank}" in load else None
+        if bad_rng is not None and err is None:
+            err = CheckpointError(f"checkpoint {d}: rng/{rank}, this rank's generator state: {bad_rng}. Damaged or "
+                                  "altered")
     except CheckpointException as e:
         err = dcp_error(e, "loading checkpoint", d, rank)
     caller = who if who.startswith("fz.") else f"fz.{who}"

@@ -25,7 +25,7 @@ import torch
 import fz
 from fz.ckpt.regular import inside, read_regular
 from fz.errors import CheckpointError
-from fz.rng import well_formed
+from fz.rng import problem, well_formed
 
 log = logging.getLogger(__name__)
 RNG_MAX = 1 << 20  # transformers' rng_state file: the generators' states, a few KiB
@@ -58,6 +58,9 @@ def read_generators(checkpoint: str, args: Any, device: torch.device) -> tuple[t
     if not isinstance(cpu, torch.Tensor) or not well_formed(cpu.dtype, tuple(cpu.shape)):
         raise CheckpointError(f"the generators' state {path} holds no CPU generator state transformers writes: "
                               "damaged")
+    why = problem(cpu)
+    if why is not None:
+        raise CheckpointError(f"the generators' state {path}: the CPU generator's {why}: damaged")
     state = cpu
     cuda = saved.get("cuda")
     if device.type == "cuda" and isinstance(cuda, (list, tuple)):  # saved by one process: every device's

@@ -138,6 +138,20 @@ def test_a_generator_state_that_is_not_one_is_refused(tmp_path):
         fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
 
 
+@pytest.mark.parametrize("left, position", [(0, 0), (624, 624), (1, 5000)])
+def test_a_generator_position_no_generator_reaches_is_refused(tmp_path, left, position):
+    """Of the right size, but all zeros (torch's own check: a bare RuntimeError at the next step), or a
+    position past the Mersenne Twister's 624 words (torch takes it, and its draws read memory beyond
+    them)."""
+    import struct
+    raw = bytearray(torch.get_rng_state().numpy().tobytes())
+    struct.pack_into("<iiQ", raw, 8, left, 1 if left else 0, position)
+    fz.save(_trained().replace(rng=torch.frombuffer(raw, dtype=torch.uint8).clone()), tmp_path)
+    with pytest.raises(CheckpointError, match=rf"rng/0, this rank's generator state: its Mersenne Twister position "
+                                              rf"\(left {left}, next {position}"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path / "step_1")
+
+
 def test_a_record_repeating_its_elements_is_not_expanded(tmp_path):
     f = tmp_path / "__0_0.distcp"
     torch.save(torch.ones(1).expand(10**8), f)  # one stored float, 10**8 claimed (stride 0)
