@@ -6,14 +6,16 @@ here), so no file of the package imports one that imports it back.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import weakref
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from fz.errors import ConfigError
+from fz.errors import ConfigError, OffloadError
 from fz.storage.checksum import BlockSums
 from fz.storage.scratch import SCRATCH
 
@@ -101,13 +103,26 @@ class Blob:
             os.close(fd)
 
     def _open(self, flags: int) -> int:
-        try:
-            return os.open(self.path, flags)
-        except OSError as e:
-            raise OSError(e.errno, f"offload file {self.path}: {e.strerror}") from e
+        return open_blob(self.path, flags)
 
     def __repr__(self) -> str:
         return f"Blob({self.path!r}, {self.nbytes:,} bytes)"
+
+
+def open_blob(path: str, flags: int) -> int:
+    """A descriptor of the offload file `path`, which must still be the regular file fz made: a FIFO,
+    a device or a link put in its place is an OffloadError, never waited on (O_NONBLOCK) or followed."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OffloadError(e.errno, f"offload file {path} was replaced by a link: not followed") from None
+        raise OSError(e.errno, f"offload file {path}: {e.strerror}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OffloadError(errno.EIO, f"offload file {path} was replaced by something that is not a regular file: "
+                                      "not read")
+    return fd
 
 
 def _unlink(path: str) -> None:
@@ -127,7 +142,8 @@ def _full(fd: int, view: memoryview, off: int, path: str, write: bool) -> None:
         except OSError as e:
             raise OSError(e.errno, f"offload {what} of {path} at byte {off + done}: {e.strerror}") from e
         if n <= 0:
-            raise OSError(f"offload {what} of {path} at byte {off + done}: file ends early (truncated?)")
+            raise OffloadError(errno.EIO, f"offload {what} of {path} at byte {off + done}: the file ends early "
+                                          "(truncated)")
         done += n
 
 

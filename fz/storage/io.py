@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from fz.storage.blob import Blob
+from fz.storage.blob import Blob, open_blob
 
 
 def _buffer(nbytes: int, pin: bool) -> Tensor:
@@ -39,10 +39,7 @@ class IOPool:
 
     def _io(self, blob: Blob, offset: int, buf: Tensor, write: bool) -> None:
         flags = (os.O_WRONLY if write else os.O_RDONLY) | (os.O_DIRECT if self.direct else 0)
-        try:
-            fd = os.open(blob.path, flags)
-        except OSError as e:
-            raise OSError(e.errno, f"offload file {blob.path}: {e.strerror}") from e
+        fd = open_blob(blob.path, flags)
         try:
             view = buf.numpy().data
             blob.io(fd, view, offset, write)

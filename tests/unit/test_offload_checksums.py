@@ -128,3 +128,30 @@ def test_memory_report_measures_the_tables_and_the_estimate_predicts_them(tmp_pa
     measured = fz.memory_report(state).tiers["host"]["checksums"]
     assert measured == sum(table_bytes(os.path.getsize(p)) for p in files) > 0
     assert fz.estimate(make_model(), spec=sp).tiers["host"]["checksums"] == measured
+
+
+@pytest.mark.parametrize("swap", ["fifo", "link", "truncated"])
+def test_an_offload_file_replaced_or_truncated_is_an_offload_error_at_once(tmp_path, swap):
+    """A FIFO in a blob's place blocked the next read forever; a link was followed; a truncated file
+    was a bare OSError. Each is an OffloadError naming the file, without waiting."""
+    store = DiskStore(str(tmp_path), direct=False)
+    blob = store.new_blob("t", 4 * BLOCK)
+    blob.write(((0, 4 * BLOCK),), torch.ones(4 * BLOCK, dtype=torch.uint8))
+    os.unlink(blob.path)
+    if swap == "fifo":
+        os.mkfifo(blob.path)
+        said = "was replaced by something that is not a regular file"
+    elif swap == "link":
+        (tmp_path / "elsewhere").write_bytes(bytes(4 * BLOCK))
+        os.symlink(tmp_path / "elsewhere", blob.path)
+        said = "was replaced by a link: not followed"
+    else:
+        with open(blob.path, "wb") as f:
+            f.write(bytes(BLOCK))
+        said = "the file ends early"
+    with pytest.raises(fz.OffloadError, match=said):
+        blob.read(((0, 4 * BLOCK),))
+    pool = IOPool(1, 4 * BLOCK, 1, direct=False, pin=False)
+    with pytest.raises(fz.OffloadError, match=said):
+        pool.read(blob, 0, 4 * BLOCK, pool.buffers[0]).result(timeout=60)
+    pool.close()
