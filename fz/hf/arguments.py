@@ -29,7 +29,7 @@ dropped silently. What each TrainingArguments setting becomes:
   torch_compile(_backend, _mode)               error: fz compiles blocks itself (Spec(compile=...))
   fsdp, fsdp_config, parallelism_config        error: fz is the sharding (stage 3); no TP / SP / CP
   use_liger_kernel, liger_kernel_config        error: patches the model's kernels outside fz
-  neftune_noise_alpha                          error: a forward hook on the embeddings, not in fz
+  neftune_noise_alpha                          transformers' forward hook, run by fz's copy (added_hooks)
   auto_find_batch_size                         error: retries on OOM with smaller batches, not in fz
   optim_target_modules                         error: GaLore / APOLLO only
   fp16_full_eval, bf16_full_eval               error: fz evaluates in Spec.precision
@@ -287,7 +287,6 @@ _UNSUPPORTED: list[tuple[str, str]] = [  # (field, why fz cannot honour it) when
     ("parallelism_config", "fz has no tensor, sequence or context parallelism"),
     ("use_liger_kernel", "Liger patches the model's kernels; fz does not run them"),
     ("liger_kernel_config", "Liger patches the model's kernels; fz does not run them"),
-    ("neftune_noise_alpha", "NEFTune's embedding noise hook is not in fz"),
     ("auto_find_batch_size", "fz does not retry smaller batches on out-of-memory"),
     ("optim_target_modules", "GaLore / APOLLO optimizers are not in fz"),
     ("fp16_full_eval", "fz evaluates in the training precision (Spec.precision)"),

@@ -209,7 +209,10 @@ class SyncedGenerate(StateForward):
 def install(trainer: Any, model: nn.Module) -> None:
     """A `StateForward` as `model.forward` (once), its first-call placement gone; at ZeRO-3 on
     several ranks a `SyncedGenerate` as `model.generate`."""
+    from fz.hf import added_hooks  # it reads this module's helpers
+
     not_placing(model)
+    added_hooks.mirror(model, trainer.fz_ready().skeleton)  # NEFTune's, added as train() starts
     if not isinstance(model.__dict__.get("forward"), StateForward):
         model.__dict__["forward"] = StateForward(trainer, model)
     plan = trainer.fz_ready().plan
@@ -219,8 +222,18 @@ def install(trainer: Any, model: nn.Module) -> None:
         model.__dict__["generate"] = SyncedGenerate(trainer, model)
 
 
-def uninstall(model: nn.Module) -> None:
-    """The model's forward (and generate) as they were before fz set them."""
+def uninstall(model: nn.Module, trainer: Any = None) -> None:
+    """The model's forward (and generate) as they were before fz set them, its hooks off fz's copy
+    (NEFTune's off the model too, as transformers' end of train() takes it off)."""
+    from fz.hf import added_hooks
+
+    added_hooks.unmirror(model)
+    handle = getattr(trainer, "neftune_hook_handle", None)
+    if handle is not None:
+        from transformers.integrations.neftune import deactivate_neftune
+
+        deactivate_neftune(model, handle, trainer.accelerator)
+        trainer.neftune_hook_handle = None
     for name in ("forward", "generate"):
         current = model.__dict__.get(name)
         if isinstance(current, StateForward):

@@ -362,7 +362,7 @@ class Trainer(transformers.Trainer):
         """The State's weights in `self.model` (in the dtype transformers' holds): after train(), to generate."""
         if self.fz_state is not None:
             model_weights.fill(self._model(), self.fz_state, self._fz_released, trainer_checkpoints.module_dtype(self))
-            model_calls.uninstall(self._model())
+            model_calls.uninstall(self._model(), self)
             self._fz_released = {}
 
     def _let_go_of_weights(self) -> None:

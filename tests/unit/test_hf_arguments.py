@@ -172,7 +172,7 @@ def test_spec_is_the_zero_setup_and_the_arguments_the_training(tmp_path):
 def test_unsupported_names_every_setting_at_once(tmp_path):
     unsupported(make_args(tmp_path), Tiny())  # the defaults: nothing
     args = make_args(tmp_path)
-    bad = dict(torch_compile=True, fsdp="full_shard", use_liger_kernel=True, neftune_noise_alpha=5.0,
+    bad = dict(torch_compile=True, fsdp="full_shard", use_liger_kernel=True,
                auto_find_batch_size=True, fp16_full_eval=True, label_smoothing_factor=0.1, ddp_backend="ccl",
                optim="adagrad", lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 3},
                deepspeed={"zero_optimization": {"stage": 2}})
@@ -236,14 +236,14 @@ def test_the_trainer_names_every_setting_it_cannot_honour_at_construction(tmp_pa
 
     from support.hf_trainer_jobs import Tokens, arguments, gpt2
     args = arguments(str(tmp_path), True, torch_compile=True, load_best_model_at_end=True, eval_strategy="steps",
-                     save_strategy="steps", neftune_noise_alpha=5.0, optim="adamw_8bit")
+                     save_strategy="steps", optim="adamw_8bit")
     with pytest.raises(fz.ConfigError) as e:
         fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8))
     lines = str(e.value).splitlines()
     assert lines[0] == "fz.hf.Trainer cannot honour these settings (remove them or set them to their defaults):"
     named = [line.split(":")[0] for line in lines[1:]]
     assert named == ["- load_best_model_at_end=True", "- torch_compile=True", "- torch_compile_backend='inductor'",
-                     "- neftune_noise_alpha=5.0", "- optim='adamw_8bit'"], lines
+                     "- optim='adamw_8bit'"], lines
 
 
 @pytest.mark.slow  # a launcher end to end: torchrun, two processes importing transformers

@@ -1,0 +1,68 @@
+"""Forward hooks a library adds to `trainer.model` after fz made the State, run by fz's copy too.
+
+fz trains a copy of the model made when the State is (fz/model/skeleton.py): hooks on the user's
+modules at that moment are in it, but one added later (transformers' NEFTune puts a forward hook
+on the input embeddings as train() starts) would never run. While train() runs, each such hook
+(and the plain settings it reads on its module, as `neftune_noise_alpha`) is on the copy's
+module of the same name as well, and taken off again after; fz's own hooks stay the user's.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from fz.hf.model_calls import _flag, skeleton_modules
+from fz.model.skeleton import Skeleton
+
+_TABLES = ("_forward_hooks", "_forward_pre_hooks")
+_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+_UNDO: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def _ours(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    return str(module).startswith("fz.")
+
+
+def mirror(model: nn.Module, skel: Skeleton) -> None:
+    """`model`'s hooks added since `skel` was made, and the settings they read, on `skel` too."""
+    unmirror(model)
+    theirs = dict(model.named_modules())
+    added: list[tuple[nn.Module, str, Any]] = []  # (module, table or attribute, key)
+    for name, mine in skeleton_modules(skel).items():
+        other = theirs.get(name)
+        if other is None:
+            continue
+        new = False
+        for table in _TABLES:
+            own, given = getattr(mine, table), getattr(other, table)
+            for key, hook in given.items():
+                if key not in own and not _ours(hook):
+                    own[key] = hook
+                    added.append((mine, table, key))
+                    new = True
+                    for flags in _FLAGS:
+                        if key in getattr(other, flags, {}):
+                            getattr(mine, flags)[key] = getattr(other, flags)[key]
+                            added.append((mine, flags, key))
+        if new:
+            for key, value in vars(other).items():
+                if key not in mine.__dict__ and not key.startswith("_") and _flag(value):
+                    mine.__dict__[key] = value
+                    added.append((mine, "", key))
+
+    def undo() -> None:
+        for module, table, key in reversed(added):
+            (getattr(module, table) if table else module.__dict__).pop(key, None)
+
+    _UNDO[model] = undo
+
+
+def unmirror(model: nn.Module) -> None:
+    """What `mirror` put on the copy taken off."""
+    undo = _UNDO.pop(model, None)
+    if undo is not None:
+        undo()
