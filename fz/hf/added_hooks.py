@@ -14,8 +14,31 @@ from typing import Any
 
 from torch import nn
 
-from fz.hf.model_calls import _flag, skeleton_modules
 from fz.model.skeleton import Skeleton
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def flag(value: Any) -> bool:
+    """A setting a library keeps on a module: a plain value, or a collection of names."""
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value)
+
+
+def skeleton_modules(skel: Skeleton) -> dict[str, nn.Module]:
+    """Every module of the skeleton by the model's name for it (a block's insides included:
+    the root holds a stand-in where each block was)."""
+    units = {u.name: u.module for u in skel.units[1:]}
+    out: dict[str, nn.Module] = {}
+    for name, module in skel.root.named_modules():
+        if name in units:
+            for inner, m in units[name].named_modules():
+                out[f"{name}.{inner}" if inner else name] = m
+        elif not any(name.startswith(u + ".") for u in units):
+            out[name] = module
+    return out
+
 
 _TABLES = ("_forward_hooks", "_forward_pre_hooks")
 _FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
@@ -50,7 +73,7 @@ def mirror(model: nn.Module, skel: Skeleton) -> None:
                             added.append((mine, flags, key))
         if new:
             for key, value in vars(other).items():
-                if key not in mine.__dict__ and not key.startswith("_") and _flag(value):
+                if key not in mine.__dict__ and not key.startswith("_") and flag(value):
                     mine.__dict__[key] = value
                     added.append((mine, "", key))
 

@@ -34,33 +34,13 @@ from torch import nn
 
 import fz
 from fz.errors import ConfigError
+from fz.hf import added_hooks, model_device
+from fz.hf.added_hooks import flag, skeleton_modules
 from fz.model.skeleton import Skeleton
 
 log = logging.getLogger(__name__)
-_PLAIN = (bool, int, float, str, type(None))
 _FZ_SETS = ("training", "gradient_checkpointing")  # fz's own choices on its copy (mode; it checkpoints itself)
 _STEP: contextvars.ContextVar[Any] = contextvars.ContextVar("fz_hf_step_model", default=None)
-
-
-def _flag(value: Any) -> bool:
-    """A setting a library keeps on a module: a plain value, or a collection of names."""
-    if isinstance(value, _PLAIN):
-        return True
-    return isinstance(value, (tuple, list, set, frozenset)) and all(isinstance(v, str) for v in value)
-
-
-def skeleton_modules(skel: Skeleton) -> dict[str, nn.Module]:
-    """Every module of the skeleton by the model's name for it (a block's insides included:
-    the root holds a stand-in where each block was)."""
-    units = {u.name: u.module for u in skel.units[1:]}
-    out: dict[str, nn.Module] = {}
-    for name, module in skel.root.named_modules():
-        if name in units:
-            for inner, m in units[name].named_modules():
-                out[f"{name}.{inner}" if inner else name] = m
-        elif not any(name.startswith(u + ".") for u in units):
-            out[name] = module
-    return out
 
 
 @contextlib.contextmanager
@@ -74,10 +54,10 @@ def flags_mirrored(model: nn.Module, skel: Skeleton) -> Iterator[None]:
         if other is None:
             continue
         for key, value in vars(other).items():
-            if key in _FZ_SETS or key.startswith("_fz") or not _flag(value):
+            if key in _FZ_SETS or key.startswith("_fz") or not flag(value):
                 continue
             old = mine.__dict__.get(key, missing)
-            if old is not missing and (not _flag(old) or old == value):
+            if old is not missing and (not flag(old) or old == value):
                 continue
             changed.append((mine, key, old))
             mine.__dict__[key] = value
@@ -209,10 +189,9 @@ class SyncedGenerate(StateForward):
 def install(trainer: Any, model: nn.Module) -> None:
     """A `StateForward` as `model.forward` (once), its first-call placement gone; at ZeRO-3 on
     several ranks a `SyncedGenerate` as `model.generate`."""
-    from fz.hf import added_hooks  # it reads this module's helpers
-
     not_placing(model)
     added_hooks.mirror(model, trainer.fz_ready().skeleton)  # NEFTune's, added as train() starts
+    model_device.show(model, trainer.args.device)  # at ZeRO-3, not meta
     if not isinstance(model.__dict__.get("forward"), StateForward):
         model.__dict__["forward"] = StateForward(trainer, model)
     plan = trainer.fz_ready().plan
@@ -225,9 +204,8 @@ def install(trainer: Any, model: nn.Module) -> None:
 def uninstall(model: nn.Module, trainer: Any = None) -> None:
     """The model's forward (and generate) as they were before fz set them, its hooks off fz's copy
     (NEFTune's off the model too, as transformers' end of train() takes it off)."""
-    from fz.hf import added_hooks
-
     added_hooks.unmirror(model)
+    model_device.unshow(model)
     handle = getattr(trainer, "neftune_hook_handle", None)
     if handle is not None:
         from transformers.integrations.neftune import deactivate_neftune

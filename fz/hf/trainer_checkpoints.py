@@ -229,7 +229,8 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
         log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
                     "Ignoring it for this run.", best)
         trainer.state.best_model_checkpoint = None
-    compare_trainer_and_checkpoint_args(trainer.args, trainer.state)  # its warning: the saved intervals are kept
+    if trainer.state.train_batch_size is not None:  # transformers' comparison divides it (it always writes one)
+        compare_trainer_and_checkpoint_args(trainer.args, trainer.state)  # its warning: the saved intervals are kept
     try:
         trainer._load_callback_state()
     except (TypeError, ValueError, AttributeError) as e:  # a callback's saved args it does not take

@@ -22,12 +22,15 @@ class Look(TrainerCallback):
     def __init__(self, trainer=None):
         self.seen: list[dict[str, tuple[str, bool]]] = []
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.devices: list[str] = []
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.seen.append({n: (p.device.type, p.requires_grad) for n, p in model.named_parameters()})
         x = torch.tensor([[3, 4, 5, 6]])
         self.calls.append((model(input_ids=x).logits, fz.apply(self.trainer.fz_state, input_ids=x).logits))
+        self.devices.append(str(model.device))  # TRL's LogCompletionsCallback: tokenizer(...).to(model.device)
+        model.generate(x.to(model.device), max_new_tokens=2, do_sample=False)
 
 
 def patch_forward(model):
@@ -61,6 +64,8 @@ def test_weights_are_let_go_while_training_and_filled_in_after(tmp_path, patched
     look.trainer = trainer
     trainer.train()
     assert len(look.seen) == len(look.calls) == 2
+    assert look.devices == ["cpu", "cpu"]  # the trainer's, not meta, as DeepSpeed's empty parameters keep theirs
+    assert type(trainer.model) is type(hp.llama())  # its own class back after train()
     for seen in look.seen:
         assert {n for n, (dev, _) in seen.items() if dev == "meta"} == set(params)
         assert seen["model.embed_tokens.weight"] == ("meta", False)
