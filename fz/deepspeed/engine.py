@@ -208,7 +208,7 @@ class DeepSpeedEngine:
                                   "and engine.step() at the accumulation boundary: finish the update first")
             return fz.apply(self.state, *inputs, train=training, **kwargs)
         if self._step is None:
-            self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward")
+            self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward", process_rng=True)
         rows, tokens = batch_counts((inputs, kwargs))
         self._counted = [self._counted[0] + rows, self._counted[1] + (tokens or 0)]
         return self._step.forward(lambda model, a, k: model(*a, **k), inputs, kwargs)

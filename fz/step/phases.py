@@ -26,6 +26,7 @@ from fz.errors import ConfigError
 from fz.offload.host_grads import HostGrads
 from fz.offload.transfer import pool_for
 from fz.optim.transforms import current_lr
+from fz.rng import capture, restore
 from fz.rng import forked as rng_forked
 from fz.sharding.comm import Comm
 from fz.sharding.opt_state import checked_opt_state, reuse_map, wrap_opt_state
@@ -71,10 +72,12 @@ class StepInProgress:
     """One optimizer step, opened on `state` (donated unless `donate=False`) for a batch of this
     rank's `batch` rows (its size is checked across ranks when the step finishes). With
     Spec.accumulate="mean" each micro-batch's loss counts 1/`micro_batches` (default
-    Spec.grad_accum); with "sum" it counts as it is."""
+    Spec.grad_accum); with "sum" it counts as it is. `process_rng`: each forward and backward
+    draws (dropout) from the process's generators where the script's own draws left them, and
+    advances them, as an eager module's forward does (DeepSpeed's engine); else from the State's."""
 
     def __init__(self, state: State, batch: Any, *, donate: bool = True, what: str = "fz.train_step",
-                 micro_batches: int | None = None):
+                 micro_batches: int | None = None, process_rng: bool = False):
         expect_state(state, what)
         peers.doing(what, int(state.step))
         raise_background_failures()  # e.g. an async checkpoint save that failed since the last call
@@ -124,6 +127,7 @@ class StepInProgress:
         self.total = torch.zeros((), device=plan.device)
         self.calls: list[int] = []  # the blocks each forward called, in order (checked across ranks)
         self.rng = state.rng
+        self.process_rng = process_rng  # each phase draws from the process's generators and advances them
         self.closed = False
 
     @contextlib.contextmanager
@@ -132,10 +136,15 @@ class StepInProgress:
         longer match the other ranks') and closes it."""
         if self.closed:
             raise ConfigError(f"{self.what}: this step is already finished or broken; open a new one")
+        device = self.state.plan.device
         try:
-            with rng_forked(self.rng, self.state.plan.device) as now:
+            if self.process_rng:  # as an eager module's forward draws: where the script's own draws left them
+                self.rng = capture(device)
+            with rng_forked(self.rng, device) as now:
                 yield
                 self.rng = now()
+            if self.process_rng:
+                restore(self.rng, device)
         except BaseException as e:
             self.abort(e)
             raise
