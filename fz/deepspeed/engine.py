@@ -203,9 +203,8 @@ class DeepSpeedEngine:
         inputs, kwargs = on_device((inputs, kwargs), self.device)
         training = self._model.training  # the model's mode: engine.eval(), model.eval(), engine.module.eval()
         if not (training and torch.is_grad_enabled()):
-            if self._step is not None:
-                raise ConfigError("engine forward in eval mode (or under no_grad) between a train-mode forward "
-                                  "and engine.step() at the accumulation boundary: finish the update first")
+            if self._step is not None:  # inside an accumulation window: on its parameters, none of its micro-batches
+                return self._step.forward_aside(lambda model, a, k: model(*a, **k), inputs, kwargs, train=training)
             return fz.apply(self.state, *inputs, train=training, **kwargs)
         if self._step is None:
             self._step = StepInProgress(self.state, (inputs, kwargs), what="engine.forward", process_rng=True)

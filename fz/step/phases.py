@@ -155,6 +155,20 @@ class StepInProgress:
         with self._phase(), autocast(self.state):
             return fn(self.model, *args, **kwargs)
 
+    def forward_aside(self, fn: Callable[..., Any], *args: Any, train: bool, **kwargs: Any) -> Any:
+        """A forward that is no micro-batch of the step (an eval-mode or no_grad call between the
+        step's micro-batches, as DeepSpeed's engine allows): `fn(model, ...)` on the step's
+        parameters, which are the state's until the update, without grad, the model in `train`
+        mode; nothing of it reaches the step's backward or its record of the blocks called."""
+        called, skel = list(self.runner.called), self.state.skeleton
+        with torch.no_grad(), self._phase(), autocast(self.state):
+            skel.set_mode(train)
+            try:
+                return fn(self.model, *args, **kwargs)
+            finally:
+                skel.set_mode(True)
+                self.runner.called = called
+
     def backward(self, loss: Tensor, last: bool) -> None:
         """Backpropagate one micro-batch's scalar `loss` (scaled by 1/micro-batches with
         accumulate="mean", and by the loss scale); `last`: the step's last micro-batch, whose

@@ -77,3 +77,14 @@ def test_every_ranks_model_holds_rank_0s_weights_after_initialize(runs):
     """Before any update, at ZeRO 0-2 (a local copy): rank 1's model reads rank 0's initial weights."""
     for name, w in runs[0]["own_init"].items():
         assert torch.equal(runs[1]["own_init"][name], w), name
+
+
+def test_a_forward_between_micro_batches_at_zero3_runs_on_the_open_updates_weights(runs):
+    """An eval-mode (and a train-mode no_grad) forward inside an accumulation window at ZeRO-3:
+    the last update's model's output, and the updates of the loop without it."""
+    for rank in runs:
+        (seen, weights), (_, plain) = rank["window"]
+        for inside, after_previous in zip(seen[2::2], seen[1::2]):
+            torch.testing.assert_close(inside, after_previous, rtol=0, atol=0)
+        for name, w in plain.items():
+            torch.testing.assert_close(weights[name], w, rtol=0, atol=0)

@@ -126,7 +126,8 @@ def own_init(deepspeed) -> dict[str, torch.Tensor]:
 
 def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
     import fz.deepspeed as deepspeed
-    out: dict[Any, Any] = {"own_init": own_init(deepspeed)}
+    from support.ds_window import window_run
+    out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False))}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

@@ -9,20 +9,7 @@ from torch import nn
 
 import fz.deepspeed as deepspeed
 
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.drop = nn.Linear(8, 16), nn.Linear(16, 4), nn.Dropout(0.5)
-
-    def forward(self, x):
-        return self.b(self.drop(torch.tanh(self.a(x))))
-
-
-def _batches(n):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(n)]
+from support.ds_window import Net, batches, window_run
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -31,7 +18,7 @@ def test_dropout_masks_are_an_eager_loops(accumulation):
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
     torch.manual_seed(5)
     want = []
-    for i, (x, y) in enumerate(_batches(6)):
+    for i, (x, y) in enumerate(batches(6)):
         loss = nn.functional.cross_entropy(ref(x), y)
         (loss / accumulation).backward()
         torch.rand(3)  # the script's own draw between micro-batches
@@ -46,7 +33,7 @@ def test_dropout_masks_are_an_eager_loops(accumulation):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     torch.manual_seed(5)
     got = []
-    for x, y in _batches(6):
+    for x, y in batches(6):
         loss = nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         torch.rand(3)
@@ -54,3 +41,16 @@ def test_dropout_masks_are_an_eager_loops(accumulation):
         got.append(loss.item())
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert torch.equal(torch.rand(1), after)  # the process's generator left where the eager loop leaves it
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_forward_between_micro_batches_in_eval_mode_or_no_grad_runs_on_the_open_updates_weights(stage):
+    """DeepSpeed allows it (fz raised): the eval output inside a window is the last update's model's,
+    and the updates are those of the loop without it."""
+    seen, weights = window_run(stage, True)
+    _, plain = window_run(stage, False)
+    assert len(seen) == 6
+    for inside, after_previous in zip(seen[2::2], seen[1::2]):
+        torch.testing.assert_close(inside, after_previous, rtol=0, atol=0)
+    for name, w in plain.items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=0)
