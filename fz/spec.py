@@ -16,7 +16,7 @@ from fz.precision import PRECISIONS, LossScale
 
 Stage = Literal[0, 1, 2, 3]
 Precision = Literal["fp32", "bf16", "fp16"]
-BufferSync = Literal["mean", "rank0"]
+BufferSync = Literal["mean", "rank0", "local"]
 NonFinite = Literal["skip", "raise"]
 Accumulate = Literal["mean", "sum"]
 ACCUMULATE: tuple[Accumulate, ...] = get_args(Accumulate)
@@ -108,8 +108,9 @@ class Spec:
     init_fn: Callable[[str, nn.Module], None] | None = None
     """Meta-device init: init_fn(module_name, module) runs on each module after reset_parameters()."""
     buffer_sync: BufferSync = "mean"
-    """Buffers training changes (BatchNorm's statistics): "mean" over ranks, or "rank0" (DDP's
-    broadcast_buffers)."""
+    """Buffers training changes (BatchNorm's statistics): "mean" over ranks, "rank0" (DDP's
+    broadcast_buffers), or "local": each rank keeps its own (DeepSpeed's engine, which syncs none;
+    a checkpoint keeps the first rank's)."""
 
     # --- communication: buckets and stage 3's gathering (zero_optimization's keys) ---
     bucket_mb: float = 25.0
@@ -200,7 +201,8 @@ class Spec:
                       "weight_by_rows False")
         if self.buffer_sync not in BUFFER_SYNC:
             raise bad(
-                "buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks) or 'rank0' (the first rank's)"
+                "buffer_sync", self.buffer_sync, "must be 'mean' (average over ranks), 'rank0' (the first rank's) or "
+                "'local' (each rank's own)"
             )
         if not isinstance(self.skip_unused, bool):
             raise bad("skip_unused", self.skip_unused, "must be True or False")

@@ -178,7 +178,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         client_lrs = client_schedule(lr_scheduler, stand_in)
         _drop(cfg, "scheduler", "initialize was given lr_scheduler=, which wins")
         auto["schedule"] = lambda lr: client_lrs
-    spec = fz.Spec.from_deepspeed(cfg, **auto)
+    spec = fz.Spec.from_deepspeed(cfg, **auto).replace(buffer_sync="local")  # DeepSpeed syncs no module buffer
     state = fz.init(model, spec)
     schedule = spec.provenance.objects.get("lr") if spec.provenance is not None else None
     chosen = auto.get("optimizer")

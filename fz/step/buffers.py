@@ -5,7 +5,8 @@ docs/model.md calls them replicated (and a checkpoint would keep one rank's). Af
 the buffers whose in-place version counter moved, and the running statistics of norm layers
 (which the kernel updates without moving it), are made equal again: averaged over every
 rank by default (floating ones; others take the first rank's), or the first rank's for all
-(`Spec(buffer_sync="rank0")`, DDP's broadcast_buffers). One collective per dtype.
+(`Spec(buffer_sync="rank0")`, DDP's broadcast_buffers). One collective per dtype. With
+`Spec(buffer_sync="local")` each rank keeps its own, as DeepSpeed's engine does.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def sync_changed(comm: Comm, buffers: dict[str, Tensor], before: dict[str, int],
     """Make the buffers changed since `before` (and the `running` ones) equal on every rank; returns
     their names (sorted, so every rank packs them alike)."""
     changed = sorted(n for n, t in buffers.items() if t._version != before.get(n) or n in running)
-    if not changed or (comm.world == 1 and comm.replicas == 1):
+    if not changed or how == "local" or (comm.world == 1 and comm.replicas == 1):
         return changed
     by_kind: dict[tuple, list[str]] = {}
     for n in changed:

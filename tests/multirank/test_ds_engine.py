@@ -88,3 +88,12 @@ def test_a_forward_between_micro_batches_at_zero3_runs_on_the_open_updates_weigh
             torch.testing.assert_close(inside, after_previous, rtol=0, atol=0)
         for name, w in plain.items():
             torch.testing.assert_close(weights[name], w, rtol=0, atol=0)
+
+
+def test_each_rank_keeps_its_own_batchnorm_statistics(runs):
+    """DeepSpeed syncs no module buffer (fz averaged them over ranks): each rank's running mean is
+    an eager BatchNorm's over that rank's rows."""
+    for rank in runs:
+        running, eager = rank["own_buffers"]
+        torch.testing.assert_close(running, eager, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(runs[0]["own_buffers"][0], runs[1]["own_buffers"][0])

@@ -124,10 +124,29 @@ def own_init(deepspeed) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def own_buffers(deepspeed) -> tuple[torch.Tensor, torch.Tensor]:
+    """BatchNorm's running mean after two updates on this rank's own rows, and an eager BatchNorm's
+    on the same rows: DeepSpeed syncs no module buffer, so each rank keeps its own."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    eager = nn.BatchNorm1d(4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(1))
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    for _ in range(2 * ACCUM):
+        x = torch.randn(MICRO, 4, generator=g) * (1 + dist.get_rank())
+        eager(x)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    return dict(engine.module.named_buffers())["0.running_mean"].clone(), eager.running_mean.clone()
+
+
 def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
     import fz.deepspeed as deepspeed
+
     from support.ds_window import window_run
-    out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False))}
+    out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False)),
+                           "own_buffers": own_buffers(deepspeed)}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),
