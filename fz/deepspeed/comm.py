@@ -28,6 +28,16 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def get_world_rank_from_launcher() -> int:
+    """The rank the launcher gave this process (RANK), before any process group."""
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size_from_launcher() -> int:
+    """The world size the launcher set (WORLD_SIZE), before any process group."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def log_summary(*args: object, **kwargs: object) -> None:
     """DeepSpeed's communication-log summary: fz keeps no such log (its byte counts: fz.comm_report)."""
     logging.getLogger(__name__).info("deepspeed.comm.log_summary: fz keeps no comms log; fz.comm_report(state) "
@@ -35,5 +45,6 @@ def log_summary(*args: object, **kwargs: object) -> None:
 
 
 __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast",
-           "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_available", "is_initialized",
-           "log_summary", "new_group", "reduce", "reduce_scatter_tensor"]
+           "get_local_rank", "get_rank", "get_world_rank_from_launcher", "get_world_size",
+           "get_world_size_from_launcher", "init_distributed", "is_available", "is_initialized", "log_summary",
+           "new_group", "reduce", "reduce_scatter_tensor"]

@@ -97,3 +97,11 @@ def test_each_rank_keeps_its_own_batchnorm_statistics(runs):
         running, eager = rank["own_buffers"]
         torch.testing.assert_close(running, eager, rtol=1e-6, atol=1e-7)
     assert not torch.allclose(runs[0]["own_buffers"][0], runs[1]["own_buffers"][0])
+
+
+def test_safe_get_full_fp32_param_and_moments_gather_the_shards_at_zero3(runs):
+    a, b = (rank["fragments"] for rank in runs)
+    for key in ("fp32", "exp_avg", "set"):
+        assert torch.equal(a[key], b[key]), key  # every rank gets the whole tensor
+    assert torch.equal(a["fp32"], a["full"]) and a["exp_avg"].abs().sum() > 0
+    assert torch.equal(a["set"], torch.arange(4.0))

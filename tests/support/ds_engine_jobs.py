@@ -141,12 +141,31 @@ def own_buffers(deepspeed) -> tuple[torch.Tensor, torch.Tensor]:
     return dict(engine.module.named_buffers())["0.running_mean"].clone(), eager.running_mean.clone()
 
 
+def fragments(deepspeed) -> dict[str, torch.Tensor]:
+    """At ZeRO-3: a weight's full fp32 master and Adam moment through deepspeed.utils (gathered from
+    both ranks' shards), fz.full_params', and a bias set whole."""
+    import fz
+    from fz.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+    model = LossModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(3))
+    for i in range(ACCUM * 2):
+        engine.backward(engine({"x": torch.randn(MICRO, 8, generator=torch.Generator().manual_seed(i)),
+                                "y": torch.tensor([i % 4] * MICRO)}))
+        engine.step()
+    weight = model.body[0].weight
+    out = {"fp32": safe_get_full_fp32_param(weight), "exp_avg": safe_get_full_optimizer_state(weight, "exp_avg"),
+           "full": fz.full_params(engine.state)["body.0.weight"]}
+    safe_set_full_fp32_param(model.head.bias, torch.arange(4.0))
+    out["set"] = fz.full_params(engine.state)["head.bias"]
+    return out
+
+
 def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
     import fz.deepspeed as deepspeed
 
     from support.ds_window import window_run
     out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False)),
-                           "own_buffers": own_buffers(deepspeed)}
+                           "own_buffers": own_buffers(deepspeed), "fragments": fragments(deepspeed)}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

@@ -1,5 +1,6 @@
 """`deepspeed.utils` on fz: the logger and `log_dist` DeepSpeed scripts log with, and
-`zero_to_fp32`'s functions (fz/deepspeed/utils/zero_to_fp32.py).
+`zero_to_fp32`'s functions (fz/deepspeed/utils/zero_to_fp32.py), and `safe_get_full_fp32_param`
+and its kin (fz/deepspeed/utils/tensor_fragment.py).
 
 `log_dist(message, ranks)` logs "[Rank r] message" on the ranks listed (`[-1]`: every rank; none
 listed: only where no process group is up), at `level`, through `logger` ("DeepSpeed", WARNING
@@ -12,6 +13,12 @@ import logging
 import torch.distributed as dist
 
 from fz.deepspeed.utils import zero_to_fp32
+from fz.deepspeed.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+)
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -40,4 +47,5 @@ def print_dist(message: object, ranks: list[int] | None = None) -> None:
         print(line, flush=True)  # noqa: T201 - DeepSpeed's print_dist prints, by definition
 
 
-__all__ = ["log_dist", "logger", "print_dist", "zero_to_fp32"]
+__all__ = ["log_dist", "logger", "print_dist", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "zero_to_fp32"]
