@@ -141,13 +141,13 @@ def own_buffers(deepspeed) -> tuple[torch.Tensor, torch.Tensor]:
     return dict(engine.module.named_buffers())["0.running_mean"].clone(), eager.running_mean.clone()
 
 
-def fragments(deepspeed) -> dict[str, torch.Tensor]:
-    """At ZeRO-3: a weight's full fp32 master and Adam moment through deepspeed.utils (gathered from
-    both ranks' shards), fz.full_params', and a bias set whole."""
+def fragments(deepspeed, stage: int) -> dict[str, torch.Tensor]:
+    """A weight's full fp32 master and Adam moment through deepspeed.utils (at ZeRO-3 gathered from
+    both ranks' shards; at ZeRO-1 the parameter is whole on each), fz.full_params', and a bias set."""
     import fz
     from fz.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
     model = LossModel()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(3))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
     for i in range(ACCUM * 2):
         engine.backward(engine({"x": torch.randn(MICRO, 8, generator=torch.Generator().manual_seed(i)),
                                 "y": torch.tensor([i % 4] * MICRO)}))
@@ -165,7 +165,7 @@ def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
 
     from support.ds_window import window_run
     out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False)),
-                           "own_buffers": own_buffers(deepspeed), "fragments": fragments(deepspeed)}
+                           "own_buffers": own_buffers(deepspeed), "fragments": {s: fragments(deepspeed, s) for s in (1, 3)}}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import Shard
 
 from fz.ckpt.deepspeed.importer import _moment_places
 from fz.ckpt.hf.pretrained import _places, _put
@@ -38,26 +39,33 @@ def _owner(param: Any, call: str) -> tuple[Any, str]:
     return engine, engine.state.skeleton.aliases.get(name, name)
 
 
-def _whole(engine: Any, places: list[tuple[Tensor, int, int]], shape: torch.Size) -> Tensor:
-    """The full fp32 tensor from this rank's places of it, summed over the shard group."""
+def _whole(engine: Any, name: str, places: list[tuple[Tensor, int, int]], shape: torch.Size, master: bool) -> Tensor:
+    """The full fp32 tensor from this rank's places of it, summed over the shard group where its
+    bucket's `master`s (fp32 masters and moments) or parameters are sharded (the same on every
+    rank: a replicated one is whole on each)."""
     out = torch.zeros(math.prod(shape), dtype=torch.float32, device=engine.state.plan.device)
     for view, lo, hi in places:
         out[lo:hi] = view[:hi - lo].float()
     plan = engine.state.plan
-    if plan.shards > 1:
+    bucket = plan.slots()[name][0]
+    sharded = isinstance(bucket.place.opt, Shard) if master else bucket.sharded_param
+    if sharded and plan.shards > 1:
         dist.all_reduce(out, group=plan.shard_group)
     return out.view(shape)
 
 
-def _master_places(engine: Any, name: str) -> list[tuple[Tensor, int, int]]:
+def _master_places(engine: Any, name: str) -> tuple[list[tuple[Tensor, int, int]], bool]:
+    """This rank's places of the fp32 master where there is one (mixed precision), else of the
+    parameter; and which it is."""
     places = _places(engine.state).get(name, [])
-    return places[-1:]  # the fp32 master where there is one (mixed precision), else the parameter
+    return places[-1:], len(places) > 1
 
 
 def safe_get_full_fp32_param(param: Any) -> Tensor:
     """The parameter's fp32 master weights, whole (every rank calls it)."""
     engine, name = _owner(param, "safe_get_full_fp32_param")
-    return _whole(engine, _master_places(engine, name), param.shape)
+    places, master = _master_places(engine, name)
+    return _whole(engine, name, places, param.shape, master)
 
 
 def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Tensor | None:
@@ -68,7 +76,7 @@ def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Tensor | 
         raise ConfigError(f"deepspeed.utils.safe_get_full_optimizer_state(param, {optim_state_key!r}): fz keeps "
                           f"{' and '.join(_KINDS)} (Adam's moments)")
     places = _moment_places(engine.state).get(optim_state_key, {}).get(name)
-    return None if places is None else _whole(engine, places, param.shape)
+    return None if places is None else _whole(engine, name, places, param.shape, True)
 
 
 def safe_set_full_fp32_param(param: Any, value: Tensor) -> None:
