@@ -4,8 +4,9 @@ DeepSpeed's `zero.Init()` partitions each parameter as the model is built, and
 `GatheredParameters(params)` gathers partitioned ones for a block of code. fz shards a model
 when `deepspeed.initialize` makes its State, and the model object keeps whole parameters:
 so `Init` builds the model as torch does (the same initial values as DeepSpeed's in fp32, drawn
-from the same generator; under bf16 DeepSpeed's draws bf16 weights directly), saying once that it is built whole; `GatheredParameters` brings the
-engine's current weights into the model's parameters (every rank calls it, as in DeepSpeed).
+from the same generator; under bf16 DeepSpeed's draws bf16 weights directly), saying once that
+it is built whole; `GatheredParameters` brings the engine's current weights into the model's
+parameters (every rank calls it, as in DeepSpeed).
 Changing parameters inside it (`modifier_rank=`) reaches the training only before
 `deepspeed.initialize`; after it, fz refuses rather than dropping the change.
 """
