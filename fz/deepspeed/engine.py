@@ -41,11 +41,13 @@ class DeepSpeedEngine:
 
     def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None,
                  groups: tuple[tuple[str, ...], ...] = (), dataloader: Any = None,
-                 config: dict[str, Any] | None = None, given_config: Any = None, trains: bool = True):
+                 config: dict[str, Any] | None = None, given_config: Any = None, trains: bool = True,
+                 settings: list[dict[str, Any]] | None = None):
         """`groups`: the parameter names of each group the script gave (none: one group); `trains`:
-        an optimizer was given (without one, as in DeepSpeed, backward is refused: inference)."""
+        an optimizer was given (without one, as in DeepSpeed, backward is refused: inference);
+        `settings`: each group's optimizer settings besides the lr, as its param_groups show them."""
         self.state = state
-        self.optimizer = EngineOptimizer(self, max(1, len(groups)))
+        self.optimizer = EngineOptimizer(self, max(1, len(groups)), settings)
         self._groups = groups
         self._trains = trains
         self.lr_scheduler: EngineSchedule | None = EngineSchedule(self)

@@ -94,6 +94,26 @@ def _drop(cfg: dict[str, Any], key: str, why: str) -> None:
                       DeepSpeedConfigWarning, stacklevel=3)
 
 
+def _group_settings(chosen: ClientOptimizer | None, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each parameter group's settings besides the lr, as DeepSpeed's optimizer's param_groups
+    hold them: the client's (or the groups') optimizer, else the config's section."""
+    if isinstance(chosen, ClientOptimizer):
+        if chosen.kind == "sgd":
+            base: dict[str, Any] = {"momentum": chosen.momentum, "dampening": 0.0, "nesterov": chosen.nesterov}
+        else:
+            base = {"betas": tuple(chosen.betas), "eps": chosen.eps, "bias_correction": True}
+        members = chosen.members or ((),)
+        return [{**base, "weight_decay": chosen.weight_decay if chosen.decay is None or any(
+            n in chosen.decay for n in names) else 0.0} for names in members]
+    section = cfg.get("optimizer") or {}
+    given = {k: v for k, v in (section.get("params") or {}).items() if v != "auto"}
+    if str(section.get("type", "")).lower() == "sgd":
+        return [{"momentum": given.get("momentum", 0.0), "dampening": given.get("dampening", 0.0),
+                 "nesterov": given.get("nesterov", False), "weight_decay": given.get("weight_decay", 0.0)}]
+    return [{"betas": tuple(given.get("betas", (0.9, 0.999))), "eps": given.get("eps", 1e-8),
+             "weight_decay": given.get("weight_decay", 0.0), "bias_correction": given.get("bias_correction", True)}]
+
+
 _TORCH_KINDS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
@@ -188,7 +208,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = EngineDataLoader(training_data, int(spec.micro_batch or 1), state.plan.rank, len(state.plan.ranks),
                                   collate_fn, bool(cfg.get("dataloader_drop_last", False)))
     engine = DeepSpeedEngine(model, state, schedule=schedule, groups=groups, dataloader=loader, config=cfg,
-                             given_config=given, trains=trains)
+                             given_config=given, trains=trains, settings=_group_settings(chosen, cfg))
     if not (lr_scheduler is not None or cfg.get("scheduler")):
         engine.lr_scheduler = None  # DeepSpeed's engine has none either (its lr stays the optimizer's)
     return engine, engine.optimizer if trains else None, loader, engine.lr_scheduler

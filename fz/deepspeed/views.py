@@ -23,14 +23,18 @@ class Engine(Protocol):
 
 
 class EngineOptimizer:
-    """`optimizer` from initialize: `param_groups[i]["lr"]` is the next update's lr."""
+    """`optimizer` from initialize: `param_groups[i]["lr"]` is the next update's lr; the group's
+    other settings (`betas`, `eps`, `weight_decay`, ... as DeepSpeed's optimizer holds them) are
+    those fz's update applies."""
 
-    def __init__(self, engine: Engine, groups: int):
+    def __init__(self, engine: Engine, groups: int, settings: list[dict[str, Any]] | None = None):
         self._engine, self.groups = engine, groups
+        self._settings = settings or [{}]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return [_ReadOnlyGroup({"lr": lr}) for lr in self._engine.get_lr()]
+        own = self._settings
+        return [_ReadOnlyGroup({**own[min(i, len(own) - 1)], "lr": lr}) for i, lr in enumerate(self._engine.get_lr())]
 
     @property
     def loss_scale(self) -> float:

@@ -76,3 +76,20 @@ def test_the_groups_settings_win_over_the_configs(case):
     got = dict(engine.module.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_returned_optimizers_groups_show_their_settings_as_deepspeeds_do():
+    """DeepSpeed's optimizer.param_groups[i] hold betas, eps, weight_decay, bias_correction besides
+    the lr (fz's held the lr only: ["weight_decay"] was a KeyError)."""
+    model = Net()
+    section = {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.3, "betas": [0.8, 0.9]}}
+    _, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=_split(model),
+                                            config={**CONFIG, "optimizer": section})
+    first, second = optimizer.param_groups
+    assert first == {"lr": 0.05, "betas": (0.8, 0.9), "eps": 1e-8, "bias_correction": True, "weight_decay": 0.3}
+    assert second["weight_decay"] == 0.0 and second["betas"] == (0.8, 0.9)
+    plain = Net()
+    _, optimizer, *_ = deepspeed.initialize(model=plain, model_parameters=plain.parameters(),
+                                            config={**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert optimizer.param_groups == [{"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
+                                       "weight_decay": 0.0}]
