@@ -348,7 +348,7 @@ def test_every_spec_field_is_documented_and_enumerations_are_literals():
     assert typing.get_args(hints["stage"]) == (0, 1, 2, 3)
     assert set(typing.get_args(hints["precision"])) == set(fz.precision.PRECISIONS)
     assert set(typing.get_args(hints["nonfinite"])) == {"skip", "raise"}
-    assert set(typing.get_args(hints["buffer_sync"])) == {"mean", "rank0"}
+    assert set(typing.get_args(hints["buffer_sync"])) == {"mean", "rank0", "local"}
     for field, bad in (("precision", "fp8"), ("nonfinite", "ignore"), ("buffer_sync", "max"), ("stage", 4)):
         with pytest.raises(fz.ConfigError, match=rf"^Spec\.{field}="):
             fz.Spec(**{field: bad})

@@ -24,6 +24,7 @@ from fz.ckpt.deepspeed.importer import _moment_places
 from fz.ckpt.hf.pretrained import _places, _put
 from fz.deepspeed import model_sync, zero
 from fz.errors import ConfigError
+from fz.sharding.settle import Handle
 
 _KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -50,7 +51,7 @@ def _whole(engine: Any, name: str, places: list[tuple[Tensor, int, int]], shape:
     bucket = plan.slots()[name][0]
     sharded = isinstance(bucket.place.opt, Shard) if master else bucket.sharded_param
     if sharded and plan.shards > 1:
-        dist.all_reduce(out, group=plan.shard_group)
+        Handle([out]).add(dist.all_reduce(out, group=plan.shard_group, async_op=True)).wait()  # fz's deadline
     return out.view(shape)
 
 
