@@ -165,7 +165,8 @@ def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
 
     from support.ds_window import window_run
     out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False)),
-                           "own_buffers": own_buffers(deepspeed), "fragments": {s: fragments(deepspeed, s) for s in (1, 3)}}
+                           "own_buffers": own_buffers(deepspeed),
+                           "fragments": {s: fragments(deepspeed, s) for s in (1, 3)}}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

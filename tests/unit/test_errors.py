@@ -117,8 +117,8 @@ def test_meta_module_without_reset_parameters():
 
 @pytest.mark.parametrize("make, words", [
     (lambda: fz.optim.adamw(lr=-1.0), r"learning rate -1.0: it must be a finite number >= 0, at most 10000"),
-    (lambda: fz.optim.sgd(lr=1e300), r"learning rate 1e\+300: it must be a finite number >= 0, at most 10000 \(a larger "
-                                     r"one writes inf into the weights\)"),
+    (lambda: fz.optim.sgd(lr=1e300), r"learning rate 1e\+300: it must be a finite number >= 0, at most 10000 "
+                                     r"\(a larger one writes inf into the weights\)"),
     (lambda: fz.optim.adamw(lr=float("nan")), r"learning rate nan"),
     (lambda: fz.optim.adamw(betas=(1.5, 0.999)), r"adam betas\[0\]=1.5: must be in \[0, 1\)"),
     (lambda: fz.optim.adam(eps=-1.0), r"adam eps=-1.0: must be in \[0, inf\)"),
