@@ -28,7 +28,7 @@ from fz.config.deepspeed import load as load_deepspeed
 from fz.config.keys import gathers_16bit_on_save
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import deepspeed_resume
+from fz.hf import deepspeed_resume, host_generators
 from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
 from fz.rng import capture, restore
@@ -63,7 +63,9 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
     if not args.save_only_model:
         loader = trainer._loader
         state = loader.attach(trainer.fz_state) if loader is not None else trainer.fz_ready()
-        state = state.replace(rng=capture(state.plan.device))  # the generator now, as transformers' rng_state
+        state = state.replace(rng=capture(state.plan.device))  # the generators now, as transformers' rng_state
+        if isinstance(state.data, dict):
+            state = state.replace(data={**state.data, host_generators.KEY: host_generators.captured()})
         fz.save(state, os.path.join(staging, dirs.FZ_DIR), verbose=False)
     best = trainer.state.best_global_step
     if best and (best == step or dirs.complete(dirs.final_dir(run_dir, best))):
@@ -241,7 +243,8 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
     else:
         loaded = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
         assert isinstance(loaded, fz.State)
-        restored, generators = loaded, (loaded.rng, None)
+        saved = loaded.data.get(host_generators.KEY) if isinstance(loaded.data, dict) else None
+        restored, generators = loaded, (loaded.rng, host_generators.setter(saved, checkpoint))
     trainer._load_optimizer_and_scheduler(checkpoint)  # fz's does nothing; a subclass's additions (GRPO's) load
     trainer.state.global_step = int(restored.step)
     position = restored.data.get("loader") if isinstance(restored.data, dict) else None
