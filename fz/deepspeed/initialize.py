@@ -122,7 +122,9 @@ def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model:
     config's optimizer with the groups' settings over its own, as torch and DeepSpeed build it (a
     group's weight_decay a mask; settings fz cannot honour per group refused by client_optimizer);
     None when the groups change nothing."""
-    section = cfg.get("optimizer") or {}
+    section = cfg.get("optimizer")
+    if not section:  # groups without an optimizer: DeepSpeed's engine is then for inference, as without groups
+        return None
     params = dict(section.get("params") or {})
     for key in ("lr", "weight_decay", "eps"):
         if params.get(key) == "auto":

@@ -2,9 +2,10 @@
 
 fz trains a copy of the model made when the State is (fz/model/skeleton.py): hooks on the user's
 modules at that moment are in it, but one added later (transformers' NEFTune puts a forward hook
-on the input embeddings as train() starts) would never run. While train() runs, each such hook
-(and the plain settings it reads on its module, as `neftune_noise_alpha`) is on the copy's
-module of the same name as well, and taken off again after; fz's own hooks stay the user's.
+on the input embeddings as train() starts) would never run. When training starts (and after
+each generation of an online trainer), each such hook (and the plain settings it reads on its
+module, as `neftune_noise_alpha`) is put on the copy's module of the same name as well, and taken
+off again after; fz's own hooks stay the user's. A hook added once training runs is not seen.
 """
 from __future__ import annotations
 

@@ -42,14 +42,21 @@ def clear_staging(run_dir: str, step: int) -> None:
     _remove(staging_dir(run_dir, step))
 
 
-def _remove(path: str) -> None:
-    """`path` gone: a folder with what is in it, a link or a file itself (never what a link leads to)."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+def _remove(path: str, blocking: bool = True) -> None:
+    """`path` gone: a folder with what is in it, a link or a file itself (never what a link leads to).
+    Where it stays (an NFS silly-rename file held open), a ConfigError if it is in a new save's way
+    (`blocking`), else a warning, as transformers' rotation ignores it."""
+    try:
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except FileNotFoundError:
+        pass
     if os.path.lexists(path):
-        raise ConfigError(f"fz.hf.Trainer: {path} is in the way of a checkpoint and cannot be removed")
+        if blocking:
+            raise ConfigError(f"fz.hf.Trainer: {path} is in the way of a checkpoint and cannot be removed")
+        log.warning("fz.hf.Trainer: %s could not be removed whole; it stays", path)
 
 
 def final_dir(run_dir: str, step: int) -> str:
@@ -68,7 +75,7 @@ def publish(run_dir: str, step: int) -> str:
     os.rename(staging, final)
     _fsync(run_dir)
     if old is not None:
-        _remove(old)
+        _remove(old, blocking=False)
     return final
 
 
@@ -116,7 +123,7 @@ def rotate(run_dir: str, limit: int | None, keep: str | None = None) -> None:
             break
         if path.resolve() not in protected:
             log.info("fz.hf.Trainer: deleting %s (save_total_limit=%d)", path, limit)
-            _remove(str(path))
+            _remove(str(path), blocking=False)
             remaining -= 1
 
 

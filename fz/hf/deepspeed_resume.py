@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import io
 import logging
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import fz
 from fz.ckpt.regular import inside, read_regular
 from fz.errors import CheckpointError
+from fz.hf import host_generators
 from fz.rng import problem, well_formed
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,8 @@ def rng_file(checkpoint: str, args: Any) -> Path:
     return Path(checkpoint) / name
 
 
-def read_generators(checkpoint: str, args: Any, device: torch.device) -> tuple[torch.Tensor, Callable[[], None]] | None:
+def read_generators(checkpoint: str, args: Any,
+                    device: torch.device) -> tuple[torch.Tensor, Callable[[], None] | None] | None:
     """(the torch generators' state as fz.rng keeps it, a function setting python's and numpy's),
     from this rank's rng_state file; None (logged, as transformers does) when there is none."""
     path = rng_file(checkpoint, args)
@@ -68,18 +68,14 @@ def read_generators(checkpoint: str, args: Any, device: torch.device) -> tuple[t
     if device.type == "cuda" and isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8 and cuda.dim() == 1 \
             and cuda.numel() <= 256:
         state = torch.cat([cpu, cuda])
-    python, numpy = saved.get("python"), saved.get("numpy")
-
-    def host() -> None:
-        try:
-            if python is not None:
-                random.setstate(python)
-            if numpy is not None:
-                np.random.set_state(numpy)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"the generators' state {path}: python's or numpy's is not one they take ({e}): "
-                                  "damaged") from None
-
+    try:  # python's and numpy's, checked as fz's own checkpoints' are (numpy takes a position past its words)
+        py, nump = saved["python"], saved["numpy"]
+        as_json = {"python": [py[0], list(py[1]), py[2]],
+                   "numpy": [nump[0], [int(k) for k in nump[1]], int(nump[2]), int(nump[3]), float(nump[4])]}
+    except (KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"the generators' state {path} holds no python and numpy states transformers writes "
+                              f"({type(e).__name__}): damaged") from None
+    host = host_generators.setter(as_json, f"the generators' state {path}")
     return state, host
 
 

@@ -21,15 +21,17 @@ from fz.hf import counts
 from fz.hf.redirection import RunsRedirected
 
 
-def prepared(trainer: Any) -> None:
-    """The State made (the model sharded) for an evaluation or a prediction. transformers' first one
-    before any training prepares the model there and reports the time it took as
-    `model_preparation_time`, in it and in every later one: so does this."""
-    if trainer._loader is not None or hasattr(trainer, "model_preparation_time"):  # trained: prepared by train()
-        return
+def prepared(trainer: Any, call: str) -> fz.State:
+    """The State (made, the model sharded, where it was not). transformers' first evaluation or
+    prediction before any training prepares the model there and reports the time it took as
+    `model_preparation_time`, in it and in every later one: so does this, for `call`."""
+    if call not in ("evaluate", "predict") or trainer._loader is not None or \
+            hasattr(trainer, "model_preparation_time"):  # trained: prepared by train()
+        return trainer.fz_ready()
     start = time.time()
-    trainer.fz_ready()
+    state = trainer.fz_ready()
     trainer.model_preparation_time = round(time.time() - start, 4)
+    return state
 
 
 class Evaluated(RunsRedirected):

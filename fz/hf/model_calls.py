@@ -201,21 +201,30 @@ def install(trainer: Any, model: nn.Module) -> None:
         model.__dict__["generate"] = SyncedGenerate(trainer, model)
 
 
-def uninstall(model: nn.Module, trainer: Any = None) -> None:
-    """The model's forward (and generate) as they were before fz set them, its hooks off fz's copy
-    (NEFTune's off the model too, as transformers' end of train() takes it off)."""
+def uninstall(model: nn.Module) -> None:
+    """The model's forward (and generate) as they were before fz set them, its hooks off fz's copy."""
     added_hooks.unmirror(model)
     model_device.unshow(model)
-    handle = getattr(trainer, "neftune_hook_handle", None)
-    if handle is not None:
-        from transformers.integrations.neftune import deactivate_neftune
-
-        deactivate_neftune(model, handle, trainer.accelerator)
-        trainer.neftune_hook_handle = None
     for name in ("forward", "generate"):
         current = model.__dict__.get(name)
         if isinstance(current, StateForward):
             current.remove()
+
+
+def end_neftune(trainer: Any) -> None:
+    """At the end of train(), NEFTune's hook off the model and off fz's copy (which has it too when
+    the State was made inside train(), after transformers added it), as transformers takes it off."""
+    handle = getattr(trainer, "neftune_hook_handle", None)
+    if handle is None:
+        return
+    if trainer.fz_state is not None:
+        for module in skeleton_modules(trainer.fz_state.skeleton).values():
+            if module._forward_hooks.pop(handle.id, None) is not None:
+                module.__dict__.pop("neftune_noise_alpha", None)
+    from transformers.integrations.neftune import deactivate_neftune
+
+    deactivate_neftune(trainer.model, handle, trainer.accelerator)
+    trainer.neftune_hook_handle = None
 
 
 def not_placed(trainer: Any) -> None:

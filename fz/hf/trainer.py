@@ -23,9 +23,8 @@ is one `fz.train_step` over the step's micro-batches, and evaluation runs `fz.ap
   (Spec.accumulate="sum") and averages the ranks, as DDP and DeepSpeed under the Trainer do.
   The logged loss is transformers' account of it (per micro-batch, NaN-filtered, rank-averaged),
   and evaluation takes `compute_loss` as transformers' prediction_step does (fz/hf/evaluation.py).
-- Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), `trainer_state.json`, the model's
-  config (a PEFT model: its adapter) and the tokenizer, written as `tmp-checkpoint-N/` and
-  renamed last (fz/hf/checkpoint_dirs.py). `trainer.save_model()` writes a `from_pretrained` folder.
+- Checkpoints: `checkpoint-N/` holds fz's checkpoint (`fz/`), the trainer state, config and tokenizer,
+  written as `tmp-checkpoint-N/`, renamed last (fz/hf/checkpoint_dirs.py); save_model() as transformers'.
 - While train() runs `trainer.model`'s trainable weights are the State's (views of its compute
   copy at ZeRO 0-2, meta at ZeRO-3); after it, the trained ones (fz/hf/model_weights.py).
 """
@@ -200,6 +199,8 @@ class Trainer(transformers.Trainer):
             if self._fz_released:
                 model_weights.fill_after_error(self._copy_weights_into_model)
             raise
+        finally:  # transformers' _finalize_training takes NEFTune's hook off; fz's loop does not run it
+            model_calls.end_neftune(self)
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
                              resume_from_checkpoint: str | None = None, trial: Any = None,
@@ -362,7 +363,7 @@ class Trainer(transformers.Trainer):
         """The State's weights in `self.model` (in the dtype transformers' holds): after train(), to generate."""
         if self.fz_state is not None:
             model_weights.fill(self._model(), self.fz_state, self._fz_released, trainer_checkpoints.module_dtype(self))
-            model_calls.uninstall(self._model(), self)
+            model_calls.uninstall(self._model())
             self._fz_released = {}
 
     def _let_go_of_weights(self) -> None:
@@ -374,16 +375,14 @@ class Trainer(transformers.Trainer):
         model_calls.install(self, self._model())
 
     def _check_in(self, call: str) -> None:
-        collective_calls.check_in(self.fz_ready(), call)
+        collective_calls.check_in(prepared(self, call), call)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        prepared(self)
         self._check_in("evaluate")
         with online.weights_held(self):  # an online trainer's evaluation generates with trainer.model
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        prepared(self)
         self._check_in("predict")
         return super().predict(*args, **kwargs)
 

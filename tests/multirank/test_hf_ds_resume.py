@@ -73,6 +73,12 @@ def test_a_damaged_generator_state_is_refused(tmp_path):
     torch.save({"cpu": torch.zeros(3)}, bad / "rng_state_1.pth")
     with pytest.raises(CheckpointError, match="holds no CPU generator state"):
         read_generators(str(bad), args, torch.device("cpu"))
+    saved = torch.load(folder / "rng_state_1.pth", weights_only=False)
+    name, keys, _, gauss, cached = saved["numpy"]
+    saved["numpy"] = (name, keys, 20_000_000, gauss, cached)  # numpy takes it, and reads past its 624 words
+    torch.save(saved, bad / "rng_state_1.pth")
+    with pytest.raises(CheckpointError, match="numpy's is not a Mersenne Twister state"):
+        read_generators(str(bad), args, torch.device("cpu"))
     (bad / "rng_state_1.pth").unlink()
     (bad / "rng_state_1.pth").symlink_to(folder / "rng_state_1.pth")
     with pytest.raises(CheckpointError, match="outside"):

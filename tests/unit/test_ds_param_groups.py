@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import fz
 import fz.deepspeed as deepspeed
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0}
@@ -93,3 +94,13 @@ def test_the_returned_optimizers_groups_show_their_settings_as_deepspeeds_do():
                                             config={**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert optimizer.param_groups == [{"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
                                        "weight_decay": 0.0}]
+
+
+def test_groups_without_an_optimizer_section_make_an_engine_for_inference():
+    """DeepSpeed builds no optimizer from the groups alone (fz made them an AdamW)."""
+    model = Net()
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=_split(model, 0.1), config=CONFIG)
+    assert optimizer is None
+    x, y = _batches(1)[0]
+    with pytest.raises(fz.ConfigError, match="deepspeed.initialize was given no optimizer"):
+        engine.backward(engine(x, y))

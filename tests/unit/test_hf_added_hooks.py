@@ -13,15 +13,19 @@ import fz.hf
 from support import hf_pipeline as hp
 
 
-def _run(on_fz: bool, out: str, alpha: float | None) -> tuple[list[float], Any]:
+def _run(on_fz: bool, out: str, alpha: float | None, made_first: bool = True,
+         twice: bool = False) -> tuple[list[float], Any]:
     trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
                              (transformers.Trainer, transformers.TrainingArguments))
     args = args_cls(output_dir=out, per_device_train_batch_size=4, max_steps=4, learning_rate=3e-3, logging_steps=1,
                     use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
                     neftune_noise_alpha=alpha)
     t = trainer_cls(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"))
-    t.fz_ready() if on_fz else None  # the State made before train() adds the hook, as evaluate() would
+    if on_fz and made_first:
+        t.fz_ready()  # the State made before train() adds the hook, as evaluate() would
     t.train()
+    if twice:  # train() again: a new hook, the first one gone (on fz's copy too)
+        t.train()
     return [h["loss"] for h in t.state.log_history if "loss" in h], t
 
 
@@ -33,5 +37,15 @@ def test_neftune_noise_is_transformers_own(tmp_path):
     assert ours[1:] != pytest.approx(quiet[1:], rel=1e-3)  # the noise reached the step
     embeddings = trainer.model.get_input_embeddings()
     assert not embeddings._forward_hooks  # off the model after train(), as transformers takes it off
+    copy = dict(trainer.fz_state.skeleton.root.named_modules())["model.embed_tokens"]
+    assert not copy._forward_hooks and "neftune_noise_alpha" not in vars(copy)
+
+
+def test_neftune_when_the_state_is_made_inside_train_and_train_runs_twice(tmp_path):
+    """Made inside train(), fz's copy holds the hook transformers added just before: it comes off
+    with the model's at the end, so a second train() adds the noise once, as transformers' does."""
+    theirs, _ = _run(False, str(tmp_path / "t"), 5.0, twice=True)
+    ours, trainer = _run(True, str(tmp_path / "f"), 5.0, made_first=False, twice=True)
+    assert len(ours) == 4 and ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)  # the second run's
     copy = dict(trainer.fz_state.skeleton.root.named_modules())["model.embed_tokens"]
     assert not copy._forward_hooks and "neftune_noise_alpha" not in vars(copy)
