@@ -149,25 +149,6 @@ def test_a_config_optimizer_beside_a_client_one_is_reported_not_dropped_silently
     assert engine.get_lr() == [0.01]
 
 
-def test_param_groups_with_a_config_optimizer_mask_the_weight_decay():
-    """DeepSpeedExamples' pattern: model_parameters = [{decay}, {no decay}] with an Adam section."""
-    cfg = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1}}}
-    ref = Net()
-    opt = torch.optim.AdamW(_groups(ref), lr=0.05)
-    for x, y in _batches(3):
-        ref(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=_groups(model), config=cfg)
-    for x, y in _batches(3):
-        engine.backward(engine(x, y))
-        engine.step()
-    got = dict(engine.module.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6)
-
-
 def test_engine_misuse_fails_naming_the_fix():
     engine, *_ = deepspeed.initialize(model=Net(), config={**ADAM, "gradient_accumulation_steps": 2})
     x, y = _batches(1)[0]

@@ -40,6 +40,10 @@ def _split(model, decay=None):
 
 
 CASES = {  # name: (config optimizer, the groups, the torch optimizer DeepSpeed's build amounts to)
+    "DeepSpeedExamples' decay and no-decay groups": (
+        {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.1}},
+        lambda m: _split(m, 0.1),
+        lambda groups: torch.optim.AdamW(groups, lr=0.05)),
     "one group overriding the config's decay": (
         {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.5}},
         lambda m: [{"params": list(m.parameters()), "weight_decay": 0.0}],
