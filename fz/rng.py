@@ -30,7 +30,7 @@ def well_formed(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return dtype == torch.uint8 and len(shape) == 1 and n <= shape[0] <= n + 256
 
 
-_MT_WORDS = 624  # the Mersenne Twister's state words; torch's CPU state is its legacy struct, 5056 bytes
+MT_WORDS = 624  # the Mersenne Twister's state words; torch's CPU state is its legacy struct, 5056 bytes
 
 
 def problem(rng: Tensor) -> str | None:
@@ -42,9 +42,9 @@ def problem(rng: Tensor) -> str | None:
     if len(raw) != 5056:  # another torch's layout: only torch's own check applies
         return None
     _, left, seeded, position = struct.unpack_from("<qiiQ", raw, 0)
-    normal_valid = struct.unpack_from("<i", raw, 24 + 8 * _MT_WORDS + 24)[0]
+    normal_valid = struct.unpack_from("<i", raw, 24 + 8 * MT_WORDS + 24)[0]
     sample, sample_valid = struct.unpack_from("<fB", raw, 5048)
-    reached = (left == 1 and position == 0) or (1 <= left <= _MT_WORDS and left + position == _MT_WORDS + 1)
+    reached = (left == 1 and position == 0) or (1 <= left <= MT_WORDS and left + position == MT_WORDS + 1)
     if seeded != 1 or not reached:
         return (f"its Mersenne Twister position (left {left}, next {position}, seeded {seeded}) is not one a "
                 "generator reaches")

@@ -69,9 +69,7 @@ def read_generators(checkpoint: str, args: Any,
             and cuda.numel() <= 256:
         state = torch.cat([cpu, cuda])
     try:  # python's and numpy's, checked as fz's own checkpoints' are (numpy takes a position past its words)
-        py, nump = saved["python"], saved["numpy"]
-        as_json = {"python": [py[0], list(py[1]), py[2]],
-                   "numpy": [nump[0], [int(k) for k in nump[1]], int(nump[2]), int(nump[3]), float(nump[4])]}
+        as_json = host_generators.as_json(saved["python"], saved["numpy"])
     except (KeyError, TypeError, IndexError, ValueError, OverflowError) as e:
         raise CheckpointError(f"the generators' state {path} holds no python and numpy states transformers writes "
                               f"({type(e).__name__}): damaged") from None

@@ -16,17 +16,21 @@ from typing import Any
 import numpy as np
 
 from fz.errors import CheckpointError
+from fz.rng import MT_WORDS as _WORDS
 
 KEY = "generators"  # state.data[KEY]
-_WORDS = 624
+
+
+def as_json(python: Any, numpy: Any) -> dict[str, Any]:
+    """`random.getstate()`'s and `np.random.get_state()`'s tuples (or a file's copies of them) as
+    JSON lists, which `setter` checks (a TypeError, IndexError or ValueError where they are not)."""
+    return {"python": [python[0], list(python[1]), python[2]],
+            "numpy": [numpy[0], [int(k) for k in numpy[1]], int(numpy[2]), int(numpy[3]), float(numpy[4])]}
 
 
 def captured() -> dict[str, Any]:
     """This process's python and numpy generators, as JSON."""
-    version, words, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(words), gauss],
-            "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+    return as_json(random.getstate(), np.random.get_state())
 
 
 def _word(v: Any) -> bool:
