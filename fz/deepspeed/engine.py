@@ -56,6 +56,7 @@ class DeepSpeedEngine:
         self._given_config = self.config if given_config is None else given_config  # DeepSpeed's ds_config
         self._model, self._schedule = model, schedule
         self._step: StepInProgress | None = None
+        self._shown_grads: list[nn.Parameter] = []  # the model's parameters given the step's gradients as .grad
         self._synced_step = int(state.step)  # the model holds the weights of this step
         self._syncing = False  # copying between the model and the State (fz/deepspeed/model_sync.py)
         self._watching = model_sync.watch(self, model)  # the script's own `model` follows the State
@@ -232,7 +233,9 @@ class DeepSpeedEngine:
         given = loss
         if not scale_wrt_gas:
             loss = loss * self.gradient_accumulation_steps()
+        model_sync.drop_grads(self)  # views of the step's buffers, which this backward accumulates into
         self._step.backward(loss, last=self.is_gradient_accumulation_boundary())
+        model_sync.show_grads(self)  # as DeepSpeed's p.grad (ZeRO 0-1)
         return given / self.gradient_accumulation_steps() if scale_wrt_gas else given  # DeepSpeed's return
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -246,6 +249,7 @@ class DeepSpeedEngine:
             if self._step is None:
                 raise ConfigError("engine.step() at the accumulation boundary without a backward: call "
                                   "engine(batch) and engine.backward(loss) first")
+            model_sync.drop_grads(self)
             step, self._step, skipped = self._step, None, self.skipped_steps
             self.state, self.losses = step.finish()
             self._applied = self.skipped_steps == skipped
@@ -256,7 +260,9 @@ class DeepSpeedEngine:
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
-        """Nothing to do: gradients live only inside a step."""
+        """The gradients shown as the model's `.grad` taken off; the step's own stay (fz drops them
+        after the update)."""
+        model_sync.drop_grads(self)
 
     # ------------------------------------------------------------ the model
     @property

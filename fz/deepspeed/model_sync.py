@@ -64,6 +64,32 @@ def push(engine: Any) -> None:
         engine._syncing = False
 
 
+def show_grads(engine: Any) -> None:
+    """After a backward, the open step's gradients as the script's parameters' `.grad`, where this
+    rank holds them whole, as DeepSpeed's ZeRO 0-1 leaves them: this rank's own sum before the
+    boundary, the average over ranks after the boundary's backward at ZeRO 0 (ZeRO-1's is reduced
+    into shards: None, as DeepSpeed's). Views of the step's buffers, no copy; a parameter whose
+    dtype is not the gradient's (a bf16/fp16 run's fp32 model) gets none: deepspeed.utils.
+    safe_get_full_grad reads it."""
+    grads = engine._step.local_grads() if engine._step is not None else {}
+    aliases = engine.state.skeleton.aliases
+    shown = []
+    for name, p in nn.Module.named_parameters(engine._model, remove_duplicate=False):
+        g = grads.get(aliases.get(name, name))
+        if g is not None and g.dtype == p.dtype and g.device == p.device and g.shape == p.shape:
+            p.grad = g
+            shown.append(p)
+    engine._shown_grads = shown
+
+
+def drop_grads(engine: Any) -> None:
+    """The gradients `show_grads` set taken off (before the next backward accumulates into the
+    buffers they view, and after the update, as DeepSpeed's zero_grad leaves None)."""
+    for p in engine._shown_grads:
+        p.grad = None
+    engine._shown_grads = []
+
+
 class _Sync:
     """A hook on the script's model, holding the engine weakly. A copy of the model (deepcopy,
     pickle: `torch.save(model)`, which DeepSpeed's ZeRO 0-2 module allows) gets one holding none:

@@ -120,6 +120,16 @@ class GradReducer:
             self.pending.append((b, red, comm.all_reduce(red, async_op=True), g.dtype, "full"))
         self._bound()
 
+    def current(self, b: Bucket) -> tuple[Tensor, str] | None:
+        """Bucket `b`'s gradient as it stands between micro-batches: (flat, layout), the layout
+        "local" (this rank's sum so far, not reduced: full layout), "full" (reduced, whole) or
+        "shard" (reduced, this rank's padded rows); None before any reached it. Read, never written."""
+        leaf = self.leaves[b.index]
+        if leaf.grad is not None:
+            return leaf.grad, "local"
+        acc = self.host.acc if self.host is not None else self.acc
+        return (acc[b.index], self.layout[b.index]) if b.index in acc else None
+
     def reached(self) -> bool:
         """Whether this micro-batch's backward reached any trainable bucket (launched, or accumulating)."""
         return bool(self.launched) or bool(self.pending) or any(self.leaves[b.index].grad is not None

@@ -36,6 +36,7 @@ from fz.state import State, expect_state
 from fz.step.agree import Agreement
 from fz.step.batches import scalar_loss
 from fz.step.buffers import sync_changed, versions
+from fz.step.grad_views import local_grads, whole_grad
 from fz.step.grads import GradReducer
 from fz.step.metrics import step_metrics
 from fz.step.nonfinite import NonFinite, verdict_is_local
@@ -189,6 +190,16 @@ class StepInProgress:
             self.total += loss.detach()
             if self.sync is not None:  # parameters no forward used
                 self.sync.finish()
+
+    def local_grads(self) -> dict[str, Tensor]:
+        """The gradients this rank holds whole between micro-batches, by canonical name: views of
+        the step's buffers, valid until the next backward (fz/step/grad_views.py)."""
+        return {} if self.closed else local_grads(self.state.plan, self.reducer, self.comm)
+
+    def whole_grad(self, name: str) -> Tensor | None:
+        """Parameter `name`'s gradient so far, whole, in fp32 (a collective where it is reduced into
+        shards: every rank calls it); None before a backward reached it."""
+        return None if self.closed else whole_grad(self.state.plan, self.reducer, self.comm, name)
 
     def abort(self, error: BaseException | None = None) -> None:
         """Give the step up: its reductions are closed; the state it was given stays donated."""

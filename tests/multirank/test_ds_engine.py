@@ -108,3 +108,24 @@ def test_safe_get_full_fp32_param_and_moments_are_whole_on_every_rank(runs, stag
         assert torch.equal(a[key], b[key]), key
     assert torch.equal(a["fp32"], a["full"]) and a["exp_avg"].abs().sum() > 0
     assert torch.equal(a["set"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_read_between_backward_and_step_are_deepspeeds(runs, stage):
+    """As DeepSpeed 0.19.8 shows them (checked side by side at world 2): `p.grad` holds this rank's
+    own gradient before the boundary at ZeRO 0-1, the average over ranks after the boundary's
+    backward at ZeRO 0 (ZeRO-1 reduces it into shards: None, and ZeRO 2-3 always), None after the
+    update; safe_get_full_grad gives the average at every stage."""
+    for rank in runs:
+        got = rank["grads"][stage]
+        torch.testing.assert_close(got["full"], got["mean"], rtol=1e-5, atol=1e-7)
+        if stage <= 1:
+            torch.testing.assert_close(got["shown"][0], got["own"], rtol=1e-5, atol=1e-7)
+        else:
+            assert got["shown"][0] is None
+        if stage == 0:
+            torch.testing.assert_close(got["shown"][1], got["mean"], rtol=1e-5, atol=1e-7)
+        else:
+            assert got["shown"][1] is None
+        assert got["after"] is None
+    assert not torch.allclose(runs[0]["grads"][stage]["own"], runs[1]["grads"][stage]["own"])

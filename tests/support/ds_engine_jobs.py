@@ -160,13 +160,45 @@ def fragments(deepspeed, stage: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def grads(deepspeed, stage: int) -> dict[str, Any]:
+    """A weight's `.grad` after each micro-batch's backward of the first update and
+    safe_get_full_grad at its boundary, with an eager model's: this rank's own micro-batch
+    gradient / ACCUM, and the average over ranks of each rank's sum."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def micro(r: int, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + 10 * i + r)
+        return {"x": torch.randn(MICRO, 8, generator=g), "y": torch.randint(0, 4, (MICRO,), generator=g)}
+
+    def eager(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        m = LossModel()
+        for b in batches:
+            (m(b) / ACCUM).backward()
+        return m.head.weight.grad.clone()
+
+    model = LossModel()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    from fz.deepspeed.utils import safe_get_full_grad
+    shown = []
+    for i in range(ACCUM):
+        engine.backward(engine(micro(rank, i)))
+        shown.append(None if model.head.weight.grad is None else model.head.weight.grad.clone())
+        if i == ACCUM - 1:  # at the boundary, before its update
+            full = safe_get_full_grad(model.head.weight).clone()
+        engine.step()
+    return {"shown": shown, "full": full, "after": model.head.weight.grad, "own": eager([micro(rank, 0)]),
+            "mean": sum(eager([micro(r, i) for i in range(ACCUM)]) for r in range(world)) / world}
+
+
 def fz_job(rank: int, world: int, save_root: str) -> dict[Any, Any]:
     import fz.deepspeed as deepspeed
 
     from support.ds_window import window_run
     out: dict[Any, Any] = {"own_init": own_init(deepspeed), "window": (window_run(3, True), window_run(3, False)),
                            "own_buffers": own_buffers(deepspeed),
-                           "fragments": {s: fragments(deepspeed, s) for s in (1, 3)}}
+                           "fragments": {s: fragments(deepspeed, s) for s in (1, 3)},
+                           "grads": {s: grads(deepspeed, s) for s in (0, 1, 2, 3)}}
     for stage in (0, 1, 2, 3):
         d = os.path.join(save_root, f"stage{stage}")
         out[stage] = {"run": loop(deepspeed, stage, d, load=False), "resumed": loop(deepspeed, stage, d, load=True),

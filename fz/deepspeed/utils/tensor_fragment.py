@@ -7,8 +7,8 @@ the parameter names its place in the engine's State (its canonical name); each r
 of its elements (`fz.ckpt.hf.pretrained._places`), and the whole is summed over the shard
 group: a collective at every stage (every rank calls it, as DeepSpeed's at ZeRO-3). A write
 reaches the fp32 master and the parameter the forward uses, the optimizer state kept; a NaN
-or inf is refused. Gradients live only inside fz's update, so `safe_get_full_grad` is refused
-with the way to the norm.
+or inf is refused. `safe_get_full_grad` reads the open step's gradients (fz/step/grad_views.py);
+fz keeps none after its update.
 """
 from __future__ import annotations
 
@@ -101,8 +101,11 @@ def safe_set_full_fp32_param(param: Any, value: Tensor) -> None:
 
 
 def safe_get_full_grad(param: Any) -> Tensor | None:
-    """Refused: fz reduces gradients inside the update (engine.step()) and keeps none after it."""
-    _owner(param, "safe_get_full_grad")
-    raise ConfigError("deepspeed.utils.safe_get_full_grad: fz keeps no gradient outside its update (it reduces "
-                      "them into the step and drops them); engine.get_global_grad_norm() gives their norm, and "
-                      "gradient_clipping in the config clips them")
+    """The parameter's gradient so far in the open accumulation window (between engine.backward
+    and the boundary's engine.step()), whole: its `.grad` where the model holds one, as DeepSpeed
+    returns it, else gathered from the step's buffers in fp32 (every rank calls it); None outside a
+    window, as fz keeps no gradient after its update."""
+    engine, name = _owner(param, "safe_get_full_grad")
+    if param.grad is not None:
+        return param.grad
+    return None if engine._step is None else engine._step.whole_grad(name)
