@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -61,9 +62,7 @@ def prepare(target: Target) -> None:
     root = target.root
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".fz-write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        tempfile.TemporaryFile(dir=root).close()  # a file no one can plant a link for
     except OSError as e:
         raise CheckpointError(f"fz.save: cannot write the checkpoint directory {root}: {e.strerror or e} "
                               f"({type(e).__name__}); choose a directory this process can create and write") from e

@@ -32,6 +32,7 @@ from fz.errors import CheckpointError, ConfigError, NonFiniteError
 from fz.observe.monitor import Monitor, batch_counts
 from fz.step import StepInProgress
 from fz.step.batches import on_device
+from fz.storage.fresh import replacing
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +380,8 @@ class DeepSpeedEngine:
                    if not (exclude_frozen_parameters and k in frozen)}  # module: gathered on every rank
         if self.global_rank == self.state.plan.ranks[0]:
             os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(str(save_dir), save_filename)
-            torch.save(weights, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            with replacing(os.path.join(str(save_dir), save_filename)) as tmp:  # a planted link is replaced, unfollowed
+                torch.save(weights, tmp)
         return True
 
     def _counters(self) -> dict[str, int]:

@@ -48,6 +48,7 @@ from fz.errors import ConfigError
 from fz.hf.peft_export import is_peft_model, save_peft
 from fz.observe.full_params import gathered, source_dtype
 from fz.state import State, expect_state
+from fz.storage.fresh import fresh_dir, remove_entry
 
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _TMP = ".fz-export-"
@@ -263,9 +264,9 @@ class _Job:
 
     def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        for stale in self.out.glob(f"{_TMP}*"):  # left by an export that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        self.tmp.mkdir()
+        for stale in self.out.glob(f"{_TMP}*"):  # left by an export that was killed (a planted link: unfollowed)
+            remove_entry(stale)
+        fresh_dir(self.tmp)
         for name, shard in zip(self.names, self.shards):
             w = StreamWriter(self.tmp / name, [(e.name, e.dtype, e.shape) for e in shard], {"format": "pt"})
             self.writers.append(w)

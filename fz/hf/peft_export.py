@@ -27,6 +27,7 @@ from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.observe.full_params import gathered
 from fz.state import State
+from fz.storage.fresh import fresh_dir, remove_entry
 
 _GROUPS = GroupCache()
 _TMP = ".fz-peft-"
@@ -110,9 +111,8 @@ def _embeddings_peft_saves(model: Any) -> dict[str, str]:
 def _write(out: Path, model: Any, tensors: dict[str, Tensor], merged: bool, processing_class: Any) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(f"{_TMP}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out / f"{_TMP}{os.getpid()}"
-    tmp.mkdir()
+        remove_entry(stale)  # a planted link too, unfollowed
+    tmp = fresh_dir(out / f"{_TMP}{os.getpid()}")
     try:
         if merged:
             copy_ = copy.deepcopy(model)

@@ -53,6 +53,7 @@ from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, TrainerSchedule, logged_lr, next_lr
+from fz.storage.fresh import open_fresh
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -396,4 +397,5 @@ class Trainer(transformers.Trainer):
         save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self),
                         dtype=trainer_checkpoints.saved_dtype(self))
         if self.args.should_save:
-            torch.save(self.args, os.path.join(out, "training_args.bin"))
+            with open_fresh(os.path.join(out, "training_args.bin")) as f:  # a planted link is not followed
+                torch.save(self.args, f)

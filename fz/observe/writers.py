@@ -8,7 +8,9 @@ from __future__ import annotations
 import csv
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import IO
+
+from fz.storage.fresh import open_fresh
 
 PathLike = str | Path
 
@@ -51,8 +53,9 @@ class CsvWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self.file: TextIO | None = open(path / "scalars.csv", "w", newline="", encoding="utf-8")
-        self.rows = csv.writer(self.file)
+        file = open_fresh(path / "scalars.csv", "w", newline="", encoding="utf-8")  # a planted link: unfollowed
+        self.file: IO[str] | None = file
+        self.rows = csv.writer(file)
         self.rows.writerow(["step", "tag", "value"])
 
     def write(self, scalars: dict[str, float], step: int) -> None:

@@ -63,3 +63,17 @@ def test_a_best_checkpoint_outside_the_run_protects_nothing_and_deletes_nothing(
     trainer(out, max_steps=6, save_total_limit=1).train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]  # rotation kept the newest, as without a best
     assert outside.is_dir()
+
+
+def test_save_model_writes_no_planted_link(tmp_path):
+    """Every file of save_model's folder is staged and renamed; training_args.bin is made anew too."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "training_args.bin").symlink_to(victim)
+    t = trainer(out, max_steps=1, save_strategy="no")
+    t.train()
+    t.save_model()
+    assert victim.read_text() == "mine" and not (out / "training_args.bin").is_symlink()
+    assert (out / "training_args.bin").read_bytes()[:2] == b"PK"  # torch.save's zip

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from fz.ckpt.regular import inside, stat_regular
 from fz.errors import CheckpointError, ConfigError
+from fz.storage.fresh import fresh_dir, remove_entry
 
 T = TypeVar("T")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -97,10 +98,8 @@ def staging(out: Path) -> Path:
         raise ConfigError(f"fz consolidate --hf: {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob(".fz-consolidate-*"):
-        shutil.rmtree(old, ignore_errors=True)
-    tmp = out / f".fz-consolidate-{os.getpid()}"
-    tmp.mkdir()
-    return tmp
+        remove_entry(old)  # a planted link too, unfollowed
+    return fresh_dir(out / f".fz-consolidate-{os.getpid()}")
 
 
 def commit(tmp: Path, out: Path, weight_map: dict[str, str], total: int, extra: list[Path]) -> list[str]:
@@ -110,8 +109,9 @@ def commit(tmp: Path, out: Path, weight_map: dict[str, str], total: int, extra: 
     for old in [*out.glob("model-*-of-*.safetensors"), out / WEIGHTS, out / INDEX]:
         if old.exists():
             old.unlink()
-    for src in extra:
-        shutil.copy2(src, out / src.name)
+    for src in extra:  # copied into the staging folder, then renamed: a planted link in `out` is replaced, not followed
+        shutil.copy2(src, tmp / src.name)
+        os.replace(tmp / src.name, out / src.name)
     for name in files:
         if name != WEIGHTS:
             os.replace(tmp / name, out / name)

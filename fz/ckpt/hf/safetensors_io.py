@@ -21,6 +21,7 @@ from fz.ckpt.hf.pretrained import load_weights
 from fz.ckpt.hf.weights import DTYPES
 from fz.ckpt.layout import PathLike, fsync_path
 from fz.errors import CheckpointError, ConfigError
+from fz.storage.fresh import open_fresh
 
 __all__ = ["DTYPES", "StreamWriter", "load_weights"]
 
@@ -46,7 +47,7 @@ class StreamWriter:
         raw += b" " * (-len(raw) % 8)
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.f = open(self.tmp, "wb")
+        self.f = open_fresh(self.tmp)  # a planted link of that name is removed, never written through
         self.f.write(len(raw).to_bytes(8, "little") + raw)
         self.f.flush()
         self.data_start = 8 + len(raw)

@@ -28,6 +28,7 @@ from fz.ckpt import consolidate
 from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
 from fz.errors import ConfigError
+from fz.storage.fresh import replacing
 
 log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -102,15 +103,17 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     out.mkdir(parents=True, exist_ok=True)
     for file, keys in zip(files, shards):
         part = {k: weights[k].contiguous() for k in keys}
-        if safe_serialization:
-            save_file(part, out / file, metadata={"format": "pt"})
-        else:
-            torch.save(part, out / file)
+        with replacing(out / file) as tmp:  # a planted link in out_dir is replaced, never written through
+            if safe_serialization:
+                save_file(part, tmp, metadata={"format": "pt"})
+            else:
+                torch.save(part, tmp)
     if len(files) > 1:
         total = sum(math.prod(t.shape) * t.element_size() for t in weights.values())
         index: dict[str, Any] = {"metadata": {"total_size": total},
                                  "weight_map": {k: f for f, keys in zip(files, shards) for k in keys}}
-        (out / f"{name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        with replacing(out / f"{name}.index.json") as tmp:
+            tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
