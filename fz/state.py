@@ -36,6 +36,9 @@ from fz.model.skeleton import Skeleton
 from fz.sharding.plan import ShardPlan
 from fz.spec import Spec
 
+MAX_STEPS = 2**48  # the most updates a run counts: a step or count read from a file past it is refused (its +1s
+# would near int64's wrap to -2**63, where Adam's bias correction and a schedule's lr turn NaN or negative)
+
 
 @dataclass(frozen=True, eq=False)
 class State:

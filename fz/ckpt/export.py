@@ -34,6 +34,14 @@ _META_FIELDS: dict[str, type] = {
     **dict.fromkeys(("precision", "fz_version", "torch_version"), str), "master": bool}
 
 
+def _fits(value: object, kind: type) -> bool:
+    """A field of fz.json as fz writes it: of its type; a string short and printable (a terminal
+    escape in `fz inspect`'s output could fake a verified checkpoint or hide lines)."""
+    if type(value) is not kind:
+        return False
+    return not isinstance(value, str) or (len(value) <= 64 and value.isprintable())
+
+
 def _name(key: str) -> str:
     """A checkpoint key's name in the exported file (the model's state_dict name)."""
     return key.split("/", 1)[1]
@@ -197,10 +205,11 @@ def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
     meta_error = None
     try:
         meta = _meta(d)
-        wrong = [k for k, t in _META_FIELDS.items() if meta.get(k) is not None and type(meta[k]) is not t]
-        if wrong:  # shown as unknown, the rest as read
+        wrong = [k for k, t in _META_FIELDS.items() if meta.get(k) is not None and not _fits(meta[k], t)]
+        if wrong:  # shown as unknown, the rest as read (escaped: a terminal's control codes are not printed)
             meta_error = (f"checkpoint file {d / META} is damaged: " + ", ".join(
-                f"{k} is {meta.pop(k)!r:.40}, not {_META_FIELDS[k].__name__}" for k in wrong))
+                f"{k} is {meta.pop(k)!r:.40}, not {_META_FIELDS[k].__name__}"
+                + (" of up to 64 printable characters" if _META_FIELDS[k] is str else "") for k in wrong))
     except ConfigError as e:
         meta, meta_error = {}, str(e)
     verified = verify_error = None

@@ -35,7 +35,7 @@ from fz.model.materialize import module_seed
 from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER
 from fz.rng import problem as rng_problem
 from fz.rng import seeded, well_formed
-from fz.state import State, block_until_ready
+from fz.state import MAX_STEPS, State, block_until_ready
 
 _SHOWN = 5
 
@@ -118,7 +118,7 @@ def _mean_past_its_squares(mu: Tensor, nu: Tensor) -> int:
 
 
 def _impossible(tensors: dict[str, Tensor]) -> list[str]:
-    """Finite optimizer values no run writes: a negative step count, a negative mean of squares,
+    """Finite values no run writes: a step count below 0 or past MAX_STEPS, a negative mean of squares,
     a mean too large for its mean of squares. Adam's next step would put NaN or inf into the weights
     (1 - beta2 ** count, the square root of nu, mu / sqrt(nu))."""
     out = []
@@ -126,11 +126,14 @@ def _impossible(tensors: dict[str, Tensor]) -> list[str]:
         parts = key.split("/")
         if parts[0] == "scaler":
             out += _impossible_scaler(key, _local(t))
+        if key == "step" and _local(t).numel() == 1 and not 0 <= int(_local(t)) <= MAX_STEPS:
+            out.append(f"step = {int(_local(t))} (the update count: from 0 to 2**48)")
         if parts[0] != "opt":
             continue
         local = _local(t)
-        if parts[-1] == "count" and local.dim() == 0 and not local.is_floating_point() and int(local) < 0:
-            out.append(f"{key} = {int(local)} (a step count)")
+        counted = parts[-1] == "count" and local.dim() == 0 and not local.is_floating_point()
+        if counted and not 0 <= int(local) <= MAX_STEPS:
+            out.append(f"{key} = {int(local)} (a step count: from 0 to 2**48)")
         elif len(parts) > 2 and parts[-2] in _SQUARES and local.is_floating_point() and local.numel():
             if float(local.min()) < 0:  # no temporary of the tensor's size unless one is bad
                 out.append(f"{key} has {int((local < 0).sum())} negative values (a mean of squares)")
@@ -154,8 +157,8 @@ def _impossible_scaler(key: str, t: Tensor) -> list[str]:
     if name == "scale" and not 0 < x <= MAX_LOSS_SCALE:
         return [f"{key} = {x} (a loss scale: a number > 0, at most 2**{MAX_SCALE_POWER}, past which every fp16 "
                 "gradient overflows)"]
-    if name in _SCALER_LOWEST and not x >= _SCALER_LOWEST[name]:
-        return [f"{key} = {x} (a count, from {_SCALER_LOWEST[name]})"]
+    if name in _SCALER_LOWEST and not _SCALER_LOWEST[name] <= x <= MAX_STEPS:
+        return [f"{key} = {x} (a count, from {_SCALER_LOWEST[name]} to 2**48)"]
     return []
 
 
@@ -238,8 +241,10 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
 
     def plan():
         meta = read_json(d / META)
-        if not isinstance(meta, dict) or type(meta.get("train_step")) is not int or meta["train_step"] < 0:
-            raise CheckpointError(f"checkpoint file {d / META} is damaged: it is not an object with a train_step >= 0")
+        step = meta.get("train_step") if isinstance(meta, dict) else None
+        if type(step) is not int or not 0 <= step <= MAX_STEPS:
+            raise CheckpointError(f"checkpoint file {d / META} is damaged: it is not an object with a train_step "
+                                  "from 0 to 2**48")
         saved = read_metadata(d).state_dict_metadata
         target, buffers, scaler = _template(state, saved)
         lines, bad = _differences(target, saved)

@@ -126,6 +126,21 @@ class Loader:
         return epoch, index
 
 
+AHEAD = 1024  # a saved position may be this many times past this run's step's samples (a run with more ranks or
+# rows per step saved it, or a consumer read ahead): a larger one is no position a run reached
+
+
+def _check_reachable(index: int, step: int, global_rows: int, key: str) -> None:
+    """An iterable dataset's saved sample `index` is one the state's `step` updates can have read:
+    resuming reads past that many samples one by one (unbounded for an endless stream)."""
+    most = (step + 1) * global_rows * AHEAD
+    if index > most:
+        raise ConfigError(f"fz.data: the saved position state.data[{key!r}] is at sample {index}, but the state is "
+                          f"at step {step}, which reads at most {(step + 1) * global_rows} samples of "
+                          f"{global_rows} a step (this position is more than {AHEAD}x that): damaged or altered. "
+                          "Pass restart=True to read from the start, or loader.seek(epoch, index)")
+
+
 def _is_iterable(dataset: Any) -> bool:
     if isinstance(dataset, IterableDataset):
         return True
@@ -210,6 +225,8 @@ def loader(dataset: Any, state_or_spec: State | Spec, *, micro_batch: int | None
         position=position,
         order=order,
     )
+    if position is not None and out.size is None and isinstance(state_or_spec, State):  # read past, one by one
+        _check_reachable(out.state_dict()["index"], int(state_or_spec.step), layout.global_rows, key)
     if out.size is not None:
         if not out.steps_per_epoch:
             raise ConfigError(f"fz.data.loader: {out.size} samples make no step of {layout.global_rows} "

@@ -160,7 +160,7 @@ def lr_at(lr: float | Callable[[int], float], count: int) -> float:
     one (any weight it touches would be NaN), one past LR_MAX (the update overflows into inf)
     and a negative number are ConfigErrors, as in torch."""
     value = float(lr(count)) if callable(lr) else float(lr)
-    if not math.isfinite(value) or value > LR_MAX or (value < 0 and not callable(lr)):
+    if not math.isfinite(value) or abs(value) > LR_MAX or (value < 0 and not callable(lr)):
         raise ConfigError(f"learning rate {value!r}" + (f" (the schedule's, at update {count})" if callable(lr) else "")
                           + f": it must be a finite number >= 0, at most {LR_MAX:g} (a larger one writes inf into the "
                           "weights)")

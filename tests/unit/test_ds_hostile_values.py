@@ -54,6 +54,7 @@ def test_synthetic_adam_state_imports_and_trains(tmp_path: Path) -> None:
     (None, -7.0, "zero_pp_rank_0_mp_rank_00_optim_states.pt: its Adam step is -7.0, not an integer from 0"),
     (None, 0.5, "zero_pp_rank_0_mp_rank_00_optim_states.pt: its Adam step is 0.5, not an integer from 0"),
     (None, float("inf"), "its Adam step is inf, not an integer"),
+    (None, 2.0**63, "its Adam step is 9.223372036854776e+18, not an integer from 0 to 281474976710656"),  # wraps at +1
 ])
 def test_impossible_adam_state_is_refused(nu: float | None, step: float | None, words: str, tmp_path: Path) -> None:
     """Finite but impossible: Adam's next step would take sqrt(nu < 0) or divide by 1 - beta**step: NaN weights."""

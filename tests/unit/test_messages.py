@@ -64,24 +64,30 @@ def test_fz_consolidate_names_an_unparsable_fz_json_without_a_traceback(saved, t
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("shape", ["list", "buffers_int", "buffers_lists", "bytes_str"])
+@pytest.mark.parametrize("shape", ["list", "buffers_int", "buffers_lists", "bytes_str", "escapes"])
 def test_fz_inspect_and_consolidate_name_an_fz_json_of_the_wrong_shape(saved, tmp_path, capsys, shape):
     """Valid JSON of the wrong shape in fz.json: the file and the field named, not an AttributeError or
     TypeError traceback (inspect shows the facts it could read, a wrong-typed one as unknown)."""
     meta = json.loads((saved / "fz.json").read_text())
     meta = {"list": [1], "buffers_int": {**meta, "state_dict_buffers": 5},
-            "buffers_lists": {**meta, "state_dict_buffers": [[1]]}, "bytes_str": {**meta, "bytes": "x"}}[shape]
+            "buffers_lists": {**meta, "state_dict_buffers": [[1]]}, "bytes_str": {**meta, "bytes": "x"},
+            # a terminal's control codes: a window title, a cleared screen, a fake verdict
+            "escapes": {**meta, "fz_version": "0.1\x1b]0;T\x07\x1b[2J\x1b[31mverified OK\x1b[0m"}}[shape]
     bad = _garbled_copy(saved, tmp_path / "step_1", "fz.json", json.dumps(meta).encode())
-    words = {"list": "it is a JSON list, not an object", "bytes_str": "bytes is 'x', not int"}.get(
+    words = {"list": "it is a JSON list, not an object", "bytes_str": "bytes is 'x', not int",
+             "escapes": re.escape(r"fz_version is '0.1\x1b]0;T\x07\x1b[2J") + ".*, not str of up to 64 printable "
+                        "characters"}.get(
         shape, r"its state_dict_buffers is \S+, not a list of buffer names")
     assert main(["inspect", str(bad)]) == 1
     out = capsys.readouterr().out
     assert re.search(rf"metadata +UNREADABLE: checkpoint file {re.escape(str(bad / 'fz.json'))} is damaged: {words}",
                      out), out
-    assert bool(re.search(r"^train step +1$", out, re.M)) == (shape == "bytes_str")  # the facts it could read
-    assert main(["consolidate", str(bad), str(tmp_path / "out.safetensors")]) == (0 if shape == "bytes_str" else 2)
+    assert "\x1b" not in out
+    fields_read = shape in ("bytes_str", "escapes")
+    assert bool(re.search(r"^train step +1$", out, re.M)) == fields_read  # the facts it could read
+    assert main(["consolidate", str(bad), str(tmp_path / "out.safetensors")]) == (0 if fields_read else 2)
     err = capsys.readouterr().err
-    assert "Traceback" not in err and (shape == "bytes_str" or re.search(
+    assert "Traceback" not in err and (fields_read or re.search(
         rf"fz consolidate: error: checkpoint file {re.escape(str(bad / 'fz.json'))} is damaged: {words}", err)), err
 
 
@@ -123,7 +129,7 @@ def test_fz_consolidate_names_an_output_it_cannot_write_before_reading(saved, tm
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "x.safetensors.tmp"))
-    monkeypatch.setattr("fz.ckpt.hf.safetensors_io.open", read_only, raising=False)
+    monkeypatch.setattr("fz.ckpt.hf.safetensors_io.open_fresh", read_only)
     assert main(["consolidate", str(saved), str(tmp_path / "x.safetensors")]) == 2
     assert capsys.readouterr().err.startswith("fz consolidate: error: Read-only file system: ")
 

@@ -132,3 +132,12 @@ def test_a_schedule_drives_any_optimizer_and_current_lr_reports_it():
         u, state = opt.update({"w": g.clone()}, state, params)
         torch.testing.assert_close(u["w"], -schedule(k) * g)
         assert fz.optim.current_lr(state) == pytest.approx(schedule(k), rel=1e-15)
+
+
+def test_a_schedules_lr_far_below_zero_is_refused():
+    """A schedule may go below 0 (a user's lambda), but not past -LR_MAX: a count wrapped to -2**63 by a
+    crafted checkpoint made warmup's lr -9e15, and the weights jumped by 4.5e19."""
+    from fz.optim.base import lr_at
+    assert lr_at(lambda count: -0.5, 3) == -0.5
+    with pytest.raises(fz.ConfigError, match=r"learning rate -9223372036854776.0 \(the schedule's, at update -9223372036854775808"):
+        lr_at(fz.optim.warmup_linear(1e-2, 10, 100), -2**63)

@@ -100,26 +100,29 @@ def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
 
 
-@pytest.mark.parametrize("what", ["count", "nu", "mu"])
+@pytest.mark.parametrize("what", ["count", "wrap", "nu", "mu"])
 def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_path, what):
-    """A negative count or nu made NaN weights after one step; a finite mu of 3e38 made inf ones."""
+    """A negative count or nu made NaN weights after one step; a finite mu of 3e38 made inf ones; a
+    count of 2**63-1 wrapped to -2**63 at the next step (every weight NaN, a schedule's lr -9e15)."""
     state = _trained()
     adam = state.opt_state[0]
-    if what == "count":
-        adam.count.fill_(-1)
+    if what in ("count", "wrap"):
+        adam.count.fill_(-1 if what == "count" else 2**63 - 1)
     elif what == "nu":
         next(iter(adam.nu.values())).view(-1)[0] = -1.0
     else:
         next(iter(adam.mu.values())).view(-1)[0] = 3e38
     fz.save(state, tmp_path)
-    words = {"count": r"opt/0/count = -1 \(a step count\)", "nu": r"opt/0/nu/.* has 1 negative values",
+    words = {"count": r"opt/0/count = -1 \(a step count: from 0 to 2\*\*48\)",
+             "wrap": r"opt/0/count = 9223372036854775807 \(a step count: from 0 to 2\*\*48\)", "nu": r"opt/0/nu/.* has 1 negative values",
              "mu": r"opt/0/mu/.* has 1 values over 1e\+30 x the square root of nu's"}[what]
     with pytest.raises(CheckpointError, match=rf"values no run writes, .*NaN .*{words}"):
         _restore(tmp_path / "step_1")
 
 
 @pytest.mark.parametrize("field, value", [("scale", float("nan")), ("scale", float("inf")), ("scale", 0.0),
-                                          ("scale", -65536.0), ("iter", -5), ("skipped", -1)])
+                                          ("scale", -65536.0), ("iter", -5), ("skipped", -1),
+                                          ("iter", 2**63 - 1)])
 def test_an_impossible_loss_scale_is_refused(tmp_path, field, value):
     """fp16: a NaN or inf scale skipped every later step silently, 0 divided by zero at the next
     step, a negative one was taken; a negative count is no count. The DeepSpeed import refused them."""
@@ -236,6 +239,24 @@ def test_a_saved_data_position_out_of_range_is_named(epoch, index):
         fz.data.loader(rows, state, micro_batch=4)
 
 
+def test_an_iterable_datasets_position_past_what_the_step_read_is_refused():
+    """Resuming reads past the saved index one sample at a time: 2**62 at step 1 read an endless
+    stream for ever. A position the state's updates can have reached (with room for a run of more
+    rows per step) still resumes."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10**9))
+
+    state = _trained()  # step 1
+    reachable = {**fz.data.loader(Stream(), spec(0, 1), micro_batch=4).state_dict(), "index": 4 * 2 * 1024}
+    assert fz.data.loader(Stream(), state.replace(data={"loader": reachable}), micro_batch=4).state_dict() == reachable
+    state = state.replace(data={"loader": {**reachable, "index": 2**62}})
+    with pytest.raises(ConfigError, match=r"is at sample 4611686018427387904, but the state is at step 1, which reads "
+                                          r"at most 8 samples of 4 a step .*: damaged or altered"):
+        fz.data.loader(Stream(), state, micro_batch=4)
+
+
 @pytest.mark.parametrize("field", ["seed", "shuffle", "size", "format"])
 def test_a_saved_data_position_holding_a_tensor_is_named(field):
     """A data_N.json may refer to its own tensors: one in the position was a bare RuntimeError (a
@@ -307,3 +328,12 @@ def test_a_key_written_twice_is_refused(tmp_path, name, key):
     _relist(step, name)
     with pytest.raises(CheckpointError, match=rf"{name} is unreadable.*the key '{key}' appears twice"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+
+
+def test_an_update_count_past_2_48_is_refused(tmp_path):
+    """A step of 2**63-1 was restored and wrapped to -2**63 at the next update (every later save then
+    failed, naming step=None)."""
+    state = _trained()
+    fz.save(state.replace(step=torch.full_like(state.step, 2**63 - 1)), tmp_path)
+    with pytest.raises(CheckpointError, match=r"is damaged: it is not an object with a train_step from 0 to 2\*\*48"):
+        fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path)

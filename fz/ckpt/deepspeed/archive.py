@@ -23,6 +23,35 @@ from fz.errors import CheckpointError
 MAX_PICKLE = 256 << 20  # a record larger than this is not a checkpoint's metadata
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
 _KEY = re.compile(r"^\w{1,64}$")  # torch's storage keys: "0", "1", ...
+MAX_MEMBERS = 1 << 18  # torch.save writes one member per storage and a few records: more is no checkpoint
+_END = struct.Struct("<4s4H2LH")  # the end of central directory record (22 bytes, then a comment)
+_END64_LOCATOR = struct.Struct("<4sLQL")  # zip64: where its end record is (20 bytes, just before the end record)
+_END64 = struct.Struct("<4sQ2H2L4Q")  # zip64's end of central directory record
+
+
+def _entries(file: Path, fh: BinaryIO, size: int) -> int:
+    """At least as many as the members zipfile would build an object for: the entry signatures in
+    the central directory the end records locate (a directory of millions of entries costs minutes
+    and GBs to parse; counting its signatures takes a pass over its bytes)."""
+    tail = min(size, _END.size + 0xFFFF)
+    fh.seek(size - tail)
+    raw = fh.read(tail)
+    at = raw.rfind(b"PK\x05\x06")
+    if at < 0 or at + _END.size > len(raw):
+        raise CheckpointError(f"checkpoint file {file} has no zip end record: truncated, or not a torch.save file")
+    end = _END.unpack_from(raw, at)
+    length, offset = end[5], end[6]
+    if at >= _END64_LOCATOR.size:  # zip64 (a file past 4 GiB): the directory's place is in its own end record
+        sig, _, where, _ = _END64_LOCATOR.unpack_from(raw, at - _END64_LOCATOR.size)
+        if sig == b"PK\x06\x07" and where + _END64.size <= size:
+            fh.seek(where)
+            end64 = fh.read(_END64.size)
+            if len(end64) == _END64.size and end64[:4] == b"PK\x06\x06":
+                length, offset = _END64.unpack(end64)[8:10]
+    if offset + length > size:
+        raise CheckpointError(f"checkpoint file {file}: its zip directory ends past the file (truncated or damaged)")
+    fh.seek(offset)
+    return fh.read(length).count(b"PK\x01\x02")
 
 
 @dataclass(frozen=True)
@@ -73,6 +102,11 @@ def open_archive(file: Path) -> Archive:
         if fh.read(4) != b"PK\x03\x04":
             raise CheckpointError(f"checkpoint file {file} is not a torch.save zip file (the legacy "
                                   "pre-1.6 format or another file): fz reads only the zip format")
+        entries = _entries(file, fh, size)
+        if entries > MAX_MEMBERS:
+            raise CheckpointError(f"checkpoint file {file}: its zip directory holds {entries} entries, more than "
+                                  f"{MAX_MEMBERS} (torch.save writes one per tensor storage): not a torch checkpoint")
+        fh.seek(0)
         every = _members(file, zipfile.ZipFile(fh), fh, size)
         pickles = [n for n in every if n == "data.pkl" or n.endswith("/data.pkl")]
         if len(pickles) != 1 or every[pickles[0]][1] > MAX_PICKLE:

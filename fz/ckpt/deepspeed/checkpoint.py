@@ -29,6 +29,7 @@ from fz.ckpt.deepspeed.unpickle import DSObject, Lazy
 from fz.ckpt.hf.weights import CHUNK_BYTES
 from fz.ckpt.regular import inside
 from fz.errors import CheckpointError
+from fz.state import MAX_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class DeepSpeedCheckpoint:
         sched = fields.mapping(_plain(sched), self._model_file, "lr_scheduler")
         if sched is not None and "last_batch_iteration" in sched:
             fields.integer(sched["last_batch_iteration"], self._model_file, "lr_scheduler last_batch_iteration",
-                           lo=-1, hi=fields.LIMIT - 1)
+                           lo=-1, hi=MAX_STEPS - 1)
         return sched
 
     def _precision(self, prefix: str) -> str:

@@ -16,8 +16,9 @@ from typing import Any
 from fz.ckpt.deepspeed import unpickle as ds_pickle
 from fz.ckpt.deepspeed.unpickle import Lazy
 from fz.errors import CheckpointError
+from fz.state import MAX_STEPS
 
-LIMIT = 2**63 - 1  # what an int64 step or count holds
+LIMIT = 2**63 - 1  # what an int64 holds
 _DIMS = 64  # torch's most dimensions
 _FP32_MAX = 3.4028234663852886e38
 
@@ -35,9 +36,11 @@ def _scalar(x: Any) -> Any:
     return x
 
 
-def integer(value: Any, file: Path | str, field: str, *, lo: int = 0, hi: int = LIMIT, floats: bool = False) -> int:
-    """`value` as an int from `lo` to `hi`: a Python int (not a bool, not a string); with `floats`
-    also a finite float holding an integer, or a one-element tensor of one (Adam's step)."""
+def integer(value: Any, file: Path | str, field: str, *, lo: int = 0, hi: int = MAX_STEPS,
+            floats: bool = False) -> int:
+    """`value` as an int from `lo` to `hi` (default fz.state.MAX_STEPS: a step or count, a size):
+    a Python int (not a bool, not a string); with `floats` also a finite float holding an integer,
+    or a one-element tensor of one (Adam's step)."""
     x = _scalar(value) if floats else value
     whole = type(x) is int or (floats and type(x) is float and math.isfinite(x) and x.is_integer())
     if not whole or not lo <= x <= hi:
