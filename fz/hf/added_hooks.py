@@ -5,7 +5,9 @@ modules at that moment are in it, but one added later (transformers' NEFTune put
 on the input embeddings as train() starts) would never run. When training starts (and after
 each generation of an online trainer), each such hook (and the plain settings it reads on its
 module, as `neftune_noise_alpha`) is put on the copy's module of the same name as well, and taken
-off again after; fz's own hooks stay the user's. A hook added once training runs is not seen.
+off again after; fz's own hooks stay the user's. Before each step `follow` mirrors them anew if
+the model's hooks changed since (one a callback adds in on_train_begin or on_step_begin, or takes
+off): a sum over the model's modules, no copy.
 """
 from __future__ import annotations
 
@@ -44,6 +46,19 @@ def skeleton_modules(skel: Skeleton) -> dict[str, nn.Module]:
 _TABLES = ("_forward_hooks", "_forward_pre_hooks")
 _FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 _UNDO: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+_SEEN: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # the model's hooks when mirrored
+
+
+def _hooks(model: nn.Module) -> int:
+    """A number that changes when a forward hook is added to or taken off any of `model`'s modules
+    (each hook's key is a handle id never given twice)."""
+    return sum(len(t) + sum(t) for m in model.modules() for t in (m._forward_hooks, m._forward_pre_hooks))
+
+
+def follow(model: nn.Module, skel: Skeleton) -> None:
+    """`mirror` again where `model`'s hooks changed since it last ran (while it is mirrored)."""
+    if model in _SEEN and _SEEN[model] != _hooks(model):
+        mirror(model, skel)
 
 
 def _ours(hook: Any) -> bool:
@@ -83,10 +98,12 @@ def mirror(model: nn.Module, skel: Skeleton) -> None:
             (getattr(module, table) if table else module.__dict__).pop(key, None)
 
     _UNDO[model] = undo
+    _SEEN[model] = _hooks(model)
 
 
 def unmirror(model: nn.Module) -> None:
     """What `mirror` put on the copy taken off."""
+    _SEEN.pop(model, None)
     undo = _UNDO.pop(model, None)
     if undo is not None:
         undo()

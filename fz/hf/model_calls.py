@@ -201,6 +201,12 @@ def install(trainer: Any, model: nn.Module) -> None:
         model.__dict__["generate"] = SyncedGenerate(trainer, model)
 
 
+def follow_hooks(trainer: Any) -> None:
+    """Before a step: hooks added to (or taken off) the model since they were mirrored onto fz's
+    copy, mirrored anew (fz/hf/added_hooks.py)."""
+    added_hooks.follow(trainer._model(), trainer.fz_ready().skeleton)
+
+
 def uninstall(model: nn.Module) -> None:
     """The model's forward (and generate) as they were before fz set them, its hooks off fz's copy."""
     added_hooks.unmirror(model)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, cast
 
@@ -53,7 +52,6 @@ from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, TrainerSchedule, logged_lr, next_lr
-from fz.storage.fresh import open_fresh
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -124,9 +122,9 @@ class Trainer(transformers.Trainer):
 
     def _before_step(self, batches: fz.MicroBatches) -> None:
         """What transformers' loop counts of a step before its forwards (fz/hf/counts.py)."""
-        self._items, self._micro_count = counts.num_items(self, batches), len(batches)
+        self._items, self._micro_count, self._micro_losses = counts.num_items(self, batches), len(batches), []
         self.current_gradient_accumulation_steps = len(batches)
-        self._micro_losses = []
+        model_calls.follow_hooks(self)  # one a callback added in on_train_begin
         flos = float(self.current_flos) + sum(float(self.floating_point_ops(mb)) for mb in batches)
         self.current_flos = flos  # type: ignore[assignment]  # transformers declares it int, adds floats
         counts.track_input_tokens(self, batches)
@@ -397,5 +395,4 @@ class Trainer(transformers.Trainer):
         save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self),
                         dtype=trainer_checkpoints.saved_dtype(self))
         if self.args.should_save:
-            with open_fresh(os.path.join(out, "training_args.bin")) as f:  # a planted link is not followed
-                torch.save(self.args, f)
+            trainer_checkpoints.save_args(self.args, out)

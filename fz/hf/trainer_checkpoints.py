@@ -32,10 +32,18 @@ from fz.hf import deepspeed_resume, host_generators
 from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
 from fz.rng import capture, restore
+from fz.storage.fresh import open_fresh
 
 log = logging.getLogger(__name__)
 
 ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME
+
+
+def save_args(args: Any, folder: str | os.PathLike[str]) -> None:
+    """`training_args.bin` (transformers' pickle of the arguments) in `folder`, made anew: a link
+    planted under its name is not written through."""
+    with open_fresh(os.path.join(folder, ARGS_FILE)) as f:
+        torch.save(args, f)
 
 
 def tokenizer(trainer: Any) -> Any:
@@ -88,7 +96,7 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
         save_generation_config(trainer.model, staging)  # as transformers' checkpoint-N/ (fz consolidate --hf copies it)
     if tok is not None and hasattr(tok, "save_pretrained") and not args.save_only_model:
         tok.save_pretrained(staging)
-    torch.save(args, os.path.join(staging, ARGS_FILE))
+    save_args(args, staging)
     trainer.state.save_to_json(os.path.join(staging, dirs.STATE_FILE))
     dirs.publish(run_dir, step)
     dirs.rotate(run_dir, args.save_total_limit, keep=trainer.state.best_model_checkpoint)

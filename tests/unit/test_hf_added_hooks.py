@@ -49,3 +49,35 @@ def test_neftune_when_the_state_is_made_inside_train_and_train_runs_twice(tmp_pa
     assert len(ours) == 4 and ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)  # the second run's
     copy = dict(trainer.fz_state.skeleton.root.named_modules())["model.embed_tokens"]
     assert not copy._forward_hooks and "neftune_noise_alpha" not in vars(copy)
+
+
+class _ScaleEmbeddings(transformers.TrainerCallback):
+    """A hook added once training runs (on_train_begin), taken off after step 2 (on_step_end)."""
+
+    def __init__(self):
+        self.handle: Any = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.handle = model.get_input_embeddings().register_forward_hook(lambda m, i, out: out * 3.0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.handle.remove()
+
+
+def test_a_hook_a_callback_adds_once_training_runs_is_in_the_step_and_comes_off(tmp_path):
+    """It used to be seen only if present when train() started: fz's step ran without it."""
+    losses = {}
+    for on_fz in (False, True):
+        trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
+                                 (transformers.Trainer, transformers.TrainingArguments))
+        args = args_cls(output_dir=str(tmp_path / str(on_fz)), per_device_train_batch_size=4, max_steps=4,
+                        learning_rate=3e-3, logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", seed=0,
+                        disable_tqdm=True)
+        t = trainer_cls(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(),
+                        data_collator=hp.collator("lm"), callbacks=[_ScaleEmbeddings()])
+        t.train()
+        losses[on_fz] = [h["loss"] for h in t.state.log_history if "loss" in h]
+    plain, _ = _run(True, str(tmp_path / "plain"), None)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-7)
+    assert losses[True][0] != pytest.approx(plain[0], rel=1e-3)  # the hook reached the step
