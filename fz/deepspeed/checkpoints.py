@@ -43,13 +43,20 @@ def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any]
              latest=save_latest)
 
 
-def load(state: fz.State, load_dir: Path, tag: str | None) -> tuple[fz.State, Path, dict[str, Any], dict] | None:
-    """(state, path, client_state, engine counters), or None (warned) when no `latest` names a tag."""
+def load(state: fz.State, load_dir: Path, tag: str | None,
+         universal: bool = False) -> tuple[fz.State, Path, dict[str, Any], dict] | None:
+    """(state, path, client_state, engine counters), or None (warned) when no `latest` names a tag;
+    `universal` (the config's checkpoint.load_universal): the tag `latest_universal` names, as
+    DeepSpeed reads it, its absence an error as in DeepSpeed."""
     if tag is None:
-        if not (load_dir / LATEST).is_file():
+        latest = "latest_universal" if universal else LATEST
+        if not (load_dir / latest).is_file():
+            if universal:
+                raise CheckpointError(f"load_checkpoint: {load_dir / latest} does not exist (the config's "
+                                      "checkpoint.load_universal is true; DeepSpeed raises too): pass tag=...")
             _nothing_loaded(load_dir)
             return None
-        tag = ds_files.latest_tag(load_dir)  # a tag folder of load_dir: DeepSpeed's would follow it anywhere
+        tag = ds_files.latest_tag(load_dir, latest)  # a tag folder of load_dir: DeepSpeed's would follow it anywhere
     path, aside = load_dir / tag, load_dir / (tag + OLD)
     if not path.exists() and not aside.is_dir():
         raise CheckpointError(f"load_checkpoint: {path} does not exist (tag {tag!r} in {load_dir})")

@@ -348,7 +348,8 @@ class DeepSpeedEngine:
         if self._step is not None:
             raise ConfigError("engine.load_checkpoint inside an accumulation window: load before engine(batch)")
         try:
-            got = load(self.state, Path(load_dir), None if tag is None else str(tag))
+            universal = bool((self.config.get("checkpoint") or {}).get("load_universal"))
+            got = load(self.state, Path(load_dir), None if tag is None else str(tag), universal)
         except (CheckpointError, NonFiniteError) as e:
             if self.state.donated_to:  # filled in part, then refused: the engine has no state left
                 raise type(e)(f"{e}\nThe engine's state was loaded into in place and is given up: make the engine "

@@ -13,7 +13,7 @@ steps, `save_checkpoint` with a client state, then train two more steps. Written
                              (safe_get_full_fp32_param / safe_get_full_optimizer_state)
   record.json       losses per step and rank, the next two steps' losses per rank (the
                     second follows an update that used the saved moments), config, world
-One universal checkpoint (ds_to_universal) is made from stage2_fp32 into stage2_fp32/universal/.
+Universal checkpoints (ds_to_universal) are made from stage2_fp32 and stage3_fp32 into <name>/universal/.
 """
 from __future__ import annotations
 
@@ -177,5 +177,6 @@ if __name__ == "__main__":
     names = sys.argv[1:] or list(FIXTURES | GROUPED)
     for n in names:
         print(n, make(n), flush=True)
-    if not sys.argv[1:] or "stage2_fp32" in names:
-        print("universal", universal(), flush=True)
+    for n in ("stage2_fp32", "stage3_fp32"):
+        if not sys.argv[1:] or n in names:
+            print("universal", universal(n), flush=True)

@@ -105,11 +105,15 @@ def test_values_equal_deepspeed(name: str) -> None:
         assert torch.equal(full(ck, "head.weight"), full(ck, "embed.weight"))
 
 
-def test_universal_equals_its_source() -> None:
-    """ds_to_universal's zero/<name>/*.pt hold what the stage-2 checkpoint it came from holds."""
-    src = DeepSpeedCheckpoint(DATA / "stage2_fp32" / "ckpt")
-    uni = DeepSpeedCheckpoint(DATA / "stage2_fp32" / "universal")
-    assert (uni.stage, uni.world, uni.optimizer_step, uni.moments) == (2, 2, 3, src.moments)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_universal_equals_its_source(stage: int) -> None:
+    """ds_to_universal's zero/<name>/*.pt hold what the checkpoint it came from holds. From ZeRO-3
+    Adam's step is only in zero/optimizer_state.pt (no step.pt): it was read as none, and an import
+    restarted Adam's bias correction at step 0; its frozen weights are in each rank's model file."""
+    src = DeepSpeedCheckpoint(DATA / f"stage{stage}_fp32" / "ckpt")
+    uni = DeepSpeedCheckpoint(DATA / f"stage{stage}_fp32" / "universal")
+    assert (uni.stage, uni.world, uni.optimizer_step, uni.moments) == (stage, 2, 3, src.moments)
+    assert uni.loss_scaler == src.loss_scaler
     assert (uni.params, uni.frozen, uni.shared) == (src.params, src.frozen, src.shared)
     for name in [*src.params, *src.frozen]:
         for kind in ("fp32", *(src.moments if name in src.params else ())):

@@ -232,3 +232,29 @@ def test_a_planted_latest_tmp_link_is_not_written_through(tmp_path):
     assert victim.read_text() == "mine"
     assert (save_dir / "latest").read_text() == "t1" and not (save_dir / "latest").is_symlink()
     assert not os.path.lexists(save_dir / "latest.tmp")
+
+
+def test_load_universal_reads_latest_universal_and_adams_step(tmp_path):
+    """With the config's checkpoint.load_universal the engine reads the tag `latest_universal` names
+    (it read `latest`, found none, and trained from scratch), and a ZeRO-3 universal checkpoint's
+    Adam step (it restarted at 0: every later update differed); without the file, an error, as in
+    DeepSpeed. It equals loading the checkpoint the universal one was made from."""
+    from support import ds_models as m
+    from support.ds_import_jobs import DATA, ROWS
+    shutil.copytree(DATA / "stage3_fp32" / "universal" / "global_step3", tmp_path / "uc" / "global_step3")
+    (tmp_path / "uc" / "latest_universal").write_text("global_step3")
+    cfg = {**m.ds_config(3, "fp32"), "train_micro_batch_size_per_gpu": ROWS, "train_batch_size": ROWS}
+
+    def trained(path, **extra):
+        engine = deepspeed.initialize(model=m.TinyLM(seed=5), config={**cfg, **extra})[0]
+        engine.load_checkpoint(path)
+        tokens = m.batch(3, 0)
+        engine.backward(m.lm_loss(engine(tokens), tokens))
+        engine.step()
+        return engine.global_steps, fz.full_params(engine.state)
+    steps, universal = trained(tmp_path / "uc", checkpoint={"load_universal": True})
+    want_steps, want = trained(DATA / "stage3_fp32" / "ckpt")
+    assert steps == want_steps == 4 and _same(universal, want)
+    with pytest.raises(fz.CheckpointError, match=r"latest_universal does not exist \(the config's checkpoint"):
+        deepspeed.initialize(model=m.TinyLM(seed=5), config={**cfg, "checkpoint": {"load_universal": True}}
+                             )[0].load_checkpoint(DATA / "stage3_fp32" / "ckpt")

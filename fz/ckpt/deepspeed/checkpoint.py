@@ -8,7 +8,6 @@ then streams a parameter's fp32 master or Adam moment, whatever the ranks it was
 """
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -41,29 +40,6 @@ _LOADED = frozenset({"module", "optimizer", "lr_scheduler", "data_sampler", "ran
 # DeepSpeed's copy of the frozen weights, already in the state: returned as None rather than read twice
 _FROZEN_COPY = "frozen_param_fragments"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _plain(x: Any, numbers: bool = True, storages: dict | None = None) -> Any:
-    """DSObjects as dicts ({"class": ..., **state}), tensors read (scalar ones as numbers, for the public
-    fields: `numbers`; the client state keeps them as tensors, as DeepSpeed returns them). Each storage
-    is read once and its tensors are views of it, as torch.load makes them: what a file's references
-    cost is bounded by its bytes (a list naming one tensor a million times is one tensor)."""
-    storages = {} if storages is None else storages
-    if isinstance(x, DSObject):
-        return {"class": x.cls, **{k: _plain(v, numbers, storages) for k, v in x.state.items()}}
-    if isinstance(x, Lazy):
-        key = (x.file, x.at, x.dtype)
-        if key not in storages:
-            storages[key] = ds_pickle.materialize(Lazy(x.file, x.at, x.dtype, x.storage_numel, 0,
-                                                       (x.storage_numel,), (1,)))
-        t = storages[key].as_strided(x.shape, x.stride, x.offset)
-        return t.item() if numbers and x.numel == 1 else t
-    if isinstance(x, dict):
-        kind = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict  # param_shapes' order
-        return kind((k, _plain(v, numbers, storages)) for k, v in x.items())
-    if isinstance(x, list | tuple):
-        return type(x)(_plain(v, numbers, storages) for v in x)
-    return x
 
 
 class DeepSpeedCheckpoint:
@@ -135,7 +111,7 @@ class DeepSpeedCheckpoint:
         self.skipped_steps = self._count(m, "skipped_steps")
         self.lr_scheduler: dict | None = self._scheduler(m.get("lr_scheduler"))
         storages: dict = {}
-        self.client_state: dict = {k: None if k == _FROZEN_COPY else _plain(v, False, storages)
+        self.client_state: dict = {k: None if k == _FROZEN_COPY else ds_pickle.plain(v, False, storages)
                                    for k, v in m.items() if k not in _LOADED}
         self.ds_version: str | None = m.get("ds_version")
         self.world = self._count(m, "dp_world_size", 1, lo=1)
@@ -164,7 +140,7 @@ class DeepSpeedCheckpoint:
     def _scheduler(self, sched: Any) -> dict | None:
         """The lr scheduler's state_dict (None when the run had none); its last_batch_iteration
         (-1 before the first step) sets the lr schedule's count on import."""
-        sched = fields.mapping(_plain(sched), self._model_file, "lr_scheduler")
+        sched = fields.mapping(ds_pickle.plain(sched), self._model_file, "lr_scheduler")
         if sched is not None and "last_batch_iteration" in sched:
             fields.integer(sched["last_batch_iteration"], self._model_file, "lr_scheduler last_batch_iteration",
                            lo=-1, hi=MAX_STEPS - 1)
@@ -194,7 +170,7 @@ class DeepSpeedCheckpoint:
         ds_ranks.same_run([self._model_file, first], [ds_ranks.model(self._m), ds_ranks.optim(top0, first)])
         ds_ranks.same_run(files, [ds_ranks.optim(t, f) for t, f in zip(tops, files)])
         osds = [t["optimizer_state_dict"] for t in tops]
-        self.loss_scaler = fields.mapping(_plain(osd0.get("loss_scaler")), first, "loss_scaler")
+        self.loss_scaler = fields.mapping(ds_pickle.plain(osd0.get("loss_scaler")), first, "loss_scaler")
         self._scaler_file = first
         if "zero_stage" not in osd0:  # BF16_Optimizer (bf16 without ZeRO): fragments named per rank
             self.stage = 0
@@ -222,7 +198,7 @@ class DeepSpeedCheckpoint:
         """Adam's step (a float tensor DeepSpeed saves, of an integer >= 0), None when not kept."""
         if "step" not in state:
             return None
-        return fields.integer(_plain(state["step"]), file, "Adam step", floats=True)
+        return fields.integer(ds_pickle.plain(state["step"]), file, "Adam step", floats=True)
 
     def _moments(self, states: list[dict], layout: Any, file: Path) -> None:
         """Adam's moments and step from per-rank optimizer `state` dicts keyed by group (or
@@ -264,7 +240,8 @@ class DeepSpeedCheckpoint:
         frags = [m["frozen_param_fragments"] for m in models]
         for name in shapes:
             shape = self.frozen[str(name)] = self._frozen_shape(shapes, name)
-            self._pieces["fp32"][str(name)] = ds_layout.fragments([f[name] for f in frags], math.prod(shape))
+            pieces = ds_layout.fragments([f[name] for f in frags], math.prod(shape))
+            self._pieces.setdefault("fp32", {})[str(name)] = pieces
 
     def _frozen_shape(self, shapes: dict, name: Any) -> tuple[int, ...]:
         return fields.shape(shapes[name], self._model_file, f"frozen_param_shapes[{name!r}]")
@@ -325,7 +302,8 @@ class DeepSpeedCheckpoint:
         self._frozen_module(None)
 
     def _read_universal(self) -> None:
-        """ds_to_universal's zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, one file per tensor."""
+        """ds_to_universal's zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, one file per tensor, and
+        zero/optimizer_state.pt (the loss scaler; from ZeRO-3, Adam's step: it writes no step.pt)."""
         shapes = self._m.get("param_shapes")
         zero = self.path / "zero"
         if shapes:
@@ -340,9 +318,27 @@ class DeepSpeedCheckpoint:
         some = zero / next(iter(self.params))
         self.moments = tuple(k for k in _MOMENTS if (some / f"{k}.pt").is_file())
         if (some / "step.pt").is_file():
-            self.optimizer_step = fields.integer(_plain(self._load(some / "step.pt")), some / "step.pt", "Adam step",
-                                                 floats=True)
-        self._frozen_module(self._m.get("frozen_param_fragments"))
+            step = ds_pickle.plain(self._load(some / "step.pt"))
+            self.optimizer_step = fields.integer(step, some / "step.pt", "Adam step", floats=True)
+        if (zero / "optimizer_state.pt").is_file():
+            self._universal_state(zero / "optimizer_state.pt")
+        if self.stage == 3 and len(ds_files.zero3_model_files(self.path)) > 1:  # frozen ones: in each rank's file
+            self._counted = f"{self._model_file}'s dp_world_size says"
+            self._frozen_zero3()
+        else:
+            self._frozen_module(self._m.get("frozen_param_fragments"))
+
+    def _universal_state(self, file: Path) -> None:
+        """The optimizer's global state ds_to_universal keeps: the loss scaler, and (ZeRO-3) Adam's
+        step in its first sub-group's state, where DeepSpeed reads it."""
+        osd = fields.mapping(self._load(file), file, "optimizer state") or {}
+        self.loss_scaler = fields.mapping(ds_pickle.plain(osd.get("loss_scaler")), file, "loss_scaler")
+        self._scaler_file = file
+        inner = fields.mapping(osd.get("optimizer_state_dict"), file, "optimizer_state_dict") or {}
+        state = fields.mapping(inner.get("state"), file, "optimizer_state_dict state") or {}
+        first = state.get(0)
+        if self.optimizer_step is None and isinstance(first, dict):
+            self.optimizer_step = self._step(first, file)
 
     def _tied(self) -> None:
         """Tied aliases ZeRO-3 (and stage 0) do not list in shared_params: module entries stored

@@ -30,15 +30,16 @@ _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$"
 _MAX_LATEST = 4096  # a tag name; a longer `latest` is not DeepSpeed's
 
 
-def _latest(path: Path) -> str:
-    """The tag `path/latest` names (its text, stripped: at most _MAX_LATEST bytes)."""
-    with open_regular_file(path / "latest", "DeepSpeed's `latest` file") as fh:
+def _latest(path: Path, name: str = "latest") -> str:
+    """The tag `path/<name>` names (`latest`, or ds_to_universal's `latest_universal`; its text,
+    stripped: at most _MAX_LATEST bytes)."""
+    with open_regular_file(path / name, f"DeepSpeed's `{name}` file") as fh:
         raw = fh.read(_MAX_LATEST + 1)
     if len(raw) > _MAX_LATEST:
-        raise CheckpointError(f"{path / 'latest'} is over {_MAX_LATEST} bytes: not a tag name (pass tag=...)")
+        raise CheckpointError(f"{path / name} is over {_MAX_LATEST} bytes: not a tag name (pass tag=...)")
     tag = raw.decode("utf-8", "replace").strip()
     if len(tag.encode()) > NAME_MAX or any(c < " " or c == "\x7f" for c in tag):
-        raise CheckpointError(f"{path / 'latest'} holds {tag[:60]!r}, not a tag folder's name (control characters, or "
+        raise CheckpointError(f"{path / name} holds {tag[:60]!r}, not a tag folder's name (control characters, or "
                               f"over {NAME_MAX} bytes): damaged or altered (pass tag=...)")
     return tag
 
@@ -87,14 +88,14 @@ def resolve(path: Path, tag: str | None) -> tuple[Path, str]:
     return folder, tag
 
 
-def latest_tag(path: Path) -> str:
-    """The tag `path/latest` names, which must be a folder of the save_dir `path` itself
+def latest_tag(path: Path, name: str = "latest") -> str:
+    """The tag `path/<name>` names, which must be a folder of the save_dir `path` itself
     (symlinks followed): DeepSpeed would load one anywhere."""
-    tag = _latest(path)
+    tag = _latest(path, name)
     folder = path / tag
     if tag in ("", ".", "..") or Path(tag).name != tag or folder.resolve().parent != path.resolve():
         where = folder.resolve() if tag else path
-        raise CheckpointError(f"{path / 'latest'} names {tag!r}, which is not a tag folder inside {path} (it leads "
+        raise CheckpointError(f"{path / name} names {tag!r}, which is not a tag folder inside {path} (it leads "
                               f"to {where}): not loaded, as a downloaded checkpoint could point anywhere; pass tag=... "
                               "to load a checkpoint outside the save_dir on purpose")
     return tag

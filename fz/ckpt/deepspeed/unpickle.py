@@ -244,3 +244,26 @@ def materialize(t: Lazy) -> Tensor:
     span = t.offset + sum((s - 1) * st for s, st in zip(t.shape, t.stride)) + 1
     whole = materialize(Lazy(t.file, t.at, t.dtype, t.storage_numel, 0, (span,), (1,)))
     return whole.as_strided(t.shape, t.stride, t.offset).clone()
+
+
+def plain(x: Any, numbers: bool = True, storages: dict | None = None) -> Any:
+    """DSObjects as dicts ({"class": ..., **state}), tensors read (scalar ones as numbers, for the public
+    fields: `numbers`; the client state keeps them as tensors, as DeepSpeed returns them). Each storage
+    is read once and its tensors are views of it, as torch.load makes them: what a file's references
+    cost is bounded by its bytes (a list naming one tensor a million times is one tensor)."""
+    storages = {} if storages is None else storages
+    if isinstance(x, DSObject):
+        return {"class": x.cls, **{k: plain(v, numbers, storages) for k, v in x.state.items()}}
+    if isinstance(x, Lazy):
+        key = (x.file, x.at, x.dtype)
+        if key not in storages:
+            storages[key] = materialize(Lazy(x.file, x.at, x.dtype, x.storage_numel, 0,
+                                                       (x.storage_numel,), (1,)))
+        t = storages[key].as_strided(x.shape, x.stride, x.offset)
+        return t.item() if numbers and x.numel == 1 else t
+    if isinstance(x, dict):
+        kind = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict  # param_shapes' order
+        return kind((k, plain(v, numbers, storages)) for k, v in x.items())
+    if isinstance(x, list | tuple):
+        return type(x)(plain(v, numbers, storages) for v in x)
+    return x
