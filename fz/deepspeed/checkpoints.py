@@ -32,7 +32,7 @@ ENGINE_KEY = "fz.deepspeed"  # the engine's counters in the client state
 LATEST = "latest"
 
 
-def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any], counters: dict[str, int],
+def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any], counters: dict[str, Any],
          save_latest: bool) -> None:
     """Every rank; each sees `latest` once it returns (the commit ends in an agreement)."""
     if ENGINE_KEY in client_state:

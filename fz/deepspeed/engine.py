@@ -385,5 +385,8 @@ class DeepSpeedEngine:
                 torch.save(weights, tmp)
         return True
 
-    def _counters(self) -> dict[str, int]:
-        return {"global_samples": self.global_samples, "micro_steps": self.micro_steps}
+    def _counters(self) -> dict[str, Any]:
+        """The engine's counters, and what zero_to_fp32 gives as DeepSpeed's does (tied aliases, frozen names)."""
+        frozen = [n for n, p in nn.Module.named_parameters(self._model) if not p.requires_grad]
+        return {"global_samples": self.global_samples, "micro_steps": self.micro_steps,
+                "shared_params": dict(self.state.skeleton.aliases), "frozen": frozen}

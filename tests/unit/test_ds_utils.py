@@ -50,17 +50,30 @@ def test_a_tag_frozen_parameters_left_out_and_the_folder_written_as_deepspeed_wr
     assert all(torch.equal(parts[k], whole[k]) for k in whole)
 
 
-def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_path, stage):
+    """Every name of the model's state_dict, a tied alias too (a strict load_state_dict failed on
+    it), and exclude_frozen_parameters leaves the frozen ones out (it was ignored), as DeepSpeed's."""
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
-              "zero_optimization": {"stage": 3}}
-    torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(6, 3)), config=config)
+              "zero_optimization": {"stage": stage}}
+    def tied():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+        model[3].weight = model[2].weight
+        return model
+    model = tied()
+    model[0].requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
     engine.backward(engine(torch.randn(4, 6)).square().mean())
     engine.step()
     engine.save_checkpoint(tmp_path)
     got = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp_path)
     want = engine.module_state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k].float()) for k in want)
+    tied().load_state_dict(got)  # strict
+    trained = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp_path, exclude_frozen_parameters=True)
+    assert sorted(got) == sorted([*trained, "0.weight", "0.bias"])
 
 
 def test_log_dist_logs_on_the_ranks_deepspeeds_does(caplog):

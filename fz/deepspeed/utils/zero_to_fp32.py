@@ -5,9 +5,9 @@ Both read a DeepSpeed checkpoint (as `fz consolidate` does: its pickles interpre
 chunk by chunk) and the checkpoints `fz.deepspeed`'s `save_checkpoint` writes (fz's own, in
 DeepSpeed's `save_dir/<tag>/` layout), which DeepSpeed's cannot read. The names are DeepSpeed's
 (the model's, no `module.`): buffers, frozen parameters (in the dtype stored, as DeepSpeed's),
-the trainable ones' fp32 masters, and each tied alias (of a DeepSpeed checkpoint; an fz
-checkpoint names a tied pair once). ZeRO 1's frozen parameters, which DeepSpeed's leaves out, are
-there too.
+the trainable ones' fp32 masters, and each tied alias (the engine's save_checkpoint keeps its
+aliases and frozen names beside its counters). ZeRO 1's frozen parameters, which DeepSpeed's
+leaves out, are there too.
 `lazy_mode=True` gives the tensors themselves (their `.contiguous()` is what DeepSpeed's lazy
 ones give), held in memory: a warning says so.
 """
@@ -34,14 +34,33 @@ log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def _frozen(path: Path) -> dict[str, torch.dtype]:
-    """A DeepSpeed checkpoint's frozen parameters and the dtype they are stored in (DeepSpeed's
-    zero_to_fp32 gives them so: a bf16 run's in bf16); none for fz's own checkpoint."""
+def _frozen(path: Path) -> dict[str, torch.dtype | None]:
+    """The checkpoint's frozen parameters, each with the dtype DeepSpeed's zero_to_fp32 gives it (a
+    DeepSpeed bf16 run's in bf16: stored so), or None (an fz.deepspeed checkpoint's: as read)."""
     if not ds_files.is_deepspeed(path):
-        return {}
+        return dict.fromkeys(_engine_fields(path).get("frozen", []))
     with DeepSpeedCheckpoint(path, None) as ck:  # stored as the module was: in the run's precision
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(ck.precision), torch.float32)
         return dict.fromkeys(ck.frozen, dtype)
+
+
+def _engine_fields(path: Path) -> dict[str, Any]:
+    """What fz.deepspeed's save_checkpoint keeps beside its counters (rank 0's data file): the tied
+    aliases (`shared_params`: alias -> name) and the frozen parameters' names; empty where absent
+    (an fz checkpoint of fz.save, or an older one)."""
+    from fz.ckpt.layout import read_json, resolve
+    from fz.deepspeed.checkpoints import ENGINE_KEY
+    data = read_json(resolve(path) / "data_0.json")
+    client = data.get("client") if isinstance(data, dict) else None
+    fields = client.get(ENGINE_KEY) if isinstance(client, dict) else None
+    if not isinstance(fields, dict):
+        return {}
+    shared, frozen = fields.get("shared_params", {}), fields.get("frozen", [])
+    if not (isinstance(shared, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items())
+            and isinstance(frozen, list) and all(isinstance(n, str) for n in frozen)):
+        raise ConfigError(f"zero_to_fp32: {path}'s engine fields are not a dict of names and a list of names: "
+                          "damaged or altered")
+    return {"shared_params": shared, "frozen": frozen}
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
@@ -59,9 +78,14 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
         out = Path(tmp) / "weights.safetensors"
         consolidate(path, out, dtype="fp32", progress=False)
         weights = load_file(out)
+    if not ds_files.is_deepspeed(path):  # each tied alias too, as DeepSpeed's gives it (the same tensor)
+        for alias, name in _engine_fields(path).get("shared_params", {}).items():
+            if name in weights and alias not in weights:
+                weights[alias] = weights[name]
     for name, dtype in _frozen(path).items():
         if name in weights:
-            weights[name] = weights[name].to(dtype)  # widened by consolidate, exactly: narrowed back
+            if dtype is not None:
+                weights[name] = weights[name].to(dtype)  # widened by consolidate, exactly: narrowed back
             if exclude_frozen_parameters:
                 del weights[name]
     return weights
