@@ -107,16 +107,17 @@ def save_pretrained(state: State, out: str | os.PathLike[str], *, model: nn.Modu
     A model that is not a transformers one (no config with save_pretrained) is written as
     transformers' Trainer.save_model writes it: its state_dict in one model.safetensors, no config.
 
-    A PEFT model (`peft.PeftModel`) is written as PEFT writes it: its adapter only
-    (adapter_config.json, adapter_model.safetensors, from the fp32 masters), or with
-    `merged=True` the base model with the adapter merged in (fz/hf/peft_export.py).
+    A PEFT model (`peft.PeftModel`) is written as PEFT writes it: its adapters only
+    (adapter_config.json, adapter_model.safetensors, in `dtype` as above), or with
+    `merged=True` the base model with the adapter merged in, in fp32 (fz/hf/peft_export.py).
     """
     expect_state(state, "fz.hf.save_pretrained")
     if model is None:
         model = state.skeleton.root
     if is_peft_model(model):
-        files, tensors, nbytes = save_peft(state, out, model, merged=merged, processing_class=processing_class)
-        return Exported(out=str(out), files=tuple(files), shards=1, tensors=tensors, bytes=nbytes, dtype="float32")
+        files, tensors, nbytes, saved_as = save_peft(state, out, model, merged=merged,
+                                                     processing_class=processing_class, dtype=dtype)
+        return Exported(out=str(out), files=tuple(files), shards=1, tensors=tensors, bytes=nbytes, dtype=saved_as)
     if merged:
         raise ConfigError("fz.hf.save_pretrained(merged=True) merges a PEFT adapter; the model is not a PeftModel")
     plain = not hasattr(getattr(model, "config", None), "save_pretrained")  # not a transformers model

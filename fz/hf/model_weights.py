@@ -95,10 +95,10 @@ def follow(model: nn.Module, state: fz.State, released: Released, callbacks: Ite
 
 
 def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtype | None = None) -> None:
-    """The State's weights in `model` (in its dtype; then the whole model cast to `cast`, if given, as
-    DeepSpeed casts its module), the parameters let go given storage of their own again on their
-    devices first, and its buffers moved there; if the copy fails they are let go again as they
-    were. A collective: every rank calls it."""
+    """The State's weights in `model` (in its dtype; then its parameters cast to `cast`, if given, as
+    DeepSpeed 0.19 casts its module's, its buffers kept), the parameters let go given storage of
+    their own again on their devices first, and its buffers moved there; if the copy fails they are
+    let go again as they were. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     before = {n: own[n].data for n in released}
     given: list[str] = []
@@ -132,8 +132,10 @@ def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtyp
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(device)
-    if cast is not None and not stuck:
-        model.to(cast)
+    if cast is not None and not stuck:  # the parameters only: buffers keep their dtype (RoPE's fp32 inv_freq)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != cast:
+                p.data = p.data.to(cast)
 
 
 def fill_after_error(fill_in: Callable[[], None]) -> None:

@@ -39,26 +39,28 @@ def is_peft_model(model: Any) -> bool:
 
 
 def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: bool = False,
-              processing_class: Any = None) -> tuple[list[str], int, int]:
-    """Write the PEFT `model`'s State to `out` (module docstring); every rank calls it. Returns the
-    files written, and the tensors and bytes gathered for them."""
+              processing_class: Any = None, dtype: torch.dtype | None = None) -> tuple[list[str], int, int, str]:
+    """Write the PEFT `model`'s State to `out` (module docstring); every rank calls it. The adapters
+    in `dtype` (None: the precision the run computes in, as DeepSpeed's bf16 module writes them);
+    merged, fp32. Returns the files written, the tensors and bytes gathered for them, and the dtype."""
     plan = state.plan
     what = f"fz.hf.save_pretrained of a PEFT model to {out}"
     if len(plan.ranks) > 1:
         arrive("fz.hf.save_pretrained", plan.ranks, plan.rank)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    cast = torch.float32 if merged else dtype or state.spec.compute_dtype
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad or _of_an_adapter(n, model)}
     embeddings = {} if merged else _embeddings_peft_saves(model)
     writer = plan.rank == plan.ranks[0]
     group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(plan.ranks) > 1 else None
     keep: dict[str, Tensor] = {}
     for name, t in gathered(state, False, "fz.hf.save_pretrained", copy=True):
         if writer and (merged or name in trainable or name in embeddings.values()):
-            keep[name] = t.detach().to("cpu")
+            keep[name] = t.detach().to("cpu", cast)
     for alias, name in embeddings.items():  # a tied output embedding under its own name too, as state_dict() has it
         if name in keep:
             keep.setdefault(alias, keep[name])
     err, files = None, []
-    counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()))
+    counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()), str(cast).removeprefix("torch."))
     if writer:
         try:
             files = _write(Path(out), model, keep, merged, processing_class)
@@ -69,6 +71,13 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     elif err is not None:
         raise err
     return files, *counted
+
+
+def _of_an_adapter(name: str, model: Any) -> bool:
+    """A parameter of one of the model's adapters (`...lora_A.<adapter>.weight`), trained or not: PEFT
+    writes every adapter's, each in its own folder (an untrained reference adapter too)."""
+    parts = set(name.split("."))
+    return any(adapter in parts for adapter in getattr(model, "peft_config", {}))
 
 
 def _embeddings_peft_saves(model: Any) -> dict[str, str]:

@@ -214,3 +214,18 @@ def test_a_weakly_referenced_parameter_does_not_fail_a_finished_train(tmp_path, 
         assert torch.equal(own["lm_head.weight"].detach(), full["lm_head.weight"]) and "weak" not in said
     else:
         assert own["lm_head.weight"].is_meta and "['lm_head.weight'] cannot hold the trained weights" in said, said
+
+
+def test_a_deepspeed_bf16_run_casts_the_models_parameters_and_keeps_its_buffers(tmp_path):
+    """DeepSpeed 0.19 casts its module's parameters to bf16 and keeps fp32 buffers (RoPE's inv_freq):
+    fz cast the whole model, so a no-grad forward of trainer.model after train() (an online trainer's
+    policy, RLOO's KL) differed from DeepSpeed's."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    args = fz.hf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                                   use_cpu=True, disable_tqdm=True, save_strategy="no", bf16=True, deepspeed=ds)
+    trainer = fz.hf.Trainer(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(),
+                            data_collator=hp.collator("lm"))
+    trainer.train()
+    buffers = dict(trainer.model.named_buffers())
+    assert buffers and all(b.dtype == torch.float32 for b in buffers.values())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())

@@ -75,3 +75,30 @@ def test_a_trainer_checkpoint_holds_the_adapter_and_consolidate_hf_refuses_it(tm
     with pytest.raises(CheckpointError, match="is a PEFT model's"):
         consolidate(folder / "fz", tmp_path / "out", hf=True)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_every_adapter_is_written_in_the_runs_precision(tmp_path):
+    """A PeftModel of two adapters (TRL's reference-adapter recipe): PEFT writes each in its own
+    folder, the untrained one too; fz wrote only what trains, so `first/` held the trained second
+    adapter's tensors under its names. In a bf16 run the adapters are written in bf16, as DeepSpeed's
+    bf16 module writes them (they were fp32)."""
+    torch.manual_seed(1)
+    config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(hp.llama(), peft.LoraConfig(**config), adapter_name="first")
+    model.add_adapter("second", peft.LoraConfig(**config))
+    model.set_adapter("second")
+    untrained = {k: v.clone() for k, v in model.state_dict().items() if ".first." in k}
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own writer: its files and keys
+    state = fz.init(model, fz.Spec(optimizer=fz.optim.adamw(1e-2), precision="bf16",
+                                   loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss))
+    state, _ = fz.train_step(state, IDS)
+    out = fz.hf.save_pretrained(state, tmp_path / "fz", model=model)
+    assert out.dtype == "bfloat16"
+    for folder in ("first", "second"):
+        want = load_file(tmp_path / "peft" / folder / "adapter_model.safetensors")
+        got = load_file(tmp_path / "fz" / folder / "adapter_model.safetensors")
+        assert set(got) == set(want) and all(t.dtype == torch.bfloat16 for t in got.values()), folder
+    first = load_file(tmp_path / "fz" / "first" / "adapter_model.safetensors")
+    for key, t in first.items():  # the reference adapter as it was, in bf16
+        name = next(k for k in untrained if k.replace(".first", "") == key)
+        assert torch.equal(t, untrained[name].to(torch.bfloat16)), key
