@@ -88,3 +88,37 @@ def train_loader(args: Any, dataset: Any, state: fz.State, collate: Any, micro: 
     return fz.data.loader(dataset, state, micro_batch=lay.micro, shuffle=shuffle, seed=data_seed(args),
                           num_workers=int(args.dataloader_num_workers), collate_fn=collate, drop_last=lay.drop_last,
                           split=True, order=order)
+
+
+class _TrainLoaderView:
+    """What accelerate's DataLoaderShard tells its GradientState while transformers' loop reads an
+    epoch: `end_of_dataloader` through the epoch's last step (its micro-batches are read ahead),
+    and `remainder`, the samples of the last global batch (len % (batch x ranks); -1 without a
+    length or with drop_last). gather_for_metrics keeps only that many entries there (TRL's
+    num_tokens, mean_token_accuracy...): without it they counted the samples even_batches fills in."""
+
+    def __init__(self, remainder: int):
+        self.end_of_dataloader, self.remainder = False, remainder
+
+
+def tell_accelerate(trainer: Any, ends_epoch: bool | None) -> None:
+    """Before a step's forwards: accelerate's GradientState as its training dataloader would set it
+    (`ends_epoch` None: training ended, the dataloader is gone from it)."""
+    state = getattr(getattr(trainer, "accelerator", None), "gradient_state", None)
+    if state is None or not hasattr(state, "_add_dataloader"):  # accelerate's own, private
+        return
+    view = trainer.__dict__.get("_fz_loader_view")
+    if ends_epoch is None:
+        if view is not None:
+            state._remove_dataloader(trainer.__dict__.pop("_fz_loader_view"))
+        return
+    if view is None:
+        dataset, args = trainer.train_dataset, trainer.args
+        try:
+            length = getattr(dataset, "total_dataset_length", len(dataset))
+            remainder = -1 if args.dataloader_drop_last else length % (trainer._train_batch_size * args.world_size)
+        except TypeError:  # no length
+            remainder = -1
+        view = trainer.__dict__["_fz_loader_view"] = _TrainLoaderView(remainder)
+        state._add_dataloader(view)  # held weakly there: it goes with the trainer
+    view.end_of_dataloader = ends_epoch

@@ -125,6 +125,7 @@ class Trainer(transformers.Trainer):
         self._items, self._micro_count, self._micro_losses = counts.num_items(self, batches), len(batches), []
         self.current_gradient_accumulation_steps = len(batches)
         model_calls.follow_hooks(self)  # one a callback added in on_train_begin
+        data.tell_accelerate(self, self._loader.ends_epoch)  # gather_for_metrics drops the samples filled in
         flos = float(self.current_flos) + sum(float(self.floating_point_ops(mb)) for mb in batches)
         self.current_flos = flos  # type: ignore[assignment]  # transformers declares it int, adds floats
         counts.track_input_tokens(self, batches)
@@ -151,9 +152,8 @@ class Trainer(transformers.Trainer):
         return self.fz_state
 
     def _one_checkpointing(self, spec: fz.Spec) -> None:
-        """fz checkpoints the blocks itself when the Spec says so (gradient_checkpointing=True):
-        transformers' own checkpointing, which Trainer.train() switches on, would recompute
-        each block a second time inside fz's."""
+        """fz checkpoints the blocks itself when the Spec says so (gradient_checkpointing=True): transformers'
+        own, which Trainer.train() switches on, would recompute each block a second time inside fz's."""
         model = self._model()
         if spec.activation_checkpointing and getattr(model, "is_gradient_checkpointing", False):
             cast(Any, model).gradient_checkpointing_disable()
@@ -200,6 +200,7 @@ class Trainer(transformers.Trainer):
             raise
         finally:  # transformers' _finalize_training takes NEFTune's hook off; fz's loop does not run it
             model_calls.end_neftune(self)
+            data.tell_accelerate(self, None)  # its training dataloader is done
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
                              resume_from_checkpoint: str | None = None, trial: Any = None,

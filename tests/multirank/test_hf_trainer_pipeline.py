@@ -54,6 +54,16 @@ def test_losses_and_weights_equal_transformers_trainer(runs, name):
         assert params_rel(got["weights"], want["weights"]) < WEIGHT_TOL
 
 
+def test_gather_for_metrics_drops_the_samples_the_last_step_fills_in(runs):
+    """accelerate truncates gather_for_metrics to the epoch's remainder through its last step (TRL's
+    num_tokens, mean_token_accuracy, DPO's logits/*): fz's loader told it nothing, so the filled-in
+    micro-batches were counted (num_tokens stayed off for the rest of the run)."""
+    fz2, _ = runs
+    for r in fz2:
+        got, want = r["mean_odd_z2"]["gathered"], r[reference_key("mean_odd_z2")]["gathered"]
+        assert got == want and len(set(got)) > 1  # as transformers' Trainer at world 2; the last step's differ
+
+
 def test_total_flos_and_tokens_seen_are_counted_over_both_ranks(runs):
     fz2, ref = runs
     for r in fz2:

@@ -93,17 +93,28 @@ def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int |
         train_sampling_strategy="sequential")
     if stage is not None:
         settings["deepspeed"] = deepspeed(stage)
-    settings.update(kw)
-    trainer = trainer_cls(model=llama(kind == "classes", kind == "mean"), args=args_cls(**settings),
-                          train_dataset=causal_lm_data(kind), data_collator=collator(kind),
-                          processing_class=tokenizer() if kind == "classes" else None)
+    settings.update({k: v for k, v in kw.items() if k != "rows"})
+    gathered: list[int] = []
+
+    class Recording(trainer_cls):  # type: ignore[misc, valid-type]
+        """What TRL's metrics sum through accelerate's gather_for_metrics (num_tokens...): each rank's rows."""
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            mine = torch.tensor([len(inputs["input_ids"])])
+            gathered.append(int(self.accelerator.gather_for_metrics(mine).sum()))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    trainer = Recording(model=llama(kind == "classes", kind == "mean"), args=args_cls(**settings),
+                        train_dataset=causal_lm_data(kind)[:kw.get("rows")], data_collator=collator(kind),
+                        processing_class=tokenizer() if kind == "classes" else None)
     result = trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "epochs": [h["epoch"] for h in logs],
             "lrs": [h["learning_rate"] for h in logs], "norms": [h.get("grad_norm") for h in logs],
             "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             "train_loss": result.training_loss, "total_flos": trainer.state.total_flos,
-            "tokens_seen": trainer.state.num_input_tokens_seen, "steps": trainer.state.global_step}
+            "tokens_seen": trainer.state.num_input_tokens_seen, "steps": trainer.state.global_step,
+            "gathered": gathered}
 
 
 RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
@@ -114,6 +125,7 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "seq2seq_z0": ("seq2seq", 2, 0, {}), "seq2seq_z3": ("seq2seq", 2, 3, {}),
     "classes_z0": ("classes", 2, 0, {}), "classes_z3": ("classes", 2, 3, {}),
     "mean_z3": ("mean", 2, 3, {}),
+    "mean_odd_z2": ("mean", 2, 2, {"rows": 41}),  # 41 % 4: the epoch's last global batch holds 1 sample
 }
 
 
@@ -127,7 +139,8 @@ AT_WORLD_2 = ("classes", "mean")
 def reference_key(name: str) -> str:
     """The transformers run a fz run compares with (it has no ZeRO stage)."""
     kind, accum, _, extra = RUNS[name]
-    return f"{kind}_ga{accum}_{extra.get('train_sampling_strategy', 'sequential')}"
+    rows = f"_rows{extra['rows']}" if "rows" in extra else ""
+    return f"{kind}_ga{accum}_{extra.get('train_sampling_strategy', 'sequential')}{rows}"
 
 
 def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:
