@@ -62,11 +62,21 @@ def _section(r: Reader, zero: dict[str, Any], key: str, old: str) -> dict[str, A
     return out
 
 
-def read_offload(r: Reader, cfg: dict[str, Any], zero: dict[str, Any]) -> Any | None:
-    """The policy both sections describe (None when nothing is offloaded), recorded as `offload`."""
+def read_offload(r: Reader, cfg: dict[str, Any], zero: dict[str, Any], stage: int = 3) -> Any | None:
+    """The policy both sections describe (None when nothing is offloaded), recorded as `offload`.
+    Below ZeRO-3 offload_param has no effect (each rank holds whole parameters): DeepSpeed ignores
+    it there, and fz says so."""
     from fz.offload.policy import Offload
     opt = _section(r, zero, "offload_optimizer", "cpu_offload")
     par = _section(r, zero, "offload_param", "cpu_offload_param")
+    if stage < 3 and par["tier"] != "device":
+        for key in ("offload_param.device", "offload_param.nvme_path", "offload_param", "cpu_offload_param"):
+            if f"{PATH}.{key}" in r.outcomes:  # the key as the config spells it
+                r.mark(f"{PATH}.{key}", "ignored", f"no effect at stage {stage}, as in DeepSpeed (parameters are "
+                                                   "offloaded at stage 3 only)")
+        r.advice.append(f"{PATH}.offload_param has no effect at ZeRO stage {stage}: parameters are offloaded at "
+                        "stage 3 only (DeepSpeed ignores it there too)")
+        par = {**par, "tier": "device", "path": None}
     aio = r.section("", cfg, "aio")
     r.check_keys("aio", aio, AIO_THREADS, AIO_NO_EFFECT)
     for k in AIO_NO_EFFECT & set(aio):

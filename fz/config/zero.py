@@ -40,7 +40,7 @@ def read_zero(r: Reader, cfg: dict[str, Any], fields: Mapping[str, Any]) -> dict
         stage, src = r.get(PATH, zero, "stage", choice((0, 1, 2, 3)), 0)
     out["stage"] = stage
     r.record("stage", stage, src, f"{PATH}.stage")
-    policy = read_offload(r, cfg, zero)
+    policy = read_offload(r, cfg, zero, stage)
     if policy is not None:
         out["offload"] = policy
     sizes = {k: v for k, v in (_elements(r, zero, (k,), stage) for k in ("reduce_bucket_size", "allgather_bucket_size"))

@@ -43,11 +43,12 @@ def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any]
              latest=save_latest)
 
 
-def load(state: fz.State, load_dir: Path, tag: str | None,
-         universal: bool = False) -> tuple[fz.State, Path, dict[str, Any], dict] | None:
+def load(state: fz.State, load_dir: Path, tag: str | None, universal: bool = False,
+         strict: bool = True) -> tuple[fz.State, Path, dict[str, Any], dict] | None:
     """(state, path, client_state, engine counters), or None (warned) when no `latest` names a tag;
     `universal` (the config's checkpoint.load_universal): the tag `latest_universal` names, as
-    DeepSpeed reads it, its absence an error as in DeepSpeed."""
+    DeepSpeed reads it, its absence an error as in DeepSpeed; `strict=False` (load_module_strict):
+    the tensors both hold, the rest warned (fz.restore's)."""
     if tag is None:
         latest = "latest_universal" if universal else LATEST
         if not (load_dir / latest).is_file():
@@ -61,7 +62,7 @@ def load(state: fz.State, load_dir: Path, tag: str | None,
     if not path.exists() and not aside.is_dir():
         raise CheckpointError(f"load_checkpoint: {path} does not exist (tag {tag!r} in {load_dir})")
     read = path if path.exists() else aside  # a save of this tag is replacing it, or was cut off doing so
-    state, client = fz.restore(state, read, with_client_state=True)  # type: ignore[misc]  # DeepSpeed's: imported
+    state, client = fz.restore(state, read, with_client_state=True, strict=strict)  # type: ignore[misc]
     client = dict(client)
     counters = client.pop(ENGINE_KEY, None) or {}
     if not counters and "global_samples" in client:  # DeepSpeed's file: its own count

@@ -136,6 +136,8 @@ class DeepSpeedEngine:
     def get_global_grad_norm(self) -> float | None:
         """The last update's gradient norm before clipping; None where fz computed none (before the
         first update, or without gradient_clipping: fz computes the norm only to clip)."""
+        if self.optimizer.overflow:  # DeepSpeed's on a step its overflow skipped
+            return math.inf
         norm = self.state.metrics.get("grad_norm")
         return None if norm is None or math.isnan(float(norm)) else float(norm)
 
@@ -168,12 +170,18 @@ class DeepSpeedEngine:
                               "gradient partitioning (as in DeepSpeed)")
         yield
 
-    @property
     def loss_scale(self) -> float:
+        """The config's static fp16 loss scale, 0.0 when dynamic (DeepSpeed's engine.loss_scale());
+        the scale in use is `cur_scale` (and optimizer.cur_scale)."""
+        return float(self.state.spec.loss_scaling.loss_scale) if self.fp16_enabled() else 0.0
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale() == 0
+
+    @property
+    def cur_scale(self) -> float:
         scaler = self.state.scaler or {}
         return float(scaler["scale"]) if "scale" in scaler else 1.0
-
-    cur_scale = loss_scale
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
@@ -254,6 +262,7 @@ class DeepSpeedEngine:
             step, self._step, skipped = self._step, None, self.skipped_steps
             self.state, self.losses = step.finish()
             self._applied = self.skipped_steps == skipped
+            self.optimizer.overflow = not self._applied
             self.global_samples += self.train_batch_size()
             rows, tokens = self._counted
             self._counted = [0, 0]
@@ -324,8 +333,8 @@ class DeepSpeedEngine:
             raise ConfigError("engine.save_checkpoint inside an accumulation window (between engine(batch) and the "
                               "boundary's engine.step()): save after the update")
         if exclude_frozen_parameters:
-            raise ConfigError("save_checkpoint(exclude_frozen_parameters=True) is not supported by fz: a checkpoint "
-                              "holds the whole state")
+            log.warning("save_checkpoint(exclude_frozen_parameters=True): fz saves the frozen parameters too (its "
+                        "checkpoint holds the whole state, which resumes exactly; DeepSpeed's leaves them out)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         save(self.state, Path(save_dir), tag, dict(client_state or {}), self._counters(), save_latest)
         return True
@@ -338,8 +347,7 @@ class DeepSpeedEngine:
         (None, None) and a warning (fz's logger) when there is no `latest`, as DeepSpeed does."""
         from fz.deepspeed.checkpoints import ds_fields, load
         from fz.deepspeed.version import __version__
-        off = [k for k, v in (("load_module_strict", not load_module_strict),
-                              ("load_optimizer_states", not load_optimizer_states),
+        off = [k for k, v in (("load_optimizer_states", not load_optimizer_states),
                               ("load_lr_scheduler_states", not load_lr_scheduler_states),
                               ("load_module_only", load_module_only), ("custom_load_fn", custom_load_fn)) if v]
         if off:
@@ -349,7 +357,8 @@ class DeepSpeedEngine:
             raise ConfigError("engine.load_checkpoint inside an accumulation window: load before engine(batch)")
         try:
             universal = bool((self.config.get("checkpoint") or {}).get("load_universal"))
-            got = load(self.state, Path(load_dir), None if tag is None else str(tag), universal)
+            got = load(self.state, Path(load_dir), None if tag is None else str(tag), universal,
+                       strict=bool(load_module_strict))
         except (CheckpointError, NonFiniteError) as e:
             if self.state.donated_to:  # filled in part, then refused: the engine has no state left
                 raise type(e)(f"{e}\nThe engine's state was loaded into in place and is given up: make the engine "

@@ -17,7 +17,7 @@ class Engine(Protocol):
     neither file imports the other back)."""
 
     @property
-    def loss_scale(self) -> float: ...
+    def cur_scale(self) -> float: ...
     def get_lr(self) -> list[float]: ...
     def _lr_count(self) -> int: ...
 
@@ -30,6 +30,7 @@ class EngineOptimizer:
     def __init__(self, engine: Engine, groups: int, settings: list[dict[str, Any]] | None = None):
         self._engine, self.groups = engine, groups
         self._settings = settings or [{}]
+        self.overflow = False  # the last update was skipped for a non-finite gradient (DeepSpeed's flag)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -37,10 +38,11 @@ class EngineOptimizer:
         return [_ReadOnlyGroup({**own[min(i, len(own) - 1)], "lr": lr}) for i, lr in enumerate(self._engine.get_lr())]
 
     @property
-    def loss_scale(self) -> float:
-        return self._engine.loss_scale
+    def cur_scale(self) -> float:
+        """The loss scale in use (its `loss_scale` too, as DeepSpeed's ZeRO optimizers name it)."""
+        return self._engine.cur_scale
 
-    cur_scale = loss_scale
+    loss_scale = cur_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: gradients live only inside a step."""

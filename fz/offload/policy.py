@@ -82,7 +82,8 @@ class Offload:
         if self.params != "device" and stage != 3:
             raise ConfigError(
                 f"fz.offload: params={self.params!r} needs ZeRO stage 3 (below it every rank holds "
-                f"whole parameters; DeepSpeed's offload_param has the same rule); this spec is stage {stage}"
+                f"whole parameters; a DeepSpeed config's offload_param there is ignored with a warning, as DeepSpeed "
+                f"ignores it); this spec is stage {stage}"
             )
         if self.optimizer != "device" and stage == 0:
             raise ConfigError("fz.offload: offloading the optimizer needs ZeRO stage 1, 2 or 3 (as DeepSpeed's "

@@ -242,3 +242,14 @@ def test_a_key_a_shell_reads_is_not_called_ignored():
     cfg = {"train_batch_size": 8, "dataloader_drop_last": True}
     outcome, note = fz.Spec.from_deepspeed(cfg, world_size=1).provenance.outcomes["dataloader_drop_last"]
     assert outcome == "mapped" and "training_data loader" in note, (outcome, note)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_ignores_it(stage):
+    """DeepSpeed trains such a config (offload_param has no effect below ZeRO-3); fz refused it,
+    saying DeepSpeed had the same rule."""
+    zero = {"stage": stage, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    with pytest.warns(fz.config.DeepSpeedConfigWarning, match=rf"offload_param has no effect at ZeRO stage {stage}"):
+        spec = fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
+    assert (spec.offload.optimizer, spec.offload.params) == ("host", "device")
+    assert spec.provenance.outcomes["zero_optimization.offload_param.device"][0] == "ignored"

@@ -3,6 +3,7 @@ and DeepSpeed's calls that fz cannot honour fail naming why."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -242,8 +243,13 @@ def test_fp16_zero0_engine_is_train_steps_step_with_its_loss_scale():
             engine.step()
         state, _ = fz.train_step(state, (torch.cat([batches[i][0], batches[i + 1][0]]),
                                           torch.cat([batches[i][1], batches[i + 1][1]])))
-        assert engine.loss_scale == float(state.scaler["scale"])
+        assert engine.cur_scale == engine.optimizer.cur_scale == float(state.scaler["scale"])
         assert engine.skipped_steps == int(state.scaler["skipped"])
+        # DeepSpeed's reads (checked side by side with DeepSpeed 0.19.8): loss_scale() is the config's
+        # static scale (0: dynamic), optimizer.overflow the last update's skip, whose norm is inf
+        overflow = not engine.was_step_applied()
+        assert engine.optimizer.overflow is overflow and (engine.get_global_grad_norm() == math.inf) is overflow
+        assert engine.loss_scale() == 0.0 and engine.dynamic_loss_scale()
     assert engine.skipped_steps >= 1 and engine.fp16_enabled()  # 2**30 overflows fp16 at first
     for name, w in fz.full_params(state).items():
         assert torch.equal(fz.full_params(engine.state)[name], w), name

@@ -258,3 +258,29 @@ def test_load_universal_reads_latest_universal_and_adams_step(tmp_path):
     with pytest.raises(fz.CheckpointError, match=r"latest_universal does not exist \(the config's checkpoint"):
         deepspeed.initialize(model=m.TinyLM(seed=5), config={**cfg, "checkpoint": {"load_universal": True}}
                              )[0].load_checkpoint(DATA / "stage3_fp32" / "ckpt")
+
+
+def test_exclude_frozen_saves_them_too_with_a_warning_and_a_non_strict_load_takes_the_overlap(tmp_path, caplog):
+    """Both were refused; DeepSpeed's scripts pass them (LoRA runs save without the frozen base). fz's
+    checkpoint holds the whole state (it says so); load_module_strict=False loads what both models
+    hold and warns naming the rest (fz.restore(strict=False))."""
+    def engine(extra: int = 0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2 + extra))
+        model[0].requires_grad_(False)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+        return deepspeed.initialize(model=model, config=cfg,
+                                    model_parameters=[p for p in model.parameters() if p.requires_grad])[0]
+    first = engine()
+    first.backward(first(torch.ones(2, 4)).square().mean())
+    first.step()
+    with caplog.at_level(logging.WARNING):
+        assert first.save_checkpoint(tmp_path, exclude_frozen_parameters=True)
+    assert "fz saves the frozen parameters too" in caplog.text
+    again = engine()
+    again.load_checkpoint(tmp_path)
+    assert _same(fz.full_params(again.state), fz.full_params(first.state))
+    other = engine(extra=1)  # its head has another shape
+    with pytest.warns(fz.ckpt.PartialRestoreWarning, match=r"1.weight"):
+        other.load_checkpoint(tmp_path, load_module_strict=False)
+    assert torch.equal(fz.full_params(other.state)["0.weight"], fz.full_params(first.state)["0.weight"])
