@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ from fz.errors import CheckpointError
 
 ALGORITHM = "xxh3"
 ALGORITHMS = ("xxh3", "crc32", "sha256")  # what a manifest may list (crc32: checkpoints before issue 26)
+_HEX = re.compile(r"[0-9a-f]{1,128}")  # a digest as hexdigest() writes it
 _BLOCK = 4 << 20
 
 
@@ -113,9 +115,9 @@ def _body(directory: Path) -> tuple[dict, dict[str, dict]]:
             raise CheckpointError(f"{p} lists {name!r:.100} as {entry!r:.80}: not an object with a checksum algorithm "
                                   f"fz knows ({', '.join(ALGORITHMS)}); the manifest is damaged or altered")
         size, checksum = entry.get("size"), entry.get("checksum")
-        if type(size) is not int or size < 0 or not isinstance(checksum, str):
+        if type(size) is not int or size < 0 or not isinstance(checksum, str) or not _HEX.fullmatch(checksum):
             raise CheckpointError(f"{p} lists {name!r:.100} with size {size!r:.40} and checksum {checksum!r:.40}: "
-                                  "not a size in bytes and a checksum; the manifest is damaged or altered")
+                                  "not a size in bytes and a checksum (hex digits); the manifest is damaged or altered")
     bad = next((n for n in files if not plain_name(n)), None)
     if bad is not None:
         raise CheckpointError(f"{p} lists {bad!r:.100}, which is not a file name of {directory} (a path, '..' or "

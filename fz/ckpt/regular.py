@@ -32,10 +32,10 @@ def inside(folder: Path, file: Path, what: str = "checkpoint file", where: str =
 
 
 def plain_name(name: object) -> bool:
-    """A file name of the folder itself: no directory part, not '.' or '..', no NUL, at most
-    NAME_MAX (255) bytes."""
+    """A file name of the folder itself: no directory part, not '.' or '..', printable (no NUL, no
+    terminal control codes a message naming it would print), at most NAME_MAX (255) bytes."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\0" not in name and len(name.encode("utf-8", "replace")) <= NAME_MAX)
+            and name.isprintable() and len(name.encode("utf-8", "replace")) <= NAME_MAX)
 
 
 def _kind(mode: int) -> str:

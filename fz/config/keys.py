@@ -79,6 +79,7 @@ _SAVE_16BIT = ("read by fz.deepspeed's engine.save_16bit_model and fz.hf's check
 READ_ELSEWHERE = {  # keys no Spec field holds, which a shell reads from the config itself
     "dataloader_drop_last": "read by fz.deepspeed.initialize's training_data loader",
     **{f"zero_optimization.{k}": _SAVE_16BIT for k in GATHER_16BIT},
+    "checkpoint.load_universal": "read by fz.deepspeed's engine.load_checkpoint (the tag latest_universal names)",
 }
 
 

@@ -48,7 +48,7 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     if len(plan.ranks) > 1:
         arrive("fz.hf.save_pretrained", plan.ranks, plan.rank)
     cast = torch.float32 if merged else dtype or state.spec.compute_dtype
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad or _of_an_adapter(n, model)}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad} | _adapters_parameters(model)
     embeddings = {} if merged else _embeddings_peft_saves(model)
     writer = plan.rank == plan.ranks[0]
     group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(plan.ranks) > 1 else None
@@ -73,11 +73,19 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     return files, *counted
 
 
-def _of_an_adapter(name: str, model: Any) -> bool:
-    """A parameter of one of the model's adapters (`...lora_A.<adapter>.weight`), trained or not: PEFT
-    writes every adapter's, each in its own folder (an untrained reference adapter too)."""
-    parts = set(name.split("."))
-    return any(adapter in parts for adapter in getattr(model, "peft_config", {}))
+def _adapters_parameters(model: Any) -> set[str]:
+    """The parameters of the model's adapters, trained or not (PEFT writes every adapter's, each in
+    its own folder, an untrained reference adapter too): those PEFT's layers keep in a ModuleDict or
+    ParameterDict under an adapter's name (`lora_A["ref"]`, `lora_embedding_A["ref"]`)."""
+    adapters = set(getattr(model, "peft_config", {}))
+    out: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleDict, torch.nn.ParameterDict)):
+            for key in adapters & set(module.keys()):
+                out |= {f"{prefix}.{key}.{n}" if n else f"{prefix}.{key}"
+                        for n, _ in (module[key].named_parameters() if isinstance(module[key], torch.nn.Module)
+                                     else [("", None)])}
+    return out
 
 
 def _embeddings_peft_saves(model: Any) -> dict[str, str]:

@@ -4,8 +4,8 @@ so a write never lands where a planted link leads."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,13 +44,12 @@ def open_fresh(path: str | Path, mode: str = "wb", **kwargs: Any) -> IO[Any]:
 
 @contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
-    """A new file beside `path` to write (made by mkstemp: a name no one planted), renamed onto
+    """A new file beside `path` to write (a random name, made new: none planted), renamed onto
     `path` once the block ends (replacing whatever had its name, a link too, never following it);
     removed if the block fails."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    os.chmod(tmp, 0o644)  # as open() makes a file, not mkstemp's 0o600
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # the umask applies
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -226,5 +226,11 @@ def test_a_zip_directory_of_more_entries_than_storages_is_refused_before_it_is_p
     monkeypatch.setattr(ds_archive.zipfile, "ZipFile", None)  # never reached
     with pytest.raises(CheckpointError, match=f"{f}: its zip directory holds 8 entries, more than 7"):
         ds_pickle.load(f)
+    raw = bytearray(f.read_bytes())  # the end record's directory offset, which zipfile ignores, set to 0
+    end = raw.rfind(b"PK\x05\x06")
+    raw[end + 16:end + 20] = bytes(4)
+    (tmp_path / "offset0.pt").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="its zip directory holds 8 entries, more than 7"):
+        ds_pickle.load(tmp_path / "offset0.pt")
     monkeypatch.undo()
     assert ds_pickle.materialize(ds_pickle.load(f)).tolist() == [1.0] * 8

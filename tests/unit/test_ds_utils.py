@@ -74,6 +74,8 @@ def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_p
     tied().load_state_dict(got)  # strict
     trained = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp_path, exclude_frozen_parameters=True)
     assert sorted(got) == sorted([*trained, "0.weight", "0.bias"])
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(tmp_path, tmp_path / "st", safe_serialization=True)
+    tied().load_state_dict(load_file(tmp_path / "st" / "model.safetensors"))  # the alias a copy: safetensors takes it
 
 
 def test_log_dist_logs_on_the_ranks_deepspeeds_does(caplog):

@@ -102,3 +102,12 @@ def test_every_adapter_is_written_in_the_runs_precision(tmp_path):
     for key, t in first.items():  # the reference adapter as it was, in bf16
         name = next(k for k in untrained if k.replace(".first", "") == key)
         assert torch.equal(t, untrained[name].to(torch.bfloat16)), key
+
+
+@pytest.mark.parametrize("name", ["default", "model", "0"])
+def test_an_adapters_parameters_are_its_own_whatever_its_name(name):
+    """An adapter named like a module path's part ("model", "0") took every base weight for its own:
+    the writing rank gathered the whole model to write an adapter."""
+    from fz.hf.peft_export import _adapters_parameters
+    model = peft.get_peft_model(hp.llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_name=name)
+    assert _adapters_parameters(model) == {n for n, p in model.named_parameters() if p.requires_grad}

@@ -52,6 +52,13 @@ def test_the_helpers_never_follow_a_link(tmp_path, victim):
         tmp.write_text("half")
         raise RuntimeError
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d.*"))
+    old = os.umask(0o077)  # the file is made as open() makes it: the umask applies
+    try:
+        with replacing(tmp_path / "e") as tmp:
+            tmp.write_text("private")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "e").stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("hf", [False, True])

@@ -31,26 +31,29 @@ _END64 = struct.Struct("<4sQ2H2L4Q")  # zip64's end of central directory record
 
 def _entries(file: Path, fh: BinaryIO, size: int) -> int:
     """At least as many as the members zipfile would build an object for: the entry signatures in
-    the central directory the end records locate (a directory of millions of entries costs minutes
-    and GBs to parse; counting its signatures takes a pass over its bytes)."""
+    the central directory where zipfile reads it, the directory's size before its end record
+    (whatever offset the record states; a directory of millions of entries costs minutes and GBs
+    to parse, counting its signatures a pass over its bytes)."""
     tail = min(size, _END.size + 0xFFFF)
     fh.seek(size - tail)
     raw = fh.read(tail)
     at = raw.rfind(b"PK\x05\x06")
     if at < 0 or at + _END.size > len(raw):
         raise CheckpointError(f"checkpoint file {file} has no zip end record: truncated, or not a torch.save file")
-    end = _END.unpack_from(raw, at)
-    length, offset = end[5], end[6]
-    if at >= _END64_LOCATOR.size:  # zip64 (a file past 4 GiB): the directory's place is in its own end record
+    length = _END.unpack_from(raw, at)[5]
+    end = size - tail + at  # the end record's place in the file: zipfile reads the directory just before it
+    if at >= _END64_LOCATOR.size:  # zip64 (a file past 4 GiB): the directory's size is in its own end record
         sig, _, where, _ = _END64_LOCATOR.unpack_from(raw, at - _END64_LOCATOR.size)
-        if sig == b"PK\x06\x07" and where + _END64.size <= size:
-            fh.seek(where)
+        if sig == b"PK\x06\x07":
+            end64_at = end - _END64_LOCATOR.size - _END64.size  # where zipfile looks for it
+            fh.seek(max(end64_at, 0))
             end64 = fh.read(_END64.size)
-            if len(end64) == _END64.size and end64[:4] == b"PK\x06\x06":
-                length, offset = _END64.unpack(end64)[8:10]
-    if offset + length > size:
-        raise CheckpointError(f"checkpoint file {file}: its zip directory ends past the file (truncated or damaged)")
-    fh.seek(offset)
+            if end64_at >= 0 and len(end64) == _END64.size and end64[:4] == b"PK\x06\x06":
+                length, end = _END64.unpack(end64)[8], end64_at
+    if length > end:
+        raise CheckpointError(f"checkpoint file {file}: its zip directory starts before the file (truncated or "
+                              "damaged)")
+    fh.seek(end - length)
     return fh.read(length).count(b"PK\x01\x02")
 
 

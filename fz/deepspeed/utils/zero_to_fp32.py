@@ -78,16 +78,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
         out = Path(tmp) / "weights.safetensors"
         consolidate(path, out, dtype="fp32", progress=False)
         weights = load_file(out)
-    if not ds_files.is_deepspeed(path):  # each tied alias too, as DeepSpeed's gives it (the same tensor)
-        for alias, name in _engine_fields(path).get("shared_params", {}).items():
-            if name in weights and alias not in weights:
-                weights[alias] = weights[name]
     for name, dtype in _frozen(path).items():
         if name in weights:
             if dtype is not None:
                 weights[name] = weights[name].to(dtype)  # widened by consolidate, exactly: narrowed back
             if exclude_frozen_parameters:
                 del weights[name]
+    if not ds_files.is_deepspeed(path):  # each tied alias of what is left, as DeepSpeed's (the same tensor)
+        for alias, name in _engine_fields(path).get("shared_params", {}).items():
+            if name in weights and alias not in weights:
+                weights[alias] = weights[name]
     return weights
 
 
@@ -127,6 +127,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     out.mkdir(parents=True, exist_ok=True)
     for file, keys in zip(files, shards):
         part = {k: weights[k].contiguous() for k in keys}
+        if safe_serialization:  # a tied alias as a copy of its own (safetensors refuses shared tensors)
+            seen: set[int] = set()
+            for k, t in part.items():
+                if t.untyped_storage().data_ptr() in seen:
+                    part[k] = t.clone()
+                seen.add(part[k].untyped_storage().data_ptr())
         with replacing(out / file) as tmp:  # a planted link in out_dir is replaced, never written through
             if safe_serialization:
                 save_file(part, tmp, metadata={"format": "pt"})
