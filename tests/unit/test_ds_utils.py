@@ -58,7 +58,8 @@ def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_p
               "zero_optimization": {"stage": stage}}
     def tied():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Linear(6, 6))
+        lin = torch.nn.Linear
+        model = torch.nn.Sequential(lin(6, 6), torch.nn.Tanh(), lin(6, 6), lin(6, 6))
         model[3].weight = model[2].weight
         return model
     model = tied()

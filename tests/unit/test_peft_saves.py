@@ -109,5 +109,6 @@ def test_an_adapters_parameters_are_its_own_whatever_its_name(name):
     """An adapter named like a module path's part ("model", "0") took every base weight for its own:
     the writing rank gathered the whole model to write an adapter."""
     from fz.hf.peft_export import _adapters_parameters
-    model = peft.get_peft_model(hp.llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_name=name)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(hp.llama(), lora, adapter_name=name)
     assert _adapters_parameters(model) == {n for n, p in model.named_parameters() if p.requires_grad}

@@ -139,5 +139,6 @@ def test_a_schedules_lr_far_below_zero_is_refused():
     crafted checkpoint made warmup's lr -9e15, and the weights jumped by 4.5e19."""
     from fz.optim.base import lr_at
     assert lr_at(lambda count: -0.5, 3) == -0.5
-    with pytest.raises(fz.ConfigError, match=r"learning rate -9223372036854776.0 \(the schedule's, at update -9223372036854775808"):
+    with pytest.raises(fz.ConfigError,
+                       match=r"learning rate -9223372036854776.0 \(the schedule's, at update -9223372036854775808"):
         lr_at(fz.optim.warmup_linear(1e-2, 10, 100), -2**63)

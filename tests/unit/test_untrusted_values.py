@@ -114,7 +114,8 @@ def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_p
         next(iter(adam.mu.values())).view(-1)[0] = 3e38
     fz.save(state, tmp_path)
     words = {"count": r"opt/0/count = -1 \(a step count: from 0 to 2\*\*48\)",
-             "wrap": r"opt/0/count = 9223372036854775807 \(a step count: from 0 to 2\*\*48\)", "nu": r"opt/0/nu/.* has 1 negative values",
+             "wrap": r"opt/0/count = 9223372036854775807 \(a step count: from 0 to 2\*\*48\)",
+             "nu": r"opt/0/nu/.* has 1 negative values",
              "mu": r"opt/0/mu/.* has 1 values over 1e\+30 x the square root of nu's"}[what]
     with pytest.raises(CheckpointError, match=rf"values no run writes, .*NaN .*{words}"):
         _restore(tmp_path / "step_1")
