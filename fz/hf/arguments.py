@@ -349,7 +349,7 @@ def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) 
 def refuse_trainer_settings(args: Any, model: torch.nn.Module, *, spec: Spec | None, model_init: Any,
                             kwargs: dict[str, Any]) -> None:
     """One ConfigError naming everything a fz.hf.Trainer is given that fz does not run: `unsupported`'s
-    settings, and the Trainer's own (model_init=, optimizers=, load_best_model_at_end, the sampler)."""
+    settings, and the Trainer's own (model_init=, optimizers=, the sampler)."""
     problems = []
     if model_init is not None:
         problems.append("model_init=: hyperparameter search is not in fz; build the model and pass model=")
@@ -357,8 +357,6 @@ def refuse_trainer_settings(args: Any, model: torch.nn.Module, *, spec: Spec | N
             kwargs.get("optimizer_cls_and_kwargs") is not None:
         problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
                         "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
-    if args.load_best_model_at_end:
-        problems.append("load_best_model_at_end=True: not in fz; resume from the best checkpoint-N instead")
     if sampling(args) not in ("random", "sequential"):
         problems.append(f"train_sampling_strategy={sampling(args)!r}: fz reads the data in random or sequential order")
     try:

@@ -293,8 +293,8 @@ class Trainer(transformers.Trainer):
         self.store_flos()
         metrics["total_flos"] = self.state.total_flos
         self.log(metrics)
+        self.fz_state = trainer_checkpoints.end_with_the_best(self, trial)  # load_best_model_at_end, save_total_limit
         self._copy_weights_into_model()
-        trainer_checkpoints.keep_the_best(self, trial)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)

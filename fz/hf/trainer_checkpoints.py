@@ -127,6 +127,33 @@ def weights_in_checkpoints(trainer: Any) -> bool:
     return bool(trainer.args.deepspeed) and gathers_16bit_on_save(load_deepspeed(trainer.args.deepspeed)[0])
 
 
+def end_with_the_best(trainer: Any, trial: Any) -> fz.State | None:
+    """transformers' end of train() about the best checkpoint: with load_best_model_at_end the State
+    from it (`load_best`), then with save_total_limit=1 only it kept (`keep_the_best`)."""
+    state = load_best(trainer)
+    keep_the_best(trainer, trial)
+    return state
+
+
+def load_best(trainer: Any) -> fz.State | None:
+    """The State, from the best checkpoint with load_best_model_at_end: its whole state, weights
+    and optimizer, as transformers + DeepSpeed loads it (deepspeed_load_checkpoint); only the weights
+    from a save_only_model checkpoint, as transformers loads them. Every rank calls it."""
+    best, state = trainer.state.best_model_checkpoint, trainer.fz_state
+    if not (trainer.args.load_best_model_at_end and best is not None and state is not None):
+        return state
+    log.info("fz.hf.Trainer: loading the best model from %s (score: %s)", best, trainer.state.best_metric)
+    if os.path.isdir(os.path.join(best, dirs.FZ_DIR)):
+        loaded = fz.restore(state, os.path.join(best, dirs.FZ_DIR), verbose=False)
+        assert isinstance(loaded, fz.State)
+        return loaded
+    weights = [os.path.join(best, n) for n in ("model.safetensors", "model.safetensors.index.json")]
+    if not any(os.path.isfile(w) for w in weights):
+        raise ConfigError(f"fz.hf.Trainer: load_best_model_at_end: {best} holds neither fz's checkpoint nor "
+                          "model.safetensors (as transformers, which cannot load it either)")
+    return fz.load_weights(state, best)
+
+
 def keep_the_best(trainer: Any, trial: Any) -> None:
     """transformers' end of train(): with save_total_limit=1 only the best checkpoint stays
     (rotation kept the newest beside it while training)."""
