@@ -1,6 +1,6 @@
 """deepspeed.utils.safe_get_full_fp32_param / safe_get_full_optimizer_state / safe_set_full_fp32_param
 on fz's engine, against torch's AdamW over the same loop (world 1; world 2 at ZeRO-3:
-tests/multirank/test_ds_engine.py), and safe_get_full_grad refused with the way to the norm."""
+tests/multirank/test_ds_engine.py), and safe_get_full_grad between a backward and its update."""
 from __future__ import annotations
 
 import pytest
@@ -59,7 +59,13 @@ def test_full_master_and_moments_are_the_updates_and_a_set_reaches_the_training(
     assert torch.equal(model.b.bias.detach().float(), torch.full((3,), 0.5))  # the script's model reads it too
     with pytest.raises(fz.ConfigError, match="holds NaN or inf"):
         safe_set_full_fp32_param(model.b.bias, torch.full((3,), float("nan")))
-    with pytest.raises(fz.ConfigError, match="fz keeps no gradient outside its update.*get_global_grad_norm"):
-        safe_get_full_grad(weight)
+    assert safe_get_full_grad(weight) is None  # outside an accumulation window: fz keeps none after its update
+    x, y = _batches(4)[-1]
+    with torch.no_grad():
+        ref.b.bias.fill_(0.5)  # as set above
+    nn.functional.cross_entropy(ref(x), y).backward()
+    engine.backward(nn.functional.cross_entropy(engine(x), y))  # the boundary's: before its update, the gradient
+    torch.testing.assert_close(safe_get_full_grad(weight), ref.a.weight.grad, **tol)
+    engine.step()
     with pytest.raises(fz.ConfigError, match="not a parameter of a model deepspeed.initialize was given"):
         safe_get_full_fp32_param(nn.Parameter(torch.zeros(2)))
