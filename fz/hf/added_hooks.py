@@ -7,7 +7,7 @@ each generation of an online trainer), each such hook (and the plain settings it
 module, as `neftune_noise_alpha`) is put on the copy's module of the same name as well, and taken
 off again after; fz's own hooks stay the user's. Before each step `follow` mirrors them anew if
 the model's hooks changed since (one a callback adds in on_train_begin or on_step_begin, or takes
-off): a sum over the model's modules, no copy.
+off): a pass over the model's modules' hook tables, no copy.
 """
 from __future__ import annotations
 
@@ -46,13 +46,14 @@ def skeleton_modules(skel: Skeleton) -> dict[str, nn.Module]:
 _TABLES = ("_forward_hooks", "_forward_pre_hooks")
 _FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 _UNDO: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
-_SEEN: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # the model's hooks when mirrored
+_SEEN: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()  # the model's hooks when mirrored
 
 
-def _hooks(model: nn.Module) -> int:
-    """A number that changes when a forward hook is added to or taken off any of `model`'s modules
-    (each hook's key is a handle id never given twice)."""
-    return sum(len(t) + sum(t) for m in model.modules() for t in (m._forward_hooks, m._forward_pre_hooks))
+def _hooks(model: nn.Module) -> tuple:
+    """Every forward hook on `model`'s modules, as (handle id, the hook's id): it differs once one
+    is added, taken off or replaced (a handle id is never given twice)."""
+    return tuple((k, id(h)) for m in model.modules() for t in (m._forward_hooks, m._forward_pre_hooks)
+                 for k, h in t.items())
 
 
 def follow(model: nn.Module, skel: Skeleton) -> None:
