@@ -385,14 +385,7 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     schedule = read_scheduler(r, cfg, opt.lr, has_betas=opt.kind not in ("sgd", "adafactor"))
     out["optimizer"], text = opt.build(schedule if schedule is not None else opt.lr)
     r.record("optimizer", text, opt.source, "optimizer" if opt.from_section else "(no optimizer section)")
-    for path, note in K.READ_ELSEWHERE.items():
-        top, _, key = path.partition(".")
-        section = cfg.get(top)
-        if key and r.outcomes.get(top, ("",))[0] == "ignored" and isinstance(section, dict) and key in section:
-            del r.outcomes[top]  # an ignored section one key of which a shell reads: its keys one by one
-            r.ignore_all(top, section, "")
-        if r.outcomes.get(path, ("",))[0] == "ignored":
-            r.mark(path, "mapped", note)
+    r.read_elsewhere(cfg, K.READ_ELSEWHERE)
     prov = Provenance(r.entries, r.keys, r.outcomes, [k for k in r.auto if k not in r.used_auto], origin,
                       objects={"optimizer": out["optimizer"], "lr": schedule if schedule is not None else opt.lr},
                       order=key_order(cfg))

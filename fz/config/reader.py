@@ -96,6 +96,18 @@ class Reader:
             elif k in ignored:
                 self.mark(join(path, k), "ignored")
 
+    def read_elsewhere(self, cfg: dict[str, Any], keys: dict[str, str]) -> None:
+        """Keys a shell reads from the config itself (`keys`: path -> who), marked so, not ignored (a
+        section ignored whole, one key of which is read, is marked key by key)."""
+        for path, note in keys.items():
+            top, _, key = path.partition(".")
+            section = cfg.get(top)
+            if key and self.outcomes.get(top, ("",))[0] == "ignored" and isinstance(section, dict) and key in section:
+                del self.outcomes[top]
+                self.ignore_all(top, section, "")
+            if self.outcomes.get(path, ("",))[0] == "ignored":
+                self.mark(path, "mapped", note)
+
     def ignore_all(self, path: str, raw: Any, note: str) -> None:
         """Every key of a section fz does not read (or the key itself) is ignored."""
         if isinstance(raw, dict) and raw:

@@ -270,8 +270,7 @@ class DeepSpeedEngine:
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
-        """The gradients shown as the model's `.grad` taken off; the step's own stay (fz drops them
-        after the update)."""
+        """The gradients shown as the model's `.grad` taken off (the step's own go with its update)."""
         model_sync.drop_grads(self)
 
     # ------------------------------------------------------------ the model
