@@ -43,7 +43,7 @@ def _entries(file: Path, fh: BinaryIO, size: int) -> int:
     length = _END.unpack_from(raw, at)[5]
     end = size - tail + at  # the end record's place in the file: zipfile reads the directory just before it
     if at >= _END64_LOCATOR.size:  # zip64 (a file past 4 GiB): the directory's size is in its own end record
-        sig, _, where, _ = _END64_LOCATOR.unpack_from(raw, at - _END64_LOCATOR.size)
+        sig = _END64_LOCATOR.unpack_from(raw, at - _END64_LOCATOR.size)[0]
         if sig == b"PK\x06\x07":
             end64_at = end - _END64_LOCATOR.size - _END64.size  # where zipfile looks for it
             fh.seek(max(end64_at, 0))
