@@ -48,13 +48,13 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     if len(plan.ranks) > 1:
         arrive("fz.hf.save_pretrained", plan.ranks, plan.rank)
     cast = torch.float32 if merged else dtype or state.spec.compute_dtype
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad} | _adapters_parameters(model)
+    written = {n for n, p in model.named_parameters() if p.requires_grad} | _adapters_parameters(model)
     embeddings = {} if merged else _embeddings_peft_saves(model)
     writer = plan.rank == plan.ranks[0]
     group = _GROUPS.get(state_ranks(state), state.spec.timeout_s) if len(plan.ranks) > 1 else None
     keep: dict[str, Tensor] = {}
     for name, t in gathered(state, False, "fz.hf.save_pretrained", copy=True):
-        if writer and (merged or name in trainable or name in embeddings.values()):
+        if writer and (merged or name in written or name in embeddings.values()):
             keep[name] = t.detach().to("cpu", cast)
     for alias, name in embeddings.items():  # a tied output embedding under its own name too, as state_dict() has it
         if name in keep:

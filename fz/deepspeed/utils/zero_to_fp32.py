@@ -34,14 +34,16 @@ log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def _frozen(path: Path) -> dict[str, torch.dtype | None]:
+def _frozen_and_aliases(path: Path) -> tuple[dict[str, torch.dtype | None], dict[str, str]]:
     """The checkpoint's frozen parameters, each with the dtype DeepSpeed's zero_to_fp32 gives it (a
-    DeepSpeed bf16 run's in bf16: stored so), or None (an fz.deepspeed checkpoint's: as read)."""
+    DeepSpeed bf16 run's in bf16: stored so), or None (an fz.deepspeed checkpoint's: as read); and
+    the tied aliases consolidate leaves out (alias -> name: an fz.deepspeed checkpoint's)."""
     if not ds_files.is_deepspeed(path):
-        return dict.fromkeys(_engine_fields(path).get("frozen", []))
+        fields = _engine_fields(path)
+        return dict.fromkeys(fields.get("frozen", [])), fields.get("shared_params", {})
     with DeepSpeedCheckpoint(path, None) as ck:  # stored as the module was: in the run's precision
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(ck.precision), torch.float32)
-        return dict.fromkeys(ck.frozen, dtype)
+        return dict.fromkeys(ck.frozen, dtype), {}
 
 
 def _engine_fields(path: Path) -> dict[str, Any]:
@@ -78,16 +80,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
         out = Path(tmp) / "weights.safetensors"
         consolidate(path, out, dtype="fp32", progress=False)
         weights = load_file(out)
-    for name, dtype in _frozen(path).items():
+    frozen, aliases = _frozen_and_aliases(path)
+    for name, dtype in frozen.items():
         if name in weights:
             if dtype is not None:
                 weights[name] = weights[name].to(dtype)  # widened by consolidate, exactly: narrowed back
             if exclude_frozen_parameters:
                 del weights[name]
-    if not ds_files.is_deepspeed(path):  # each tied alias of what is left, as DeepSpeed's (the same tensor)
-        for alias, name in _engine_fields(path).get("shared_params", {}).items():
-            if name in weights and alias not in weights:
-                weights[alias] = weights[name]
+    for alias, name in aliases.items():  # each tied alias of what is left, as DeepSpeed's (the same tensor)
+        if name in weights and alias not in weights:
+            weights[alias] = weights[name]
     return weights
 
 
