@@ -357,8 +357,9 @@ def refuse_trainer_settings(args: Any, model: torch.nn.Module, *, spec: Spec | N
             kwargs.get("optimizer_cls_and_kwargs") is not None:
         problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
                         "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
-    if sampling(args) not in ("random", "sequential"):
-        problems.append(f"train_sampling_strategy={sampling(args)!r}: fz reads the data in random or sequential order")
+    if sampling(args) not in ("random", "sequential", "group_by_length"):
+        problems.append(f"train_sampling_strategy={sampling(args)!r}: fz reads the data in random, sequential or "
+                        "length-grouped order (its micro-batches have one size)")
     try:
         unsupported(args, model, spec=spec)
     except ConfigError as e:  # its lines: a heading, then "- setting: why" per setting

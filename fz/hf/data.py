@@ -13,6 +13,7 @@ position in the State, so a resume continues at the exact next sample at any wor
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +22,8 @@ import torch
 
 import fz
 from fz.data import Layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,45 @@ class TorchOrder:
 
     def __call__(self, epoch: int, size: int) -> torch.Tensor:
         return torch.randperm(size, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+@dataclass(frozen=True)
+class LengthGroupedOrder:
+    """transformers' group_by_length: its LengthGroupedSampler's indices (a shuffle cut into
+    mega-batches of up to 50 steps' rows, each sorted longest first, the longest row first of all),
+    the shuffle seeded by seed + epoch as SeedableRandomSampler's is. transformers draws that
+    shuffle from the process's generator, which no resume can draw again; fz's resumes at the
+    exact next sample. `draws_global`: the draw transformers makes there all the same (draws.py)."""
+
+    seed: int
+    lengths: tuple[int, ...]
+    batch: int  # transformers' train_batch_size x gradient_accumulation_steps
+    draws_global = True
+
+    def __call__(self, epoch: int, size: int) -> torch.Tensor:
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        if size != len(self.lengths):
+            raise fz.ConfigError(f"group_by_length: {len(self.lengths)} lengths for a dataset of {size} rows")
+        shuffle = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.tensor(get_length_grouped_indices(list(self.lengths), self.batch, generator=shuffle))
+
+
+def length_grouped(trainer: Any, dataset: Any) -> LengthGroupedOrder | None:
+    """The order of `train_sampling_strategy="group_by_length"` (None otherwise, or for a dataset
+    without a length, which transformers reads in its own order and says so): the lengths and
+    batch transformers' own _get_train_sampler gives its LengthGroupedSampler."""
+    if sampling(trainer.args) != "group_by_length":
+        return None
+    import transformers
+
+    sampler = transformers.Trainer._get_train_sampler(trainer, dataset)
+    if sampler is None:
+        return None
+    log.warning("fz.hf.Trainer: group_by_length groups rows as transformers does; its shuffle is seeded by "
+                "data_seed + epoch (transformers draws it from the process's generator, which a resume "
+                "cannot draw again), so the groups differ from transformers' run")
+    return LengthGroupedOrder(data_seed(trainer.args), tuple(int(n) for n in sampler.lengths), int(sampler.batch_size))
 
 
 def sampling(args: Any) -> str:

@@ -83,6 +83,9 @@ class AsAccelerate:
                 held = None
             if held is None:
                 torch.empty((), dtype=torch.int64).random_()  # the epoch's DataLoader iterator: its base seed
+                order = getattr(self.loader, "order", None)
+                if getattr(order, "draws_global", False):  # transformers' LengthGroupedSampler's shuffle
+                    torch.randperm(len(self.dataset))
                 pending[0] = self._done(pending[0])
             else:
                 done = [self._done(x) for x in held[1]]

@@ -165,7 +165,8 @@ class Trainer(transformers.Trainer):
 
     def _reads(self, dataset: Any) -> tuple[Any, int | None, Any]:
         """(what fz.data reads, rows of a micro-batch, order): an online trainer's own (fz/hf/online.py)."""
-        return online.reads(self, dataset) if online.online_class(self) is not None else (dataset, None, None)
+        return online.reads(self, dataset) if online.online_class(self) is not None else \
+            (dataset, None, data.length_grouped(self, dataset))
 
     def _train_loader(self) -> Any:
         dataset = self.train_dataset

@@ -99,6 +99,10 @@ def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int |
     class Recording(trainer_cls):  # type: ignore[misc, valid-type]
         """What TRL's metrics sum through accelerate's gather_for_metrics (num_tokens...): each rank's rows."""
 
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            sampler = super()._get_train_sampler(train_dataset)
+            return seeded_groups(sampler, self.args.seed) if grouped(settings) and not on_fz else sampler
+
         def compute_loss(self, model, inputs, *args, **kwargs):
             mine = torch.tensor([len(inputs["input_ids"])])
             gathered.append(int(self.accelerator.gather_for_metrics(mine).sum()))
@@ -117,6 +121,35 @@ def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int |
             "gathered": gathered}
 
 
+def grouped(settings: dict[str, Any]) -> bool:
+    return settings.get("train_sampling_strategy") == "group_by_length"
+
+
+def at_world_2(name: str) -> bool:
+    """Whether transformers' run for `name` is at world 2: its loss or its groups depend on the world size."""
+    kind, _, _, extra = RUNS[name]
+    return kind in AT_WORLD_2 or grouped(extra)
+
+
+def seeded_groups(sampler: Any, seed: int) -> Any:
+    """transformers' group_by_length sampler, drawing from the process's generator as it does, but
+    grouping a shuffle seeded by seed + epoch (accelerate calls set_epoch), as fz.hf's does."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+    class Seeded(LengthGroupedSampler):
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            torch.randperm(len(self.lengths))  # transformers' own draw
+            shuffle = torch.Generator().manual_seed(seed + self.epoch)
+            return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=shuffle))
+
+    return Seeded(sampler.batch_size, lengths=sampler.lengths)
+
+
 RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "lm_ga1_z2": ("lm", 1, 2, {}), "lm_ga4_z2": ("lm", 4, 2, {}),
     "lm_ga1_z3": ("lm", 1, 3, {}), "lm_ga4_z3": ("lm", 4, 3, {}),
@@ -126,6 +159,7 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "classes_z0": ("classes", 2, 0, {}), "classes_z3": ("classes", 2, 3, {}),
     "mean_z3": ("mean", 2, 3, {}),
     "mean_odd_z2": ("mean", 2, 2, {"rows": 41}),  # 41 % 4: the epoch's last global batch holds 1 sample
+    "grouped_ga2_z3": ("lm", 2, 3, {"train_sampling_strategy": "group_by_length", "seed": 5, "num_train_epochs": 2}),
 }
 
 
@@ -150,7 +184,7 @@ def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:
     for name, (kind, accum, stage, extra) in RUNS.items():
         res[name] = run(os.path.join(out, name), True, kind=kind, accum=accum, stage=stage, world=world, **extra)
         key = reference_key(name)
-        if kind in AT_WORLD_2 and key not in res:
+        if at_world_2(name) and key not in res:
             res[key] = run(os.path.join(out, "ddp-" + key), False, kind=kind, accum=accum, world=world, **extra)
     res["one_rank"] = one_rank_calls(rank, out)
     return res
@@ -160,7 +194,7 @@ def reference_runs(rank: int, world: int, out: str) -> dict[str, Any]:
     res = {}
     for name, (kind, accum, _, extra) in RUNS.items():
         key = reference_key(name)
-        if key not in res and kind not in AT_WORLD_2:
+        if key not in res and not at_world_2(name):
             res[key] = run(os.path.join(out, "ref-" + key), False, kind=kind, accum=accum, **extra)
     return res
 

@@ -235,14 +235,14 @@ def test_the_trainer_names_every_setting_it_cannot_honour_at_construction(tmp_pa
     import fz.hf
 
     from support.hf_trainer_jobs import Tokens, arguments, gpt2
-    args = arguments(str(tmp_path), True, torch_compile=True, train_sampling_strategy="group_by_length",
+    args = arguments(str(tmp_path), True, torch_compile=True, train_sampling_strategy="batch_rebalance",
                      optim="adamw_8bit")
     with pytest.raises(fz.ConfigError) as e:
         fz.hf.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8))
     lines = str(e.value).splitlines()
     assert lines[0] == "fz.hf.Trainer cannot honour these settings (remove them or set them to their defaults):"
     named = [line.split(":")[0] for line in lines[1:]]
-    assert named == ["- train_sampling_strategy='group_by_length'", "- torch_compile=True",
+    assert named == ["- train_sampling_strategy='batch_rebalance'", "- torch_compile=True",
                      "- torch_compile_backend='inductor'", "- optim='adamw_8bit'"], lines
 
 
