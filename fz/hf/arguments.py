@@ -33,7 +33,7 @@ dropped silently. What each TrainingArguments setting becomes:
   auto_find_batch_size                         error: retries on OOM with smaller batches, not in fz
   optim_target_modules                         error: GaLore / APOLLO only
   fp16_full_eval, bf16_full_eval               error: fz evaluates in Spec.precision
-  label_smoothing_factor != 0                  error: the loss is the model's own
+  label_smoothing_factor                       transformers' compute_loss, run by fz's step and evaluation
   debug (underflow_overflow, ...)              error: its hooks need the whole module
   ddp_backend other than gloo / nccl           error: fz runs on gloo (CPU) and NCCL (CUDA)
   deepspeed together with spec=                error: two ZeRO setups
@@ -291,7 +291,6 @@ _UNSUPPORTED: list[tuple[str, str]] = [  # (field, why fz cannot honour it) when
     ("optim_target_modules", "GaLore / APOLLO optimizers are not in fz"),
     ("fp16_full_eval", "fz evaluates in the training precision (Spec.precision)"),
     ("bf16_full_eval", "fz evaluates in the training precision (Spec.precision)"),
-    ("label_smoothing_factor", "fz.hf.Trainer takes the loss the model returns"),
     ("debug", "its hooks watch whole modules; fz's stage 3 gathers them block by block"),
 ]
 

@@ -61,6 +61,12 @@ class Evaluated(RunsRedirected):
     def _redirect_state(self) -> fz.State:
         return self.trainer.fz_ready()
 
+    def _get_name(self) -> str:
+        """The name transformers' compute_loss reads of the unwrapped model (label smoothing shifts
+        a causal LM's labels): the user's model's, or its base model's under PEFT."""
+        model = self.trainer.model
+        return (model.base_model.model if _is_peft(model) else model)._get_name()
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -74,6 +80,14 @@ class Evaluated(RunsRedirected):
                                      "evaluates on its State (trainer.fz_state); read weights with "
                                      "fz.full_params or after train()") from None
             return value
+
+
+def _is_peft(model: Any) -> bool:
+    try:
+        from peft import PeftMixedModel, PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def prediction(trainer: Any, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,

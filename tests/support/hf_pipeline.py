@@ -159,6 +159,7 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "classes_z0": ("classes", 2, 0, {}), "classes_z3": ("classes", 2, 3, {}),
     "mean_z3": ("mean", 2, 3, {}),
     "mean_odd_z2": ("mean", 2, 2, {"rows": 41}),  # 41 % 4: the epoch's last global batch holds 1 sample
+    "smoothed_ga2_z3": ("lm", 2, 3, {"label_smoothing_factor": 0.1}),
     "grouped_ga2_z3": ("lm", 2, 3, {"train_sampling_strategy": "group_by_length", "seed": 5, "num_train_epochs": 2}),
 }
 
@@ -174,7 +175,8 @@ def reference_key(name: str) -> str:
     """The transformers run a fz run compares with (it has no ZeRO stage)."""
     kind, accum, _, extra = RUNS[name]
     rows = f"_rows{extra['rows']}" if "rows" in extra else ""
-    return f"{kind}_ga{accum}_{extra.get('train_sampling_strategy', 'sequential')}{rows}"
+    smoothed = f"_smoothed{extra['label_smoothing_factor']}" if "label_smoothing_factor" in extra else ""
+    return f"{kind}_ga{accum}_{extra.get('train_sampling_strategy', 'sequential')}{rows}{smoothed}"
 
 
 def fz_runs(rank: int, world: int, out: str) -> dict[str, Any]:

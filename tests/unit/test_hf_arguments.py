@@ -173,7 +173,7 @@ def test_unsupported_names_every_setting_at_once(tmp_path):
     unsupported(make_args(tmp_path), Tiny())  # the defaults: nothing
     args = make_args(tmp_path)
     bad = dict(torch_compile=True, fsdp="full_shard", use_liger_kernel=True,
-               auto_find_batch_size=True, fp16_full_eval=True, label_smoothing_factor=0.1, ddp_backend="ccl",
+               auto_find_batch_size=True, fp16_full_eval=True, ddp_backend="ccl",
                optim="adagrad", lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 3},
                deepspeed={"zero_optimization": {"stage": 2}})
     for k, v in bad.items():
