@@ -13,6 +13,7 @@ position in the State, so a resume continues at the exact next sample at any wor
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -67,7 +68,9 @@ def length_grouped(trainer: Any, dataset: Any) -> LengthGroupedOrder | None:
         return None
     import transformers
 
-    sampler = transformers.Trainer._get_train_sampler(trainer, dataset)
+    own = transformers.Trainer._get_train_sampler
+    takes_dataset = len(inspect.signature(own).parameters) > 1  # transformers < 4.53 reads self.train_dataset
+    sampler: Any = own(trainer, dataset) if takes_dataset else own(trainer)
     if sampler is None:
         return None
     log.warning("fz.hf.Trainer: group_by_length groups rows as transformers does; its shuffle is seeded by "
