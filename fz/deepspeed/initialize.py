@@ -2,7 +2,7 @@
 
 initialize reads the DeepSpeed config (`config=` / `config_params=`, or `args.deepspeed_config`)
 into an fz.Spec (fz/config: every key honoured or reported), the client's optimizer and lr
-scheduler into fz.optim (fz/deepspeed/optimizers.py), makes the State with fz.init, and
+scheduler into fz.optim (fz/optim/from_torch.py), makes the State with fz.init, and
 returns DeepSpeed's four: (engine, optimizer, dataloader, lr_scheduler). The data loader is
 DeepSpeed's: a DistributedSampler (shuffled, seed 0, the same order every epoch) over this
 rank's micro-batches, so a script sees the batches it saw under DeepSpeed.
@@ -25,8 +25,8 @@ import fz
 from fz.config.deepspeed import load as load_config
 from fz.config.warn import DeepSpeedConfigWarning
 from fz.deepspeed.engine import DeepSpeedEngine
-from fz.deepspeed.optimizers import ClientOptimizer, client_optimizer, client_schedule
 from fz.errors import ConfigError
+from fz.optim.from_torch import ClientOptimizer, client_optimizer, client_schedule
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

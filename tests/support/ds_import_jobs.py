@@ -31,7 +31,7 @@ def _spec(stage: int, precision: str, world: int, grouped: bool = False):
     """The fixture's config at `world`; `grouped`: its weight decay only on the decay group, as
     deepspeed.initialize (fz's too) reads Hugging Face's two groups."""
     import fz
-    from fz.deepspeed.optimizers import ClientOptimizer
+    from fz.optim.from_torch import ClientOptimizer
     cfg = m.ds_config(stage, precision, m.WORLD)
     cfg.update(train_micro_batch_size_per_gpu=ROWS // world, train_batch_size=ROWS)
     auto = {}

@@ -11,7 +11,7 @@ from torch import nn
 
 import fz
 import fz.deepspeed as deepspeed
-from fz.deepspeed.optimizers import TorchSchedule
+from fz.optim.from_torch import TorchSchedule
 
 # gradient_clipping 0: no clip, as the torch loops these runs are checked against (DeepSpeed clips at 1.0 by default)
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0}
@@ -320,7 +320,8 @@ def test_a_client_scheduler_cycling_momentum_is_refused():
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)  # cycle_momentum=True by default
-    with pytest.raises(fz.ConfigError, match=r"OneCycleLR\(cycle_momentum=True\)\): fz follows a client scheduler"):
+    with pytest.raises(fz.ConfigError,
+                       match=r"lr_scheduler=...\): OneCycleLR\(cycle_momentum=True\): fz follows a client scheduler"):
         deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=CONFIG)
 
 

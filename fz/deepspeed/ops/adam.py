@@ -1,7 +1,7 @@
 """`deepspeed.ops.adam.FusedAdam` and `DeepSpeedCPUAdam` on fz: the client optimizers DeepSpeed
 scripts build, as torch's Adam with their arguments (`adam_w_mode` / `adamw_mode`, True by
 default: decoupled weight decay, AdamW). `deepspeed.initialize(optimizer=...)` turns them into
-fz's optimizer as it does torch's (fz/deepspeed/optimizers.py); stepped by hand they are torch's
+fz's optimizer as it does torch's (fz/optim/from_torch.py); stepped by hand they are torch's
 Adam or AdamW. What torch's Adam does not compute is refused, naming it: `bias_correction=False`
 (DeepSpeed's kernels take it; fz's Adam always corrects) and `amsgrad` (DeepSpeed's refuse it too).
 """

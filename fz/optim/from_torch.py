@@ -1,6 +1,7 @@
-"""A client's torch optimizer and lr scheduler, as `deepspeed.initialize` takes them, in fz.optim.
+"""A user's torch optimizer and lr scheduler (`deepspeed.initialize(optimizer=, lr_scheduler=)`,
+a Hugging Face `Trainer(optimizers=(...))`) in fz.optim.
 
-DeepSpeed steps the client's own `torch.optim` object. fz's optimizer is a pure transformation
+DeepSpeed and the Trainer step the user's own `torch.optim` object. fz's optimizer is a pure transformation
 over sharded state, so the client's optimizer is read, not run: its class and hyperparameters
 become the fz.optim alias that computes the same update (AdamW, Adam, SGD), and its parameter
 groups become a weight-decay mask (the usual "no decay for biases and norms" groups). A
@@ -23,7 +24,7 @@ from torch import nn
 
 from fz import optim
 from fz.errors import ConfigError
-from fz.optim import GradientTransformation
+from fz.optim.base import GradientTransformation
 
 _KINDS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "FusedAdam": "adam", "DeepSpeedCPUAdam": "adam"}
 _SAME = ("lr", "betas", "eps", "momentum", "nesterov", "dampening")
@@ -71,13 +72,18 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def client_optimizer(opt: Any, model: nn.Module) -> ClientOptimizer:
-    """`opt` (a torch optimizer over `model`'s parameters) as the fz optimizer with its update."""
+DEEPSPEED = ("deepspeed.initialize(optimizer=...)", "give the config an optimizer section")
+
+
+def client_optimizer(opt: Any, model: nn.Module, where: tuple[str, str] = DEEPSPEED) -> ClientOptimizer:
+    """`opt` (a torch optimizer over `model`'s parameters) as the fz optimizer with its update.
+    `where`: (the call that gave it, the other way to choose an optimizer there), for errors."""
+    call, other = where
     kind = _KINDS.get(type(opt).__name__)
     if kind is None or not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError(f"deepspeed.initialize(optimizer=...): fz reads torch's {', '.join(sorted(_KINDS))} "
+        raise ConfigError(f"{call}: fz reads torch's {', '.join(sorted(_KINDS))} "
                           f"(their hyperparameters become an fz.optim optimizer), not {type(opt).__name__}; "
-                          "or give the config an optimizer section")
+                          f"or {other}")
     if kind == "adam" and (opt.defaults.get("decoupled_weight_decay") or opt.defaults.get("adam_w_mode")):
         kind = "adamw"
     groups = opt.param_groups
@@ -85,17 +91,17 @@ def client_optimizer(opt: Any, model: nn.Module) -> ClientOptimizer:
     for g in groups:
         for key in _SAME:
             if g.get(key) != first.get(key):
-                raise ConfigError(f"deepspeed.initialize(optimizer=...): its parameter groups have different {key} "
+                raise ConfigError(f"{call}: its parameter groups have different {key} "
                                   f"({first.get(key)!r} and {g.get(key)!r}); fz applies one {key} to every "
                                   "parameter (groups may differ only in weight_decay, which becomes a mask)")
         for key in _OFF:
             if g.get(key):
-                raise ConfigError(f"deepspeed.initialize(optimizer=...): {key}=True is not supported by fz")
+                raise ConfigError(f"{call}: {key}=True is not supported by fz")
         if kind == "sgd" and g.get("dampening"):
-            raise ConfigError("deepspeed.initialize(optimizer=SGD(...)): dampening must be 0 in fz")
+            raise ConfigError(f"{call}: SGD's dampening must be 0 in fz")
     decays = {float(g.get("weight_decay", 0.0)) for g in groups} - {0.0}
     if len(decays) > 1:
-        raise ConfigError(f"deepspeed.initialize(optimizer=...): its groups use weight_decay {sorted(decays)}; fz "
+        raise ConfigError(f"{call}: its groups use weight_decay {sorted(decays)}; fz "
                           "applies one weight decay (and 0 to a group without it)")
     wd = decays.pop() if decays else 0.0
     names = _names(model)
@@ -103,7 +109,7 @@ def client_optimizer(opt: Any, model: nn.Module) -> ClientOptimizer:
     grouped = {names[id(p)]: float(g.get("weight_decay", 0.0)) for g in groups for p in g["params"] if id(p) in names}
     missing = sorted(trainable - set(grouped))
     if missing:
-        raise ConfigError(f"deepspeed.initialize(optimizer=...): {len(missing)} trainable parameters are in no "
+        raise ConfigError(f"{call}: {len(missing)} trainable parameters are in no "
                           f"group of the optimizer ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); "
                           "put them in a group, or set requires_grad=False to freeze them")
     decay = frozenset(n for n, d in grouped.items() if d)
@@ -129,11 +135,14 @@ class TorchSchedule:
     """A torch lr scheduler as fz's `lr(count)`: the lr its optimizer's first group has after
     `count` scheduler steps (DeepSpeed steps it once after each optimizer step)."""
 
-    def __init__(self, scheduler: Any):
+    def __init__(self, scheduler: Any, call: str = "deepspeed.initialize(lr_scheduler=...)"):
         opt = getattr(scheduler, "optimizer", None)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"deepspeed.initialize(lr_scheduler=...): {type(scheduler).__name__} has no torch "
+            raise ConfigError(f"{call}: {type(scheduler).__name__} has no torch "
                               "optimizer; give a torch.optim.lr_scheduler object (or a callable of the optimizer)")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(f"{call}: ReduceLROnPlateau steps on an evaluation's metric; fz's lr is a function "
+                              "of the step count. Use a schedule of the step")
         stand_in = torch.optim.SGD([{**{k: v for k, v in g.items() if k != "params"},
                                      "params": [torch.zeros(1, requires_grad=True)]} for g in opt.param_groups])
         self.shadow = copy.deepcopy(scheduler, memo={id(opt): stand_in})
@@ -152,16 +161,18 @@ class TorchSchedule:
         return f"the client's {type(self.shadow).__name__}"
 
 
-def client_schedule(lr_scheduler: Any, torch_optimizer: Any) -> Callable[[int], float]:
+def client_schedule(lr_scheduler: Any, torch_optimizer: Any,
+                    call: str = "deepspeed.initialize(lr_scheduler=...)") -> Callable[[int], float]:
     """The schedule of the client's lr_scheduler: an object, or a callable DeepSpeed calls with the
-    optimizer (`torch_optimizer`: the client's, or a stand-in with the config's lr)."""
+    optimizer (`torch_optimizer`: the client's, or a stand-in with the config's lr). `call` names
+    what gave it, for errors."""
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         if torch_optimizer is None:
             raise ConfigError("deepspeed.initialize(lr_scheduler=callable): fz calls it with a torch optimizer, so it "
                               "needs optimizer= (a torch optimizer) or an optimizer section")
         lr_scheduler = lr_scheduler(torch_optimizer)
     if getattr(lr_scheduler, "cycle_momentum", False):  # OneCycleLR, CyclicLR: a momentum / beta1 schedule too
-        raise ConfigError(f"deepspeed.initialize(lr_scheduler={type(lr_scheduler).__name__}(cycle_momentum=True)): fz "
+        raise ConfigError(f"{call}: {type(lr_scheduler).__name__}(cycle_momentum=True): fz "
                           "follows a client scheduler's lr only, so its momentum cycle would not reach the update; "
-                          "pass cycle_momentum=False, or use the config's OneCycle scheduler")
-    return TorchSchedule(lr_scheduler)
+                          "pass cycle_momentum=False, or use a DeepSpeed config's OneCycle scheduler")
+    return TorchSchedule(lr_scheduler, call)
