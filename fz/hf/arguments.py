@@ -219,7 +219,7 @@ def _from_args(args: Any, spec: Spec | None, optimizer: Any, schedule: Any) -> S
     try:
         transform = optimizer(lr_schedule)
     except ValueError as e:  # ConfigError included
-        raise ConfigError(f"TrainingArguments.optim={optimizer.optim!r}: {e}") from None
+        raise ConfigError(f"TrainingArguments.optim={getattr(optimizer, 'optim', optimizer)!r}: {e}") from None
     precision = precision_of(args)
     values: dict[str, tuple[Any, str]] = {
         "micro_batch": (int(args.per_device_train_batch_size), "per_device_train_batch_size"),
@@ -244,26 +244,34 @@ def _from_args(args: Any, spec: Spec | None, optimizer: Any, schedule: Any) -> S
     entries = {f: (v, "args") for f, (v, _) in values.items()}
     keys = {f: f"TrainingArguments.{name}" for f, (_, name) in values.items()}
     text = Described(f"{optimizer!r} with lr={lr_schedule!r}")
-    entries["optimizer"], keys["optimizer"] = (text, "args"), "TrainingArguments.optim / learning_rate / ..."
-    entries["scheduler"], keys["scheduler"] = (lr_schedule, "args"), "TrainingArguments.lr_scheduler_type"
-    for name, value, field in (("optimizer.lr", args.learning_rate, "learning_rate"),
+    given = "the Trainer's optimizers= / optimizer_cls_and_kwargs="  # a user's torch optimizer (client_optimizers)
+    by_args = hasattr(optimizer, "optim")
+    entries["optimizer"], keys["optimizer"] = (text, "args"), \
+        "TrainingArguments.optim / learning_rate / ..." if by_args else given
+    entries["scheduler"], keys["scheduler"] = (lr_schedule, "args"), \
+        "TrainingArguments.lr_scheduler_type" if hasattr(schedule, "warmup_steps") else given
+    for name, value, field in (("optimizer.lr", args.learning_rate if by_args else optimizer.lr, "learning_rate"),
                                ("optimizer.betas", optimizer.betas, "adam_beta1/adam_beta2"),
                                ("optimizer.eps", optimizer.eps, "adam_epsilon"),
                                ("optimizer.weight_decay", optimizer.weight_decay, "weight_decay"),
-                               ("scheduler.warmup_steps", schedule.warmup_steps, "warmup_steps"),
-                               ("scheduler.total_steps", schedule.total_steps, "max_steps")):
+                               ("scheduler.warmup_steps", getattr(schedule, "warmup_steps", None), "warmup_steps"),
+                               ("scheduler.total_steps", getattr(schedule, "total_steps", None), "max_steps")):
+        if value is None:
+            continue
         entries[name] = (value, "args")
         keys[name] = f"TrainingArguments.{field}" if field != "max_steps" else "max_steps (the Trainer's)"
+        keys[name] = keys[name] if by_args or name.startswith("scheduler") else given
     prov = Provenance(entries, keys, origin="" if spec is None else "with spec=", objects={"optimizer": transform},
                       kind="TrainingArguments")
     return base.replace(**{f: v for f, (v, _) in values.items()}, optimizer=transform, provenance=prov)
 
 
 def spec_from_args(args: Any, model: torch.nn.Module, *, max_steps: int, spec: Spec | None = None,
-                   decay_names: Collection[str] | None = None) -> Spec:
+                   decay_names: Collection[str] | None = None, chosen: tuple[Any, Any] = (None, None)) -> Spec:
     """The Spec fz.hf.Trainer trains `model` with, `max_steps` optimizer steps (the Trainer's
     num_training_steps). `decay_names`: the parameters weight decay applies to (default
-    transformers' get_decay_parameter_names; a Trainer passes its own method's answer)."""
+    transformers' get_decay_parameter_names; a Trainer passes its own method's answer). `chosen`:
+    the optimizer and schedule of a user's torch optimizer (fz/hf/client_optimizers.py), or None."""
     if spec is not None and args.deepspeed:
         raise ConfigError("TrainingArguments.deepspeed and spec= are both given: each is a whole ZeRO setup; "
                           "pass one")
@@ -271,8 +279,9 @@ def spec_from_args(args: Any, model: torch.nn.Module, *, max_steps: int, spec: S
     refuse_choices(args, cfg)
     names = frozenset(decay_names) if decay_names is not None else decay_parameter_names(model)
     every = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
-    optimizer = None if cfg.get("optimizer") else optimizer_from_args(args, None if every <= names else names)
-    schedule = None if cfg.get("scheduler") else schedule_from_args(args, max_steps)
+    optimizer = None if cfg.get("optimizer") else \
+        chosen[0] or optimizer_from_args(args, None if every <= names else names)
+    schedule = None if cfg.get("scheduler") else chosen[1] or schedule_from_args(args, max_steps)
     if args.deepspeed:
         return _from_deepspeed(args, cfg, model, max_steps, optimizer, schedule)
     return _from_args(args, spec, optimizer, schedule)
@@ -348,14 +357,10 @@ def unsupported(args: Any, model: torch.nn.Module, *, spec: Spec | None = None) 
 def refuse_trainer_settings(args: Any, model: torch.nn.Module, *, spec: Spec | None, model_init: Any,
                             kwargs: dict[str, Any]) -> None:
     """One ConfigError naming everything a fz.hf.Trainer is given that fz does not run: `unsupported`'s
-    settings, and the Trainer's own (model_init=, optimizers=, the sampler)."""
+    settings, and the Trainer's own (model_init=, the sampler)."""
     problems = []
     if model_init is not None:
         problems.append("model_init=: hyperparameter search is not in fz; build the model and pass model=")
-    if any(o is not None for o in kwargs.get("optimizers", (None, None))) or \
-            kwargs.get("optimizer_cls_and_kwargs") is not None:
-        problems.append("optimizers= / optimizer_cls_and_kwargs=: fz builds the optimizer from args.optim or the "
-                        "DeepSpeed config's \"optimizer\" section (or pass spec=fz.Spec(optimizer=...))")
     if sampling(args) not in ("random", "sequential", "group_by_length"):
         problems.append(f"train_sampling_strategy={sampling(args)!r}: fz reads the data in random, sequential or "
                         "length-grouped order (its micro-batches have one size)")

@@ -46,6 +46,7 @@ from fz.errors import ConfigError
 from fz.hf import checkpoint_dirs as dirs
 from fz.hf import collective_calls, counts, data, draws, model_calls, model_weights, online, trainer_checkpoints
 from fz.hf.arguments import refuse_trainer_settings, spec_from_args
+from fz.hf.client_optimizers import chosen_optimizer, given_optimizer
 from fz.hf.evaluation import Evaluated, prediction, prepared
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
@@ -88,6 +89,7 @@ class Trainer(transformers.Trainer):
         """Trainer features fz does not run, named at construction (never a silent fallback)."""
         refuse_trainer_settings(self.args, self._model(), spec=self.fz_spec, model_init=self.model_init,
                                 kwargs=kwargs)
+        self._fz_given = given_optimizer(self, kwargs)  # optimizers=(...), checked now
 
     def _max_steps(self) -> tuple[int, int | None]:
         """(optimizer steps to train, steps per epoch) as transformers counts them from the
@@ -142,8 +144,9 @@ class Trainer(transformers.Trainer):
         """The State, made on first use (before training too: evaluate() may come first)."""
         if self.fz_state is None:
             model = self._model()
-            spec = spec_from_args(self.args, model, max_steps=self._max_steps()[0], spec=self.fz_spec,
-                                  decay_names=self.get_decay_parameter_names(model))
+            steps = self._max_steps()[0]
+            spec = spec_from_args(self.args, model, max_steps=steps, spec=self.fz_spec, chosen=chosen_optimizer(
+                self, model, steps), decay_names=self.get_decay_parameter_names(model))
             self._one_checkpointing(spec)
             if spec.clip_grad_norm is None:  # max_grad_norm=0: transformers logs the norm all the same
                 spec = spec.replace(clip_grad_norm=math.inf)
@@ -321,13 +324,11 @@ class Trainer(transformers.Trainer):
         (summed by fz, bounded), the evaluation and its best metric, the checkpoint."""
         if self.control.should_log and self.state.global_step > self._fz_logged_at:
             assert self.fz_state is not None
-            metrics = self.fz_state.metrics
-            tr = self._fz_running
+            metrics, tr = self.fz_state.metrics, self._fz_running
             if self.args.world_size > 1:
                 tr = float(fz.sum_over_ranks(self.fz_state, tr)) / self.args.world_size
             logs = {"loss": tr / (self.state.global_step - self._fz_logged_at)}
-            norm = float(metrics.get("grad_norm", math.nan))
-            if not math.isnan(norm):
+            if not math.isnan(norm := float(metrics.get("grad_norm", math.nan))):
                 logs["grad_norm"] = norm
             if (lr := logged_lr(self.fz_state)) is not None:  # DeepSpeed's sections: the next one, as there
                 logs["learning_rate"] = lr
