@@ -9,6 +9,7 @@ key because DCP writes a plain tensor once, as if every rank held the same one.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from collections.abc import Sequence
@@ -23,6 +24,10 @@ from fz.errors import ConfigError
 from fz.state import State
 
 _TENSOR, _TUPLE = "__fz_tensor__", "__fz_tuple__"
+# what a script's client state holds besides (DeepSpeed pickles it): argparse's Namespace (a dict of its
+# attributes) and numpy's arrays and scalars (a tensor of the same dtype); rebuilt as data, nothing run
+_NAMESPACE, _NDARRAY, _NPSCALAR = "__fz_namespace__", "__fz_ndarray__", "__fz_npscalar__"
+_REFS = (_TENSOR, _NDARRAY, _NPSCALAR)
 MAX_DEPTH = 256  # nesting of a data or client tree fz.save writes
 MAX_ENCODED_DEPTH = 2 * MAX_DEPTH + 1  # the same encoded (a tuple and a tensor are one dict deeper): restore's limit
 
@@ -92,10 +97,17 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
         if isinstance(x, (list, tuple)):
             items = [go(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
             return {_TUPLE: items} if isinstance(x, tuple) else items
+        if type(x).__module__ == "numpy" and hasattr(x, "dtype") and x.dtype.kind in "biufc":
+            import numpy as np
+            mark = _NDARRAY if isinstance(x, np.ndarray) else _NPSCALAR
+            tensors[f"{prefix}/{path}"] = torch.from_numpy(np.array(x, copy=True))
+            return {mark: f"{prefix}/{path}"}
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
+        if isinstance(x, argparse.Namespace):
+            return {_NAMESPACE: go(vars(x), path)}
         raise ConfigError(f"checkpoint {prefix} at {path or '<root>'!r}: {type(x).__name__} is neither "
-                          "JSON-able nor a tensor")
+                          "JSON-able nor a tensor (nor an argparse.Namespace or numeric numpy array, which are kept)")
 
     return go(obj, ""), tensors
 
@@ -103,8 +115,8 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
 def tensor_refs(obj: Any) -> list:
     """The tensor keys an encoded tree refers to."""
     if isinstance(obj, dict):
-        if _TENSOR in obj and len(obj) == 1:
-            return [obj[_TENSOR]]
+        if len(obj) == 1 and next(iter(obj)) in _REFS:
+            return [next(iter(obj.values()))]
         return [k for v in obj.values() for k in tensor_refs(v)]
     if isinstance(obj, list):
         return [k for v in obj for k in tensor_refs(v)]
@@ -118,6 +130,11 @@ def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
             return tensors[obj[_TENSOR]]
         if len(obj) == 1 and _TUPLE in obj:
             return tuple(decode(v, tensors) for v in obj[_TUPLE])
+        if len(obj) == 1 and _NAMESPACE in obj and isinstance(obj[_NAMESPACE], dict):
+            return argparse.Namespace(**decode(obj[_NAMESPACE], tensors))
+        if len(obj) == 1 and (_NDARRAY in obj or _NPSCALAR in obj):
+            array = tensors[obj.get(_NDARRAY, obj.get(_NPSCALAR))].numpy().copy()
+            return array if _NDARRAY in obj else array[()]
         return {k: decode(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode(v, tensors) for v in obj]

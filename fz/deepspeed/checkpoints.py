@@ -27,6 +27,7 @@ from fz.ckpt.functions import save_tag
 from fz.ckpt.layout import OLD
 from fz.errors import CheckpointError
 from fz.log import logger
+from fz.storage.fresh import replacing
 
 ENGINE_KEY = "fz.deepspeed"  # the engine's counters in the client state
 LATEST = "latest"
@@ -41,6 +42,23 @@ def save(state: fz.State, save_dir: Path, tag: str, client_state: dict[str, Any]
     client_state = {k: v for k, v in client_state.items() if k not in FIELDS}
     save_tag(state, save_dir, tag, client_state={**client_state, ENGINE_KEY: counters}, client_state_per_rank=True,
              latest=save_latest)
+    if state.plan.rank == 0 and (state.spec.stage > 0 or state.spec.precision == "bf16"):  # as DeepSpeed copies its own
+        for script in RECOVERY_SCRIPTS:
+            with replacing(save_dir / f"{script}.py") as tmp:
+                tmp.write_text(RECOVERY.format(script=script))
+                tmp.chmod(0o755)
+
+
+RECOVERY_SCRIPTS = ("zero_to_fp32", "zero_to_torch")
+RECOVERY = '''#!/usr/bin/env python
+"""Written by fz.deepspeed's save_checkpoint beside its checkpoints, as DeepSpeed writes its own:
+    python {script}.py <this folder> <output folder> [--safe_serialization] [-t TAG] ...
+gives their full weights as a PyTorch state_dict (fz/deepspeed/utils/{script}.py)."""
+from fz.deepspeed.utils.{script} import main
+
+if __name__ == "__main__":
+    main()
+'''
 
 
 def load(state: fz.State, load_dir: Path, tag: str | None, universal: bool = False,

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,15 @@ def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_p
     assert sorted(got) == sorted([*trained, "0.weight", "0.bias"])
     zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(tmp_path, tmp_path / "st", safe_serialization=True)
     tied().load_state_dict(load_file(tmp_path / "st" / "model.safetensors"))  # the alias a copy: safetensors takes it
+    if stage == 3:  # DeepSpeed's recipe: the scripts it copies beside its checkpoints, run as a user runs them
+        for script, extra, dtype in (("zero_to_fp32.py", [], torch.float32),
+                                     ("zero_to_torch.py", ["--dtype", "bf16"], torch.bfloat16)):
+            out = tmp_path / f"out_{dtype}"
+            subprocess.run([sys.executable, str(tmp_path / script), str(tmp_path), str(out), "--safe_serialization",
+                            *extra], check=True, timeout=120, cwd=tmp_path, capture_output=True)
+            written = load_file(out / "model.safetensors")
+            assert sorted(written) == sorted(got)
+            assert all(torch.equal(written[k], got[k].to(dtype)) for k in got)
 
 
 def test_log_dist_logs_on_the_ranks_deepspeeds_does(caplog):

@@ -103,14 +103,38 @@ def _max_bytes(size: int | str | None) -> int | None:
     raise ConfigError(f"zero_to_fp32: max_shard_size={size!r}; use bytes or a size like '5GB'")
 
 
+OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                      "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _output_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    found = OUTPUT_DTYPE_NAMES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if found not in set(OUTPUT_DTYPE_NAMES.values()):
+        raise ValueError(f"Unsupported output dtype {dtype!r}. Choose one of: {', '.join(sorted(OUTPUT_DTYPE_NAMES))}")
+    return found
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
                                                output_dir: str | os.PathLike[str], max_shard_size: int | str | None
                                                = "5GB", safe_serialization: bool = False, tag: str | None = None,
                                                exclude_frozen_parameters: bool = False) -> None:
-    """The fp32 state_dict written to `output_dir` as DeepSpeed writes it: `model.safetensors`
+    """convert_zero_checkpoint_to_state_dict in fp32 (DeepSpeed's older name)."""
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                          safe_serialization, tag, exclude_frozen_parameters)
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str],
+                                          dtype: str | torch.dtype = torch.float32,
+                                          max_shard_size: int | str | None = "5GB", safe_serialization: bool = False,
+                                          tag: str | None = None, exclude_frozen_parameters: bool = False) -> None:
+    """The state_dict written to `output_dir` as DeepSpeed writes it: its floating tensors in
+    `dtype` (float32, float16 or bfloat16; others as stored), as `model.safetensors`
     (`safe_serialization=True`) or `pytorch_model.bin`, cut into numbered shards of at most
     `max_shard_size` with their `*.index.json` when it is larger."""
-    weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    to = _output_dtype(dtype)
+    weights = {k: t.to(to) if t.is_floating_point() else t
+               for k, t in get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
+                                                                    exclude_frozen_parameters).items()}
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     limit = _max_bytes(max_shard_size)
     shards: list[list[str]] = [[]]
@@ -148,4 +172,31 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
             tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
+def main(argv: list[str] | None = None, with_dtype: bool = False) -> None:
+    """DeepSpeed's `zero_to_fp32.py` command line (`with_dtype`: its `zero_to_torch.py`, --dtype
+    required): `python zero_to_fp32.py checkpoint_dir output_dir [--safe_serialization] ...`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The full weights of a ZeRO checkpoint (DeepSpeed's or "
+                                                 "fz.deepspeed's) as a PyTorch state_dict, by fz")
+    parser.add_argument("checkpoint_dir", help="the folder holding the tag folders, e.g. path/checkpoint-12")
+    parser.add_argument("output_dir", help="the folder for the state_dict files")
+    if with_dtype:
+        parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPE_NAMES), required=True, help="output tensor dtype")
+    parser.add_argument("--max_shard_size", default="5GB", help="the largest shard, like 5GB or 500MB")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors, not a pickle")
+    parser.add_argument("-t", "--tag", default=None, help="the tag folder, e.g. global_step1 (default: latest's)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
+    parser.add_argument("-d", "--debug", action="store_true", help="log more")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO)
+    convert_zero_checkpoint_to_state_dict(args.checkpoint_dir, args.output_dir, getattr(args, "dtype", "float32"),
+                                          args.max_shard_size, args.safe_serialization, args.tag,
+                                          args.exclude_frozen_parameters)
+
+
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
+           "get_fp32_state_dict_from_zero_checkpoint", "main"]
+
+if __name__ == "__main__":
+    main()
