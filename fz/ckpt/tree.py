@@ -133,7 +133,8 @@ def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
         if len(obj) == 1 and _NAMESPACE in obj and isinstance(obj[_NAMESPACE], dict):
             return argparse.Namespace(**decode(obj[_NAMESPACE], tensors))
         if len(obj) == 1 and (_NDARRAY in obj or _NPSCALAR in obj):
-            array = tensors[obj.get(_NDARRAY, obj.get(_NPSCALAR))].numpy().copy()
+            ref = obj[_NDARRAY] if _NDARRAY in obj else obj[_NPSCALAR]
+            array = tensors[ref].numpy().copy()
             return array if _NDARRAY in obj else array[()]
         return {k: decode(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
