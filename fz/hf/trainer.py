@@ -168,8 +168,7 @@ class Trainer(transformers.Trainer):
 
     def _reads(self, dataset: Any) -> tuple[Any, int | None, Any]:
         """(what fz.data reads, rows of a micro-batch, order): an online trainer's own (fz/hf/online.py)."""
-        return online.reads(self, dataset) if online.online_class(self) is not None else \
-            (dataset, None, data.length_grouped(self, dataset))
+        return online.reads(self, dataset) if online.online_class(self) is not None else (dataset, None, None)
 
     def _train_loader(self) -> Any:
         dataset = self.train_dataset
@@ -179,6 +178,7 @@ class Trainer(transformers.Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         dataset, self._micro_rows, order = self._reads(dataset)
+        order = order or data.length_grouped(self, dataset)  # group_by_length: its lengths read once, here
         made = data.train_loader(self.args, dataset, self.fz_ready(), collate if self.args.dataloader_num_workers
                                  else draws.deferred, micro=self._micro_rows, order=order)
         return draws.AsAccelerate(made, collate)  # with workers, they collate
