@@ -37,6 +37,7 @@ from fz.errors import ConfigError
 from fz.hf import added_hooks, model_device
 from fz.hf.added_hooks import flag, skeleton_modules
 from fz.model.skeleton import Skeleton
+from fz.rng import capture
 
 log = logging.getLogger(__name__)
 _FZ_SETS = ("training", "gradient_checkpointing")  # fz's own choices on its copy (mode; it checkpoints itself)
@@ -173,30 +174,39 @@ def in_step(model: Any) -> Iterator[None]:
 
 
 class SyncedGenerate(StateForward):
-    """While the State holds the weights sharded (ZeRO-3, several ranks), `model.generate`:
+    """While the State holds the weights (ZeRO-3), `model.generate`. Sharded over several ranks:
     `synced_gpus=True` unless the call says otherwise, as transformers sets it under DeepSpeed
     ZeRO-3. Each forward gathers on every rank, so a rank whose sequences ended keeps stepping
-    until every rank's have (its own generate otherwise stops calling, and the others wait)."""
+    until every rank's have (its own generate otherwise stops calling, and the others wait).
+    An encoder-decoder's (Seq2SeqTrainer's predict_with_generate): HF's generate calls the
+    encoder itself, outside the forward fz stands in for, so while its weights are let go the
+    call is fz.generate on the State, drawing from the process's generator as transformers'."""
 
     name = "generate"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.active:
+        if not self.active:
+            return self.own(*args, **kwargs)
+        state = self.trainer.fz_ready()
+        if getattr(getattr(self.model, "config", None), "is_encoder_decoder", False) and \
+                any(p.is_meta for p in self.model.parameters()):
+            kwargs.pop("synced_gpus", None)  # fz.generate keeps the ranks in lockstep itself
+            with flags_mirrored(self.model, state.skeleton):
+                return fz.generate(state.replace(rng=capture(state.plan.device)), *args, **kwargs)
+        if any(b.sharded_param for b in state.plan.buckets) and len(state.plan.ranks) > 1:
             kwargs.setdefault("synced_gpus", True)
         return self.own(*args, **kwargs)
 
 
 def install(trainer: Any, model: nn.Module) -> None:
-    """A `StateForward` as `model.forward` (once), its first-call placement gone; at ZeRO-3 on
-    several ranks a `SyncedGenerate` as `model.generate`."""
+    """A `StateForward` as `model.forward` (once), its first-call placement gone; at ZeRO-3 a
+    `SyncedGenerate` as `model.generate`."""
     not_placing(model)
     added_hooks.mirror(model, trainer.fz_ready().skeleton)  # NEFTune's, added as train() starts
     model_device.show(model, trainer.args.device)  # at ZeRO-3, not meta
     if not isinstance(model.__dict__.get("forward"), StateForward):
         model.__dict__["forward"] = StateForward(trainer, model)
-    plan = trainer.fz_ready().plan
-    sharded = any(b.sharded_param for b in plan.buckets) and len(plan.ranks) > 1
-    if sharded and callable(getattr(model, "generate", None)) and \
+    if trainer.fz_ready().spec.stage == 3 and callable(getattr(model, "generate", None)) and \
             not isinstance(model.__dict__.get("generate"), SyncedGenerate):
         model.__dict__["generate"] = SyncedGenerate(trainer, model)
 
