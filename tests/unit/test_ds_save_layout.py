@@ -144,7 +144,7 @@ def test_a_tag_deepspeed_wrote_stays_readable_while_fz_replaces_it(tmp_path):
     assert path == str(ckpt / "global_step3") and _client(client) == {"step": 3, "note": "x"}
     assert engine.global_steps == 3
     engine.save_checkpoint(ckpt, client_state=client)  # global_step3 again
-    assert sorted(os.listdir(ckpt)) == ["global_step3", "latest"]
+    assert sorted(os.listdir(ckpt)) == ["global_step3", "latest", "zero_to_fp32.py", "zero_to_torch.py"]  # as DeepSpeed
     assert (ckpt / "global_step3" / "manifest.json").is_file()  # fz's now
     again, *_ = deepspeed.initialize(model=m.TinyLM(seed=6), config=cfg)
     assert _client(again.load_checkpoint(ckpt)[1]) == {"step": 3, "note": "x"}
