@@ -283,6 +283,23 @@ def _buffer_kinds(root: nn.Module, aliases: dict[str, str]) -> tuple[tuple[str, 
     return tuple(persistent), tuple(cast), tuple(dict.fromkeys(running))
 
 
+def _direct(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def hf_layers_as_checkpointed(block: nn.Module) -> None:
+    """Hugging Face's layers inside a block fz checkpoints drop their cache arguments as they do
+    under their own checkpointing (`use_cache=False`, `cache=None`): T5's decoder otherwise writes
+    its cache again when fz recomputes the block, and torch finds other tensors saved. Their
+    checkpointing is on, its function a direct call (fz's checkpoint is around the block). Once."""
+    if block.__dict__.get("_fz_hf_direct"):
+        return
+    for m in block.modules():
+        if hasattr(type(m), "_can_checkpoint_with_cache"):  # transformers' GradientCheckpointingLayer
+            m.__dict__.update(gradient_checkpointing=True, _gradient_checkpointing_func=_direct)
+    block.__dict__["_fz_hf_direct"] = True
+
+
 def _take_hf_checkpointing(block: nn.Module) -> bool:
     """Hugging Face's gradient checkpointing inside a block (`gradient_checkpointing = True` on its
     layers) would recompute the block in backward with fz's meta tensors: it is turned off in fz's

@@ -23,7 +23,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from fz.model.skeleton import Skeleton
+from fz.model.skeleton import Skeleton, hf_layers_as_checkpointed
 from fz.model.standin import running
 from fz.offload.transfer import Upload
 from fz.sharding.buckets import Bucket
@@ -66,6 +66,9 @@ class Runner:
         self.checkpointed = [i > 0 and not u.leaf
                              and (u.checkpointed or _wants_checkpoint(checkpointing, u.name, u.module))
                              for i, u in enumerate(skel.units)]
+        for unit, checkpointed in zip(skel.units, self.checkpointed):
+            if checkpointed:
+                hf_layers_as_checkpointed(unit.module)
         self.unit_buckets = unit_buckets(skel, plan.buckets)
         self.sharded = [sum(b.sharded_param for b in ub) for ub in self.unit_buckets]
         # stage 3 with room to spare: the first units' gathered buckets stay alive from forward
