@@ -61,6 +61,26 @@ def llama(classes: bool = False, mean: bool = False) -> torch.nn.Module:
     return model
 
 
+def t5() -> torch.nn.Module:
+    """A tiny T5 (an encoder-decoder), seeded."""
+    torch.manual_seed(0)
+    import transformers
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
+                                   dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def seq2seq_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Tokenized texts with their first words reversed as the target, for a T5."""
+    tk = tokenizer()
+    out = []
+    for text in texts(n, seed):
+        ids = tk(text)["input_ids"]
+        out.append({"input_ids": ids, "labels": list(reversed(ids))[:6] + [2]})
+    return out
+
+
 def collator(kind: str) -> Any:
     from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
     if kind in ("lm", "mean"):

@@ -14,17 +14,16 @@ import transformers
 import fz.hf
 
 from support import hf_pipeline as hp
-from unit.test_hf_seq2seq_generate import rows, t5
 
 
 def run(on_fz: bool, out: str, stage: int) -> tuple[list[float], bool]:
     hf: Any = fz.hf if on_fz else transformers
-    model = t5()
+    model = hp.t5()
     args = hf.TrainingArguments(out, per_device_train_batch_size=4, max_steps=4, learning_rate=2e-2,
                                 gradient_checkpointing=True, logging_steps=1, report_to=[], use_cpu=True,
                                 disable_tqdm=True, save_strategy="no", train_sampling_strategy="sequential",
                                 deepspeed=hp.deepspeed(stage) if on_fz else None)
-    trainer = hf.Trainer(model=model, args=args, train_dataset=rows(20, 0),
+    trainer = hf.Trainer(model=model, args=args, train_dataset=hp.seq2seq_rows(20, 0),
                          data_collator=transformers.DataCollatorForSeq2Seq(hp.tokenizer(), model=model))
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], bool(model.config.use_cache)

@@ -9,30 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 import fz
 import fz.hf
 
 from support import hf_pipeline as hp
-
-
-def t5() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
-                                   dropout_rate=0.0)
-    return transformers.T5ForConditionalGeneration(config)
-
-
-def rows(n: int, seed: int) -> list[dict[str, Any]]:
-    tk = hp.tokenizer()
-    out = []
-    for text in hp.texts(n, seed):
-        ids = tk(text)["input_ids"]
-        out.append({"input_ids": ids, "labels": list(reversed(ids))[:6] + [2]})
-    return out
 
 
 def run(on_fz: bool, out: str) -> dict[str, Any]:
@@ -43,20 +25,21 @@ def run(on_fz: bool, out: str) -> dict[str, Any]:
                     generation_num_beams=2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
                     save_strategy="no", train_sampling_strategy="sequential",
                     deepspeed=hp.deepspeed(3) if on_fz else None)
-    model = t5()
+    model = hp.t5()
     seen: list[np.ndarray] = []
 
     def metrics(p: Any) -> dict[str, float]:
         seen.append(np.asarray(p.predictions))
         return {"exact": float(np.mean([np.array_equal(a, b) for a, b in zip(p.predictions, p.label_ids)]))}
 
-    trainer = trainer_cls(model=model, args=args, train_dataset=rows(20, 0), eval_dataset=rows(7, 1),
+    trainer = trainer_cls(model=model, args=args, train_dataset=hp.seq2seq_rows(20, 0),
+                          eval_dataset=hp.seq2seq_rows(7, 1),
                           data_collator=transformers.DataCollatorForSeq2Seq(hp.tokenizer(), model=model),
                           compute_metrics=metrics)
     trainer.train()
     assert not on_fz or trainer.fz_state.spec.stage == 3
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
-    predicted = trainer.predict(rows(5, 2))
+    predicted = trainer.predict(hp.seq2seq_rows(5, 2))
     return {"evals": evals, "seen": seen, "predicted": predicted.predictions,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
 
