@@ -55,9 +55,19 @@ class Unit:
     leaf: bool = False  # a leaf of the root fetched per use (fz/model/leaves.py), not a block
 
 
+SHARED = ("config", "generation_config")  # Hugging Face's: one object for the model and its copy
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy whose parameters and buffers are meta tensors (ties kept, no data copied)."""
+    """A deep copy whose parameters and buffers are meta tensors (ties kept, no data copied). A
+    module's Hugging Face `config` (and `generation_config`) is the model's own, not a copy: the
+    forward writes into it (a classifier's `problem_type`), which the user's model saves."""
     memo: dict[int, Any] = {}
+    for module in model.modules():
+        for name in SHARED:
+            held = module.__dict__.get(name)
+            if held is not None and not isinstance(held, (nn.Module, torch.Tensor)):
+                memo[id(held)] = held
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():

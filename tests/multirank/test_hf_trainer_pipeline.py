@@ -52,6 +52,7 @@ def test_losses_and_weights_equal_transformers_trainer(runs, name):
         assert got["epochs"] == pytest.approx(want["epochs"], abs=1e-12)
         assert got["lrs"] == pytest.approx(want["lrs"], rel=1e-9)
         assert params_rel(got["weights"], want["weights"]) < WEIGHT_TOL
+        assert got["problem_type"] == want["problem_type"]  # what the forward writes into the config (classes)
 
 
 def test_gather_for_metrics_drops_the_samples_the_last_step_fills_in(runs):

@@ -138,7 +138,7 @@ def run(out: str, on_fz: bool, *, kind: str = "lm", accum: int = 1, stage: int |
             "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             "train_loss": result.training_loss, "total_flos": trainer.state.total_flos,
             "tokens_seen": trainer.state.num_input_tokens_seen, "steps": trainer.state.global_step,
-            "gathered": gathered}
+            "gathered": gathered, "problem_type": getattr(trainer.model.config, "problem_type", None)}
 
 
 def grouped(settings: dict[str, Any]) -> bool:
