@@ -261,6 +261,11 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")
     trainer.state = trainer_state(checkpoint)  # read, checked and applied before the State is given to restore
+    saved_steps, steps = int(trainer.state.max_steps or 0), trainer._max_steps()[0]
+    if saved_steps and saved_steps != steps:  # the schedule differs: never silently
+        log.warning("fz.hf.Trainer: resuming a run of max_steps=%d with max_steps=%d: fz trains the next step with "
+                    "this run's lr schedule; transformers' Trainer (and DeepSpeed) train it with the lr the saved "
+                    "run's schedule left in its optimizer, then follow this run's", saved_steps, steps)
     best = trainer.state.best_model_checkpoint
     if best is not None and not os.path.isdir(best):  # as transformers
         log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
