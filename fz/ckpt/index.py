@@ -34,7 +34,7 @@ from fz.errors import CheckpointError, ConfigError
 INDEX = "index.json"
 INDEX_FORMAT = 1
 _MAX_PAIRS = 1_000_000  # chunk pairs compared to prove a tensor's chunks do not overlap (bounded time)
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -139,9 +139,9 @@ def _check(index: Any) -> None:
     if sum(len(t["chunks"]) for t in index["tensors"].values()) > MAX_CHUNKS:
         raise ValueError(f"more than {MAX_CHUNKS} chunks: not what fz.save writes")
     for key, t in index["tensors"].items():
-        if t["dtype"] not in _DTYPES:
+        if t["dtype"] not in DTYPES:
             raise ValueError(f"{key!r}: unknown dtype {t['dtype']!r}")
-        item = _DTYPES[t["dtype"]].itemsize
+        item = DTYPES[t["dtype"]].itemsize
         ndim = len(t["size"])
         if any(not isinstance(n, int) or n < 0 for n in t["size"]):
             raise ValueError(f"{key!r}: bad size {t['size']!r}")
@@ -200,7 +200,7 @@ def metadata_of(index: dict[str, Any]) -> Metadata:
         for c in t["chunks"]:
             chunks.append(ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])))
             storage[MetadataIndex(key, torch.Size(c["offsets"]))] = _StorageInfo(c["file"], c["at"], c["length"])
-        sd[key] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[t["dtype"]]), torch.Size(t["size"]), chunks)
+        sd[key] = TensorStorageMetadata(TensorProperties(dtype=DTYPES[t["dtype"]]), torch.Size(t["size"]), chunks)
     return Metadata(sd, planner_data={k: (k,) for k in sd}, storage_data=storage, storage_meta=StorageMeta())
 
 

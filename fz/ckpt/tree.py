@@ -20,14 +20,18 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from fz.errors import ConfigError
+from fz.ckpt.index import DTYPES
+from fz.errors import CheckpointError, ConfigError
 from fz.state import State
 
 _TENSOR, _TUPLE = "__fz_tensor__", "__fz_tuple__"
 # what a script's client state holds besides (DeepSpeed pickles it): argparse's Namespace (a dict of its
 # attributes) and numpy's arrays and scalars (a tensor of the same dtype); rebuilt as data, nothing run
-_NAMESPACE, _NDARRAY, _NPSCALAR = "__fz_namespace__", "__fz_ndarray__", "__fz_npscalar__"
-_REFS = (_TENSOR, _NDARRAY, _NPSCALAR)
+_NAMESPACE = "__fz_namespace__"
+_UNSIGNED = ("uint16", "uint32", "uint64")  # saved as the signed integers of their width, viewed back
+_NUMPY = {f"__fz_{kind}{'_' + u if u else ''}__": (kind == "npscalar", u)  # marker: (a scalar, its unsigned dtype)
+          for kind in ("ndarray", "npscalar") for u in (None, *_UNSIGNED)}
+_REFS = (_TENSOR, *_NUMPY)
 MAX_DEPTH = 256  # nesting of a data or client tree fz.save writes
 MAX_ENCODED_DEPTH = 2 * MAX_DEPTH + 1  # the same encoded (a tuple and a tensor are one dict deeper): restore's limit
 
@@ -37,6 +41,8 @@ def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
     stack = [(obj, 1)]
     while stack:
         x, depth = stack.pop()
+        if isinstance(x, argparse.Namespace):
+            x = vars(x)
         if isinstance(x, (dict, list, tuple)):
             if depth > limit:
                 return True
@@ -86,7 +92,10 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
     tensors: dict[str, Tensor] = {}
 
     def go(x: Any, path: str) -> Any:
+        where = f"checkpoint {prefix} at {path or '<root>'!r}"
         if isinstance(x, Tensor):
+            if str(x.dtype).removeprefix("torch.") not in DTYPES:
+                raise ConfigError(f"{where}: a {x.dtype} tensor, which fz's checkpoints do not hold")
             tensors[f"{prefix}/{path}"] = x
             return {_TENSOR: f"{prefix}/{path}"}
         if isinstance(x, dict):
@@ -97,19 +106,43 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
         if isinstance(x, (list, tuple)):
             items = [go(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
             return {_TUPLE: items} if isinstance(x, tuple) else items
-        if type(x).__module__ == "numpy" and hasattr(x, "dtype") and x.dtype.kind in "biufc":
-            import numpy as np
-            mark = _NDARRAY if isinstance(x, np.ndarray) else _NPSCALAR
-            tensors[f"{prefix}/{path}"] = torch.from_numpy(np.array(x, copy=True))
-            return {mark: f"{prefix}/{path}"}
+        if type(x).__module__ == "numpy" and hasattr(x, "dtype"):
+            return _numpy(x, f"{prefix}/{path}", where, tensors)
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, argparse.Namespace):
+            if any(_dunder(k) for k in vars(x)):
+                raise ConfigError(f"{where}: an argparse.Namespace with a __dunder__ attribute")
             return {_NAMESPACE: go(vars(x), path)}
-        raise ConfigError(f"checkpoint {prefix} at {path or '<root>'!r}: {type(x).__name__} is neither "
-                          "JSON-able nor a tensor (nor an argparse.Namespace or numeric numpy array, which are kept)")
+        raise ConfigError(f"{where}: {type(x).__name__} is neither JSON-able nor a tensor (nor an "
+                          "argparse.Namespace or numeric numpy array, which are kept)")
 
     return go(obj, ""), tensors
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _numpy(x: Any, ref: str, where: str, tensors: dict[str, Tensor]) -> dict[str, str]:
+    """A numpy array or scalar as a reference to a tensor of its values (native byte order; an
+    unsigned dtype torch's checkpoints lack as the signed one of its width, its marker naming it)."""
+    import numpy as np
+
+    array = np.array(x, copy=True)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    unsigned = array.dtype.name if array.dtype.name in _UNSIGNED else None
+    if unsigned:
+        array = array.view(f"int{array.dtype.itemsize * 8}")
+    try:
+        t = torch.from_numpy(array) if array.dtype.kind in "biufc" else None
+    except (TypeError, ValueError):
+        t = None
+    if t is None or str(t.dtype).removeprefix("torch.") not in DTYPES:
+        raise ConfigError(f"{where}: a numpy {x.dtype} value, which fz's checkpoints do not hold")
+    tensors[ref] = t
+    return {f"__fz_{'ndarray' if isinstance(x, np.ndarray) else 'npscalar'}{'_' + unsigned if unsigned else ''}__": ref}
 
 
 def tensor_refs(obj: Any) -> list:
@@ -130,16 +163,37 @@ def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
             return tensors[obj[_TENSOR]]
         if len(obj) == 1 and _TUPLE in obj:
             return tuple(decode(v, tensors) for v in obj[_TUPLE])
-        if len(obj) == 1 and _NAMESPACE in obj and isinstance(obj[_NAMESPACE], dict):
-            return argparse.Namespace(**decode(obj[_NAMESPACE], tensors))
-        if len(obj) == 1 and (_NDARRAY in obj or _NPSCALAR in obj):
-            ref = obj[_NDARRAY] if _NDARRAY in obj else obj[_NPSCALAR]
-            array = tensors[ref].numpy().copy()
-            return array if _NDARRAY in obj else array[()]
+        if len(obj) == 1 and _NAMESPACE in obj:
+            body = decode(obj[_NAMESPACE], tensors)
+            if not isinstance(body, dict) or any(_dunder(k) for k in body):
+                raise CheckpointError("a saved argparse.Namespace is not a dict of attribute names: damaged or altered")
+            return argparse.Namespace(**body)
+        if len(obj) == 1 and next(iter(obj)) in _NUMPY:
+            return _numpy_value(*next(iter(obj.items())), tensors)
         return {k: decode(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
         return [decode(v, tensors) for v in obj]
     return obj
+
+
+def _numpy_value(mark: str, ref: str, tensors: dict[str, Tensor]) -> Any:
+    """The numpy array or scalar `encode` saved as `mark`: the tensor's values, viewed back as the
+    unsigned dtype the marker names."""
+    scalar, unsigned = _NUMPY[mark]
+    t = tensors[ref]
+    try:
+        array = t.numpy().copy()
+    except (TypeError, RuntimeError) as e:
+        raise CheckpointError(f"a saved numpy value ({ref}) is a {t.dtype} tensor: damaged or altered") from e
+    if unsigned:
+        if array.dtype.kind != "i" or array.dtype.itemsize * 8 != int(unsigned.removeprefix("uint")):
+            raise CheckpointError(f"a saved numpy {unsigned} value ({ref}) is {array.dtype}: damaged or altered")
+        array = array.view(unsigned)
+    if scalar:
+        if array.ndim:
+            raise CheckpointError(f"a saved numpy scalar ({ref}) has shape {array.shape}: damaged or altered")
+        return array[()]
+    return array
 
 
 def _tensor_bytes(t: Tensor) -> bytes:

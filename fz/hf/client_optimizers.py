@@ -69,9 +69,9 @@ def torch_pair(trainer: Any, model: torch.nn.Module, max_steps: int, cfg: dict[s
                         "optimizer section, which transformers' Trainer trains with too")
             return None, None
         maker = copy.copy(trainer)
-        maker.optimizer = None
+        maker.optimizer, maker.model = None, model  # transformers before 5 takes no model= (it reads self.model)
         import transformers
-        opt = transformers.Trainer.create_optimizer(maker, model)
+        opt = transformers.Trainer.create_optimizer(maker)
     if opt is not None and sched is None and not cfg.get("scheduler"):
         maker = copy.copy(trainer)
         maker.lr_scheduler = None

@@ -21,14 +21,23 @@ from support.helpers import make_model, spec
 
 CLIENT = {"args": argparse.Namespace(lr=0.1, name="x", layers=[1, 2], inner=argparse.Namespace(a=1)),
           "table": np.arange(6.0).reshape(2, 3), "best": np.float64(0.5), "count": np.int32(7),
-          "flags": np.array([True, False]), "plain": {"epoch": 3, "loss": 1.5}}
+          "flags": np.array([True, False]), "plain": {"epoch": 3, "loss": 1.5},
+          "np_rng": np.random.RandomState(3).get_state(),  # a tuple holding a uint32 array
+          "wide": np.array([2**64 - 1], dtype=np.uint64), "small": np.uint16(65535),
+          "big_endian": np.arange(3, dtype=">i4")}
 
 
 def same(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     assert got["args"] == want["args"] and got["plain"] == want["plain"]
-    for k in ("table", "flags", "best", "count"):
+    for k in ("table", "flags", "best", "count", "wide", "small"):
         assert type(got[k]) is type(want[k]) and got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k])
+    assert np.array_equal(got["big_endian"], want["big_endian"]) and got["big_endian"].dtype.isnative
+    assert got["np_rng"][0] == want["np_rng"][0] and got["np_rng"][1].dtype == np.uint32
+    assert np.array_equal(got["np_rng"][1], want["np_rng"][1]) and got["np_rng"][2:] == want["np_rng"][2:]
+    generator = np.random.RandomState()
+    generator.set_state(got["np_rng"])  # numpy takes it back
+    assert generator.randint(1000) == np.random.RandomState(3).randint(1000)
 
 
 def test_fz_save_keeps_namespaces_and_numpy_values(tmp_path):
@@ -50,9 +59,16 @@ def test_the_deepspeed_engine_keeps_them_as_deepspeed_does(tmp_path):
     same({k: got[k] for k in CLIENT}, CLIENT)
 
 
-def test_an_object_array_is_refused_and_a_crafted_reference_too():
-    with pytest.raises(fz.ConfigError, match="ndarray is neither JSON-able nor a tensor"):
+def test_what_a_checkpoint_cannot_hold_is_refused_when_saved():
+    with pytest.raises(fz.ConfigError, match="at 'x': a numpy object value, which fz's checkpoints do not hold"):
         encode({"x": np.array([object()])}, "client")
+    with pytest.raises(fz.ConfigError, match="at 'x': a numpy float128 value|at 'x': a numpy longdouble value"):
+        encode({"x": np.ones(2, dtype=np.longdouble)}, "client")
+    with pytest.raises(fz.ConfigError, match="at 'x': a torch.uint32 tensor, which fz's checkpoints do not hold"):
+        encode({"x": torch.ones(2, dtype=torch.uint32)}, "client")
+    with pytest.raises(fz.ConfigError, match="a __dunder__ attribute"):
+        encode({"x": argparse.Namespace(**{"__reduce_ex__": 1})}, "client")
+
     tree, tensors = encode({"x": np.arange(3)}, "client")
     assert json.loads(json.dumps(tree)) == {"x": {"__fz_ndarray__": "client/x"}}
     assert np.array_equal(decode(tree, tensors)["x"], np.arange(3))
@@ -71,3 +87,16 @@ def test_a_file_referring_to_a_weight_as_an_array_is_refused(tmp_path, mark):
     manifest.write(step, files)
     with pytest.raises(CheckpointError, match=r"fz.json refers to tensor 'model/.*', which is not one of its own"):
         fz.restore(fz.init(make_model(), spec(0, 1)), step, with_client_state=True)
+
+
+@pytest.mark.parametrize("crafted, why", [
+    ({"__fz_namespace__": {"__fz_tuple__": [1]}}, "is not a dict of attribute names"),
+    ({"__fz_namespace__": {"__class__": 1}}, "is not a dict of attribute names"),
+    ({"__fz_ndarray__": "client/b"}, "is a torch.bfloat16 tensor"),
+    ({"__fz_ndarray_uint32__": "client/i"}, r"uint32 value \(client/i\) is int64"),
+    ({"__fz_npscalar__": "client/i"}, r"scalar \(client/i\) has shape"),
+])
+def test_a_crafted_client_tree_is_a_checkpoint_error(crafted, why):
+    tensors = {"client/b": torch.ones(2, dtype=torch.bfloat16), "client/i": torch.arange(3)}
+    with pytest.raises(CheckpointError, match=why):
+        decode({"x": crafted}, tensors)

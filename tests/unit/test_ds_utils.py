@@ -87,6 +87,9 @@ def test_a_checkpoint_fz_deepspeed_saved_reads_back_as_the_engines_weights(tmp_p
             written = load_file(out / "model.safetensors")
             assert sorted(written) == sorted(got)
             assert all(torch.equal(written[k], got[k].to(dtype)) for k in got)
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict(tmp_path, tmp_path / "named", "torch.float16",
+                                                           safe_serialization=True)  # DeepSpeed's spelling too
+        assert load_file(tmp_path / "named" / "model.safetensors")["2.weight"].dtype == torch.float16
 
 
 def test_log_dist_logs_on_the_ranks_deepspeeds_does(caplog):

@@ -108,7 +108,7 @@ OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16"
 
 
 def _output_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    found = OUTPUT_DTYPE_NAMES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    found = OUTPUT_DTYPE_NAMES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if found not in set(OUTPUT_DTYPE_NAMES.values()):
         raise ValueError(f"Unsupported output dtype {dtype!r}. Choose one of: {', '.join(sorted(OUTPUT_DTYPE_NAMES))}")
     return found
