@@ -56,6 +56,23 @@ def _nothing(p: nn.Parameter) -> torch.Tensor:
     return torch.empty(p.shape, dtype=p.dtype, device="meta")
 
 
+def upcast(model: nn.Module) -> Released:
+    """A model loaded in bf16 or fp16 (`dtype=torch.bfloat16`, a LoRA's half-precision base) with
+    its floating parameters made fp32 in place, fz's masters made from those values as DeepSpeed
+    makes its own; the record of each (its device, its own dtype) to give it back in after train()."""
+    out: Released = {}
+    for name, p in model.named_parameters():  # a tied parameter once
+        if p.is_floating_point() and p.dtype != torch.float32 and not p.is_meta:
+            out[name] = Given(p.device, p.dtype)
+            _swap(p, p.detach().float())
+    if out:
+        dtypes = sorted({str(g.dtype).removeprefix("torch.") for g in out.values()})
+        log.warning("fz.hf: trainer.model's parameters are %s (%d of them): fz trains fp32 masters made from "
+                    "their values, as DeepSpeed does, in the run's precision, and gives them back in their own "
+                    "dtype after train()", "/".join(dtypes), len(out))
+    return out
+
+
 def let_go(model: nn.Module, device: torch.device | None, state: fz.State) -> Released:
     """Each parameter's own storage freed: a view of the State's where there is one (ZeRO 0-2),
     else on the meta device; it comes back on `device` (None: the device it was on)."""

@@ -100,7 +100,7 @@ def shard_second_models(trainer: Any, policy: nn.Module, spec: fz.Spec) -> None:
     for name in second_models(trainer, policy):
         model = getattr(trainer, name)
         model.requires_grad_(False)
-        state = fz.init(model.float() if spec.precision != "fp32" else model, frozen)
+        state = fz.init(model.float(), frozen)  # a bf16 one's values in fp32: the State keeps them so
         model.to("meta")  # the State holds the weights now: the whole copy is let go (its attributes stay)
         setattr(trainer, name, OnFzModel(state, model))
         log.info("fz.hf: trainer.%s runs on an inference-only fz State (ZeRO stage %d, %s, no gradients or "

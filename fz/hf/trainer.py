@@ -144,6 +144,7 @@ class Trainer(transformers.Trainer):
         """The State, made on first use (before training too: evaluate() may come first)."""
         if self.fz_state is None:
             model = self._model()
+            self._fz_released = model_weights.upcast(model) | self._fz_released  # bf16 ones: fp32 masters
             steps = self._max_steps()[0]
             spec = spec_from_args(self.args, model, max_steps=steps, spec=self.fz_spec, chosen=chosen_optimizer(
                 self, model, steps), decay_names=self.get_decay_parameter_names(model))
