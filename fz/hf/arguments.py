@@ -38,6 +38,7 @@ dropped silently. What each TrainingArguments setting becomes:
   ddp_backend other than gloo / nccl           error: fz runs on gloo (CPU) and NCCL (CUDA)
   deepspeed together with spec=                error: two ZeRO setups
   a quantized or device_map-dispatched model   error
+  a model in bf16 / fp16                       trained from fp32 masters of its values (DeepSpeed's)
   ddp_* (others), tf32, torch_empty_cache_steps,   accepted: tune DDP or the device, change no number
     full_determinism, use_cpu, dataloader_*
   logging / eval / save / hub / report_to ...  the Trainer's own (fz.hf.Trainer)
