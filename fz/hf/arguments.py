@@ -18,8 +18,8 @@ dropped silently. What each TrainingArguments setting becomes:
   optim                                        adamw_torch(_fused) -> adamw, adafactor, sgd (optim_args
                                                  momentum / nesterov), lion_32bit -> lion; else error
   lr_scheduler_type, lr_scheduler_kwargs,      linear, cosine (num_cycles), constant,
-    warmup_steps (a ratio when < 1)              constant_with_warmup, polynomial (lr_end, power);
-                                                 else error
+    warmup_steps (a ratio when < 1)              constant_with_warmup, polynomial (lr_end, power),
+                                                 reduce_lr_on_plateau (fz/hf/plateau.py); else error
   bf16 / fp16                                  Spec.precision (fp16: GradScaler's dynamic scale)
   seed                                         Spec.seed (a DeepSpeed config's "seed" wins)
   gradient_checkpointing /                     Spec.activation_checkpointing=True (the kwargs are

@@ -22,14 +22,16 @@ import torch
 
 from fz import optim
 from fz.errors import ConfigError
+from fz.hf import plateau
 from fz.optim import GradientTransformation
 from fz.optim.base import Params, lr_at, masked, owned
 
 # TrainingArguments.optim -> the fz optimizer that computes the same update
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adafactor": "adafactor", "sgd": "sgd", "lion_32bit": "lion", "lion": "lion"}
-SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial")
-SCHEDULE_KWARGS = {"cosine": {"num_cycles"}, "polynomial": {"lr_end", "power"}}  # lr_scheduler_kwargs fz reads
+SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", plateau.KIND)
+SCHEDULE_KWARGS = {"cosine": {"num_cycles"}, "polynomial": {"lr_end", "power"},  # lr_scheduler_kwargs fz reads
+                   plateau.KIND: plateau.KWARGS}
 SGD_ARGS = {"momentum", "nesterov", "dampening", "weight_decay"}  # optim_args the Trainer's SGD reads
 
 
@@ -211,6 +213,8 @@ class TrainerScheduleBuilder:
             return optim.warmup_linear(lr, w, None)
         if self.kind == "constant":
             return optim.constant(lr)
+        if self.kind == plateau.KIND:
+            return plateau.Plateau(float(lr), kw)
         return TrainerSchedule(self.kind, float(lr), w, t, **kw)
 
     def __repr__(self) -> str:

@@ -52,7 +52,7 @@ from fz.hf.export import save_pretrained
 from fz.hf.replaced import warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
-from fz.hf.views import TrainerOptimizer, TrainerSchedule, logged_lr, next_lr
+from fz.hf.views import TrainerOptimizer, logged_lr, next_lr, schedule_view
 
 log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
@@ -236,8 +236,8 @@ class Trainer(transformers.Trainer):
             resumed_rng = None
         self.callback_handler.model, self.callback_handler.train_dataloader = self.model, self._loader
         self.optimizer = self.callback_handler.optimizer = TrainerOptimizer(self._next_lr)  # type: ignore[assignment]
-        self.lr_scheduler = self.callback_handler.lr_scheduler = TrainerSchedule(  # type: ignore[assignment]
-            self._next_lr, lambda: self.state.global_step)
+        self.lr_scheduler = self.callback_handler.lr_scheduler = schedule_view(  # type: ignore[assignment]
+            state, self._next_lr, lambda: self.state.global_step)
         start, first = time.time(), self.state.global_step
         self._fz_running, self._fz_total, self._fz_logged_at = 0.0, 0.0, first  # transformers' loss accounting
         (log.info if self.is_world_process_zero() else log.debug)(  # once, as transformers' replicas log less

@@ -28,9 +28,11 @@ from fz.config.deepspeed import load as load_deepspeed
 from fz.config.keys import gathers_16bit_on_save
 from fz.errors import CheckpointError, ConfigError
 from fz.hf import checkpoint_dirs as dirs
-from fz.hf import deepspeed_resume, host_generators
+from fz.hf import deepspeed_resume, host_generators, plateau
 from fz.hf.export import save_generation_config, save_pretrained
 from fz.hf.peft_export import is_peft_model
+from fz.hf.plateau import Plateau
+from fz.hf.views import schedule_of
 from fz.rng import capture, restore
 from fz.storage.fresh import open_fresh
 
@@ -74,6 +76,8 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
         state = state.replace(rng=capture(state.plan.device))  # the generators now, as transformers' rng_state
         if isinstance(state.data, dict):
             state = state.replace(data={**state.data, host_generators.KEY: host_generators.captured()})
+            if isinstance(schedule := schedule_of(state), Plateau):  # its lr, best metric and patience
+                state = state.replace(data={**state.data, plateau.KEY: schedule.state_dict()})
         fz.save(state, os.path.join(staging, dirs.FZ_DIR), verbose=False)
     best = trainer.state.best_global_step
     if best and (best == step or dirs.complete(dirs.final_dir(run_dir, best))):
@@ -284,6 +288,9 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
         loaded = fz.restore(state, os.path.join(checkpoint, dirs.FZ_DIR), verbose=False)
         assert isinstance(loaded, fz.State)
         saved = loaded.data.get(host_generators.KEY) if isinstance(loaded.data, dict) else None
+        if isinstance(schedule := schedule_of(loaded), Plateau) and isinstance(loaded.data, dict) \
+                and plateau.KEY in loaded.data:
+            schedule.load_state_dict(loaded.data[plateau.KEY])
         restored, generators = loaded, (loaded.rng, host_generators.setter(saved, checkpoint))
     trainer._load_optimizer_and_scheduler(checkpoint)  # fz's does nothing; a subclass's additions (GRPO's) load
     trainer.state.global_step = int(restored.step)

@@ -11,20 +11,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import fz
 from fz.errors import ConfigError
+from fz.hf.plateau import Plateau
 from fz.optim.base import lr_at
 
 
-def next_lr(state: fz.State) -> float:
-    """The lr of `state`'s next update: its schedule at the updates applied so far (skipped ones
-    do not step it, as transformers' scheduler skips them), else the last one applied."""
+def schedule_of(state: fz.State) -> Any:
+    """The lr schedule the State's Spec was made with (from the arguments or a DeepSpeed config), or None."""
     prov = state.spec.provenance
     schedule: Any = None
     if prov is not None:
         schedule = prov.objects.get("lr")
         if schedule is None and "scheduler" in prov:
             schedule = prov["scheduler"][0]
+    return schedule
+
+
+def next_lr(state: fz.State) -> float:
+    """The lr of `state`'s next update: its schedule at the updates applied so far (skipped ones
+    do not step it, as transformers' scheduler skips them), else the last one applied."""
+    schedule = schedule_of(state)
     if not callable(schedule) and not isinstance(schedule, int | float):
         return fz.optim.current_lr(state)
     skipped = int(state.scaler["skipped"]) if state.scaler and "skipped" in state.scaler else 0
@@ -91,3 +100,23 @@ class TrainerSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_epoch": self.last_epoch}
+
+
+class PlateauView(TrainerSchedule, torch.optim.lr_scheduler.ReduceLROnPlateau):  # type: ignore[misc, override]
+    """`trainer.lr_scheduler` of reduce_lr_on_plateau: a ReduceLROnPlateau to transformers, whose
+    `_evaluate` steps it with the evaluation's metric, as its own (fz/hf/plateau.py)."""
+
+    def __init__(self, lr: Callable[[], float], count: Callable[[], int], schedule: Plateau):
+        TrainerSchedule.__init__(self, lr, count)
+        self._schedule = schedule
+
+    def step(self, metrics: Any = None, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if metrics is None:
+            super().step()  # fz's error: an update's step is not the plateau's
+        self._schedule.step(float(metrics))
+
+
+def schedule_view(state: fz.State, lr: Callable[[], float], count: Callable[[], int]) -> TrainerSchedule:
+    """`trainer.lr_scheduler` for `state`: a PlateauView for reduce_lr_on_plateau, else a TrainerSchedule."""
+    schedule = schedule_of(state)
+    return PlateauView(lr, count, schedule) if isinstance(schedule, Plateau) else TrainerSchedule(lr, count)
