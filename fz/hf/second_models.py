@@ -100,8 +100,11 @@ def shard_second_models(trainer: Any, policy: nn.Module, spec: fz.Spec) -> None:
     for name in second_models(trainer, policy):
         model = getattr(trainer, name)
         model.requires_grad_(False)
-        state = fz.init(model.float(), frozen)  # a bf16 one's values in fp32: the State keeps them so
+        own = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(own.pop()) if len(own) == 1 else None
+        # a bf16 (fp16) one computes in its dtype, as DeepSpeed runs it; its values kept in fp32
+        state = fz.init(model.float(), frozen.replace(precision=half) if half else frozen)
         model.to("meta")  # the State holds the weights now: the whole copy is let go (its attributes stay)
         setattr(trainer, name, OnFzModel(state, model))
         log.info("fz.hf: trainer.%s runs on an inference-only fz State (ZeRO stage %d, %s, no gradients or "
-                 "optimizer state)", name, frozen.stage, spec.precision)
+                 "optimizer state)", name, frozen.stage, state.spec.precision)
