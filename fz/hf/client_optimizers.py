@@ -62,6 +62,8 @@ def given_optimizer(trainer: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
 def torch_pair(trainer: Any, model: torch.nn.Module, max_steps: int, cfg: dict[str, Any]) -> tuple[Any, Any]:
     """(the torch optimizer, the torch scheduler) transformers' Trainer would step where the user
     chose the optimizer (None, None where fz builds them from the arguments or the DeepSpeed config)."""
+    import transformers
+
     opt, sched = trainer.__dict__.get("_fz_given", (None, None))
     if opt is None and trainer.optimizer_cls_and_kwargs is not None:
         if cfg.get("optimizer"):
@@ -70,12 +72,10 @@ def torch_pair(trainer: Any, model: torch.nn.Module, max_steps: int, cfg: dict[s
             return None, None
         maker = copy.copy(trainer)
         maker.optimizer, maker.model = None, model  # transformers before 5 takes no model= (it reads self.model)
-        import transformers
         opt = transformers.Trainer.create_optimizer(maker)
     if opt is not None and sched is None and not cfg.get("scheduler"):
         maker = copy.copy(trainer)
         maker.lr_scheduler = None
-        import transformers
         sched = transformers.Trainer.create_scheduler(maker, max_steps, optimizer=opt)
     return opt, sched
 
