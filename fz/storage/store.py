@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -26,6 +27,8 @@ ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers
 _STORES: dict[tuple[str, int], DiskStore] = {}
 _counter = itertools.count()
 
+log = logging.getLogger(__name__)
+
 
 class IOSettings(Protocol):
     """What an I/O pool is made from: fz.offload.Offload's fields (a layer above storage)."""
@@ -41,11 +44,17 @@ class IOSettings(Protocol):
 
 
 def check_directory(path: str, need_bytes: int) -> None:
-    """A clear ConfigError unless `path` is an existing, writable directory with room for `need_bytes`."""
+    """A clear ConfigError unless `path` is a writable directory with room for `need_bytes`; one that
+    does not exist is made (as DeepSpeed makes its nvme_path)."""
     if not path:
         raise ConfigError("fz.offload.nvme: path is empty; give a directory on a fast local disk")
-    if not os.path.exists(path):
-        raise ConfigError(f"fz.offload.nvme: {path} does not exist; create it (a directory on a fast local disk)")
+    if not os.path.lexists(path):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"fz.offload.nvme: {path} does not exist and cannot be made ({e.strerror or e}); "
+                              "give a directory on a fast local disk") from None
+        log.info("fz.offload.nvme: made the directory %s", path)
     if not os.path.isdir(path):
         raise ConfigError(f"fz.offload.nvme: {path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):

@@ -145,9 +145,11 @@ def _small_state(path, **kw):
 
 
 def test_missing_file_and_readonly_directories(tmp_path, monkeypatch):
-    with pytest.raises(fz.ConfigError, match="does not exist"):
-        _small_state(tmp_path / "nope")
+    _small_state(tmp_path / "new" / "dir")  # made, as DeepSpeed makes its nvme_path
+    assert (tmp_path / "new" / "dir").is_dir()
     (tmp_path / "file").write_text("x")
+    with pytest.raises(fz.ConfigError, match="does not exist and cannot be made"):
+        _small_state(tmp_path / "file" / "under")
     with pytest.raises(fz.ConfigError, match="not a directory"):
         _small_state(tmp_path / "file")
     ro = tmp_path / "ro"
