@@ -28,6 +28,10 @@ class LossScale:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    raise_at_min: bool = False
+    """Stop the run (NonFiniteError) at an overflow once the scale is at `min_loss_scale` and no
+    hysteresis is left, as DeepSpeed's ZeRO 1-3 loss scaler does; otherwise such steps are skipped
+    (up to Spec.skip_limit in a row)."""
     growth: Literal["deepspeed", "grad_scaler"] = "deepspeed"
     """When a clean run doubles the scale. "deepspeed": as DeepSpeed's DynamicLossScaler (0.19), once
     `loss_scale_window` steps have passed without overflow after the step that follows the last

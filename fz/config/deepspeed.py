@@ -200,7 +200,7 @@ def _batch(r: Reader, cfg: dict[str, Any], world: int) -> tuple[int | None, int]
     return micro, accum
 
 
-def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
+def _precision(r: Reader, cfg: dict[str, Any], stage: int = 0) -> tuple[str, Any]:
     """precision= decides, adding a missing fp16/bf16 section as Accelerate does; an explicit
     `enabled` that disagrees with it is an error. Without it, "auto" beside an explicit true
     in the other section is false."""
@@ -260,7 +260,9 @@ def _precision(r: Reader, cfg: dict[str, Any]) -> tuple[str, Any]:
             if k in d:
                 r.mark(f"fp16.{k}", "ignored", "fp16 is off")
         return precision, LossScale()
-    scaling = LossScale(**args)
+    if stage == 0 and "hysteresis" in d:  # DeepSpeed's ZeRO-0 fp16 optimizer (FP16_Optimizer) has none
+        r.mark("fp16.hysteresis", "ignored", "DeepSpeed's ZeRO-0 fp16 optimizer halves at every overflow")
+    scaling = LossScale(**{**args, "hysteresis": 1 if stage == 0 else args["hysteresis"]}, raise_at_min=stage > 0)
     r.record("loss_scaling", scaling, "config" if any(k in d for k in args) else "default", "fp16.*")
     return precision, scaling
 
@@ -358,7 +360,7 @@ def read_deepspeed(spec_cls: type, config: dict | str | os.PathLike, strict: boo
     out: dict[str, Any] = {}
     out["micro_batch"], out["grad_accum"] = _batch(r, cfg, world)
     out.update(read_zero(r, cfg, fields))
-    out["precision"], out["loss_scaling"] = _precision(r, cfg)
+    out["precision"], out["loss_scaling"] = _precision(r, cfg, int(out.get("stage", 0)))
     offload = out.get("offload")
     _data_types(r, cfg, "fp32" if offload is not None and offload.optimizer != "device" else out["precision"])
 

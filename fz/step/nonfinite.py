@@ -96,6 +96,15 @@ class NonFinite:
         scaler_can_help = (spec.precision == "fp16" and not any(agreement.bad_losses)
                            and spec.loss_scaling.loss_scale == 0
                            and float(self.scaler["scale"]) > spec.loss_scaling.min_loss_scale)
+        ls = spec.loss_scaling
+        if spec.precision == "fp16" and ls.raise_at_min and ls.loss_scale == 0 and not scaler_can_help \
+                and not any(agreement.bad_losses) and 1 in (ls.hysteresis, int(self.scaler["hysteresis"])):
+            raise NonFiniteError(
+                f"fz.train_step at step {self.step}: {what}, with the fp16 loss scale at min_loss_scale "
+                f"({ls.min_loss_scale:g}) and no hysteresis left. DeepSpeed's ZeRO loss scaler stops here (\"Current "
+                "loss scale already at minimum - cannot decrease scale anymore. Exiting run.\"), and so does fz "
+                "(LossScale.raise_at_min, set by a DeepSpeed config at ZeRO 1-3). The state given to this step is "
+                "unchanged.")
         if spec.nonfinite == "skip" or scaler_can_help:  # the latter: the loss scaler lowers the scale (DeepSpeed)
             self._within_limit(what)
             return True

@@ -97,7 +97,8 @@ def test_zero_and_precision_mapping():
     assert spec.bucket_mb == 2**19 * 4 / 2**20  # the smaller of the two sizes, elements -> MB
     assert (spec.stage, spec.persist_threshold, spec.live_buckets) == (3, 10_000, 10)
     assert spec.loss_scaling == fz.spec.LossScale(loss_scale=0.0, initial_scale_power=12, loss_scale_window=500,
-                                                hysteresis=3, consecutive_hysteresis=True, min_loss_scale=0.5)
+                                                hysteresis=3, consecutive_hysteresis=True, min_loss_scale=0.5,
+                                                raise_at_min=True)  # DeepSpeed's ZeRO 1-3 scaler raises at its floor
     assert spec.precision == "fp16"
     assert (spec.reduce_dtype, spec.clip_grad_norm, spec.seed) == ("bf16", None, 7)
     assert fz.Monitor.settings_of(spec)["log_every"] == 5
