@@ -377,16 +377,13 @@ class Trainer(transformers.Trainer):
         self._fz_released = let_go | self._fz_released  # a parameter let go before keeps its first record (its dtype)
         model_calls.install(self, self._model())
 
-    def _check_in(self, call: str) -> None:
-        collective_calls.check_in(prepared(self, call), call)
-
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        self._check_in("evaluate")
+        collective_calls.check_in(prepared(self, "evaluate"), "evaluate")
         with online.weights_held(self):  # an online trainer's evaluation generates with trainer.model
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_in("predict")
+        collective_calls.check_in(prepared(self, "predict"), "predict")
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -394,7 +391,7 @@ class Trainer(transformers.Trainer):
         dtype: trainer_checkpoints.saved_dtype), gathered one bucket at a time. Every rank calls it."""
         if self.fz_state is None:
             return super().save_model(output_dir, _internal_call)
-        self._check_in("save_model")
+        collective_calls.check_in(prepared(self, "save_model"), "save_model")
         out = output_dir or str(self.args.output_dir)
         save_pretrained(self.fz_state, out, model=self._model(), processing_class=trainer_checkpoints.tokenizer(self),
                         dtype=trainer_checkpoints.saved_dtype(self))
