@@ -101,7 +101,7 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
         if isinstance(x, dict):
             bad = [k for k in x if not isinstance(k, str)]
             if bad:
-                raise ConfigError(f"checkpoint {prefix} at {path or '<root>'!r}: dict keys must be str, got {bad[0]!r}")
+                raise ConfigError(f"{where}: dict keys must be str, got {bad[0]!r}")
             return {k: go(v, f"{path}/{k}" if path else k) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             items = [go(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]

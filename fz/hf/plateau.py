@@ -17,6 +17,7 @@ import torch
 
 from fz.errors import CheckpointError
 from fz.optim.base import LR_MAX
+from fz.state import MAX_STEPS
 
 KIND = "reduce_lr_on_plateau"
 KWARGS = {"mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps"}
@@ -47,7 +48,7 @@ class Plateau:
         """`saved` as state_dict gives it, checked first (it comes from a file)."""
         counts = ("last_epoch", "num_bad_epochs", "cooldown_counter")
         ok = isinstance(saved, dict) and set(saved) == {"lr", "best", *counts} \
-            and all(type(saved[k]) is int and 0 <= saved[k] <= 2**48 for k in counts) \
+            and all(type(saved[k]) is int and 0 <= saved[k] <= MAX_STEPS for k in counts) \
             and isinstance(saved["lr"], float) and 0 <= saved["lr"] <= LR_MAX \
             and (saved["best"] is None or isinstance(saved["best"], float) and math.isfinite(saved["best"]))
         if not ok:
