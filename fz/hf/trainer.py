@@ -180,9 +180,7 @@ class Trainer(transformers.Trainer):
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         dataset, self._micro_rows, order = self._reads(dataset)
         order = order or data.length_grouped(self, dataset)  # group_by_length: its lengths read once, here
-        made = data.train_loader(self.args, dataset, self.fz_ready(), collate if self.args.dataloader_num_workers
-                                 else draws.deferred, micro=self._micro_rows, order=order)
-        return draws.AsAccelerate(made, collate)  # with workers, they collate
+        return draws.reading(self.args, dataset, self.fz_ready(), collate, micro=self._micro_rows, order=order)
 
     # ---------------------------------------------------------------- the loop
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

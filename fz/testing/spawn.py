@@ -68,7 +68,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 180.0) -> l
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, env), daemon=True)
+    # not daemonic: a rank may start processes of its own (DataLoader workers); `finally` ends them all
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, env), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

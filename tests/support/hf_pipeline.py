@@ -81,10 +81,31 @@ def seq2seq_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+class Masking:
+    """DataCollatorForLanguageModeling(mlm=False), then labels masked with draws from torch's, numpy's
+    and random's generators, as an MLM collator's masks (and a user's augmentation) draw."""
+
+    def __init__(self) -> None:
+        from transformers import DataCollatorForLanguageModeling
+        self.inner = DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        import random
+
+        import numpy as np
+        batch = self.inner(rows)
+        shape = batch["labels"].shape
+        drawn = torch.rand(shape) + torch.from_numpy(np.random.rand(*shape)).float() + random.random()
+        batch["labels"] = batch["labels"].masked_fill(drawn < 1.0, -100)
+        return batch
+
+
 def collator(kind: str) -> Any:
     from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
     if kind in ("lm", "mean"):
         return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    if kind == "masked":
+        return Masking()
     if kind == "seq2seq":
         return DataCollatorForSeq2Seq(tokenizer())
     return None  # "classes": the Trainer's default with processing_class=tokenizer, DataCollatorWithPadding
@@ -181,6 +202,7 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
     "mean_odd_z2": ("mean", 2, 2, {"rows": 41}),  # 41 % 4: the epoch's last global batch holds 1 sample
     "smoothed_ga2_z3": ("lm", 2, 3, {"label_smoothing_factor": 0.1}),
     "grouped_ga2_z3": ("lm", 2, 3, {"train_sampling_strategy": "group_by_length", "seed": 5, "num_train_epochs": 2}),
+    "masked_workers_z2": ("masked", 2, 2, {"dataloader_num_workers": 2, "num_train_epochs": 2}),
 }
 
 
@@ -188,7 +210,7 @@ RUNS = {  # name: (kind, accumulation, ZeRO stage on fz, extra arguments)
 # transformers' Trainer at world 2 (DDP over gloo), in the same processes: LlamaForSequenceClassification
 # takes num_items_in_batch but its loss does not use it (and compute_loss still multiplies by the
 # ranks); a model that takes none averages each micro-batch, of 2 rows at world 2 and 4 at world 1
-AT_WORLD_2 = ("classes", "mean")
+AT_WORLD_2 = ("classes", "mean", "masked")  # "masked": each rank's dataloader workers draw its own masks
 
 
 def reference_key(name: str) -> str:
