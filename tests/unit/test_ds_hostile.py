@@ -202,6 +202,15 @@ def _symlinked_tag(root: Path, other: Path) -> str:
     return "global_step9"
 
 
+def _latest_linked_out(root: Path, tmp_path: Path) -> str:
+    """`latest` a symlink to a one-line file outside (a token): its text must not become the tag."""
+    secret = tmp_path / "token"
+    secret.write_text("hf_SECRET0123")
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(secret)
+    return f"{root / 'latest'} leads to {secret}, outside"
+
+
 FILES = {
     "rank file is a FIFO": _swap_fifo,
     "rank file is a symlink out of the folder": _swap_symlink,
@@ -212,6 +221,7 @@ FILES = {
     "latest names a sibling": _latest(lambda root, other: f"../{other.name}/{h.TAG}"),
     "latest names an absolute path": _latest(lambda root, other: str(other / h.TAG)),
     "latest names a symlink out": _latest(_symlinked_tag),
+    "latest is a symlink out": _latest_linked_out,
 }
 
 
@@ -222,7 +232,7 @@ def test_crafted_folder_is_refused(case: str, reader: str, state: fz.State, refe
     root = h.checkpoint(tmp_path / "ck")
     want = FILES[case](root, tmp_path)
     msg = _refused(reader, state, root, reference)
-    assert want in msg, msg
+    assert want in msg and "SECRET" not in msg, msg
 
 
 def test_what_differs_is_named(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fz.ckpt import signing
-from fz.ckpt.regular import NAME_MAX, open_regular_file
+from fz.ckpt.regular import NAME_MAX, inside, open_regular_file
 from fz.errors import CheckpointError
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -32,7 +32,9 @@ _MAX_LATEST = 4096  # a tag name; a longer `latest` is not DeepSpeed's
 
 def _latest(path: Path, name: str = "latest") -> str:
     """The tag `path/<name>` names (`latest`, or ds_to_universal's `latest_universal`; its text,
-    stripped: at most _MAX_LATEST bytes)."""
+    stripped: at most _MAX_LATEST bytes), read only if it lies inside `path`: a symlink out of it
+    would put another file's text into the tag, and into the errors that name it."""
+    inside(path, path / name, f"DeepSpeed's `{name}` file", "the save_dir")
     with open_regular_file(path / name, f"DeepSpeed's `{name}` file") as fh:
         raw = fh.read(_MAX_LATEST + 1)
     if len(raw) > _MAX_LATEST:
