@@ -145,7 +145,8 @@ def _impossible(tensors: dict[str, Tensor]) -> list[str]:
     return out
 
 
-_SCALER_LOWEST = {"iter": 0, "skipped": 0, "skipped_in_a_row": 0, "hysteresis": 0, "last_overflow": -1}
+# hysteresis: the overflows left before the scale halves, at least 1 (0 never halved it: every step skipped)
+_SCALER_LOWEST = {"iter": 0, "skipped": 0, "skipped_in_a_row": 0, "hysteresis": 1, "last_overflow": -1}
 
 
 def _impossible_scaler(key: str, t: Tensor) -> list[str]:

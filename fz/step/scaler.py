@@ -50,7 +50,7 @@ def update_scaler(spec: Spec, scaler: Scaler, overflow: bool) -> Scaler:
     if overflow:
         skipped += 1
         if dynamic:
-            if ls.hysteresis == 1 or hyst == 1:
+            if ls.hysteresis == 1 or hyst <= 1:
                 scale = max(scale / 2.0, ls.min_loss_scale)
             else:
                 hyst -= 1

@@ -123,10 +123,11 @@ def test_impossible_optimizer_values_are_refused_and_the_template_given_up(tmp_p
 
 @pytest.mark.parametrize("field, value", [("scale", float("nan")), ("scale", float("inf")), ("scale", 0.0),
                                           ("scale", -65536.0), ("iter", -5), ("skipped", -1),
-                                          ("iter", 2**63 - 1)])
+                                          ("iter", 2**63 - 1), ("hysteresis", 0)])
 def test_an_impossible_loss_scale_is_refused(tmp_path, field, value):
     """fp16: a NaN or inf scale skipped every later step silently, 0 divided by zero at the next
-    step, a negative one was taken; a negative count is no count. The DeepSpeed import refused them."""
+    step, a negative one was taken; a negative count is no count; hysteresis 0 never halved the
+    scale (every step skipped). The DeepSpeed import refused them."""
     state = fz.init(make_model(), spec(1, 1, precision="fp16"))
     state, _ = fz.train_step(state, rank_batches(1, 1, 1)[0][0])
     bad = dict(state.scaler, **{field: torch.tensor(value, dtype=state.scaler[field].dtype)})
