@@ -29,7 +29,7 @@ from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.reader import read_metadata
-from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, tensor_refs, too_deep
+from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, malformed, tensor_refs, too_deep
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
 from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER
@@ -84,6 +84,10 @@ def _refs(tree: Any, prefix: str, file: Path, saved: dict[str, Any]) -> list[str
     if too_deep(tree, MAX_ENCODED_DEPTH):
         raise CheckpointError(f"checkpoint file {file}: its {prefix.rstrip('/')} tree nests deeper than "
                               f"{MAX_ENCODED_DEPTH} levels, more than fz.save writes: damaged or altered")
+    odd = malformed(tree)
+    if odd is not None:
+        raise CheckpointError(f"checkpoint file {file}: its {prefix.rstrip('/')} tree holds {odd}, which fz.save "
+                              "never writes: damaged or altered")
     refs = tensor_refs(tree)
     bad = [r for r in refs if not isinstance(r, str) or not r.startswith(prefix) or r not in saved]
     if bad:
@@ -270,6 +274,9 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         data_json = rank_json["data"]
         per_rank = meta.get("client_state_per_rank")
         client_json = rank_json.get("client", {}) if per_rank else meta.get("client_state", {})
+        if not isinstance(client_json, dict) or (len(client_json) == 1 and next(iter(client_json)).startswith("__fz_")):
+            raise CheckpointError(f"checkpoint {d}: its client_state {str(client_json)[:60]!r} is not the dict of "
+                                  "names fz.save writes: damaged or altered")
         refs = _refs(data_json, "data/", data_file, saved) + _refs(client_json, "client/", data_file if per_rank
                                                                    else d / META, saved)
         extra = {k: _empty_for(saved[k]) for k in refs}

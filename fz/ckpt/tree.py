@@ -32,7 +32,11 @@ _UNSIGNED = ("uint16", "uint32", "uint64")  # saved as the signed integers of th
 _NUMPY = {f"__fz_{kind}{'_' + u if u else ''}__": (kind == "npscalar", u)  # marker: (a scalar, its unsigned dtype)
           for kind in ("ndarray", "npscalar") for u in (None, *_UNSIGNED)}
 _REFS = (_TENSOR, *_NUMPY)
-MAX_DEPTH = 256  # nesting of a data or client tree fz.save writes
+_MARKERS = (_TUPLE, _NAMESPACE, *_REFS)
+_NAMESPACE_OWN = frozenset(dir(argparse.Namespace))  # its methods: an attribute of that name would shadow one
+# nesting of a data or client tree fz.save writes: its walkers recurse, two frames a level (and comprehensions),
+# so this stays well inside Python's recursion limit of 1000 under a caller's own frames
+MAX_DEPTH = 100
 MAX_ENCODED_DEPTH = 2 * MAX_DEPTH + 1  # the same encoded (a tuple and a tensor are one dict deeper): restore's limit
 
 
@@ -102,6 +106,9 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
             bad = [k for k in x if not isinstance(k, str)]
             if bad:
                 raise ConfigError(f"{where}: dict keys must be str, got {bad[0]!r}")
+            if len(x) == 1 and next(iter(x)) in _MARKERS:
+                raise ConfigError(f"{where}: a dict whose one key is {next(iter(x))!r}, which fz's checkpoints use "
+                                  "to mark what they encode")
             return {k: go(v, f"{path}/{k}" if path else k) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             items = [go(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(x)]
@@ -111,8 +118,9 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, argparse.Namespace):
-            if any(_dunder(k) for k in vars(x)):
-                raise ConfigError(f"{where}: an argparse.Namespace with a __dunder__ attribute")
+            own = [k for k in vars(x) if k in _NAMESPACE_OWN or _dunder(k)]
+            if own:
+                raise ConfigError(f"{where}: an argparse.Namespace with an attribute {own[0]!r} that shadows its own")
             return {_NAMESPACE: go(vars(x), path)}
         raise ConfigError(f"{where}: {type(x).__name__} is neither JSON-able nor a tensor (nor an "
                           "argparse.Namespace or numeric numpy array, which are kept)")
@@ -145,6 +153,33 @@ def _numpy(x: Any, ref: str, where: str, tensors: dict[str, Tensor]) -> dict[str
     return {f"__fz_{'ndarray' if isinstance(x, np.ndarray) else 'npscalar'}{'_' + unsigned if unsigned else ''}__": ref}
 
 
+def malformed(obj: Any) -> str | None:
+    """What in an encoded tree `encode` never writes (a marker whose body is not what it marks), or
+    None; found without recursion, before any of it is decoded."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+            continue
+        if not isinstance(x, dict):
+            continue
+        mark = next(iter(x)) if len(x) == 1 else None
+        body = x[mark] if mark in _MARKERS else None
+        if mark in _REFS and not isinstance(body, str):
+            return f"a {mark} reference that is a {type(body).__name__}, not a key"
+        if mark == _TUPLE and not isinstance(body, list):
+            return f"a tuple whose items are a {type(body).__name__}, not a list"
+        if mark == _NAMESPACE:
+            if not isinstance(body, dict):
+                return f"an argparse.Namespace whose attributes are a {type(body).__name__}, not a dict"
+            own = [k for k in body if k in _NAMESPACE_OWN or _dunder(k)]
+            if own:
+                return f"an argparse.Namespace with an attribute {own[0][:40]!r} that shadows its own"
+        stack.extend(x.values())
+    return None
+
+
 def tensor_refs(obj: Any) -> list:
     """The tensor keys an encoded tree refers to."""
     if isinstance(obj, dict):
@@ -165,7 +200,7 @@ def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
             return tuple(decode(v, tensors) for v in obj[_TUPLE])
         if len(obj) == 1 and _NAMESPACE in obj:
             body = decode(obj[_NAMESPACE], tensors)
-            if not isinstance(body, dict) or any(_dunder(k) for k in body):
+            if not isinstance(body, dict) or any(k in _NAMESPACE_OWN or _dunder(k) for k in body):
                 raise CheckpointError("a saved argparse.Namespace is not a dict of attribute names: damaged or altered")
             return argparse.Namespace(**body)
         if len(obj) == 1 and next(iter(obj)) in _NUMPY:

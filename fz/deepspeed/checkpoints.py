@@ -86,9 +86,9 @@ def load(state: fz.State, load_dir: Path, tag: str | None, universal: bool = Fal
     if not counters and "global_samples" in client:  # DeepSpeed's file: its own count
         counters = {"global_samples": client["global_samples"]}
     samples = counters.get("global_samples", 0) if isinstance(counters, dict) else None
-    if type(samples) is not int or samples < 0:
+    if type(samples) is not int or not 0 <= samples <= 2**62:
         raise CheckpointError(f"load_checkpoint: {read} holds engine counters {str(counters)[:80]!r}, not "
-                              "{'global_samples': an integer >= 0}: damaged or altered")
+                              "{'global_samples': an integer from 0 to 2**62}: damaged or altered")
     return state, path, client, dict(counters)
 
 

@@ -66,8 +66,11 @@ def test_what_a_checkpoint_cannot_hold_is_refused_when_saved():
         encode({"x": np.ones(2, dtype=np.longdouble)}, "client")
     with pytest.raises(fz.ConfigError, match="at 'x': a torch.uint32 tensor, which fz's checkpoints do not hold"):
         encode({"x": torch.ones(2, dtype=torch.uint32)}, "client")
-    with pytest.raises(fz.ConfigError, match="a __dunder__ attribute"):
-        encode({"x": argparse.Namespace(**{"__reduce_ex__": 1})}, "client")
+    for name in ("__reduce_ex__", "_get_kwargs"):
+        with pytest.raises(fz.ConfigError, match=f"an attribute '{name}' that shadows its own"):
+            encode({"x": argparse.Namespace(**{name: 1})}, "client")
+    with pytest.raises(fz.ConfigError, match="a dict whose one key is '__fz_tuple__'"):
+        encode({"x": {"__fz_tuple__": [1]}}, "client")  # it would come back a tuple
 
     tree, tensors = encode({"x": np.arange(3)}, "client")
     assert json.loads(json.dumps(tree)) == {"x": {"__fz_ndarray__": "client/x"}}
@@ -100,3 +103,36 @@ def test_a_crafted_client_tree_is_a_checkpoint_error(crafted, why):
     tensors = {"client/b": torch.ones(2, dtype=torch.bfloat16), "client/i": torch.arange(3)}
     with pytest.raises(CheckpointError, match=why):
         decode({"x": crafted}, tensors)
+
+
+def _crafted(tmp_path, client_state):
+    """A checkpoint whose fz.json holds `client_state` as its encoded client tree (re-listed)."""
+    fz.save(fz.init(make_model(), spec(0, 1)), tmp_path, client_state={"x": 1})
+    step = tmp_path / "step_0"
+    doc = json.loads((step / "fz.json").read_text())
+    doc["client_state"] = client_state
+    (step / "fz.json").write_text(json.dumps(doc))
+    files = manifest.read(step)
+    files.update(manifest.describe(step, ["fz.json"]))
+    manifest.write(step, files)
+    return step
+
+
+@pytest.mark.parametrize("client_state, why", [
+    ({"x": {"__fz_tuple__": 5}}, "a tuple whose items are a int, not a list"),
+    ({"x": {"__fz_tuple__": "abc"}}, "a tuple whose items are a str, not a list"),  # was ('a', 'b', 'c')
+    ({"x": {"__fz_namespace__": {"_get_kwargs": 1}}}, "an attribute '_get_kwargs' that shadows its own"),
+    ({"x": {"__fz_tensor__": 3}}, "a __fz_tensor__ reference that is a int, not a key"),
+    ([1, 2], r"its client_state '\[1, 2\]' is not the dict of names fz.save writes"),
+    ({"__fz_namespace__": {"a": 1}}, "is not the dict of names fz.save writes"),
+])
+def test_a_client_tree_fz_save_never_writes_is_refused_before_anything_is_loaded(tmp_path, client_state, why):
+    """A marker whose body is not what it marks was decoded as given (a raw TypeError after the
+    template was given up, or a tuple of a string's letters); now refused while the restore plans,
+    and the template is still usable."""
+    step = _crafted(tmp_path / "bad", client_state)
+    template = fz.init(make_model(), spec(0, 1))
+    with pytest.raises(CheckpointError, match=why):
+        fz.restore(template, step, with_client_state=True)
+    fz.save(fz.init(make_model(), spec(0, 1)), tmp_path / "good")
+    fz.restore(template, tmp_path / "good" / "step_0")  # the template was not given up

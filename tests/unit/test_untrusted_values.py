@@ -83,7 +83,8 @@ def test_a_tree_nested_past_what_save_writes_is_refused_before_it_is_walked(tmp_
     step = tmp_path / "bad" / "step_1"
     name = "data_0.json" if where == "data" else "fz.json"
     doc = json.loads((step / name).read_text())
-    doc["data" if where == "data" else "client_state"] = json.loads("[" * 900 + "]" * 900)
+    deep = json.loads("[" * 900 + "]" * 900)
+    doc["data" if where == "data" else "client_state"] = deep if where == "data" else {"x": deep}
     (step / name).write_text(json.dumps(doc))
     _relist(step, name)
     with pytest.raises(CheckpointError, match=rf"{name}: its {where} tree nests deeper than"):
