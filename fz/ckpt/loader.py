@@ -281,7 +281,7 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
                                                                    else d / META, saved)
         extra = {k: _empty_for(saved[k]) for k in refs}
         load.update(extra)
-        return load, buffers, scaler, lines, rng, (data_json, client_json, extra)
+        return load, buffers, scaler, lines, rng, (data_json, client_json, extra, step)
 
     planned, err = run_local(plan)
     lines = planned[3] if err is None else []
@@ -295,7 +295,7 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
                           f"{lines[0]}): it is another model's, and restoring it (even with strict=False) would only "
                           "adopt its step count and leave every tensor at its initial value")
     agree(group, err, f"reading checkpoint {path}")
-    load, buffers, scaler, lines, rng, (data_json, client_json, extra) = planned
+    load, buffers, scaler, lines, rng, (data_json, client_json, extra, train_step) = planned
     if lines:
         warnings.warn(PartialRestoreWarning(
             f"{who}(strict=False) from {d}: {len(lines)} tensors not restored (warning.skipped lists them): "
@@ -306,9 +306,11 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         narrow = {f"model/{n}": nonfinite_as(p.dtype) for n, p in state.params.items()} if state.master else {}
         found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0, narrow)
         impossible = _impossible(load)
+        if "step" in load and int(_local(load["step"])) != train_step:  # the data's position is bounded by it
+            impossible.append(f"step = {int(_local(load['step']))}, where {META} says train_step = {train_step}")
         if impossible:
-            err = CheckpointError(f"checkpoint {d} holds optimizer or loss-scale values no run writes, which would "
-                                  f"put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
+            err = CheckpointError(f"checkpoint {d} holds step, optimizer or loss-scale values no run writes, which "
+                                  f"would put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
                                   f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
         bad_rng = rng_problem(rng) if f"rng/{rank}" in load else None
         if bad_rng is not None and err is None:

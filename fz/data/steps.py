@@ -8,6 +8,8 @@ only for this rank's rows of the worker's own steps; an iterable dataset is read
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
@@ -18,6 +20,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from fz.data.order import Layout, epoch_order
 from fz.errors import ConfigError
 from fz.step.batches import MicroBatches
+
+log = logging.getLogger(__name__)
+SAY_EVERY_S = 30.0  # how often a long read past an iterable dataset's used samples says how far it is
 
 Fetch = Callable[[int, int], list[Any]]
 Order = Callable[[int, int], Any]  # (epoch, size) -> that epoch's sample indices
@@ -82,7 +87,7 @@ class Steps(IterableDataset):
     def _read(self, epoch: int, index: int) -> Iterator[tuple[int, int, Fetch]]:
         it = iter(self.dataset)
         head = list(islice(it, min(index, self.layout.global_rows)))  # the epoch's first samples fill a last step
-        skipped = len(head) + sum(1 for _ in islice(it, index - len(head)))
+        skipped = len(head) + _read_past(it, index - len(head), index, epoch)
         if skipped < index:
             raise ConfigError(f"fz.data.loader: resuming at sample {index} of epoch {epoch}, but the iterable "
                               f"dataset ends after {skipped} samples (is it the dataset the position was saved with?)")
@@ -105,3 +110,22 @@ class Steps(IterableDataset):
                 return chunk[lo:hi]
             yield index, take, part
             index += take
+
+
+def _read_past(it: Iterator[Any], n: int, index: int, epoch: int) -> int:
+    """Read past `n` samples of `it` (resuming an iterable dataset at sample `index`: as long as reading
+    them takes), saying so, and how far it is every SAY_EVERY_S seconds; the samples read past."""
+    if n <= 0:
+        return 0
+    log.info("fz.data: resuming an iterable dataset at sample %d of epoch %d: reading past the samples before it",
+             index, epoch)
+    done, said = 0, time.monotonic()
+    while done < n:
+        got = sum(1 for _ in islice(it, min(n - done, 1 << 16)))
+        done += got
+        if not got:
+            break
+        if time.monotonic() - said >= SAY_EVERY_S:
+            log.info("fz.data: read past %d of %d samples", done, n)
+            said = time.monotonic()
+    return done

@@ -7,6 +7,7 @@ gigabytes from a few bytes)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -258,6 +259,42 @@ def test_an_iterable_datasets_position_past_what_the_step_read_is_refused():
     with pytest.raises(ConfigError, match=r"is at sample 4611686018427387904, but the state is at step 1, which reads "
                                           r"at most 8 samples of 4 a step .*: damaged or altered"):
         fz.data.loader(Stream(), state, micro_batch=4)
+
+
+def test_a_step_that_is_not_the_one_fz_json_names_is_refused(tmp_path):
+    """The data position is bounded by the step: a crafted step (2**40, with a position of 2**50
+    samples) read past an iterable stream for ever; fz.json's train_step must agree with it."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    doc = json.loads((step / "fz.json").read_text())
+    doc["train_step"] = 2**40
+    (step / "fz.json").write_text(json.dumps(doc))
+    _relist(step, "fz.json")
+    with pytest.raises(CheckpointError, match=r"values no run writes, .*: step = 1, where fz.json says train_step = "
+                                              r"1099511627776\. Damaged"):
+        _restore(step)
+
+
+def test_reading_past_an_iterable_datasets_used_samples_says_so(monkeypatch, caplog):
+    """A resume of an iterable dataset reads past the samples used (as long as reading them takes):
+    it says so as it starts, and how far it is as it goes, not silently."""
+    from fz.data import steps
+
+    monkeypatch.setattr(steps, "SAY_EVERY_S", 0.0)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10**6))
+
+    state = _trained()
+    position = {**fz.data.loader(Stream(), spec(0, 1), micro_batch=4).state_dict(), "index": 8000}
+    loader = fz.data.loader(Stream(), state.replace(data={"loader": position}), micro_batch=4)
+    with caplog.at_level(logging.INFO, logger="fz.data.steps"):
+        assert next(iter(loader)).tolist()[0] == 8000
+    said = [r.getMessage() for r in caplog.records if r.name == "fz.data.steps"]
+    assert said[0] == ("fz.data: resuming an iterable dataset at sample 8000 of epoch 0: reading past the samples "
+                       "before it")
+    assert said[-1] == "fz.data: read past 7996 of 7996 samples"  # the first 4 kept, to fill a last step
 
 
 @pytest.mark.parametrize("field", ["seed", "shuffle", "size", "format"])
