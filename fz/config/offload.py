@@ -19,6 +19,7 @@ PATH = "zero_optimization"
 TIER = {"none": "device", "cpu": "host", "nvme": "disk"}
 AIO_THREADS = ("thread_count", "intra_op_parallelism")
 AIO_NO_EFFECT = {"block_size", "queue_depth", "single_submit", "overlap_events", "use_gds"}
+MAX_IN_CPU = 1e9  # DeepSpeed's default: the parameter elements its NVMe offload may cache in host memory
 NO_EFFECT = {"fast_init", "pipeline_read", "pipeline_write", "pipeline", "super_offload", "cpuadam_cores_perc",
              "max_in_cpu"}
 
@@ -44,6 +45,10 @@ def _section(r: Reader, zero: dict[str, Any], key: str, old: str) -> dict[str, A
     out["tier"] = TIER[device]
     for k in NO_EFFECT & set(d):
         r.mark(f"{path}.{k}", "ignored", "no effect in fz (DeepSpeed's own I/O and CPU-Adam tuning)")
+    if device == "nvme" and key == "offload_param" and d.get("max_in_cpu") not in (None, MAX_IN_CPU):
+        r.advice.append(f"{path}.max_in_cpu={d['max_in_cpu']!r} has no effect: fz keeps no parameters in host "
+                        "memory between uses beyond its offload buffers (buffer_count x buffer_size); "
+                        "fz.estimate gives the host bytes")
     if device == "none":
         for k in set(d) - {"device"}:
             r.mark(f"{path}.{k}", "ignored", "device 'none'")
@@ -97,6 +102,11 @@ def read_offload(r: Reader, cfg: dict[str, Any], zero: dict[str, Any], stage: in
     pins = [s["pin"] for s in (opt, par) if s.get("pin") is not None]
     buffers = [s["buffers"] for s in (opt, par) if s.get("buffers")]
     elements = [s["buffer_elements"] for s in (opt, par) if s.get("buffer_elements")]
+    for key, values, taken in (("pin_memory", pins, "false"), ("buffer_count", buffers, "the larger"),
+                               ("buffer_size", elements, "the larger")):
+        if len(set(values)) > 1:
+            r.advice.append(f"{PATH}.offload_optimizer.{key} and offload_param.{key} differ ({values[0]} and "
+                            f"{values[1]}): fz has one {key} for both tiers and takes {taken}")
     kw: dict[str, Any] = {}
     if buffers:
         kw["buffers"] = max(buffers)

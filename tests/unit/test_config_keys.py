@@ -253,3 +253,28 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_igno
         spec = fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
     assert (spec.offload.optimizer, spec.offload.params) == ("host", "device")
     assert spec.provenance.outcomes["zero_optimization.offload_param.device"][0] == "ignored"
+
+
+@pytest.mark.parametrize("opt, par, said", [
+    ({"pin_memory": True}, {"pin_memory": False}, r"offload_optimizer.pin_memory and offload_param.pin_memory differ "
+                                                  r"\(True and False\): fz has one pin_memory for both tiers and "
+                                                  "takes false"),
+    ({"buffer_count": 4}, {"buffer_count": 8}, "buffer_count differ .*takes the larger"),
+    ({}, {"max_in_cpu": 1e8}, r"offload_param.max_in_cpu=100000000.0 has no effect: fz keeps no parameters in host "
+                              "memory between uses"),
+])
+def test_offload_settings_fz_merges_or_cannot_honour_are_warned(tmp_path, opt, par, said):
+    """Both sections set what fz has one of (DeepSpeed keeps one per tier), or a host cache fz does not
+    have is sized: merged or dropped silently before (explain() alone listed them)."""
+    disk = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = {"stage": 3, "offload_optimizer": {**disk, **opt}, "offload_param": {**disk, **par}}
+    with pytest.warns(fz.config.DeepSpeedConfigWarning, match=said):
+        fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
+
+
+def test_offload_settings_at_deepspeeds_defaults_warn_nothing(tmp_path):
+    disk = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 5}
+    zero = {"stage": 3, "offload_optimizer": disk, "offload_param": {**disk, "max_in_cpu": 1e9}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
