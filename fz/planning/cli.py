@@ -48,7 +48,13 @@ def load(ref: str) -> Callable[..., Any]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name is None or not where.startswith(e.name):
+                raise  # a module it imports is missing: its own traceback says which
+            raise ConfigError(f"{ref!r}: no module {e.name!r} (a module on the path, or path/to/file.py:factory)") \
+                from None
     if not hasattr(module, name):
         raise ConfigError(f"{ref!r}: {where} has no {name!r}")
     return getattr(module, name)

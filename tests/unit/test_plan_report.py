@@ -94,3 +94,11 @@ def test_the_ladder_has_a_bf16_rung_only_when_it_starts_below(precision, tmp_pat
 def test_a_world_size_of_0_is_refused_not_planned_for_one_rank(capsys):
     assert main(["plan", "--params", "1e9", "--largest-layer", "1e8", "--world-size", "0"]) == 2
     assert "world_size=0 must be a positive multiple of nodes=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ref, said", [("nosuch:thing", "no module 'nosuch'"),
+                                       ("fz.nosuch:thing", "no module 'fz.nosuch'"),
+                                       ("fz.testing:NoSuch", "fz.testing has no 'NoSuch'")])
+def test_a_mistyped_model_is_one_line_not_a_traceback(capsys, ref, said):
+    assert main(["plan", "--model", ref, "--world-size", "1"]) == 2
+    assert said in capsys.readouterr().err
