@@ -239,9 +239,9 @@ class Trainer(transformers.Trainer):
         start, first = time.time(), self.state.global_step
         self._fz_running, self._fz_total, self._fz_logged_at = 0.0, 0.0, first  # transformers' loss accounting
         (log.info if self.is_world_process_zero() else log.debug)(  # once, as transformers' replicas log less
-            "fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s", max_steps,
+            "fz.hf.Trainer: %d steps of %d samples (%d per device x %d accumulation x %d ranks), %s; %s", max_steps,
             self._samples_per_step(), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-            args.world_size, state.spec.explain().splitlines()[0])
+            args.world_size, state.spec.explain().splitlines()[0], fz.memory_report(state).summary())
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if getattr(args, "eval_on_start", False):
             self.evaluate(ignore_keys=ignore_keys_for_eval)

@@ -50,6 +50,12 @@ class MemoryReport:
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total, "formula_total": self.formula_total}
 
+    def summary(self) -> str:
+        """One line: where this rank's model states live, by tier (what a run says as it starts)."""
+        tiers = {t: sum(kinds.values()) for t, kinds in self.tiers.items()} or {"device": self.total}
+        where = ", ".join(f"{t} {b / 2**20:.2f} MiB" for t, b in tiers.items() if b)
+        return f"ZeRO stage {self.stage} over {self.world} ranks; this rank's model states: {where or 'none'}"
+
     def __str__(self) -> str:
         mb = lambda x: f"{x / 2**20:10.2f}"  # noqa: E731
         rows = [("params", self.params, self.formula_params), ("grads", self.grads, self.formula_grads),

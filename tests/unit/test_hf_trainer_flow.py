@@ -4,6 +4,7 @@ called twice, resuming with ignore_data_skip, an iterable dataset's epochs, the 
 without clipping, and what checkpoints and save_model write."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -388,3 +389,19 @@ def test_metrics_name_the_model_preparation_as_transformers_does(tmp_path):
     assert keys[True] == keys[False]
     assert "eval_model_preparation_time" in keys[True][0] and "test_model_preparation_time" in keys[True][2]
     assert not any("preparation" in k for k in keys[True][3] + keys[True][4])
+
+
+def test_training_says_where_the_model_states_live(tmp_path, caplog):
+    """With offload, the run's first line names each tier's bytes (a user never saw where the
+    state lived without calling fz.memory_report)."""
+    cfg = {**hp.deepspeed(3), "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                    "offload_param": {"device": "cpu"}}}
+    t = trainer(True, str(tmp_path), deepspeed=cfg, max_steps=1)
+    with caplog.at_level(logging.INFO, logger="fz.hf.trainer"):
+        t.train()
+    said = next(r.getMessage() for r in caplog.records if "steps of" in r.getMessage())
+    host = fz.memory_report(t.fz_state).tiers["host"]
+    assert said.endswith(f"ZeRO stage 3 over 1 ranks; this rank's model states: device "
+                         f"{sum(fz.memory_report(t.fz_state).tiers['device'].values()) / 2**20:.2f} MiB, "
+                         f"host {sum(host.values()) / 2**20:.2f} MiB"), said
+    assert host["params"] and host["moments"]
