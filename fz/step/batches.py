@@ -117,14 +117,22 @@ def micro_batches(batch: Any, n: int, micro: int | None = None) -> list[Any]:
     size = rows_of(batch)
     if size % n:
         raise ConfigError(f"batch leading dimension {size} is not divisible by grad_accum={n} "
-                          f"(a batch is grad_accum * micro_batch rows of this rank's data)")
+                          f"(a batch is grad_accum * micro_batch rows of this rank's data){_one_sample(batch, size)}")
     m = size // n
     if micro is not None and m != micro:
         raise ConfigError(f"batch has {size} rows but grad_accum={n} x micro_batch={micro} = {n * micro} "
-                          "(batch sizes are inconsistent with the spec)")
+                          f"(batch sizes are inconsistent with the spec){_one_sample(batch, size)}")
     def cut(i: int) -> Callable[[Any], Any]:
         return lambda x: x.narrow(0, i * m, m) if isinstance(x, Tensor) and x.dim() else x
     return [batch_map(cut(i), batch) for i in range(n)]
+
+
+def _one_sample(batch: Any, size: int) -> str:
+    """A hint for a batch of 1-D tensors only (a sample passed without its rows dimension)."""
+    if any(t.dim() > 1 for t in _rowed(batch)):
+        return ""
+    return f"; its tensors are 1-D: one sample of {size} values? A batch's first dimension is its rows " \
+           "(x.unsqueeze(0) for one row)"
 
 
 def batch_size(batch: Any) -> tuple[int, int]:

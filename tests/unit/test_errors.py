@@ -36,8 +36,13 @@ def test_batch_not_divisible_by_grad_accum():
 
 def test_batch_size_inconsistent_with_micro_batch():
     state = fz.init(make_model(), spec(0, 2, micro_batch=3))
-    with pytest.raises(fz.ConfigError, match=r"batch has 4 rows but grad_accum=2 x micro_batch=3 = 6"):
+    with pytest.raises(fz.ConfigError, match=r"batch has 4 rows but grad_accum=2 x micro_batch=3 = 6 \(batch sizes "
+                                             r"are inconsistent with the spec\)$"):
         fz.train_step(state, rank_batches(1, 2, 1)[0][0])
+    one_sample = rank_batches(1, 2, 1)[0][0][0]  # a 1-D sample: no rows dimension
+    with pytest.raises(fz.ConfigError, match=rf"its tensors are 1-D: one sample of {len(one_sample)} values\? A "
+                                             r"batch's first dimension is its rows \(x.unsqueeze\(0\) for one row\)"):
+        fz.train_step(state, one_sample)
 
 
 def test_inconsistent_batch_leading_dims():
