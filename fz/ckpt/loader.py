@@ -29,7 +29,7 @@ from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
 from fz.ckpt.reader import read_metadata
-from fz.ckpt.tree import MAX_ENCODED_DEPTH, decode, entries, malformed, tensor_refs, too_deep
+from fz.ckpt.tree import MARKERS, MAX_ENCODED_DEPTH, decode, entries, malformed, tensor_refs, too_deep
 from fz.errors import CheckpointError, ConfigError
 from fz.model.materialize import module_seed
 from fz.precision import MAX_LOSS_SCALE, MAX_SCALE_POWER
@@ -274,7 +274,7 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         data_json = rank_json["data"]
         per_rank = meta.get("client_state_per_rank")
         client_json = rank_json.get("client", {}) if per_rank else meta.get("client_state", {})
-        if not isinstance(client_json, dict) or (len(client_json) == 1 and next(iter(client_json)).startswith("__fz_")):
+        if not isinstance(client_json, dict) or (len(client_json) == 1 and next(iter(client_json)) in MARKERS):
             raise CheckpointError(f"checkpoint {d}: its client_state {str(client_json)[:60]!r} is not the dict of "
                                   "names fz.save writes: damaged or altered")
         refs = _refs(data_json, "data/", data_file, saved) + _refs(client_json, "client/", data_file if per_rank
@@ -310,8 +310,9 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
             impossible.append(f"step = {int(_local(load['step']))}, where {META} says train_step = {train_step}")
         if impossible:
             err = CheckpointError(f"checkpoint {d} holds step, optimizer or loss-scale values no run writes, which "
-                                  f"would put NaN into the weights or skip every step: {'; '.join(impossible[:_SHOWN])}"
-                                  f"{' ...' if len(impossible) > _SHOWN else ''}. Damaged or altered")
+                                  "would put NaN into the weights, skip every step or misplace the data: "
+                                  f"{'; '.join(impossible[:_SHOWN])}{' ...' if len(impossible) > _SHOWN else ''}. "
+                                  "Damaged or altered")
         bad_rng = rng_problem(rng) if f"rng/{rank}" in load else None
         if bad_rng is not None and err is None:
             err = CheckpointError(f"checkpoint {d}: rng/{rank}, this rank's generator state: {bad_rng}. Damaged or "

@@ -32,12 +32,14 @@ _UNSIGNED = ("uint16", "uint32", "uint64")  # saved as the signed integers of th
 _NUMPY = {f"__fz_{kind}{'_' + u if u else ''}__": (kind == "npscalar", u)  # marker: (a scalar, its unsigned dtype)
           for kind in ("ndarray", "npscalar") for u in (None, *_UNSIGNED)}
 _REFS = (_TENSOR, *_NUMPY)
-_MARKERS = (_TUPLE, _NAMESPACE, *_REFS)
+MARKERS = (_TUPLE, _NAMESPACE, *_REFS)
 _NAMESPACE_OWN = frozenset(dir(argparse.Namespace))  # its methods: an attribute of that name would shadow one
-# nesting of a data or client tree fz.save writes: its walkers recurse, two frames a level (and comprehensions),
+# nesting of a data or client tree fz.save writes: its encoder recurses, two frames a level (and comprehensions),
 # so this stays well inside Python's recursion limit of 1000 under a caller's own frames
 MAX_DEPTH = 100
-MAX_ENCODED_DEPTH = 2 * MAX_DEPTH + 1  # the same encoded (a tuple and a tensor are one dict deeper): restore's limit
+# the restore's limit, encoded (a tuple and a tensor are one dict deeper): what fz.save wrote before it took 100
+# levels (256), read without recursion
+MAX_ENCODED_DEPTH = 2 * 256 + 1
 
 
 def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
@@ -92,7 +94,7 @@ def entries(state: State) -> dict[str, Tensor]:
 def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
     """A JSON-able copy of `obj` with each tensor replaced by a reference to `prefix/<path>`."""
     if too_deep(obj):
-        raise ConfigError(f"checkpoint {prefix}: it nests deeper than {MAX_DEPTH} levels, more than fz.restore reads")
+        raise ConfigError(f"checkpoint {prefix}: it nests deeper than {MAX_DEPTH} levels, the most fz.save writes")
     tensors: dict[str, Tensor] = {}
 
     def go(x: Any, path: str) -> Any:
@@ -106,7 +108,7 @@ def encode(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
             bad = [k for k in x if not isinstance(k, str)]
             if bad:
                 raise ConfigError(f"{where}: dict keys must be str, got {bad[0]!r}")
-            if len(x) == 1 and next(iter(x)) in _MARKERS:
+            if len(x) == 1 and next(iter(x)) in MARKERS:
                 raise ConfigError(f"{where}: a dict whose one key is {next(iter(x))!r}, which fz's checkpoints use "
                                   "to mark what they encode")
             return {k: go(v, f"{path}/{k}" if path else k) for k, v in x.items()}
@@ -165,7 +167,7 @@ def malformed(obj: Any) -> str | None:
         if not isinstance(x, dict):
             continue
         mark = next(iter(x)) if len(x) == 1 else None
-        body = x[mark] if mark in _MARKERS else None
+        body = x[mark] if mark in MARKERS else None
         if mark in _REFS and not isinstance(body, str):
             return f"a {mark} reference that is a {type(body).__name__}, not a key"
         if mark == _TUPLE and not isinstance(body, list):
@@ -181,34 +183,77 @@ def malformed(obj: Any) -> str | None:
 
 
 def tensor_refs(obj: Any) -> list:
-    """The tensor keys an encoded tree refers to."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and next(iter(obj)) in _REFS:
-            return [next(iter(obj.values()))]
-        return [k for v in obj.values() for k in tensor_refs(v)]
-    if isinstance(obj, list):
-        return [k for v in obj for k in tensor_refs(v)]
-    return []
+    """The tensor keys an encoded tree refers to, in order (found without recursion)."""
+    out, stack = [], [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if len(x) == 1 and next(iter(x)) in _REFS:
+                out.append(next(iter(x.values())))
+            else:
+                stack.extend(reversed(list(x.values())))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+    return out
+
+
+def _children(x: Any) -> list | None:
+    """An encoded node's encoded children (None: a leaf, decoded by `_leaf`)."""
+    if isinstance(x, list):
+        return x
+    if not isinstance(x, dict):
+        return None
+    mark = next(iter(x)) if len(x) == 1 else None
+    if mark in _REFS:
+        return None
+    if mark == _TUPLE:
+        return list(x[_TUPLE])
+    if mark == _NAMESPACE:
+        return [x[_NAMESPACE]]
+    return list(x.values())
+
+
+def _leaf(x: Any, tensors: dict[str, Tensor]) -> Any:
+    if isinstance(x, dict) and _TENSOR in x:
+        return tensors[x[_TENSOR]]
+    if isinstance(x, dict):
+        return _numpy_value(*next(iter(x.items())), tensors)
+    return x
+
+
+def _built(x: Any, items: list) -> Any:
+    """An encoded node rebuilt from its decoded children."""
+    if isinstance(x, list):
+        return items
+    if len(x) == 1 and _TUPLE in x:
+        return tuple(items)
+    if len(x) == 1 and _NAMESPACE in x:
+        body = items[0]
+        if not isinstance(body, dict) or any(k in _NAMESPACE_OWN or _dunder(k) for k in body):
+            raise CheckpointError("a saved argparse.Namespace is not a dict of attribute names: damaged or altered")
+        return argparse.Namespace(**body)
+    return dict(zip(x.keys(), items))
 
 
 def decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
-    """Inverse of `encode`."""
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _TENSOR in obj:
-            return tensors[obj[_TENSOR]]
-        if len(obj) == 1 and _TUPLE in obj:
-            return tuple(decode(v, tensors) for v in obj[_TUPLE])
-        if len(obj) == 1 and _NAMESPACE in obj:
-            body = decode(obj[_NAMESPACE], tensors)
-            if not isinstance(body, dict) or any(k in _NAMESPACE_OWN or _dunder(k) for k in body):
-                raise CheckpointError("a saved argparse.Namespace is not a dict of attribute names: damaged or altered")
-            return argparse.Namespace(**body)
-        if len(obj) == 1 and next(iter(obj)) in _NUMPY:
-            return _numpy_value(*next(iter(obj.items())), tensors)
-        return {k: decode(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode(v, tensors) for v in obj]
-    return obj
+    """Inverse of `encode`; without recursion, so a tree as deep as the restore's limit (as deep as
+    an older fz saved) decodes within any caller's stack."""
+    done: list[Any] = []
+    stack: list[tuple[Any, int]] = [(obj, -1)]  # (node, -1: to expand; n >= 0: build from its n children)
+    while stack:
+        x, n = stack.pop()
+        if n >= 0:
+            items = done[len(done) - n:] if n else []
+            del done[len(done) - n:]
+            done.append(_built(x, items))
+            continue
+        kids = _children(x)
+        if kids is None:
+            done.append(_leaf(x, tensors))
+            continue
+        stack.append((x, len(kids)))
+        stack.extend((k, -1) for k in reversed(kids))
+    return done[0]
 
 
 def _numpy_value(mark: str, ref: str, tensors: dict[str, Tensor]) -> Any:

@@ -81,7 +81,7 @@ def read_offload(r: Reader, cfg: dict[str, Any], zero: dict[str, Any], stage: in
                                                    "offloaded at stage 3 only)")
         r.advice.append(f"{PATH}.offload_param has no effect at ZeRO stage {stage}: parameters are offloaded at "
                         "stage 3 only (DeepSpeed ignores it there too)")
-        par = {**par, "tier": "device", "path": None}
+        par = {"tier": "device", "path": None}  # none of its settings either (pin_memory, buffers)
     aio = r.section("", cfg, "aio")
     r.check_keys("aio", aio, AIO_THREADS, AIO_NO_EFFECT)
     for k in AIO_NO_EFFECT & set(aio):

@@ -121,7 +121,7 @@ def _read_past(it: Iterator[Any], n: int, index: int, epoch: int) -> int:
              index, epoch)
     done, said = 0, time.monotonic()
     while done < n:
-        got = sum(1 for _ in islice(it, min(n - done, 1 << 16)))
+        got = sum(1 for _ in islice(it, min(n - done, 1024)))  # the clock read every 1024 samples
         done += got
         if not got:
             break

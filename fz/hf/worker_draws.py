@@ -49,13 +49,17 @@ class WorkerGenerators:
         self.workers, self.rank, self.persistent = workers, rank, persistent
         self._states: list[Generators] = []
         self._iterators = 0
+        self._first_resumed = False  # the first iterator read a resumed epoch (a DataLoader of its own)
 
     def draws_base(self, resumed_within_epoch: bool) -> bool:
         """Whether the DataLoader iterator an epoch reads with starts anew (and draws a base):
-        always without persistent workers; with them, only the first epoch's (and, after a resume
-        within an epoch, which transformers reads through a DataLoader of its own, the next's)."""
+        always without persistent workers; with them, only the first epoch's (and, when the first
+        read a resumed epoch, which transformers reads through a DataLoader of its own, the next's).
+        `resumed_within_epoch`: whether this train() started inside an epoch (read at the first)."""
         self._iterators += 1
-        return not self.persistent or self._iterators == 1 or (self._iterators == 2 and resumed_within_epoch)
+        if self._iterators == 1:
+            self._first_resumed = resumed_within_epoch
+        return not self.persistent or self._iterators == 1 or (self._iterators == 2 and self._first_resumed)
 
     def seed(self, base: int) -> None:
         """A DataLoader iterator's start: each worker seeded from `base`, as seed_worker seeds it."""

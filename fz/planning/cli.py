@@ -51,7 +51,7 @@ def load(ref: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as e:
-            if e.name is None or not where.startswith(e.name):
+            if e.name is None or not (e.name == where or where.startswith(e.name + ".")):
                 raise  # a module it imports is missing: its own traceback says which
             raise ConfigError(f"{ref!r}: no module {e.name!r} (a module on the path, or path/to/file.py:factory)") \
                 from None

@@ -136,3 +136,21 @@ def test_a_client_tree_fz_save_never_writes_is_refused_before_anything_is_loaded
         fz.restore(template, step, with_client_state=True)
     fz.save(fz.init(make_model(), spec(0, 1)), tmp_path / "good")
     fz.restore(template, tmp_path / "good" / "step_0")  # the template was not given up
+
+
+def test_what_an_older_fz_saved_deeper_restores_and_a_key_like_a_marker_round_trips(tmp_path):
+    """fz.save took trees 256 levels deep before it took 100: one of those (500 levels encoded)
+    restores, decoded without recursion; a client_state whose one key merely starts like a marker
+    (`__fz_note`) is the dict it was."""
+    deep: object = 1
+    for _ in range(499):
+        deep = [deep]
+    step = _crafted(tmp_path / "old", {"x": deep})
+    _, client = fz.restore(fz.init(make_model(), spec(0, 1)), step, with_client_state=True)
+    depth, x = 0, client["x"]
+    while isinstance(x, list):
+        depth, x = depth + 1, x[0]
+    assert (depth, x) == (499, 1)
+    fz.save(fz.init(make_model(), spec(0, 1)), tmp_path / "note", client_state={"__fz_note": "hello"})
+    _, client = fz.restore(fz.init(make_model(), spec(0, 1)), tmp_path / "note" / "step_0", with_client_state=True)
+    assert client == {"__fz_note": "hello"}

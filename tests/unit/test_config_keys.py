@@ -253,6 +253,12 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning_as_deepspeed_igno
         spec = fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
     assert (spec.offload.optimizer, spec.offload.params) == ("host", "device")
     assert spec.provenance.outcomes["zero_optimization.offload_param.device"][0] == "ignored"
+    zero = {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True}}  # none of offload_param's settings either
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        spec = fz.Spec.from_deepspeed({"train_batch_size": 8, "zero_optimization": zero}, world_size=1)
+    assert spec.offload.pin_memory and not any("pin_memory" in str(w.message) for w in said)
 
 
 @pytest.mark.parametrize("opt, par, said", [

@@ -19,7 +19,16 @@ from fz.hf.worker_draws import worker_seed  # noqa: E402
 from support import hf_pipeline as hp  # noqa: E402
 
 
-def trainer(on_fz: bool, out: str, **kw: Any) -> Any:
+class StopEpochAt(transformers.TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            control.should_epoch_stop = True
+
+
+def trainer(on_fz: bool, out: str, callbacks: tuple = (), **kw: Any) -> Any:
     trainer_cls, args_cls = ((fz.hf.Trainer, fz.hf.TrainingArguments) if on_fz else
                              (transformers.Trainer, transformers.TrainingArguments))
     settings: dict[str, Any] = dict(
@@ -28,7 +37,7 @@ def trainer(on_fz: bool, out: str, **kw: Any) -> Any:
         disable_tqdm=True, dataloader_num_workers=2)
     settings.update(kw)
     return trainer_cls(model=hp.llama(), args=args_cls(**settings), train_dataset=hp.causal_lm_data(),
-                       data_collator=hp.Masking())
+                       data_collator=hp.Masking(), callbacks=list(callbacks))
 
 
 def losses(t: Any) -> list[float]:
@@ -49,18 +58,22 @@ def test_masks_drawn_in_dataloader_workers_are_transformers(tmp_path, persistent
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_a_resume_inside_an_epoch_draws_what_transformers_resumed_run_draws(tmp_path, persistent):
+@pytest.mark.parametrize("stop_at", [None, 4])
+def test_a_resume_inside_an_epoch_draws_what_transformers_resumed_run_draws(tmp_path, persistent, stop_at):
     """Resumed at step 3 of 6: transformers reads the rest of the epoch through a DataLoader of its
-    own (accelerate's skip_first_batches), its workers seeded from a base drawn then."""
+    own (accelerate's skip_first_batches), its workers seeded from a base drawn then, and the next
+    epoch through its own DataLoader's first iterator, even when a callback ends the resumed epoch
+    early (`stop_at`) and the loop reads again."""
     got = {}
     for on_fz in (False, True):
         out = str(tmp_path / str(on_fz))
         trainer(on_fz, out, save_strategy="steps", save_steps=3, max_steps=3, lr_scheduler_type="constant",
                 dataloader_persistent_workers=persistent).train()  # the schedule a resume with other steps keeps
-        t = trainer(on_fz, out, lr_scheduler_type="constant", dataloader_persistent_workers=persistent)
+        t = trainer(on_fz, out, (StopEpochAt(stop_at),) if stop_at else (), lr_scheduler_type="constant",
+                    dataloader_persistent_workers=persistent)
         t.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
         got[on_fz] = losses(t)
-    assert len(got[True]) == 12  # the checkpoint's 3 logged steps, then 9
+    assert len(got[True]) == (12 if stop_at is None else 10)  # the checkpoint's 3 logged steps, then the rest
     assert got[True] == pytest.approx(got[False], rel=1e-5)
 
 

@@ -102,3 +102,11 @@ def test_a_world_size_of_0_is_refused_not_planned_for_one_rank(capsys):
 def test_a_mistyped_model_is_one_line_not_a_traceback(capsys, ref, said):
     assert main(["plan", "--model", ref, "--world-size", "1"]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_a_module_missing_what_it_imports_keeps_its_traceback(tmp_path, monkeypatch):
+    """foo_bar.py exists and imports a missing `foo`: its own error, not "no module 'foo'" for --model."""
+    (tmp_path / "foo_bar.py").write_text("import foo\n")  # a prefix of its name, not its package
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="No module named .foo.$"):
+        main(["plan", "--model", "foo_bar:make", "--world-size", "1"])
