@@ -20,7 +20,20 @@ REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what
     "get_batch_samples": "fz counts num_items_in_batch over the step's micro-batches itself",
     "create_optimizer": "fz builds the optimizer from the arguments or the DeepSpeed config",
     "create_scheduler": "fz builds the schedule from the arguments or the DeepSpeed config",
+    "_maybe_log_save_evaluate": "fz.hf.Trainer's loop logs, evaluates and saves as transformers' does, itself",
 }
+
+
+def loss_context(trainer: Any) -> Any:
+    """A subclass's compute_loss_context_manager, entered around each training loss as transformers'
+    training_step enters it (transformers' own: none, or its amp autocast, which fz's precision replaces)."""
+    import contextlib
+
+    import transformers
+    own = type(trainer).compute_loss_context_manager
+    if own is transformers.Trainer.compute_loss_context_manager:
+        return contextlib.nullcontext()
+    return trainer.compute_loss_context_manager()
 
 
 def not_called(cls: type, fz_trainer: type) -> dict[str, str]:

@@ -49,7 +49,7 @@ from fz.hf.arguments import refuse_trainer_settings, spec_from_args
 from fz.hf.client_optimizers import chosen_optimizer, given_optimizer
 from fz.hf.evaluation import Evaluated, prediction, prepared
 from fz.hf.export import save_pretrained
-from fz.hf.replaced import warn_not_called
+from fz.hf.replaced import loss_context, warn_not_called
 from fz.hf.second_models import shard_second_models
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, logged_lr, next_lr, schedule_view
@@ -111,7 +111,7 @@ class Trainer(transformers.Trainer):
         """transformers' training_step on one micro-batch, but for its backward: compute_loss with
         the step's `num_items_in_batch`, and the division by the step's micro-batches where the
         loss is a per-micro-batch mean (fz adds the micro-batches: Spec.accumulate="sum")."""
-        with model_calls.in_step(model):  # trainer.model called inside runs on this step's forward
+        with model_calls.in_step(model), loss_context(self):  # trainer.model inside: this forward
             loss = cast(torch.Tensor, self.compute_loss(model, batch, num_items_in_batch=self._items))
         if self.args.n_gpu > 1:
             loss = loss.mean()

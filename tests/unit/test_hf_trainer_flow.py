@@ -405,3 +405,30 @@ def test_training_says_where_the_model_states_live(tmp_path, caplog):
                          f"{sum(fz.memory_report(t.fz_state).tiers['device'].values()) / 2**20:.2f} MiB, "
                          f"host {sum(host.values()) / 2**20:.2f} MiB"), said
     assert host["params"] and host["moments"]
+
+
+def test_a_subclass_loss_context_is_entered_per_micro_step_and_its_log_save_evaluate_named(tmp_path, caplog):
+    """compute_loss_context_manager of a subclass wraps each training loss, as transformers' training_step
+    enters it (it applied in evaluation only); _maybe_log_save_evaluate, which fz's loop does not call, is
+    named when the trainer is made (it was skipped in silence)."""
+    import contextlib
+
+    entered = {}
+    for on_fz in (False, True):
+        base = fz.hf.Trainer if on_fz else transformers.Trainer
+        count = entered.setdefault(on_fz, [0])
+
+        class Own(base):  # type: ignore[misc, valid-type]
+            def compute_loss_context_manager(self):
+                count[0] += 1
+                return contextlib.nullcontext()
+
+            def _maybe_log_save_evaluate(self, *args, **kwargs):
+                return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+        t = trainer(on_fz, str(tmp_path / str(on_fz)), max_steps=3)
+        with caplog.at_level(logging.WARNING, logger="fz.hf.replaced"):
+            own = Own(model=t.model, args=t.args, train_dataset=t.train_dataset, data_collator=t.data_collator)
+        own.train()
+    assert entered[True] == entered[False] == [6]  # 3 steps of 2 micro-batches
+    assert any("Own._maybe_log_save_evaluate is not called on fz" in r.getMessage() for r in caplog.records)
