@@ -1,15 +1,18 @@
 """transformers.Trainer's methods that fz.hf.Trainer's loop does not call, and a subclass's
 overrides of them named when the trainer is made (never skipped in silence): an override of the
-step itself (TRL's experimental GKD, or a user's) is refused, the others warned about. TRL's GRPO,
-RLOO and Distillation trainers are run as they are written (fz/hf/online.py): their
-`_prepare_inputs` and sampler are called, their `training_step`'s counting replicated."""
+step itself (a user's, or TRL's experimental Online DPO) is refused, the others warned about. TRL's
+GRPO, RLOO and Distillation trainers are run as they are written (fz/hf/online.py): their
+`_prepare_inputs` and sampler are called, their `training_step`'s counting replicated; GKD's
+training_step is called for each micro-batch's inputs (fz/hf/step_inputs.py)."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 from fz.errors import ConfigError
+from fz.hf import step_inputs
 from fz.hf.online import online_class, refused
+from fz.hf.step_inputs import preparing_class
 
 log = logging.getLogger(__name__)
 REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what runs instead
@@ -49,7 +52,7 @@ def not_called(cls: type, fz_trainer: type) -> dict[str, str]:
     return out
 
 
-# overrides that are the algorithm itself (TRL's GKD generates inside the step): not calling them would train
+# overrides that are the algorithm itself (Online DPO's step generates and backpropagates): not calling them would train
 # something else, so they are refused, not warned about (but an online trainer's, which fz/hf/online.py calls)
 ALGORITHM = ("training_step", "_prepare_inputs")
 # TRL's overrides that only enter activation offloading (refused when it is on: fz's step is not theirs)
@@ -78,10 +81,12 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
                 continue
             if online is not None and (name == "_prepare_inputs" or klass is online):
                 continue  # called by fz's loop (_prepare_inputs), or only counting micro-steps (replicated)
+            if name == "training_step" and klass is preparing_class(trainer):
+                continue  # called by fz's loop for each micro-batch's inputs (fz/hf/step_inputs.py)
             if klass.__module__.startswith("trl."):  # TRL's own: the user cannot move its work elsewhere
                 problems.append(f"{where}: TRL's {klass.__name__} is not one fz runs (its step does work fz's loop "
-                                "does not call); fz runs TRL's SFT, DPO, Reward, KTO, GRPO, RLOO and "
-                                "Distillation trainers")
+                                "does not call); fz runs TRL's SFT, DPO, Reward, KTO, GRPO, RLOO, "
+                                "Distillation and GKD trainers")
                 break
             problems.append(f"{where} is overridden: fz's loop runs fz.train_step instead of it, so what it "
                             "does (generating or scoring samples, changing the batch) would not happen. Put "
@@ -89,7 +94,7 @@ def refuse_algorithms(trainer: Any, fz_trainer: type) -> None:
     for field, why in ARGUMENTS.items():
         if getattr(trainer.args, field, False):
             problems.append(f"{field}=True: {why}")
-    problems += refused(trainer)
+    problems += refused(trainer) + step_inputs.refused(trainer)
     if problems:
         raise ConfigError(f"fz.hf: {type(trainer).__name__} cannot train on fz as given:\n- " + "\n- ".join(problems))
 

@@ -51,6 +51,7 @@ from fz.hf.evaluation import Evaluated, prediction, prepared
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import loss_context, warn_not_called
 from fz.hf.second_models import shard_second_models
+from fz.hf.step_inputs import RecordedStep, preparing_class
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, logged_lr, next_lr, schedule_view
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 FZ_DIR = dirs.FZ_DIR
 
 
-class Trainer(transformers.Trainer):
+class Trainer(RecordedStep, transformers.Trainer):
     """transformers.Trainer on fz; `spec=` an fz.Spec instead of `args.deepspeed`."""
 
     def __init__(self, *args: Any, spec: fz.Spec | None = None, **kwargs: Any):
@@ -261,7 +262,7 @@ class Trainer(transformers.Trainer):
                 resumed_rng()
                 resumed_rng = None
             self._before_step(batches)
-            if online.online_class(self) is not None:  # TRL's GRPO, RLOO: generated, scored, then trained
+            if online.online_class(self) is not None or preparing_class(self):  # GRPO, RLOO, GKD: generated
                 self.fz_state = online.train_step(self, batches)
             else:
                 self.fz_state, _ = draws.train_step(self.fz_state, batches)

@@ -419,8 +419,10 @@ def test_a_subclass_loss_context_is_entered_per_micro_step_and_its_log_save_eval
         count = entered.setdefault(on_fz, [0])
 
         class Own(base):  # type: ignore[misc, valid-type]
+            counted = count
+
             def compute_loss_context_manager(self):
-                count[0] += 1
+                self.counted[0] += 1
                 return contextlib.nullcontext()
 
             def _maybe_log_save_evaluate(self, *args, **kwargs):
