@@ -68,9 +68,19 @@ def upcast(model: nn.Module) -> Released:
     if out:
         dtypes = sorted({str(g.dtype).removeprefix("torch.") for g in out.values()})
         log.warning("fz.hf: trainer.model's parameters are %s (%d of them): fz trains fp32 masters made from "
-                    "their values, as DeepSpeed does, in the run's precision, and gives them back in their own "
-                    "dtype after train()", "/".join(dtypes), len(out))
+                    "their values, as DeepSpeed does, in the run's precision (an fp32 run computes in fp32, where "
+                    "DeepSpeed computes with the half-precision values it keeps: bf16=True gives its arithmetic "
+                    "and memory), and gives them back in their own dtype after train()", "/".join(dtypes), len(out))
     return out
+
+
+def loaded_half(model: nn.Module, released: Released) -> torch.dtype | None:
+    """The half dtype every floating parameter of `model` was loaded in (`upcast`'s records for the
+    ones let go), or None: a model loaded wholly in bf16 (fp16)."""
+    dtypes = {released[n].dtype if n in released else p.dtype for n, p in model.named_parameters()
+              if p.is_floating_point()}
+    one = next(iter(dtypes)) if len(dtypes) == 1 else None
+    return one if one in (torch.bfloat16, torch.float16) else None
 
 
 def let_go(model: nn.Module, device: torch.device | None, state: fz.State) -> Released:

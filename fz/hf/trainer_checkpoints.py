@@ -107,9 +107,14 @@ def save_checkpoint(trainer: Any, trial: Any) -> None:
 
 
 def saved_dtype(trainer: Any) -> torch.dtype | None:
-    """The dtype transformers' save_model writes: under DeepSpeed the module's, the precision the
-    run computes in (None); without, the model's own parameters, fp32 (the masters) under bf16 or
-    fp16 autocast."""
+    """The dtype transformers' save_model writes: a model loaded wholly in bf16 (fp16) in that dtype
+    (its own parameters, which DeepSpeed's module keeps too); else under DeepSpeed the module's, the
+    precision the run computes in (None); without, the model's own parameters, fp32 (the masters)
+    under bf16 or fp16 autocast."""
+    from fz.hf.model_weights import loaded_half
+    half = loaded_half(trainer._model(), trainer._fz_released)
+    if half is not None:
+        return half
     return None if trainer.args.deepspeed else torch.float32
 
 

@@ -44,3 +44,23 @@ def test_a_bf16_model_trains_from_its_values_and_comes_back_in_bf16(tmp_path, ca
     assert torch.bfloat16 in dtypes.values()
     for name, value in fz.full_params(trainer.fz_state).items():
         assert torch.equal(params[name].data, value.to(dtypes[name])), name
+
+
+@pytest.mark.parametrize("under_deepspeed", [True, False])
+def test_a_bf16_model_is_saved_in_bf16_as_transformers_saves_it(tmp_path, under_deepspeed):
+    """Loaded wholly in bf16, in an fp32 run: save_model and checkpoint-N write bf16 (transformers
+    writes the model's own parameters, DeepSpeed its module's, both bf16); fz wrote its fp32 masters."""
+    import json
+
+    from safetensors import safe_open
+    args = fz.hf.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2, report_to=[],
+                                   use_cpu=True, disable_tqdm=True, save_strategy="steps", save_steps=2,
+                                   deepspeed=hp.deepspeed(2) if under_deepspeed else None)
+    trainer = fz.hf.Trainer(model=hp.llama().to(torch.bfloat16), args=args, train_dataset=hp.causal_lm_data(),
+                            data_collator=hp.collator("lm"))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "final"):
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}, folder
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
