@@ -124,27 +124,35 @@ def follow(model: nn.Module, state: fz.State, released: Released, callbacks: Ite
 def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtype | None = None) -> None:
     """The State's weights in `model` (in its dtype; then its parameters cast to `cast`, if given, as
     DeepSpeed 0.19 casts its module's, its buffers kept), the parameters let go given storage of
-    their own again on their devices first, and its buffers moved there; if the copy fails they are
-    let go again as they were. A collective: every rank calls it."""
+    their own again on their devices first (at ZeRO 0-2, views of the State's own where dtype and
+    device agree, as DeepSpeed's module shares its engine's: no second copy), and its buffers moved
+    there; if the copy fails they are let go again as they were. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     before = {n: own[n].data for n in released}
     given: list[str] = []
     stuck: dict[str, str] = {}
+    views = local_param_views(state) or {}  # ZeRO 0-2: the State's own storage, as DeepSpeed's module holds it
+    viewed = []
     try:
         for name, (device, dtype) in released.items():
+            view = views.get(name)
+            if view is not None and view.dtype == (cast or dtype) and view.device == torch.device(device):
+                _swap(own[name], view)  # no second copy of the weights
+                viewed.append(name)
+                continue
             try:
                 _swap(own[name], torch.empty(own[name].shape, dtype=dtype, device=device))
             except RuntimeError as e:  # a weak reference to a parameter on meta: it cannot have storage again
                 stuck[name] = str(e)
                 continue
             given.append(name)
-        done = copy_full_params(state, model)
+        done = copy_full_params(state, model) if given or not viewed else {id(own[n]) for n in viewed}
         missing = [n for n in given if id(own[n]) not in done]
         if missing:
             raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "
                               "filled in after training")
     except BaseException:
-        for name in given:  # never storage that holds no weights: each as it was
+        for name in given + viewed:  # never storage that holds no weights: each as it was
             _swap(own[name], before[name])
         raise
     if stuck:

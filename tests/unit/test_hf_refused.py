@@ -43,15 +43,16 @@ def test_grpo_is_made_but_a_subclass_overriding_its_step_is_refused(tmp_path):
 
 
 def test_a_trl_trainer_fz_does_not_run_is_refused_naming_the_ones_it_does(tmp_path):
-    """TRL's experimental GKD generates inside its own training_step: refused when made, not a
-    TypeError at the first step."""
-    gkd = pytest.importorskip("trl.experimental.gkd")
-    Trainer, Config = fz.hf.on_fz(gkd.GKDTrainer), fz.hf.on_fz(gkd.GKDConfig)
-    rows = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": t}] for t in hp.texts(4)]})
-    with pytest.raises(ConfigError, match=r"GKDTrainer.training_step: TRL's GKDTrainer is not one fz runs .* fz runs "
-                                          r"TRL's SFT, DPO, Reward, KTO, GRPO, RLOO and Distillation trainers"):
-        Trainer(model=hp.llama(), teacher_model=hp.llama(), args=Config(**_settings(tmp_path)), train_dataset=rows,
-                processing_class=hp.tokenizer())
+    """TRL's experimental Online DPO generates and backpropagates inside its own training_step:
+    refused when made, not a TypeError at the first step."""
+    online_dpo = pytest.importorskip("trl.experimental.online_dpo")
+    Trainer, Config = fz.hf.on_fz(online_dpo.OnlineDPOTrainer), fz.hf.on_fz(online_dpo.OnlineDPOConfig)
+    rows = datasets.Dataset.from_dict({"prompt": hp.texts(4)})
+    with pytest.raises(ConfigError, match=r"OnlineDPOTrainer.training_step: TRL's OnlineDPOTrainer is not one fz runs "
+                                          r".* fz runs TRL's SFT, DPO, Reward, KTO, GRPO, RLOO, Distillation and GKD "
+                                          "trainers"):
+        Trainer(model=hp.llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=Config(**_settings(tmp_path)), train_dataset=rows, processing_class=hp.tokenizer())
 
 
 def test_a_subclass_step_is_refused_and_trl_arguments_fz_would_skip_too(tmp_path):

@@ -434,3 +434,21 @@ def test_a_subclass_loss_context_is_entered_per_micro_step_and_its_log_save_eval
         own.train()
     assert entered[True] == entered[False] == [6]  # 3 steps of 2 micro-batches
     assert any("Own._maybe_log_save_evaluate is not called on fz" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_after_training_the_model_shares_the_states_weights_at_zero_0_to_2(tmp_path, stage):
+    """trainer.model held a copy of its own beside the State's after train() (twice the weights'
+    memory, on the device on a GPU); DeepSpeed's module shares its engine's. Its values are the
+    trained ones, and a second train() goes on from them."""
+    t = trainer(True, str(tmp_path), deepspeed=hp.deepspeed(stage), max_steps=2)
+    t.train()
+    flats = [f._local_tensor for f in t.fz_state.param_flats]
+    spans = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in flats]
+    full = fz.full_params(t.fz_state)
+    for name, p in t.model.named_parameters():
+        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), name
+        assert torch.equal(p.data, full[name]), name
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.train()
+    assert any(not torch.equal(p.data, before[n]) for n, p in t.model.named_parameters())
