@@ -143,11 +143,7 @@ def weights_held(trainer: Any) -> Iterator[None]:
 
 
 def train_step(trainer: Any, batches: fz.MicroBatches) -> fz.State:
-    """One update of an online trainer: its inputs made (`prepare`), then trained; timed. A trainer
-    whose training_step makes the inputs (GKD): made by it (fz/hf/step_inputs.py), then trained."""
-    from fz.hf import step_inputs
-    if online_class(trainer) is None:
-        return draws.train_step(trainer.fz_state, step_inputs.prepare(trainer, batches))[0]
+    """One update of an online trainer: its inputs made (`prepare`), then trained; timed."""
     prepared, seconds = prepare(trainer, batches)
     started = time.perf_counter()
     state, _ = draws.train_step(trainer.fz_state, prepared)

@@ -15,6 +15,8 @@ import torch
 
 import fz
 from fz.errors import ConfigError
+from fz.hf import draws
+from fz.hf.online import pull
 
 # TRL's trainers whose training_step only prepares each micro-batch's inputs, then calls super()
 PREPARING = ("GKDTrainer",)
@@ -49,10 +51,18 @@ class RecordedStep:
         return torch.zeros(())
 
 
+def preparing_step(trainer: Any) -> Any:
+    """`train_step` for a trainer whose training_step makes its inputs, else None."""
+    return train_step if preparing_class(trainer) is not None else None
+
+
+def train_step(trainer: Any, batches: fz.MicroBatches) -> fz.State:
+    """One update: each micro-batch's inputs made by the trainer's training_step, then trained."""
+    return draws.train_step(trainer.fz_state, prepare(trainer, batches))[0]
+
+
 def prepare(trainer: Any, batches: fz.MicroBatches) -> fz.MicroBatches:
     """Each micro-batch as the trainer's training_step makes it, the weights held (every rank)."""
-    from fz.hf.online import pull
-
     held = float(getattr(trainer, "lmbda", 1.0)) > 0  # GKD's student generates only below lmbda
     if held:
         pull(trainer)

@@ -51,7 +51,7 @@ from fz.hf.evaluation import Evaluated, prediction, prepared
 from fz.hf.export import save_pretrained
 from fz.hf.replaced import loss_context, warn_not_called
 from fz.hf.second_models import shard_second_models
-from fz.hf.step_inputs import RecordedStep, preparing_class
+from fz.hf.step_inputs import RecordedStep, preparing_step
 from fz.hf.training_args import TrainingArguments, as_fz_arguments
 from fz.hf.views import TrainerOptimizer, logged_lr, next_lr, schedule_view
 
@@ -262,8 +262,9 @@ class Trainer(RecordedStep, transformers.Trainer):
                 resumed_rng()
                 resumed_rng = None
             self._before_step(batches)
-            if online.online_class(self) is not None or preparing_class(self):  # GRPO, RLOO, GKD: generated
-                self.fz_state = online.train_step(self, batches)
+            generating = online.train_step if online.online_class(self) is not None else preparing_step(self)
+            if generating is not None:  # TRL's GRPO, RLOO (generated, scored), GKD (generated): then trained
+                self.fz_state = generating(self, batches)
             else:
                 self.fz_state, _ = draws.train_step(self.fz_state, batches)
             model_weights.follow(self._model(), self.fz_state, self._fz_released, self.callback_handler.callbacks)
