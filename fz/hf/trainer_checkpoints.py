@@ -151,6 +151,7 @@ def load_best(trainer: Any) -> fz.State | None:
     best, state = trainer.state.best_model_checkpoint, trainer.fz_state
     if not (trainer.args.load_best_model_at_end and best is not None and state is not None):
         return state
+    inside(Path(trainer._get_output_dir(trial=None)), Path(best), "the best checkpoint", "the run folder")
     log.info("fz.hf.Trainer: loading the best model from %s (score: %s)", best, trainer.state.best_metric)
     if os.path.isdir(os.path.join(best, dirs.FZ_DIR)):
         loaded = fz.restore(state, os.path.join(best, dirs.FZ_DIR), verbose=False)
@@ -260,6 +261,25 @@ def trainer_state(checkpoint: str) -> TrainerState:
         raise CheckpointError(f"the trainer state {path} does not make a TrainerState ({e})") from None
 
 
+def _best_beside(best: str | None, checkpoint: str) -> str | None:
+    """The best checkpoint a resumed state records, read only beside `checkpoint` (in its run folder;
+    a run moved elsewhere: its folder of that name there): one elsewhere would load another run's
+    weights at the end. None when there is none (as transformers, which forgets a missing one)."""
+    if best is None:
+        return None
+    run = Path(checkpoint).resolve().parent
+    here = run / os.path.basename(os.path.normpath(best))
+    if Path(best).resolve().parent != run and not here.is_dir():
+        log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state is not in the run folder "
+                    "%s: ignored for this run (load_best_model_at_end reads only the run's own)", best, run)
+        return None
+    if not here.is_dir():  # as transformers
+        log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
+                    "Ignoring it for this run.", best)
+        return None
+    return str(here)
+
+
 def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Callable[[], None] | None]:
     """(`state` restored from `checkpoint` (fz's, or one transformers + DeepSpeed wrote), the trainer
     state and callbacks with it, a function setting the generators as saved); with ignore_data_skip
@@ -275,11 +295,11 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
         log.warning("fz.hf.Trainer: resuming a run of max_steps=%d with max_steps=%d: fz trains the next step with "
                     "this run's lr schedule; transformers' Trainer (and DeepSpeed) train it with the lr the saved "
                     "run's schedule left in its optimizer, then follow this run's", saved_steps, steps)
-    best = trainer.state.best_model_checkpoint
-    if best is not None and not os.path.isdir(best):  # as transformers
-        log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
-                    "Ignoring it for this run.", best)
-        trainer.state.best_model_checkpoint = None
+    named = int(os.path.basename(os.path.normpath(checkpoint)).rsplit("-", 1)[1])
+    if named != trainer.state.global_step:  # the folder's number orders the run's checkpoints (rotation, resume=True)
+        raise CheckpointError(f"{checkpoint} holds the trainer state of step {trainer.state.global_step}, not "
+                              f"{named}: renamed, or not this folder's (transformers names it checkpoint-<step>)")
+    trainer.state.best_model_checkpoint = _best_beside(trainer.state.best_model_checkpoint, checkpoint)
     if trainer.state.train_batch_size is not None:  # transformers' comparison divides it (it always writes one)
         compare_trainer_and_checkpoint_args(trainer.args, trainer.state)  # its warning: the saved intervals are kept
     try:

@@ -77,3 +77,39 @@ def test_save_model_writes_no_planted_link(tmp_path):
     t.save_model()
     assert victim.read_text() == "mine" and not (out / "training_args.bin").is_symlink()
     assert (out / "training_args.bin").read_bytes()[:2] == b"PK"  # torch.save's zip
+
+
+def test_the_best_checkpoint_is_read_only_from_the_run_folder(tmp_path):
+    """A resumed trainer state naming another run's checkpoint as the best, with a score no evaluation
+    beats, made load_best_model_at_end end train() with that run's weights; it is ignored, warned."""
+    import torch
+
+    other = tmp_path / "other"
+    trainer(other, max_steps=3, save_steps=3, learning_rate=0.1).train()
+    out = tmp_path / "run"
+    trainer(out, max_steps=2).train()
+    path = out / "checkpoint-2" / "trainer_state.json"
+    saved = json.loads(path.read_text())
+    saved["best_model_checkpoint"], saved["best_metric"] = str(other / "checkpoint-3"), float("-inf")
+    path.write_text(json.dumps(saved))
+    args = fz.hf.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=4, learning_rate=0.5,
+                                   use_cpu=True, report_to=[], save_strategy="steps", save_steps=2, seed=0,
+                                   disable_tqdm=True, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True)
+    t = fz.hf.Trainer(model=hp.llama(), args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
+                      eval_dataset=hp.causal_lm_data()[:8])
+    t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    ours = {k: v.clone() for k, v in fz.full_params(t.fz_state).items()}
+    theirs = fz.full_params(fz.load_weights(t.fz_state, str(other / "checkpoint-3")))  # the State given up
+    assert any(not torch.equal(ours[k], theirs[k]) for k in ours)
+    assert str(other) not in str(t.state.best_model_checkpoint)
+
+
+def test_a_checkpoint_folder_whose_number_is_not_its_step_is_refused(tmp_path):
+    """A copied-in checkpoint-99999999 holding step 2 was resumed by resume=True, and rotation then
+    deleted each new checkpoint as older than it."""
+    out = tmp_path / "run"
+    trainer(out, max_steps=2).train()
+    (out / "checkpoint-2").rename(out / "checkpoint-99999999")
+    with pytest.raises(fz.CheckpointError, match=r"checkpoint-99999999 holds the trainer state of step 2, not "
+                                                 r"99999999: renamed"):
+        trainer(out, max_steps=4, save_total_limit=1).train(resume_from_checkpoint=True)
