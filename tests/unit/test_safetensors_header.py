@@ -189,6 +189,29 @@ def test_a_shard_leading_out_of_the_folder_is_refused_unread(state, tmp_path, in
         fz.load_weights(state, folder)
 
 
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_hub_cache_snapshot_loads_and_its_links_lead_only_into_its_blobs(state, tmp_path, indexed):
+    """snapshot_download's layout, `<repo>/snapshots/<rev>/<file> -> ../../blobs/<hash>`, was refused as
+    leading out of the folder; a link of a snapshot's out of its repo's blobs still is."""
+    repo = tmp_path / "models--org--net"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    want = {"a.weight": torch.arange(4.0).view(2, 2), "a.bias": torch.tensor([5.0, 6.0])}
+    save_file(want, blobs / "f00d")
+    name = "model-00001-of-00001.safetensors" if indexed else "model.safetensors"
+    (snap / name).symlink_to(Path("..") / ".." / "blobs" / "f00d")
+    if indexed:
+        (blobs / "beef").write_text(json.dumps({"weight_map": {"a.weight": name, "a.bias": name}}))
+        (snap / "model.safetensors.index.json").symlink_to(Path("..") / ".." / "blobs" / "beef")
+    got = fz.full_params(fz.load_weights(state, snap))
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    (snap / name).unlink()
+    (snap / name).symlink_to(_elsewhere(tmp_path))
+    with pytest.raises(CheckpointError, match=rf"{name} leads to .*secret.safetensors, outside the weights folder"):
+        fz.load_weights(state, snap)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "deep"])
 def test_a_config_json_beside_weights_that_do_not_fit_is_read_safely(state, tmp_path, kind):
     """Weights of another shape make fz read the config.json beside them to say why: a FIFO there

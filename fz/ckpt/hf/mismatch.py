@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fz.ckpt.hf.cache import in_folder
 from fz.ckpt.hf.names import Match
-from fz.ckpt.regular import inside, parse_json, read_small
+from fz.ckpt.regular import parse_json, read_small
 from fz.errors import CheckpointError
 
 _MAX_CONFIG = 16 << 20  # bytes: a transformers config.json is a few KiB
@@ -37,7 +38,7 @@ def _theirs(path: str | os.PathLike[str]) -> tuple[Path, dict[str, int]]:
         return cfg, {}
     what = "config.json beside the weights"
     try:
-        raw = read_small(inside(cfg.parent, cfg, what, "the weights folder"), _MAX_CONFIG, what)
+        raw = read_small(in_folder(cfg.parent, cfg, what), _MAX_CONFIG, what)
         return cfg, sizes(parse_json(raw, f"{what} {cfg}"))
     except CheckpointError:
         raise

@@ -7,7 +7,8 @@ one, the folder's `*.safetensors` files are read (`model.safetensors` alone, as
 (8 bytes of length, then JSON: nothing is unpickled); a folder holding only pickled weights
 (`pytorch_model.bin`, `*.pt`, ...) is refused, never opened, because loading a pickle can run
 code. Every file of a folder (the index, each shard) must lie inside it: a symlink out of the
-folder is refused, never read.
+folder is refused, never read, but for a Hub cache snapshot's links into its repo's `blobs`
+(fz/ckpt/hf/cache.py).
 
 Values are read with `os.pread` into a buffer of one bounded chunk (`read`), never through
 `safe_open`'s memory map: pages of a mapped file that were touched count in the process's
@@ -26,8 +27,9 @@ import torch
 from torch import Tensor
 
 from fz.ckpt.hf import st_header
+from fz.ckpt.hf.cache import in_folder
 from fz.ckpt.hf.st_header import DTYPES, read_json
-from fz.ckpt.regular import inside, open_regular, plain_name
+from fz.ckpt.regular import open_regular, plain_name
 from fz.errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "Entry", "WeightFiles", "read", "read_all", "read_range"]
@@ -76,7 +78,7 @@ class WeightFiles:
             if (p / INDEX).exists():
                 self.entries = self._indexed(p)
                 return
-            files = [inside(p, f, "weights file", "the weights folder") for f in sorted(p.glob("*.safetensors"))]
+            files = [in_folder(p, f) for f in sorted(p.glob("*.safetensors"))]
             if not files:
                 _refuse_pickles(p)
         elif p.exists():
@@ -94,8 +96,7 @@ class WeightFiles:
     def _indexed(folder: Path) -> dict[str, Entry]:
         """The index's weight_map, each shard's header read once; every file it names must exist
         inside the folder and hold the tensors it is said to."""
-        index = read_json(inside(folder, folder / INDEX, "safetensors index", "the weights folder"),
-                          what="safetensors index")
+        index = read_json(in_folder(folder, folder / INDEX, "safetensors index"), what="safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{folder / INDEX} is not a safetensors index (it has no weight_map object)")
@@ -112,7 +113,7 @@ class WeightFiles:
                 raise CheckpointError(f"{folder / INDEX} names {file} (for {len(names)} tensors, e.g. {names[0]!r}), "
                                       f"which does not exist in {folder}: a shard is missing (an interrupted "
                                       "download?)")
-            header = _header(inside(folder, f, "weights file", "the weights folder"))
+            header = _header(in_folder(folder, f))
             absent = [n for n in names if n not in header]
             if absent:
                 raise CheckpointError(f"{folder / INDEX} puts {len(absent)} tensors in {file} that it does not hold "
