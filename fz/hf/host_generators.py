@@ -3,8 +3,9 @@
 transformers saves `random`'s and numpy's global generators with torch's and sets them all when it
 resumes (a collator may draw from them: numpy's masks, python's shuffles). fz's checkpoint keeps
 torch's in the State; these two ride in `state.data` (each rank's data file, JSON), and are checked
-before they are set: a state of the wrong length, a word past 32 bits or a position past the
-twister's words is a CheckpointError, never a generator reading beyond its state.
+before they are set: a state of the wrong length, a word past 32 bits, a position past the
+twister's words, a state of zeros or a cached normal draw no generator gives is a CheckpointError,
+never a generator reading beyond its state or drawing only zeros.
 """
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def _word(v: Any) -> bool:
     return type(v) is int and 0 <= v < 2**32
 
 
+_GAUSS = 64.0  # a cached normal draw past this is none a double's Box-Muller gives (at most about 9)
+
+
+def _degenerate(words: list[int]) -> bool:
+    """A twister state that draws only zeros: its bits (mt[0]'s top one and mt[1:]) all 0, which no
+    seeded generator reaches."""
+    return not words[0] >> 31 and not any(words[1:_WORDS])
+
+
 def _problem(saved: Any) -> str | None:
     if not isinstance(saved, dict) or set(saved) != {"python", "numpy"}:
         return "not an object of 'python' and 'numpy'"
@@ -50,6 +60,10 @@ def _problem(saved: Any) -> str | None:
             and 0 <= nump[2] <= _WORDS and nump[3] in (0, 1) and isinstance(nump[4], (int, float))
             and math.isfinite(nump[4])):
         return "numpy's is not a Mersenne Twister state np.random.get_state gives"
+    if _degenerate(py[1]) or _degenerate(nump[1]):
+        return "a Mersenne Twister state of zeros, which draws nothing but zeros (no seeded generator is in it)"
+    if (py[2] is not None and abs(py[2]) > _GAUSS) or (nump[3] and abs(nump[4]) > _GAUSS):
+        return f"a cached normal draw past {_GAUSS:g}, which no generator gives"
     return None
 
 

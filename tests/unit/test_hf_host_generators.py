@@ -76,3 +76,20 @@ def test_damaged_generators_are_refused():
     bad["python"][1] = bad["python"][1][:10]
     with pytest.raises(CheckpointError, match="python's is not a Mersenne Twister state"):
         setter(bad, "here")
+    for which in ("python", "numpy"):  # all zeros: random.random() returned 0.0, numpy 0, for ever
+        bad = json.loads(json.dumps(good))
+        words = bad[which][1]
+        words[:624] = [0] * 624
+        with pytest.raises(CheckpointError, match="a Mersenne Twister state of zeros, which draws nothing but zeros"):
+            setter(bad, "here")
+    bad = json.loads(json.dumps(good))
+    bad["python"][2] = 1e308  # the next random.gauss()
+    with pytest.raises(CheckpointError, match="a cached normal draw past 64"):
+        setter(bad, "here")
+    bad = json.loads(json.dumps(good))
+    bad["numpy"][3], bad["numpy"][4] = 1, -1e308
+    with pytest.raises(CheckpointError, match="a cached normal draw past 64"):
+        setter(bad, "here")
+    random.gauss(0, 1)  # a real cached draw passes
+    np.random.standard_normal()
+    setter(captured(), "here")
