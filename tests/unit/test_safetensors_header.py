@@ -72,6 +72,17 @@ HOSTILE = {
     "not an object": ([_t(0, 8)], Z8, "its header is not a JSON object"),
     "entry not an object": ({"a": [0, 8]}, Z8, "tensor 'a' has a header entry that is not an object"),
 }
+# names safetensors takes, but no model has: a name reaches every error and warning, and a terminal's control
+# codes (or megabytes of it) were printed as given
+ODD_NAMES = {"\x1b[2Jfz: OK\na": r"a tensor name '\\x1b\[2Jfz: OK\\na' \(11 characters\) that no model has: control",
+             "w" * 5000: r"\(5000 characters\) that no model has: .* over 1024"}
+
+
+@pytest.mark.parametrize("name", list(ODD_NAMES), ids=["control codes", "5000 characters"])
+def test_a_tensor_name_no_model_has_is_refused_unprinted(state, tmp_path, name):
+    _write(tmp_path / "model.safetensors", {name: _t(0, 8)}, Z8)
+    with pytest.raises(CheckpointError, match=ODD_NAMES[name]):
+        fz.load_weights(state, tmp_path)
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))

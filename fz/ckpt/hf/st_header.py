@@ -82,8 +82,15 @@ def _ints(v: Any, n: int | None = None) -> TypeGuard[list[int]]:
             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
 
 
+MAX_NAME = 1024  # characters of a tensor name: a model's are a few dozen (every error names them)
+
+
 def _entry(f: Path, name: str, info: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
-    """(dtype, shape, begin, end) of one header entry, each field checked for its type."""
+    """(dtype, shape, begin, end) of one header entry, each field checked for its type; its name
+    printable and bounded (it reaches error messages and warnings, and a terminal)."""
+    if len(name) > MAX_NAME or not name.isprintable():
+        raise CheckpointError(f"weights file {f}: a tensor name {name[:60]!r} ({len(name)} characters) that no model "
+                              f"has: control characters, or over {MAX_NAME}: damaged or altered")
     where = f"weights file {f}: tensor {name!r}"
     if not isinstance(info, dict):
         raise CheckpointError(f"{where} has a header entry that is not an object ({info!r:.80})")

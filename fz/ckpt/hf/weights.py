@@ -117,7 +117,7 @@ class WeightFiles:
             absent = [n for n in names if n not in header]
             if absent:
                 raise CheckpointError(f"{folder / INDEX} puts {len(absent)} tensors in {file} that it does not hold "
-                                      f"(e.g. {absent[0]!r}): the index and the shards do not match")
+                                      f"(e.g. {absent[0][:100]!r}): the index and the shards do not match")
             entries.update((n, header[n]) for n in names)
         return entries
 
