@@ -74,7 +74,7 @@ HOSTILE = {
 }
 # names safetensors takes, but no model has: a name reaches every error and warning, and a terminal's control
 # codes (or megabytes of it) were printed as given
-ODD_NAMES = {"\x1b[2Jfz: OK\na": r"a tensor name '\\x1b\[2Jfz: OK\\na' \(11 characters\) that no model has: control",
+ODD_NAMES = {"\x1b[2Jfz: OK\na": r"a tensor name '\\x1b\[2Jfz: OK\\na' \(12 characters\) that no model has: control",
              "w" * 5000: r"\(5000 characters\) that no model has: .* over 1024"}
 
 
