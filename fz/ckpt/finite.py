@@ -83,12 +83,17 @@ class Counts:
         self.bad: dict[tuple[str, str], int] = {}
         self.below: dict[tuple[str, str], int] = {}
         self.negative: dict[str, tuple[int, int]] = {}  # total()'s sums of `below`, labelled as its result
+        self.buffers: dict[str, tuple[int, int]] = {}  # buffer: (non-finite values, values), the same on every rank
 
     def see(self, name: str, at: int, chunk: Tensor, kind: str = "") -> None:
         """Count the non-finite values (and, of a `nonnegative` kind, the negative ones) of elements
         [at, at + len(chunk)) of `name` that this rank counts."""
         s = self.slots.get(name)
-        if s is None:  # a buffer
+        if s is None:  # a buffer: whole on every rank, which counts all of it (running statistics: NaN poisons
+            if chunk.is_floating_point():  # them); -inf is a mask's, kept
+                seen = self.buffers.get(name, (0, 0))
+                bad = int(torch.isnan(chunk).sum()) + int(torch.isposinf(chunk).sum())
+                self.buffers[name] = (seen[0] + bad, seen[1] + chunk.numel())
             return
         start, stop = s.local_rows(self.plan.shard_rank)
         a, z = max(at, start * s.row_numel), min(at + chunk.numel(), stop * s.row_numel)
@@ -116,8 +121,9 @@ class Counts:
         summed = counts.tolist()
         self.negative = {f"{n!r} {k}": (int(c), self.slots[n].numel) for (k, n), c in zip(below, summed[len(keys):])
                          if c}
-        return {f"{n!r}" + (f" {k}" if k else ""): (int(c), self.slots[n].numel)
-                for (k, n), c in zip(keys, summed) if c}
+        return {**{f"{n!r}" + (f" {k}" if k else ""): (int(c), self.slots[n].numel)
+                   for (k, n), c in zip(keys, summed) if c},
+                **{f"buffer {n!r}": (c, total) for n, (c, total) in self.buffers.items() if c}}
 
 
 def owned_locals(tensors: Mapping[str, Tensor], first_rank: bool,

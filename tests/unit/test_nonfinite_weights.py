@@ -148,3 +148,38 @@ def test_restore_and_import_count_a_master_past_the_parameters_range(tmp_path):
         f.write(torch.tensor([1e5], dtype=src.dtype).view(torch.uint8).numpy().tobytes())
     with pytest.raises(fz.NonFiniteError, match=r"holds NaN or inf in 1 tensors \(1 values\): 'blocks.0.up.bias' 1"):
         fz.import_deepspeed(fz.init(m.TinyLM(seed=1), _spec(0, "fp32", 1).replace(precision="fp16")), ck)
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+
+@pytest.mark.parametrize("poison", ["nan", "overflow", "float count"])
+def test_a_buffers_values_are_checked_as_the_weights_are(tmp_path, poison):
+    """NaN in BatchNorm's running_var (every output NaN), a 1e300 running_mean (inf in fp32) and a float
+    NaN for the int64 num_batches_tracked (-2**63) loaded silently: buffers were not counted."""
+    sd = {k: v.clone() for k, v in Normed().state_dict().items()}
+    if poison == "nan":
+        sd["bn.running_var"][1] = math.nan
+    elif poison == "overflow":
+        sd["bn.running_mean"] = sd["bn.running_mean"].double().fill_(1e300)
+    else:
+        sd["bn.num_batches_tracked"] = torch.tensor(math.nan)
+    save_file(sd, tmp_path / "model.safetensors")
+    if poison == "float count":
+        with pytest.raises(fz.CheckpointError, match=r"'bn.num_batches_tracked' is torch.float32 in the file, "
+                                                      r"torch.int64 here"):
+            fz.init(Normed(), _spec_of("fp32"), weights=tmp_path)
+        return
+    name, n = ("bn.running_var", 1) if poison == "nan" else ("bn.running_mean", 4)
+    with pytest.raises(fz.NonFiniteError, match=rf"holds NaN or inf in 1 tensors \({n} values\): buffer '{name}' "
+                                                rf"{n} of 4"):
+        fz.init(Normed(), _spec_of("fp32"), weights=tmp_path)
+    with pytest.warns(UserWarning, match=rf"buffer '{name}' {n} of 4"):
+        fz.init(Normed(), _spec_of("fp32"), weights=tmp_path, allow_nonfinite=True)
+    sd[name].fill_(-math.inf)  # a mask's -inf is kept
+    save_file(sd, tmp_path / "model.safetensors")
+    fz.init(Normed(), _spec_of("fp32"), weights=tmp_path)

@@ -132,10 +132,15 @@ def _span(places: list[Place]) -> tuple[int, int]:
 def fill(state: State, files: WeightFiles, m: Match, *, allow_nonfinite: bool = False,
          who: str = "fz.load_weights", stacklevel: int = 3) -> None:
     """Write the matched tensors into `state`'s storage, where it lives (in place), counting the
-    NaN and inf of each parameter as it is read: fz.NonFiniteError on every rank naming them
-    (`allow_nonfinite`: a warning with the counts; fz/ckpt/finite.py)."""
+    NaN and inf of each parameter and persistent buffer as it is read: fz.NonFiniteError on every
+    rank naming them (`allow_nonfinite`: a warning with the counts; fz/ckpt/finite.py); a floating
+    tensor for an integer buffer is refused."""
     places = _places(state)
     entries = files.entries
+    for c, key in m.direct.items():  # a float into an integer buffer (num_batches_tracked): NaN lands as -2**63
+        if entries[key].dtype.is_floating_point and not any(v.is_floating_point() for v, _, _ in places[c]):
+            raise CheckpointError(f"weights {files.path}: {key[:100]!r} is {entries[key].dtype} in the file, "
+                                  f"{places[c][0][0].dtype} here: damaged, or another model's")
     counts = Counts(state.plan)
     with torch.no_grad():
         for c, key in sorted(m.direct.items(), key=lambda kv: (str(entries[kv[1]].file), entries[kv[1]].begin)):
