@@ -124,8 +124,8 @@ def follow(model: nn.Module, state: fz.State, released: Released, callbacks: Ite
 def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtype | None = None) -> None:
     """The State's weights in `model` (in its dtype; then its parameters cast to `cast`, if given, as
     DeepSpeed 0.19 casts its module's, its buffers kept), the parameters let go given storage of
-    their own again on their devices first (at ZeRO 0-2, views of the State's own where dtype and
-    device agree, as DeepSpeed's module shares its engine's: no second copy), and its buffers moved
+    their own again on their devices first (at ZeRO 0-2, a trained one a view of the State's own where
+    dtype and device agree, as DeepSpeed's module shares its engine's: no second copy), and its buffers moved
     there; if the copy fails they are let go again as they were. A collective: every rank calls it."""
     own = dict(model.named_parameters())
     before = {n: own[n].data for n in released}
@@ -135,7 +135,8 @@ def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtyp
     viewed = []
     try:
         for name, (device, dtype) in released.items():
-            view = views.get(name)
+            view = views.get(name) if own[name].requires_grad else None  # a frozen one (a PEFT base) is its
+            # own: PEFT's merge writes into it in place, and fz's forward would add the adapter once more
             if view is not None and view.dtype == (cast or dtype) and view.device == torch.device(device):
                 _swap(own[name], view)  # no second copy of the weights
                 viewed.append(name)
@@ -146,7 +147,8 @@ def fill(model: nn.Module, state: fz.State, released: Released, cast: torch.dtyp
                 stuck[name] = str(e)
                 continue
             given.append(name)
-        done = copy_full_params(state, model) if given or not viewed else {id(own[n]) for n in viewed}
+        # nothing given storage: every parameter let go is a view (those already viewing the State were not let go)
+        done = copy_full_params(state, model) if given else {id(own[n]) for n in viewed}
         missing = [n for n in given if id(own[n]) not in done]
         if missing:
             raise ConfigError(f"fz.hf: the State holds no values for trainer.model's {missing[:5]}: they cannot be "

@@ -151,7 +151,9 @@ def load_best(trainer: Any) -> fz.State | None:
     best, state = trainer.state.best_model_checkpoint, trainer.fz_state
     if not (trainer.args.load_best_model_at_end and best is not None and state is not None):
         return state
-    inside(Path(trainer._get_output_dir(trial=None)), Path(best), "the best checkpoint", "the run folder")
+    resumed = trainer.__dict__.get("_fz_resumed_run")
+    if resumed is None or not Path(best).resolve().is_relative_to(resumed):  # the run's, or the resumed run's
+        inside(Path(trainer._get_output_dir(trial=None)), Path(best), "the best checkpoint", "the run folder")
     log.info("fz.hf.Trainer: loading the best model from %s (score: %s)", best, trainer.state.best_metric)
     if os.path.isdir(os.path.join(best, dirs.FZ_DIR)):
         loaded = fz.restore(state, os.path.join(best, dirs.FZ_DIR), verbose=False)
@@ -295,10 +297,13 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
         log.warning("fz.hf.Trainer: resuming a run of max_steps=%d with max_steps=%d: fz trains the next step with "
                     "this run's lr schedule; transformers' Trainer (and DeepSpeed) train it with the lr the saved "
                     "run's schedule left in its optimizer, then follow this run's", saved_steps, steps)
-    named = int(os.path.basename(os.path.normpath(checkpoint)).rsplit("-", 1)[1])
-    if named != trainer.state.global_step:  # the folder's number orders the run's checkpoints (rotation, resume=True)
+    name = os.path.basename(os.path.normpath(checkpoint))
+    named = int(name.rsplit("-", 1)[1]) if dirs.is_checkpoint_name(name) else None  # a folder of another name: as given
+    # a checkpoint-N's number orders the run's checkpoints (rotation, resume_from_checkpoint=True)
+    if named is not None and named != trainer.state.global_step:
         raise CheckpointError(f"{checkpoint} holds the trainer state of step {trainer.state.global_step}, not "
                               f"{named}: renamed, or not this folder's (transformers names it checkpoint-<step>)")
+    trainer.__dict__["_fz_resumed_run"] = str(Path(checkpoint).resolve().parent)  # where load_best may read too
     trainer.state.best_model_checkpoint = _best_beside(trainer.state.best_model_checkpoint, checkpoint)
     if trainer.state.train_batch_size is not None:  # transformers' comparison divides it (it always writes one)
         compare_trainer_and_checkpoint_args(trainer.args, trainer.state)  # its warning: the saved intervals are kept

@@ -113,3 +113,27 @@ def test_a_checkpoint_folder_whose_number_is_not_its_step_is_refused(tmp_path):
     with pytest.raises(fz.CheckpointError, match=r"checkpoint-99999999 holds the trainer state of step 2, not "
                                                  r"99999999: renamed"):
         trainer(out, max_steps=4, save_total_limit=1).train(resume_from_checkpoint=True)
+
+
+def test_a_checkpoint_of_another_name_or_in_another_run_resumes_as_in_transformers(tmp_path):
+    """A complete checkpoint copied as `backup` resumes (its number is compared only in a checkpoint-N
+    name); one resumed into another output_dir keeps its run's best, which load_best_model_at_end
+    reads there at the end (it was refused after the whole run)."""
+    import shutil
+
+    first = tmp_path / "A"
+    args = dict(per_device_train_batch_size=4, learning_rate=3e-3, use_cpu=True, report_to=[], save_strategy="steps",
+                save_steps=1, seed=0, disable_tqdm=True, eval_strategy="steps", eval_steps=1,
+                load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+
+    def run(out: Path, steps: int) -> fz.hf.Trainer:
+        t = fz.hf.Trainer(model=hp.llama(), args=fz.hf.TrainingArguments(output_dir=str(out), max_steps=steps, **args),
+                          train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
+                          eval_dataset=hp.causal_lm_data()[:8])
+        return t
+    run(first, 3).train()
+    shutil.copytree(first / "checkpoint-3", tmp_path / "backup")
+    run(tmp_path / "C", 4).train(resume_from_checkpoint=str(tmp_path / "backup"))
+    t = run(tmp_path / "B", 4)
+    t.train(resume_from_checkpoint=str(first / "checkpoint-3"))
+    assert Path(t.state.best_model_checkpoint).parent in (first, tmp_path / "B")

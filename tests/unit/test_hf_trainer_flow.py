@@ -452,3 +452,30 @@ def test_after_training_the_model_shares_the_states_weights_at_zero_0_to_2(tmp_p
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     t.train()
     assert any(not torch.equal(p.data, before[n]) for n, p in t.model.named_parameters())
+
+
+def test_after_training_a_lora_base_is_the_models_own_and_no_fill_copies_twice(tmp_path, monkeypatch):
+    """Only trained parameters share the State's storage: PEFT's merge_adapter writes into the frozen
+    base in place, and evaluate() (fz's own forward, the adapter still in it) then added it twice.
+    A let-go and fill of views (an online trainer's update, a second train()) copies nothing."""
+    peft = pytest.importorskip("peft")
+    from fz.hf import model_weights
+    model = peft.get_peft_model(hp.llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                            init_lora_weights=False))
+    args = fz.hf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=2, use_cpu=True,
+                                   report_to=[], disable_tqdm=True, save_strategy="no", deepspeed=hp.deepspeed(2))
+    t = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
+                      eval_dataset=hp.causal_lm_data()[:8])
+    t.train()
+    before = t.evaluate()["eval_loss"]
+    t.model.merge_adapter()
+    assert t.evaluate()["eval_loss"] == pytest.approx(before, abs=1e-6)
+    t.model.unmerge_adapter()
+    copies = []
+    real = model_weights.copy_full_params
+    monkeypatch.setattr(model_weights, "copy_full_params", lambda *a: copies.append(1) or real(*a))
+    plain = trainer(True, str(tmp_path / "plain"), deepspeed=hp.deepspeed(2), max_steps=2)
+    plain.train()
+    plain._let_go_of_weights()
+    plain._copy_weights_into_model()
+    assert copies == [] and t.evaluate()["eval_loss"] == pytest.approx(before, abs=1e-6)

@@ -217,6 +217,10 @@ def test_a_hub_cache_snapshot_loads_and_its_links_lead_only_into_its_blobs(state
         (snap / "model.safetensors.index.json").symlink_to(Path("..") / ".." / "blobs" / "beef")
     got = fz.full_params(fz.load_weights(state, snap))
     assert all(torch.equal(got[k], v) for k, v in want.items())
+    (snap / "unet").mkdir()  # a repo's subfolder (diffusers', subfolder=): its links lead one level further up
+    (snap / "unet" / "model.safetensors").symlink_to(Path("..") / ".." / ".." / "blobs" / "f00d")
+    got = fz.full_params(fz.load_weights(state, snap / "unet"))
+    assert all(torch.equal(got[k], v) for k, v in want.items())
     (snap / name).unlink()
     (snap / name).symlink_to(_elsewhere(tmp_path))
     with pytest.raises(CheckpointError, match=rf"{name} leads to .*secret.safetensors, outside the weights folder"):

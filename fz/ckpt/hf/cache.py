@@ -14,11 +14,13 @@ def in_folder(folder: Path, f: Path, what: str = "weights file") -> Path:
     (`<repo>/snapshots/<revision>`, as snapshot_download leaves it), in that repo's `blobs`, where
     the snapshot's files link: nowhere else."""
     at = Path(os.path.abspath(folder))
-    blobs = at.parent.parent / "blobs"
-    if at.parent.name == "snapshots" and blobs.is_dir():
-        try:
-            if Path(f).resolve().is_relative_to(blobs.resolve()):
-                return f
-        except (OSError, ValueError):
-            pass  # inside() says why
+    for snapshot in (at, *at.parents):  # the folder, or a subfolder of a snapshot (diffusers' unet/, subfolder=)
+        blobs = snapshot.parent.parent / "blobs"
+        if snapshot.parent.name == "snapshots" and blobs.is_dir():
+            try:
+                if Path(f).resolve().is_relative_to(blobs.resolve()):
+                    return f
+            except (OSError, ValueError):
+                pass  # inside() says why
+            break
     return inside(folder, f, what, "the weights folder")
