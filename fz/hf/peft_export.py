@@ -13,7 +13,6 @@ Written into a hidden folder and moved into place whole.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 from pathlib import Path
@@ -23,11 +22,14 @@ import torch
 from torch import Tensor
 
 from fz.ckpt.group import GroupCache, exchange, state_ranks
+from fz.ckpt.regular import parse_json, read_small
 from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.observe.full_params import gathered
 from fz.state import State
 from fz.storage.fresh import fresh_dir, remove_entry
+
+_MAX_CONFIG = 16 << 20  # bytes: a transformers config.json is a few KiB
 
 _GROUPS = GroupCache()
 _TMP = ".fz-peft-"
@@ -107,9 +109,10 @@ def _embeddings_peft_saves(model: Any) -> dict[str, str]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     resized = False
     if config is not None and config.is_file():
-        try:
-            resized = json.loads(config.read_text()).get("vocab_size") not in (None, vocab)
-        except (OSError, ValueError, AttributeError):
+        try:  # a base named by a (downloaded) adapter's config: bounded in size and depth, a regular file
+            base_config = parse_json(read_small(config, _MAX_CONFIG, "the base model's config"), str(config))
+            resized = base_config.get("vocab_size") not in (None, vocab)
+        except (OSError, ValueError, AttributeError):  # a CheckpointError is a ValueError: unreadable, unknown
             resized = False
     elif model_id:
         resized = True

@@ -112,3 +112,23 @@ def test_an_adapters_parameters_are_its_own_whatever_its_name(name):
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(hp.llama(), lora, adapter_name=name)
     assert _adapters_parameters(model) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("config", ["deep", "sparse 2 GiB"])
+def test_the_base_config_an_adapter_names_is_read_bounded(tmp_path, config):
+    """Whether the embeddings were resized is read from the config.json an adapter's
+    base_model_name_or_path names: a deep one was a raw RecursionError, a 2 GiB one read whole."""
+    import types
+
+    from fz.hf.peft_export import _embeddings_peft_saves
+    if config == "deep":
+        (tmp_path / "config.json").write_text("[" * 200000 + "]" * 200000)
+    else:
+        with open(tmp_path / "config.json", "wb") as f:
+            f.truncate(2 << 30)
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(4, 2)
+    m.get_input_embeddings = lambda: m.emb
+    m.peft_config = {"default": types.SimpleNamespace(base_model_name_or_path=str(tmp_path))}
+    m.config = types.SimpleNamespace(vocab_size=4)
+    assert _embeddings_peft_saves(m) == {}  # unreadable: not known to be resized, as an unparsable one was
