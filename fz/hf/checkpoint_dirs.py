@@ -32,6 +32,12 @@ def is_checkpoint_name(name: str) -> bool:
     return _NUMBERED.fullmatch(name) is not None
 
 
+def number(name: str) -> int | None:
+    """N of a `checkpoint-N` folder's name (None: another name)."""
+    m = _NUMBERED.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def staging_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, f"{STAGING}{PREFIX_CHECKPOINT_DIR}-{step}")
 

@@ -6,8 +6,11 @@ GRPO, RLOO and Distillation trainers are run as they are written (fz/hf/online.p
 training_step is called for each micro-batch's inputs (fz/hf/step_inputs.py)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
+
+import transformers
 
 from fz.errors import ConfigError
 from fz.hf import step_inputs
@@ -30,9 +33,6 @@ REPLACED = {  # transformers.Trainer's methods fz's loop does not call, and what
 def loss_context(trainer: Any) -> Any:
     """A subclass's compute_loss_context_manager, entered around each training loss as transformers'
     training_step enters it (transformers' own: none, or its amp autocast, which fz's precision replaces)."""
-    import contextlib
-
-    import transformers
     own = type(trainer).compute_loss_context_manager
     if own is transformers.Trainer.compute_loss_context_manager:
         return contextlib.nullcontext()

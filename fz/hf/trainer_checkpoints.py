@@ -271,15 +271,15 @@ def _best_beside(best: str | None, checkpoint: str) -> str | None:
         return None
     run = Path(checkpoint).resolve().parent
     here = run / os.path.basename(os.path.normpath(best))
-    if Path(best).resolve().parent != run and not here.is_dir():
+    if here.is_dir():
+        return str(here)
+    if Path(best).resolve().parent != run:
         log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state is not in the run folder "
                     "%s: ignored for this run (load_best_model_at_end reads only the run's own)", best, run)
-        return None
-    if not here.is_dir():  # as transformers
+    else:  # as transformers
         log.warning("fz.hf.Trainer: the best checkpoint %s recorded in the resumed state does not exist anymore. "
                     "Ignoring it for this run.", best)
-        return None
-    return str(here)
+    return None
 
 
 def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Callable[[], None] | None]:
@@ -297,8 +297,7 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
         log.warning("fz.hf.Trainer: resuming a run of max_steps=%d with max_steps=%d: fz trains the next step with "
                     "this run's lr schedule; transformers' Trainer (and DeepSpeed) train it with the lr the saved "
                     "run's schedule left in its optimizer, then follow this run's", saved_steps, steps)
-    name = os.path.basename(os.path.normpath(checkpoint))
-    named = int(name.rsplit("-", 1)[1]) if dirs.is_checkpoint_name(name) else None  # a folder of another name: as given
+    named = dirs.number(os.path.basename(os.path.normpath(checkpoint)))  # a folder of another name: as given
     # a checkpoint-N's number orders the run's checkpoints (rotation, resume_from_checkpoint=True)
     if named is not None and named != trainer.state.global_step:
         raise CheckpointError(f"{checkpoint} holds the trainer state of step {trainer.state.global_step}, not "
