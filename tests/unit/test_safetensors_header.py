@@ -225,6 +225,11 @@ def test_a_hub_cache_snapshot_loads_and_its_links_lead_only_into_its_blobs(state
     (snap / name).symlink_to(_elsewhere(tmp_path))
     with pytest.raises(CheckpointError, match=rf"{name} leads to .*secret.safetensors, outside the weights folder"):
         fz.load_weights(state, snap)
+    # a `blobs` that is itself a link (to /) made any file on the machine one of the repo's blobs
+    blobs.rename(repo / "real_blobs")
+    blobs.symlink_to("/", target_is_directory=True)
+    with pytest.raises(CheckpointError, match=rf"{name} leads to .*secret.safetensors, outside the weights folder"):
+        fz.load_weights(state, snap)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "deep"])
