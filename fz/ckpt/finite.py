@@ -7,8 +7,8 @@ checkpoint, of the optimizer's moments) as the values arrive: each chunk read ge
 its own size, never a second read of the files nor a copy of the model. Each rank counts only
 its Shard(0) rows, even of a tensor it reads whole, so a shard group's sum counts every value
 once (on a 2-D mesh each replica group's sum is the same); every rank gets that sum and raises
-`fz.NonFiniteError` (or, with `allow_nonfinite=True`, warns with the counts) alike. Buffers are
-not checked: a mask buffer may hold -inf on purpose. Kinds that cannot be negative (Adam's
+`fz.NonFiniteError` (or, with `allow_nonfinite=True`, warns with the counts) alike. Of a buffer,
+NaN and +inf are counted, not -inf: a mask buffer may hold -inf on purpose. Kinds that cannot be negative (Adam's
 `exp_avg_sq`, a mean of squares, whose square root the step takes) have their negative values
 counted too, in the same all-reduce.
 """
@@ -68,6 +68,21 @@ def nonfinite_as(dtype: torch.dtype) -> Callable[[Tensor], int]:
     return count
 
 
+def buffer_nonfinite(t: Tensor) -> int:
+    """How many values of a buffer are NaN or +inf: running statistics a NaN poisons; -inf is a
+    mask's (an attention bias), kept."""
+    if not t.is_floating_point():
+        return 0
+    return sum(int(torch.isnan(piece).sum()) + int(torch.isposinf(piece).sum())
+               for piece in t.detach().reshape(-1).split(_CHUNK))
+
+
+def buffers_found(buffers: Mapping[str, Tensor]) -> dict[str, tuple[int, int]]:
+    """{label: (NaN or +inf values, values)} of loaded buffers (whole on every rank: one rank counts)."""
+    counts = {f"buffer {name!r}": (buffer_nonfinite(t), t.numel()) for name, t in buffers.items()}
+    return {label: c for label, c in counts.items() if c[0]}
+
+
 def negative(t: Tensor) -> int:
     """How many values of `t` are < 0 (NaN is not), in chunks of bounded masks."""
     return sum(int((piece < 0).sum()) for piece in t.detach().reshape(-1).split(_CHUNK))
@@ -89,11 +104,9 @@ class Counts:
         """Count the non-finite values (and, of a `nonnegative` kind, the negative ones) of elements
         [at, at + len(chunk)) of `name` that this rank counts."""
         s = self.slots.get(name)
-        if s is None:  # a buffer: whole on every rank, which counts all of it (running statistics: NaN poisons
-            if chunk.is_floating_point():  # them); -inf is a mask's, kept
-                seen = self.buffers.get(name, (0, 0))
-                bad = int(torch.isnan(chunk).sum()) + int(torch.isposinf(chunk).sum())
-                self.buffers[name] = (seen[0] + bad, seen[1] + chunk.numel())
+        if s is None:  # a buffer: whole on every rank, which counts all of it
+            seen = self.buffers.get(name, (0, 0))
+            self.buffers[name] = (seen[0] + buffer_nonfinite(chunk), seen[1] + chunk.numel())
             return
         start, stop = s.local_rows(self.plan.shard_rank)
         a, z = max(at, start * s.row_numel), min(at + chunk.numel(), stop * s.row_numel)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from fz.ckpt import manifest
-from fz.ckpt.finite import nonfinite_as, owned_locals, report, summed
+from fz.ckpt.finite import buffers_found, nonfinite_as, owned_locals, report, summed
 from fz.ckpt.group import agree, dcp_error, exchange, run_local
 from fz.ckpt.index import SafeReader
 from fz.ckpt.layout import META, PathLike, read_json, resolve
@@ -254,6 +254,11 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         target, buffers, scaler = _template(state, saved)
         lines, bad = _differences(target, saved)
         load = {k: t for k, t in target.items() if k not in bad}
+        floats = [k for k, t in load.items() if k.startswith("buffers/") and not t.is_floating_point()
+                  and saved[k].properties.dtype.is_floating_point]
+        if floats:  # a NaN lands as -2**63 in an integer buffer (num_batches_tracked)
+            raise CheckpointError(f"checkpoint {d}: {floats[0]} is {saved[floats[0]].properties.dtype} in it, "
+                                  f"{load[floats[0]].dtype} here: damaged or altered")
         rng_key = f"rng/{rank}"
         if rng_key in saved:
             m = saved[rng_key]
@@ -305,6 +310,8 @@ def load(state: State, path: PathLike, group, *, step: int | None = None, strict
         dcp.load(load, storage_reader=SafeReader(d), process_group=group)
         narrow = {f"model/{n}": nonfinite_as(p.dtype) for n, p in state.params.items()} if state.master else {}
         found = owned_locals({k: t for k, t in load.items() if k.startswith(("model/", "opt/"))}, rank == 0, narrow)
+        if rank == 0:
+            found.update(buffers_found({k: t for k, t in buffers.items() if f"buffers/{k}" in load}))
         impossible = _impossible(load)
         if "step" in load and int(_local(load["step"])) != train_step:  # the data's position is bounded by it
             impossible.append(f"step = {int(_local(load['step']))}, where {META} says train_step = {train_step}")

@@ -310,3 +310,39 @@ def test_a_latest_that_names_no_file_is_a_checkpoint_error(tag: bytes, tmp_path:
                  lambda: engine.load_checkpoint(str(ds)), lambda: fz.restore(h.state(), own)):
         with pytest.raises(CheckpointError, match=r"latest (holds|is corrupted)"):
             read()
+
+
+class _Buffered(h.Net):
+    """ds_hostile's Net with the buffer ds_synth saves (`scale`) and an integer one, as BatchNorm's count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("count", torch.tensor(0))
+
+
+def _buffers(scale: float, count: object) -> Callable[[str, int, dict], None]:
+    def patch(kind: str, rank: int, obj: dict) -> None:
+        if kind == "model":
+            obj["module"]["scale"] = torch.full((8,), scale)
+            obj["module"]["count"] = count
+            obj["buffer_names"] = [*obj["buffer_names"], "count"]
+    return patch
+
+
+@pytest.mark.parametrize("scale, count, error, words", [
+    (float("nan"), torch.tensor(3), fz.NonFiniteError,
+     r"holds NaN or inf in 1 tensors \(8 values\): buffer 'scale' 8 of 8"),
+    (float("inf"), torch.tensor(3), fz.NonFiniteError, "buffer 'scale' 8 of 8"),
+    (1.0, torch.tensor(float("nan")), CheckpointError, "buffer count is torch.float32 in the checkpoint, torch.int64 "
+                                                       "here"),
+])
+def test_a_buffer_no_run_holds_is_refused(scale: float, count: object, error: type, words: str, tmp_path: Path) -> None:
+    """A NaN running statistic was copied in unchecked (weights' NaN were refused), and a float NaN for an
+    integer buffer landed as -2**63; a -inf (a mask's) still imports."""
+    state = fz.init(_Buffered(), fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3), loss_fn=h._loss, seed=0))
+    with pytest.raises(error, match=words):
+        fz.import_deepspeed(state, h.checkpoint(tmp_path / "ck", patch=_buffers(scale, count)))
+    state = fz.init(_Buffered(), fz.Spec(stage=3, optimizer=fz.optim.adamw(lr=1e-3), loss_fn=h._loss, seed=0))
+    new, _ = fz.import_deepspeed(state, h.checkpoint(tmp_path / "ok", patch=_buffers(float("-inf"), torch.tensor(3))))
+    assert new.buffers["count"].item() == 3 and bool(torch.isneginf(new.buffers["scale"]).all())

@@ -377,3 +377,44 @@ def test_an_update_count_past_2_48_is_refused(tmp_path):
     fz.save(state.replace(step=torch.full_like(state.step, 2**63 - 1)), tmp_path)
     with pytest.raises(CheckpointError, match=r"is damaged: it is not an object with a train_step from 0 to 2\*\*48"):
         fz.restore(fz.init(make_model(1), spec(1, 1)), tmp_path)
+
+
+class _Normed(torch.nn.Module):
+    """A BatchNorm's running statistics (NaN poisons them) and an integer count, whose dtype `count` sets."""
+
+    def __init__(self, count: torch.dtype = torch.int64):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.norm.num_batches_tracked = torch.tensor(0, dtype=count)
+
+    def forward(self, x):
+        return self.norm(self.lin(x)).sum()
+
+
+def _normed(count: torch.dtype = torch.int64) -> fz.State:
+    return fz.init(_Normed(count), fz.Spec(stage=0, optimizer=fz.optim.adamw(lr=1e-3), loss_fn=lambda m, x: m(x)))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_running_statistic_is_refused_a_masks_inf_is_not(tmp_path, value):
+    """A NaN or +inf buffer was restored silently (the same values from a weights folder were refused);
+    -inf, a mask's, restores."""
+    state = _normed()
+    state.buffers["norm.running_var"][1] = value
+    fz.save(state, tmp_path / "bad")
+    with pytest.raises(fz.NonFiniteError, match=r"holds NaN or inf in 1 tensors \(1 values\): buffer "
+                                                r"'norm.running_var' 1 of 4"):
+        fz.restore(_normed(), tmp_path / "bad")
+    state.buffers["norm.running_var"][1] = float("-inf")
+    fz.save(state, tmp_path / "mask")
+    assert bool(torch.isneginf(fz.restore(_normed(), tmp_path / "mask").buffers["norm.running_var"][1]))
+
+
+def test_a_float_for_an_integer_buffer_is_refused(tmp_path):
+    """A NaN landed as -2**63 in num_batches_tracked."""
+    state = _normed(torch.float32)
+    state.buffers["norm.num_batches_tracked"].fill_(float("nan"))
+    fz.save(state, tmp_path)
+    with pytest.raises(CheckpointError, match=r"buffers/norm.num_batches_tracked is torch.float32 in it, torch.int64 "
+                                              "here: damaged or altered"):
+        fz.restore(_normed(), tmp_path)

@@ -123,6 +123,26 @@ def _pairs(ck: Any, state: State) -> tuple[dict[str, str], list[str]]:
     return pairs, problems
 
 
+def _buffer_pairs(ck: Any, state: State, problems: list[str]) -> dict[str, str]:
+    """{fz buffer name: the checkpoint's name} of the buffers both hold; one of another shape, or a
+    floating value for an integer buffer (a NaN lands as -2**63 in num_batches_tracked), is a difference
+    added to `problems` and not loaded."""
+    pairs = {}
+    for name, value in ck.buffers.items():
+        canon = state.skeleton.aliases.get(name, name)
+        mine = state.buffers.get(canon)
+        if mine is None:
+            continue  # one this model does not keep: not loaded
+        if mine.shape != value.shape:
+            problems.append(f"shape mismatch: buffer {canon} is {tuple(mine.shape)} here, {tuple(value.shape)} in "
+                            "the checkpoint")
+        elif value.is_floating_point() and not mine.is_floating_point():
+            problems.append(f"buffer {canon} is {value.dtype} in the checkpoint, {mine.dtype} here")
+        else:
+            pairs[canon] = name
+    return pairs
+
+
 def _refuse_negative(found: dict[str, tuple[int, int]], path: Any) -> None:
     """A negative exp_avg_sq (a running mean of squares) is impossible, though finite: Adam's
     step takes its square root, NaN in the weights. Refused on every rank (the counts are summed)."""
@@ -165,6 +185,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
         if ck.moments and not moments:
             problems.append(f"the checkpoint holds {', '.join(ck.moments)} but this state's optimizer keeps no "
                             "Adam moments (fz.optim.adam/adamw)")
+        buffers = _buffer_pairs(ck, state, problems)
         if ck.unplaced and moments:
             problems.append(ck.unplaced + "; this model's trainable parameters do not tell them apart either")
         if problems:
@@ -176,7 +197,7 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
         places = _places(state)
         counts = Counts(state.plan, ("", *ck.moments), nonnegative=("exp_avg_sq",))
         try:
-            new = _load(state, ck, pairs, places, moments, counts)
+            new = _load(state, ck, pairs, buffers, places, moments, counts)
         finally:  # filled in place: the template is given up whether the import returns or raises (a value it
             template.donate("fz.import_deepspeed")  # refuses below is already in it), as fz.restore's is
         found = counts.total()
@@ -185,7 +206,8 @@ def import_deepspeed(state: State, path: str | os.PathLike[str], *, tag: str | N
         return new, dict(ck.client_state)
 
 
-def _load(state: State, ck: Any, pairs: dict[str, str], places: dict, moments: dict, counts: Counts) -> State:
+def _load(state: State, ck: Any, pairs: dict[str, str], buffers: dict[str, str], places: dict, moments: dict,
+          counts: Counts) -> State:
     """`state` with the checkpoint's values filled into its tensors, its counts and loss scale set."""
     with torch.no_grad():
         for canon, key in pairs.items():
@@ -194,10 +216,9 @@ def _load(state: State, ck: Any, pairs: dict[str, str], places: dict, moments: d
                 target = moments.get(kind, {}).get(canon)
                 if target is not None and key in ck.params:
                     _fill(target, ck, key, kind, counts, canon)
-        for name, value in ck.buffers.items():
-            canon = state.skeleton.aliases.get(name, name)
-            if canon in state.buffers and state.buffers[canon].shape == value.shape:
-                state.buffers[canon].copy_(value)
+        for canon, name in buffers.items():  # NaN or +inf counted as a parameter's (-inf: a mask's, kept)
+            counts.see(canon, 0, ck.buffers[name])
+            state.buffers[canon].copy_(ck.buffers[name])
         _set_counts(state.opt_state, ck)
         scaler = dict(state.scaler or {})
         if "skipped" in scaler:
