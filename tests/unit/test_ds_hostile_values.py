@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fz
 from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
@@ -231,8 +232,20 @@ def test_consolidate_refuses_what_its_cast_makes_inf(tmp_path: Path) -> None:
     assert rc == 2 and "cast to float16 holds NaN or inf in 1 tensors (1 values): 'w' 1 of 24" in err, (rc, err)
     assert "cast to bfloat16, whose range is float32's" in err and not (tmp_path / "o16.safetensors").exists()
     consolidate(root, tmp_path / "o.safetensors", dtype="bf16")
-    from safetensors.torch import load_file
     assert load_file(str(tmp_path / "o.safetensors"))["w"].flatten()[2] == torch.tensor(1e6, dtype=torch.bfloat16)
+
+
+def test_zero_to_fp32_refuses_what_its_cast_makes_inf(tmp_path: Path) -> None:
+    """DeepSpeed's zero_to_fp32 API as fz gives it, to fp16: the 1e6 was written as inf; now refused as
+    consolidate refuses it, nothing written."""
+    from fz.deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+    root = h.checkpoint(tmp_path / "ck", patch=_huge_master)
+    with pytest.raises(fz.NonFiniteError, match=r"cast to float16 holds NaN or inf in 1 tensors \(1 values\): 'w' 1 "
+                                                "of 24.* nothing was written"):
+        convert_zero_checkpoint_to_state_dict(root, tmp_path / "out", dtype="float16", safe_serialization=True)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    convert_zero_checkpoint_to_state_dict(root, tmp_path / "out", dtype="bfloat16", safe_serialization=True)
+    assert torch.isfinite(load_file(str(tmp_path / "out" / "model.safetensors"))["w"]).all()
 
 
 def test_a_nan_read_is_not_blamed_on_the_cast(tmp_path: Path) -> None:

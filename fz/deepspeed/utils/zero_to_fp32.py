@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from fz.ckpt import consolidate
 from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
+from fz.ckpt.finite import Tally
 from fz.errors import ConfigError
 from fz.storage.fresh import replacing
 
@@ -132,9 +133,13 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike[str]
     (`safe_serialization=True`) or `pytorch_model.bin`, cut into numbered shards of at most
     `max_shard_size` with their `*.index.json` when it is larger."""
     to = _output_dtype(dtype)
-    weights = {k: t.to(to) if t.is_floating_point() else t
-               for k, t in get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
-                                                                    exclude_frozen_parameters).items()}
+    weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    tally = Tally("zero_to_fp32", f"DeepSpeed checkpoint {checkpoint_dir}", to)  # a 1e5 master is inf in fp16
+    for k, t in weights.items():
+        if t.is_floating_point():
+            weights[k] = t.to(to)
+            tally.see(k, weights[k], t.numel(), t)
+    tally.check()  # before any file is written
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     limit = _max_bytes(max_shard_size)
     shards: list[list[str]] = [[]]
