@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fz.ckpt.chunk import read_chunk
-from fz.ckpt.regular import inside, parse_json, plain_name, read_regular, stat_regular
+from fz.ckpt.regular import MAX_DIMS, inside, parse_json, plain_name, read_regular, stat_regular
 from fz.errors import CheckpointError, ConfigError
 
 INDEX = "index.json"
@@ -119,7 +119,7 @@ def _in_files(directory: Path, index: dict[str, Any]) -> None:
         end = 0
         for at, length, key in found:
             if at < end:
-                raise ValueError(f"{key!r}: its chunk at byte {at} of {name} overlaps another's record")
+                raise ValueError(f"{key!r:.100}: its chunk at byte {at} of {name} overlaps another's record")
             end = at + length
         if end > size:  # the data file's fault as much as the index's: named as the file read
             raise CheckpointError(f"checkpoint file {directory / name} is unreadable: {size} bytes, but a chunk of "
@@ -140,16 +140,17 @@ def _check(index: Any) -> None:
         raise ValueError(f"more than {MAX_CHUNKS} chunks: not what fz.save writes")
     for key, t in index["tensors"].items():
         if t["dtype"] not in DTYPES:
-            raise ValueError(f"{key!r}: unknown dtype {t['dtype']!r}")
+            raise ValueError(f"{key!r:.100}: unknown dtype {t['dtype']!r:.40}")
         item = DTYPES[t["dtype"]].itemsize
+        if not isinstance(t["size"], list) or len(t["size"]) > MAX_DIMS \
+                or any(not isinstance(n, int) or n < 0 for n in t["size"]):
+            raise ValueError(f"{key!r:.100}: bad size {t['size']!r:.100} (a list of at most {MAX_DIMS} integers >= 0)")
         ndim = len(t["size"])
-        if any(not isinstance(n, int) or n < 0 for n in t["size"]):
-            raise ValueError(f"{key!r}: bad size {t['size']!r}")
         for c in t["chunks"]:
             fields = (c["offsets"], c["sizes"])
             if any(len(f) != ndim or any(not isinstance(n, int) or n < 0 for n in f) for f in fields) \
                     or any(o + s > n for o, s, n in zip(c["offsets"], c["sizes"], t["size"])):
-                raise ValueError(f"{key!r}: chunk {c!r} does not fit size {t['size']!r}")
+                raise ValueError(f"{key!r:.100}: chunk {c!r:.200} does not fit size {t['size']!r}")
             if (
                 not isinstance(c["file"], str)
                 or "/" in c["file"]
@@ -159,10 +160,10 @@ def _check(index: Any) -> None:
                 or c["at"] < 0
                 or c["length"] <= 0
             ):
-                raise ValueError(f"{key!r}: bad location {c!r}")
+                raise ValueError(f"{key!r:.100}: bad location {c!r:.200}")
             if math.prod(c["sizes"]) * item > c["length"]:  # a record holds its values' bytes and more
-                raise ValueError(f"{key!r}: a chunk of {c['sizes']} {t['dtype']} values in a record of {c['length']} "
-                                 "bytes")
+                raise ValueError(f"{key!r:.100}: a chunk of {c['sizes']} {t['dtype']} values in a record of "
+                                 f"{c['length']} bytes")
         _covered(key, t["size"], [(c["offsets"], c["sizes"]) for c in t["chunks"]])
 
 
@@ -173,7 +174,7 @@ def _covered(key: str, size: list[int], boxes: list[tuple[list[int], list[int]]]
     boxes = [b for b in boxes if math.prod(b[1])]
     have = sum(math.prod(s) for _, s in boxes)
     if have != total:
-        raise ValueError(f"{key!r}: its chunks hold {have} values, the tensor {size} has {total}: "
+        raise ValueError(f"{key!r:.100}: its chunks hold {have} values, the tensor {size} has {total}: "
                          + ("some values are in no chunk" if have < total else "chunks overlap"))
     if not size:
         return  # a scalar: its one chunk
@@ -184,10 +185,10 @@ def _covered(key: str, size: list[int], boxes: list[tuple[list[int], list[int]]]
         active = [(ao, az) for ao, az in active if ao[0] + az[0] > o[0]]
         pairs += len(active)
         if pairs > _MAX_PAIRS:
-            raise ValueError(f"{key!r}: {len(boxes)} chunks overlap in rows too much to check")
+            raise ValueError(f"{key!r:.100}: {len(boxes)} chunks overlap in rows too much to check")
         for ao, az in active:
             if all(a < b + n and b < a + m for a, m, b, n in zip(ao, az, o, s)):
-                raise ValueError(f"{key!r}: chunks at {ao} and {o} overlap, so some values are in no chunk")
+                raise ValueError(f"{key!r:.100}: chunks at {ao} and {o} overlap, so some values are in no chunk")
         active.append((o, s))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from fz.errors import CheckpointError
 
 NAME_MAX = 255  # bytes of one file name (Linux's)
+MAX_DIMS = 64  # dimensions of a tensor's shape read from a file: a model's have a few (errors print shapes)
 
 
 def inside(folder: Path, file: Path, what: str = "checkpoint file", where: str = "the checkpoint folder") -> Path:

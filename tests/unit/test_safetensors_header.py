@@ -256,3 +256,11 @@ def test_an_index_naming_no_possible_file_is_refused(state, tmp_path, name):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": name}}))
     with pytest.raises(CheckpointError, match="not a .safetensors file in the folder"):
         fz.load_weights(state, folder)
+
+
+def test_a_shape_of_a_million_dimensions_is_refused_in_a_line(state, tmp_path):
+    """A shape of 10**6 ones (4 bytes of data) made a 6 MB error, the shape printed twice."""
+    _write(tmp_path / "model.safetensors", {"a.weight": _t(0, 4, (1,) * 10**6)}, b"\0" * 4)
+    with pytest.raises(CheckpointError, match=r"tensor 'a.weight' has a shape of 1000000 dimensions, over 64") as e:
+        fz.load_weights(state, tmp_path)
+    assert len(str(e.value)) < 1000

@@ -418,3 +418,16 @@ def test_a_float_for_an_integer_buffer_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"buffers/norm.num_batches_tracked is torch.float32 in it, torch.int64 "
                                               "here: damaged or altered"):
         fz.restore(_normed(), tmp_path)
+
+
+def test_an_index_size_of_a_million_dimensions_is_refused_in_a_line(tmp_path):
+    """index.json's sizes were unbounded: a tensor of 10**6 dimensions printed in full in the error."""
+    fz.save(_trained(), tmp_path)
+    step = tmp_path / "step_1"
+    index = json.loads((step / "index.json").read_text())
+    next(iter(index["tensors"].values()))["size"] = [1] * 10**6
+    (step / "index.json").write_text(json.dumps(index))
+    _relist(step, "index.json")
+    with pytest.raises(CheckpointError, match=r"bad size \[1, 1, .* \(a list of at most 64 integers >= 0\)") as e:
+        fz.restore(fz.init(make_model(1), spec(1, 1)), step)
+    assert len(str(e.value)) < 1000

@@ -18,7 +18,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from fz.ckpt.regular import open_regular
+from fz.ckpt.regular import MAX_DIMS, open_regular
 from fz.errors import CheckpointError
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -99,6 +99,9 @@ def _entry(f: Path, name: str, info: Any) -> tuple[torch.dtype, tuple[int, ...],
         raise CheckpointError(f"{where} has dtype {dtype!r:.40}, not one fz reads ({', '.join(_FROM)})")
     if not _ints(shape):
         raise CheckpointError(f"{where} has shape {shape!r:.80}: must be a list of integers >= 0")
+    if len(shape) > MAX_DIMS:
+        raise CheckpointError(f"{where} has a shape of {len(shape)} dimensions, over {MAX_DIMS}: no model's "
+                              "tensor has; damaged or altered")
     if not _ints(offsets, 2):
         raise CheckpointError(f"{where} has data_offsets {offsets!r:.80}: must be two integers >= 0 [begin, end]")
     return _FROM[dtype], tuple(shape), offsets[0], offsets[1]
