@@ -14,16 +14,23 @@ launcher can set it. A CPU step maps its large buffers afresh, page fault by pag
 """
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from fz.errors import ConfigError
 from fz.launch.textfile import read_text
 
+log = logging.getLogger(__name__)
+
 ENV_FILES = (".deepspeed_env", ".fz_env")  # later wins
 _PASSED = ("PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR", "THP_MEM_ALLOC_ENABLE")
 DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch's CPU allocator: huge pages for buffers of 2 MiB and more
 _PREFIXES = ("NCCL_", "GLOO_", "FZ_", "TORCH_", "CUDA_", "UCX_", "HF_")
+# a name a node's shell takes as a variable's: the shell line writes it unquoted (`env NAME=value`), so
+# one holding `$(...)` would run on every node
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def parse_env(text: str, where: str) -> dict[str, str]:
@@ -36,7 +43,7 @@ def parse_env(text: str, where: str) -> dict[str, str]:
             line = line[len("export "):].strip()
         key, eq, value = line.partition("=")
         key = key.strip()
-        if not eq or not key.replace("_", "a").isalnum() or key[0].isdigit():
+        if not eq or not _NAME.fullmatch(key):
             raise ConfigError(f"{where}, line {n}: {raw.strip()!r} is not KEY=VALUE")
         out[key] = value.strip()
     return out
@@ -56,7 +63,12 @@ def env_files(cwd: Path | None = None, home: Path | None = None) -> list[Path]:
 def node_env(environ: Mapping[str, str], cwd: Path | None = None, home: Path | None = None) -> dict[str, str]:
     """The variables exported on every node (CUDA_VISIBLE_DEVICES is set per node elsewhere)."""
     out = dict(DEFAULTS)
-    out.update((k, v) for k, v in environ.items() if k in _PASSED or k.startswith(_PREFIXES))
+    for k, v in environ.items():
+        if k in _PASSED or k.startswith(_PREFIXES):
+            if _NAME.fullmatch(k):
+                out[k] = v
+            else:
+                log.warning("fz run: the variable %r is not passed to the nodes: not a shell variable's name", k[:80])
     out.pop("CUDA_VISIBLE_DEVICES", None)
     for path in env_files(cwd, home):
         out.update(parse_env(read_text(path, "env file"), f"env file {path}"))

@@ -20,6 +20,7 @@ from fz.launch.textfile import read_text
 Hosts = dict[str, list[int]]  # host -> its slots (device indices), in hostfile order
 
 MAX_SLOTS = 1024  # devices one host can have; more is a typo, and a list this long is made of it
+MAX_NODES = 65536  # hosts of one job (a Slurm node list expanded): more is a typo, and a list this long is made of it
 _LINE = re.compile(r"^(?P<host>[^\s=]+)\s+slots\s*=\s*(?P<slots>\d+)$")
 # One machine's name: pdsh reads `w[1-64]` and `w1,w2` as many hosts (and `^file`, `/regex/`), so
 # one hostfile line would start a node on each; shell characters have no place in a host name either.
@@ -121,15 +122,22 @@ def select(hosts: Hosts, include: str = "", exclude: str = "", num_nodes: int = 
 
 
 def expand_nodelist(text: str) -> list[str]:
-    """Slurm's compressed node list (`node[01-03,07],gpu5`) as host names."""
+    """Slurm's compressed node list (`node[01-03,07],gpu5`) as host names, at most MAX_NODES of them."""
     out: list[str] = []
     for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", text):
         prefix, ranges = m.group(1), m.group(2)
+        if bad := _HOST_CHAR.search(prefix):  # srun reads the list; the first becomes MASTER_ADDR
+            raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r}: {prefix[:80]!r} has {bad[0]!r}, not a host name "
+                              "character")
         if not ranges:
             out.append(prefix)
             continue
         for r in ranges.split(","):
             lo, _, hi = r.partition("-")
+            if not all(n.isascii() and n.isdigit() for n in (lo, hi or lo)):
+                raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r}: the range {r[:40]!r} is not N or N-M")
+            if len(out) + int(hi or lo) - int(lo) + 1 > MAX_NODES:
+                raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r} names more than {MAX_NODES} nodes")
             for i in range(int(lo), int(hi or lo) + 1):
                 out.append(f"{prefix}{str(i).zfill(len(lo))}")
     return out

@@ -16,6 +16,7 @@ import pytest
 import fz
 from fz.cli import main
 from fz.errors import ConfigError
+from fz.launch import commands
 from fz.launch.envfile import node_env
 from fz.launch.hostfile import expand_nodelist, parse_hostfile, read_hostfile, select
 
@@ -82,6 +83,36 @@ def test_env_files_from_home_and_working_directory(tmp_path):
     (cwd / ".fz_env").write_text("NOT A LINE\n")
     with pytest.raises(ConfigError, match=r"\.fz_env, line 1: 'NOT A LINE' is not KEY=VALUE"):
         node_env({}, cwd=cwd, home=home)
+
+
+def test_a_variable_name_that_is_not_a_shell_name_never_reaches_a_node(tmp_path, caplog):
+    """The names of the launching environment's FZ_*/NCCL_* variables went unquoted into each node's shell
+    line: one named `FZ_X$(touch f)` ran `touch f` on every node. Now it is left out, with a warning."""
+    marker = tmp_path / "ran"
+    environ = {"PATH": os.environ["PATH"], f"FZ_X$(touch {marker})": "1", "FZ_OK": "a b"}
+    with caplog.at_level("WARNING", logger="fz.launch.envfile"):
+        env = node_env(environ, cwd=tmp_path, home=tmp_path)
+    assert env == {"FZ_OK": "a b", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert "'FZ_X$(touch" in caplog.text and "not passed to the nodes: not a shell variable's name" in caplog.text
+    job = commands.Job({"worker-1": [0]}, "train.py", [], "worker-1", 29500, env, str(tmp_path), python="/bin/true")
+    subprocess.run(["sh", "-c", commands.shell_line(job, 0, "worker-1", watch_stdin=False)],
+                   stdin=subprocess.DEVNULL, timeout=60 * slowdown(), check=True)
+    assert not marker.exists()
+    (tmp_path / ".fz_env").write_text("FZ_é=1\n")  # a name isalnum() took, which no shell assigns
+    with pytest.raises(ConfigError, match=r"line 1: 'FZ_é=1' is not KEY=VALUE"):
+        node_env({}, cwd=tmp_path, home=tmp_path)
+
+
+@pytest.mark.parametrize("nodes, message", [
+    ("node[0-x]", r"the range '0-x' is not N or N-M"),
+    ("node[0-99999999999]", r"names more than 65536 nodes"),
+    ("n$(reboot)[1-2]", r"'n\$\(reboot\)' has '\$', not a host name character"),
+])
+def test_a_slurm_node_list_that_is_not_one_is_named(nodes, message):
+    """A raw ValueError, a list of 10**11 names built, a shell character taken as a host name: each now a
+    ConfigError naming SLURM_JOB_NODELIST."""
+    with pytest.raises(ConfigError, match=rf"SLURM_JOB_NODELIST .*{message}"):
+        expand_nodelist(nodes)
 
 
 def test_hostfile_and_env_file_are_small_regular_utf8_files(tmp_path):
