@@ -20,9 +20,12 @@ from fz.config.explain import Described
 from fz.config.reader import Reader
 from fz.config.values import MISSING, Check, betas, boolean, choice, integer, join, number, optional
 from fz.errors import ConfigError, suggest
-from fz.optim.base import LR_MAX
+from fz.optim.base import LR_MAX, MOMENTUM_MAX, WEIGHT_DECAY_MAX
 
 NONNEG = number(0.0)
+EPS = number(0.0, lo_open=True, why="0 divides 0 by 0 where a parameter has no gradient yet: NaN in the weights")
+DECAY = number(0.0, WEIGHT_DECAY_MAX, why="no optimizer trains with more; a larger one writes inf into the weights")
+MOMENTUM = number(0.0, MOMENTUM_MAX, why="a larger one grows SGD's trace at every update, to inf")
 LR = number(0.0, LR_MAX)  # a learning rate: past LR_MAX the update writes inf into the weights
 UNIT = number(0.0, 1.0)
 STEPS = integer(1, 2**62)
@@ -48,7 +51,7 @@ COMPRESSED = {"onebitadam", "zerooneadam", "onebitlamb"}  # DeepSpeed's communic
 def _eps_pair(path: str, v: Any) -> tuple[float | None, float]:
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"{path}: {v!r} must be a list [eps1 or null, eps2]")
-    return optional(NONNEG)(f"{path}[0]", v[0]), NONNEG(f"{path}[1]", v[1])
+    return optional(EPS)(f"{path}[0]", v[0]), NONNEG(f"{path}[1]", v[1])
 
 
 def _off(r: Reader, p: dict[str, Any], key: str) -> None:
@@ -114,15 +117,15 @@ class OptimizerConfig:
             w_mode = self.r.get(path, p, "adam_w_mode", boolean, True)[0]
             self.w_mode = kind == "adamw" or w_mode
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
-            get(p, "eps", NONNEG, 1e-8, auto="eps")
-            get(p, "weight_decay", NONNEG, 0.01 if torch_adam and self.w_mode else 0.0, auto="weight_decay")
+            get(p, "eps", EPS, 1e-8, auto="eps")
+            get(p, "weight_decay", DECAY, 0.01 if torch_adam and self.w_mode else 0.0, auto="weight_decay")
             self.bias_correction = self.r.get(path, p, "bias_correction", boolean, True)[0]  # FusedAdam's
             for k in ("amsgrad", "maximize"):
                 _off(self.r, p, k)
         elif kind == "lamb":
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
-            get(p, "eps", NONNEG, 1e-8, auto="eps")
-            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "eps", EPS, 1e-8, auto="eps")
+            get(p, "weight_decay", DECAY, 0.0, auto="weight_decay")
             get(p, "bias_correction", boolean, True)
             get(p, "eps_inside_sqrt", boolean, False)
             get(p, "max_coeff", NONNEG, 10.0)
@@ -135,10 +138,10 @@ class OptimizerConfig:
             _off(self.r, p, "amsgrad")
         elif kind == "lion":
             get(p, "betas", betas, (0.9, 0.999), auto="betas")
-            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "weight_decay", DECAY, 0.0, auto="weight_decay")
         elif kind == "sgd":
-            get(p, "momentum", NONNEG, 0.0)
-            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "momentum", MOMENTUM, 0.0)
+            get(p, "weight_decay", DECAY, 0.0, auto="weight_decay")
             get(p, "nesterov", boolean, False)
             if self.values["nesterov"] and not self.values["momentum"] > 0:
                 raise ConfigError("optimizer.params.nesterov: true needs momentum > 0")
@@ -149,7 +152,7 @@ class OptimizerConfig:
             get(p, "beta2_decay", number(hi=0.0), -0.8)
             get(p, "eps", _eps_pair, (None, 1e-3))
             get(p, "d", number(1.0), 1.0)
-            get(p, "weight_decay", NONNEG, 0.0, auto="weight_decay")
+            get(p, "weight_decay", DECAY, 0.0, auto="weight_decay")
             _off(self.r, p, "maximize")
 
     def build(self, lr: Any) -> tuple[optim.GradientTransformation, str]:

@@ -51,8 +51,9 @@ def integer(lo: int | None = None, hi: int | None = None) -> Check:
 
 
 def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
-           hi_open: bool = False) -> Check:
-    """A finite int or float, within lo..hi (open ends where asked)."""
+           hi_open: bool = False, why: str = "") -> Check:
+    """A finite int or float, within lo..hi (open ends where asked); `why`: what a value past them does."""
+    why = f" ({why})" if why else ""
 
     def check(path: str, v: Any) -> float:
         if not _is_number(v):
@@ -64,9 +65,9 @@ def number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fal
         if not math.isfinite(f):
             raise ConfigError(f"{path}: {v!r} must be a finite number")
         if lo is not None and (f <= lo if lo_open else f < lo):
-            raise ConfigError(f"{path}: {v!r} must be {'>' if lo_open else '>='} {lo}")
+            raise ConfigError(f"{path}: {v!r} must be {'>' if lo_open else '>='} {lo}{why}")
         if hi is not None and (f >= hi if hi_open else f > hi):
-            raise ConfigError(f"{path}: {v!r} must be {'<' if hi_open else '<='} {hi}")
+            raise ConfigError(f"{path}: {v!r} must be {'<' if hi_open else '<='} {hi}{why}")
         return f
 
     return check

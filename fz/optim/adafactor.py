@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import GradientTransformation, Params, lr_at, owned, sum_across_shards
+from fz.optim.base import WEIGHT_DECAY_MAX, GradientTransformation, Params, lr_at, owned, sum_across_shards
 from fz.optim.transforms import LR
 
 
@@ -59,12 +59,13 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
     eps1_arg, eps2 = eps
     if not beta2_decay <= 0:
         raise ConfigError(f"adafactor beta2_decay={beta2_decay!r}: must be <= 0")
-    if (eps1_arg is not None and eps1_arg < 0) or eps2 < 0:
-        raise ConfigError(f"adafactor eps={eps!r}: must be >= 0")
-    if not d >= 1:
-        raise ConfigError(f"adafactor d={d!r}: must be >= 1")
-    if not weight_decay >= 0:
-        raise ConfigError(f"adafactor weight_decay={weight_decay!r}: must be >= 0")
+    if (eps1_arg is not None and not 0 < eps1_arg < math.inf) or not 0 <= eps2 < math.inf:
+        raise ConfigError(f"adafactor eps={eps!r}: eps1 must be > 0 or None (the dtype's eps: 0 divides 0 by 0 where "
+                          "a parameter has no gradient yet, NaN in the weights), eps2 a finite number >= 0")
+    if not 1 <= d < math.inf:
+        raise ConfigError(f"adafactor d={d!r}: must be a finite number >= 1")
+    if not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
+        raise ConfigError(f"adafactor weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g}")
 
     def init(params: Params) -> AdafactorState:
         row, col, var = {}, {}, {}

@@ -7,7 +7,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fz.optim.base import CastGroups, GradientTransformation, Params, cast_groups_into, cast_into, chain, lr_at, owned
+from fz.optim.base import (
+    CastGroups,
+    GradientTransformation,
+    Params,
+    cast_groups_into,
+    cast_into,
+    chain,
+    decay_factor_check,
+    lr_at,
+    owned,
+)
 from fz.optim.kernel import adamw_
 from fz.optim.transforms import LR, AdamState, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
@@ -63,6 +73,7 @@ class _FusedAdamW(GradientTransformation):
         mu, nu = owned([adam.mu[k] for k in keys], donate), owned([adam.nu[k] for k in keys], donate)
         count = adam.count + 1
         value = lr_at(self.lr, int(lr_state.count))
+        decay_factor_check(value, self.weight_decay, int(lr_state.count))
         step = torch.tensor(float(count), device=tensors[0].device)  # fused CUDA kernels take it on the device
         at = {k: i for i, k in enumerate(keys)}
 

@@ -153,6 +153,21 @@ def sum_across_shards(partial: Params, shard_sum: Callable[[Params], Params] | N
 
 
 LR_MAX = 1e4  # no optimizer trains with more; 1e300 (finite in Python) is inf in fp32 and in every weight
+# no optimizer trains with more weight decay (Lion's, the largest, are ~10x AdamW's 0.1); 1e308 made every
+# weight inf at the first update (decoupled decay multiplies it by 1 - lr * weight_decay)
+WEIGHT_DECAY_MAX = 1e3
+MOMENTUM_MAX = 1.0  # SGD's trace past it grows geometrically: 1e308 wrote inf at the first update
+EPS_RULE = ("must be > 0: Adam divides by sqrt(v) + eps, and a parameter with no gradient yet (an embedding row no "
+            "batch used) would get 0 / 0 = NaN")
+
+
+def decay_factor_check(lr: float, weight_decay: float, count: int) -> None:
+    """Decoupled weight decay multiplies each weight by 1 - lr * weight_decay: past 1 that flips its sign
+    and grows it each update, to inf within a few dozen."""
+    if lr * weight_decay > 1:
+        raise ConfigError(f"learning rate {lr!r} x weight_decay {weight_decay!r} = {lr * weight_decay:g} at update "
+                          f"{count}: must be at most 1 (each update multiplies the weights by 1 - lr x weight_decay: "
+                          "below 0 they flip sign and grow to inf)")
 
 
 def lr_at(lr: float | Callable[[int], float], count: int) -> float:

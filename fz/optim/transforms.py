@@ -9,7 +9,17 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import GradientTransformation, NormSq, Params, global_norm, lr_at, owned
+from fz.optim.base import (
+    EPS_RULE,
+    MOMENTUM_MAX,
+    WEIGHT_DECAY_MAX,
+    GradientTransformation,
+    NormSq,
+    Params,
+    global_norm,
+    lr_at,
+    owned,
+)
 
 LR = float | Callable[[int], float]
 
@@ -52,10 +62,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     `bias_correction=False` is DeepSpeed's FusedAdam option of that name: m / (sqrt(v) + eps).
     """
-    for name, value, ok in (("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1),
-                            ("eps", eps, 0 <= eps < math.inf)):
-        if not ok:  # as torch.optim.Adam refuses them: a beta of 1 or more, or a negative eps, diverges
-            raise ConfigError(f"adam {name}={value!r}: must be in " + ("[0, inf)" if name == "eps" else "[0, 1)"))
+    for name, value, ok in (("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1)):
+        if not ok:  # as torch.optim.Adam refuses them: a beta of 1 or more diverges
+            raise ConfigError(f"adam {name}={value!r}: must be in [0, 1)")
+    if not 0 < eps < math.inf:  # torch takes 0
+        raise ConfigError(f"adam eps={eps!r}: {EPS_RULE}")
 
     def init(params: Params) -> AdamState:
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
@@ -88,8 +99,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """updates += weight_decay * params (decoupled decay when chained before the lr)."""
-    if not 0 <= weight_decay < math.inf:
-        raise ConfigError(f"weight_decay={weight_decay!r}: must be a finite number >= 0, as in torch.optim")
+    if not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
+        raise ConfigError(f"weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g} (no "
+                          "optimizer trains with more; a larger one writes inf into the weights)")
 
     def init(params: Params) -> tuple:
         return ()
@@ -176,8 +188,9 @@ class TraceState(NamedTuple):
 
 def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     """Heavy-ball momentum as torch.optim.SGD computes it (dampening 0)."""
-    if not 0 <= momentum < math.inf:
-        raise ConfigError(f"momentum={momentum!r}: must be a finite number >= 0, as in torch.optim.SGD")
+    if not 0 <= momentum <= MOMENTUM_MAX:
+        raise ConfigError(f"momentum={momentum!r}: must be a number from 0 to {MOMENTUM_MAX:g} (a larger one "
+                          "grows the trace at every update, to inf)")
 
     def init(params: Params) -> TraceState:
         return TraceState({k: torch.zeros_like(p) for k, p in params.items()})

@@ -126,9 +126,18 @@ def test_meta_module_without_reset_parameters():
                                      r"\(a larger one writes inf into the weights\)"),
     (lambda: fz.optim.adamw(lr=float("nan")), r"learning rate nan"),
     (lambda: fz.optim.adamw(betas=(1.5, 0.999)), r"adam betas\[0\]=1.5: must be in \[0, 1\)"),
-    (lambda: fz.optim.adam(eps=-1.0), r"adam eps=-1.0: must be in \[0, inf\)"),
-    (lambda: fz.optim.adamw(weight_decay=float("inf")), r"weight_decay=inf: must be a finite number >= 0"),
-    (lambda: fz.optim.sgd(momentum=-0.5), r"momentum=-0.5: must be a finite number >= 0"),
+    (lambda: fz.optim.adam(eps=-1.0), r"adam eps=-1.0: must be > 0"),
+    # torch takes these three: eps=0 put 0/0 = NaN into every weight the batch gave no gradient (an embedding
+    # row), 1e308 made every weight inf at the first update
+    (lambda: fz.optim.adamw(eps=0.0), r"adam eps=0.0: must be > 0: .* 0 / 0 = NaN"),
+    (lambda: fz.optim.adamw(weight_decay=1e308), r"weight_decay=1e\+308: must be a number from 0 to 1000"),
+    (lambda: fz.optim.sgd(momentum=1e308), r"momentum=1e\+308: must be a number from 0 to 1 \(a larger one grows"),
+    (lambda: fz.optim.lamb(eps=0.0), r"lamb eps=0.0: must be > 0"),
+    (lambda: fz.optim.adafactor(eps=(0.0, 1e-3)), r"adafactor eps=\(0.0, 0.001\): eps1 must be > 0 or None"),
+    (lambda: fz.optim.adamw(weight_decay=float("inf")), r"weight_decay=inf: must be a number from 0 to 1000"),
+    (lambda: fz.optim.sgd(momentum=-0.5), r"momentum=-0.5: must be a number from 0 to 1"),
+    (lambda: fz.optim.adamw(lr=lambda step: 1e-3 * 100**step, weight_decay=100.0),
+     r"learning rate 0.1 x weight_decay 100.0 = 10 at update 1: must be at most 1 .*flip sign"),
     (lambda: fz.optim.adamw(lr=lambda step: float("nan") if step else 1e-3), r"the schedule's, at update 1"),
 ])
 def test_optimizer_hyperparameters_torch_refuses_are_refused(make, words):
@@ -145,6 +154,10 @@ def test_optimizer_hyperparameters_torch_refuses_are_refused(make, words):
     ({"optimizer": {"type": "SGD", "params": {"lr": 1e39}}}, r"optimizer.params.lr: 1e\+39 must be <= 10000"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e300}}},
      r"scheduler.params.warmup_max_lr: 1e\+300 must be <= 10000"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": 0}}}, r"optimizer.params.eps: 0 must be > 0.0 \(0 divides 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": 1e308}}},
+     r"optimizer.params.weight_decay: 1e\+308 must be <= 1000.0 \(no optimizer trains with more"),
+    ({"optimizer": {"type": "SGD", "params": {"momentum": 1e308}}}, r"optimizer.params.momentum: 1e\+308 must be <= 1"),
     ({"fp16": {"enabled": True, "initial_scale_power": 1000}}, r"fp16.initial_scale_power: 1000 must be <= 64"),
     ({"fp16": {"enabled": True, "loss_scale": 1e300}}, r"fp16.loss_scale: 1e\+300 must be <= 1.8"),
 ])
