@@ -288,6 +288,13 @@ def resume(trainer: Any, state: fz.State, checkpoint: str) -> tuple[fz.State, Ca
     the data from the start of the checkpoint's epoch, as transformers."""
     by_deepspeed = dirs.written_by_deepspeed(checkpoint) is not None
     if not by_deepspeed and not os.path.isdir(os.path.join(checkpoint, dirs.FZ_DIR)):
+        torch_state = [f for f in ("optimizer.pt", "optimizer.bin", "scheduler.pt") if os.path.isfile(
+            os.path.join(checkpoint, f))]
+        if torch_state:
+            raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved by transformers' Trainer without DeepSpeed (its "
+                              f"{torch_state[0]} is a torch optimizer's state): fz resumes from its own checkpoints "
+                              "and from transformers + DeepSpeed's. Load the weights with from_pretrained (or "
+                              "fz.init(weights=)) and start a new run")
         raise ConfigError(f"fz.hf.Trainer: {checkpoint} was saved with save_only_model=True: it holds the model's "
                           "weights, not the optimizer or the data position, so training cannot resume from it "
                           "(nor in transformers). Load the weights with from_pretrained and start a new run")

@@ -295,6 +295,15 @@ def test_save_only_model_writes_the_weights_and_refuses_to_resume_from_them(tmp_
         trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(folder))
 
 
+def test_a_checkpoint_of_transformers_without_deepspeed_is_named_so(tmp_path):
+    """It was called a save_only_model=True checkpoint; it holds torch's optimizer state, which fz does not read."""
+    out = tmp_path / "run"
+    trainer(False, str(out), save_strategy="steps", save_steps=2, max_steps=2).train()
+    with pytest.raises(ConfigError, match=r"checkpoint-2 was saved by transformers' Trainer without DeepSpeed \(its "
+                                          r"optimizer.pt is a torch optimizer's state\)"):
+        trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+
+
 RANGES = {"interval_zero": ("logging_steps", 0, "not a finite number > 0"),
           "interval_inf": ("save_steps", 1e999, "not a finite number > 0"),
           "negative_step": ("global_step", -1, "not a whole number from 0 to 2"),
