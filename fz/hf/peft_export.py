@@ -12,9 +12,11 @@ Written into a hidden folder and moved into place whole.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +60,14 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
     for name, t in gathered(state, False, "fz.hf.save_pretrained", copy=True):
         if writer and (merged or name in written or name in embeddings.values()):
             keep[name] = t.detach().to("cpu", cast)
-    for alias, name in embeddings.items():  # a tied output embedding under its own name too, as state_dict() has it
-        if name in keep:
-            keep.setdefault(alias, keep[name])
     err, files = None, []
     counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()), str(cast).removeprefix("torch."))
+    if writer:  # and the buffers, as state_dict() has them: PEFT writes VeRA's projections, and drops a LoRA base's
+        keep.update((n, b.detach().to("cpu")) for n, b in state.buffers.items() if n not in keep)
+        # every name of a kept tensor, as state_dict() has them: a tied output embedding, VBLoRA's vector bank,
+        for alias, name in _aliases(model).items():  # VeRA's projections (PEFT reads the model's own names of them)
+            if name in keep:
+                keep.setdefault(alias, keep[name])
     if writer:
         try:
             files = _write(Path(out), model, keep, merged, processing_class)
@@ -87,6 +92,16 @@ def _adapters_parameters(model: Any) -> set[str]:
                 out |= {f"{prefix}.{key}.{n}" if n else f"{prefix}.{key}"
                         for n, _ in (module[key].named_parameters() if isinstance(module[key], torch.nn.Module)
                                      else [("", None)])}
+    return out
+
+
+def _aliases(model: Any) -> dict[str, str]:
+    """{a parameter's or buffer's other name: the first, under which fz holds it}."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if first.setdefault(id(t), name) != name:
+            out[name] = first[id(t)]
     return out
 
 
@@ -128,6 +143,27 @@ def _embeddings_peft_saves(model: Any) -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def _prompt_encoder_of(model: Any, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Prompt learning (prompt, prefix, p-tuning): PEFT saves the embeddings its prompt encoder computes,
+    running the model's (empty at ZeRO-3 while training), not `state_dict=`: meanwhile the model holds a
+    copy of its encoder with the State's weights."""
+    encoder = getattr(model, "prompt_encoder", None)
+    if not isinstance(encoder, torch.nn.Module) or not any(
+            getattr(c, "is_prompt_learning", False) for c in getattr(model, "peft_config", {}).values()):
+        yield
+        return
+    own = {k.removeprefix("prompt_encoder."): t for k, t in tensors.items() if k.startswith("prompt_encoder.")}
+    filled = copy.deepcopy(encoder)
+    with torch.no_grad():
+        filled.load_state_dict(own, strict=False, assign=True)
+    model.prompt_encoder = filled
+    try:
+        yield
+    finally:
+        model.prompt_encoder = encoder
+
+
 def _write(out: Path, model: Any, tensors: dict[str, Tensor], merged: bool, processing_class: Any) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(f"{_TMP}*"):
@@ -144,7 +180,8 @@ def _write(out: Path, model: Any, tensors: dict[str, Tensor], merged: bool, proc
                 copy_.load_state_dict(tensors, strict=False, assign=True)
             copy_.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
         else:
-            model.save_pretrained(tmp, state_dict=tensors, safe_serialization=True)
+            with _prompt_encoder_of(model, tensors):
+                model.save_pretrained(tmp, state_dict=tensors, safe_serialization=True)
         if processing_class is not None:
             processing_class.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())

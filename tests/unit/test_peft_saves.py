@@ -132,3 +132,40 @@ def test_the_base_config_an_adapter_names_is_read_bounded(tmp_path, config):
     m.peft_config = {"default": types.SimpleNamespace(base_model_name_or_path=str(tmp_path))}
     m.config = types.SimpleNamespace(vocab_size=4)
     assert _embeddings_peft_saves(m) == {}  # unreadable: not known to be resized, as an unparsable one was
+
+
+def _adapter(kind: str):
+    """PEFT configs whose saved file holds more than the trainable parameters' first names: VeRA's
+    projections are buffers, VBLoRA's vector bank is one parameter under several names; prompt learning's
+    embeddings are computed by the model's prompt encoder when PEFT saves."""
+    task = {"task_type": "CAUSAL_LM"}
+    return {"vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+            "vblora": lambda: peft.VBLoRAConfig(r=2, target_modules=["q_proj", "v_proj"], num_vectors=8,
+                                                vector_length=16),
+            "prompt": lambda: peft.PromptTuningConfig(num_virtual_tokens=3, **task),
+            "p-tuning": lambda: peft.PromptEncoderConfig(num_virtual_tokens=3, encoder_hidden_size=16, **task),
+            "prefix": lambda: peft.PrefixTuningConfig(num_virtual_tokens=3, **task)}[kind]()
+
+
+@pytest.mark.parametrize("kind, stage", [("vera", 2), ("vera", 3), ("vblora", 3), ("prompt", 3), ("p-tuning", 3),
+                                         ("prefix", 3)])
+def test_every_adapter_type_saves_as_peft_saves_it(tmp_path, kind, stage):
+    """VeRA and VBLoRA could not be saved at all (PEFT missed the projections, the bank's name), prompt
+    learning not mid-training at ZeRO-3 (PEFT runs the prompt encoder, empty there): now each checkpoint's
+    adapter holds PEFT's own keys, and the final one loads with the trained logits."""
+    def model():
+        return peft.get_peft_model(hp.llama(), _adapter(kind))
+
+    model().save_pretrained(tmp_path / "peft")  # PEFT's own writer, for its key set
+    args = fz.hf.TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=2, save_steps=1,
+                                   learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True,
+                                   deepspeed=hp.deepspeed(stage))
+    trainer = fz.hf.Trainer(model=model(), args=args, train_dataset=hp.causal_lm_data(),
+                            data_collator=hp.collator("lm"))
+    trainer.train()
+    want = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    for step in (1, 2):
+        assert set(load_file(tmp_path / "run" / f"checkpoint-{step}" / "adapter_model.safetensors")) == want
+    loaded = peft.PeftModel.from_pretrained(hp.llama(), tmp_path / "run" / "checkpoint-2").eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=IDS).logits, trainer.model.eval()(input_ids=IDS).logits, atol=1e-6)
