@@ -297,6 +297,7 @@ class Trainer(RecordedStep, transformers.Trainer):
         metrics["train_loss"] = (self._fz_total + self._fz_running) / max(steps, 0.001)  # the rest: this rank's
         self.store_flos()
         metrics["total_flos"] = self.state.total_flos
+        self._memory_tracker.stop_and_update_metrics(metrics)  # skip_memory_metrics=False: train_mem_*
         self.log(metrics)
         self.fz_state = trainer_checkpoints.end_with_the_best(self, trial)  # load_best_model_at_end, save_total_limit
         self._copy_weights_into_model()

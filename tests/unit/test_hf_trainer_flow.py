@@ -304,6 +304,18 @@ def test_a_checkpoint_of_transformers_without_deepspeed_is_named_so(tmp_path):
         trainer(True, str(out), max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-2"))
 
 
+def test_memory_metrics_are_reported_as_transformers_reports_them(tmp_path):
+    """skip_memory_metrics=False: fz's train() never stopped transformers' tracker, so its metrics had no
+    train_mem_*, and every evaluate() after it none of its eval_mem_* (taken for a call nested in train)."""
+    keys = {}
+    for on_fz in (False, True):
+        t = trainer(on_fz, str(tmp_path / str(on_fz)), max_steps=2, skip_memory_metrics=False,
+                    eval_data=hp.causal_lm_data()[:4])
+        keys[on_fz] = ({k for k in t.train().metrics if "_mem_" in k}, {k for k in t.evaluate() if "_mem_" in k})
+    assert keys[True] == keys[False] and "train_mem_cpu_alloc_delta" in keys[True][0], keys
+    assert "eval_mem_cpu_peaked_delta" in keys[True][1]
+
+
 RANGES = {"interval_zero": ("logging_steps", 0, "not a finite number > 0"),
           "interval_inf": ("save_steps", 1e999, "not a finite number > 0"),
           "negative_step": ("global_step", -1, "not a whole number from 0 to 2"),
