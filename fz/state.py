@@ -81,11 +81,17 @@ class State:
 
         `params=` / `master=` take {name: tensor} (e.g. a tree_map of `state.params`): they
         are packed into new bucket storage after checking each tensor's shape, dtype and
-        placement (fz.ConfigError naming the first that does not fit).
+        placement (fz.ConfigError naming the first that does not fit). In mixed precision,
+        `params=` without `master=` changes the fp32 masters too (the optimizer updates them, and
+        the next step's params are made from them): each value `params=` changes, widened; the
+        others keep their master's bits.
         """
-        from fz.sharding.pack import pack_master, pack_params
+        from fz.sharding.pack import masters_following, pack_master, pack_params
         if "params" in changes:
-            changes["param_flats"] = pack_params(self, changes.pop("params"))
+            named = changes.pop("params")
+            changes["param_flats"] = pack_params(self, named)
+            if "master" not in changes and self.master_flats:
+                changes["master"] = masters_following(self, named)
         if "master" in changes:
             changes["master_flats"] = pack_master(self, changes.pop("master"))
         return dataclasses.replace(self, **changes)

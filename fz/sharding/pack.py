@@ -92,6 +92,22 @@ def pack_params(state, named: dict[str, Tensor]) -> tuple[DTensor, ...]:
     return tuple(packed[b.index] for b in plan.buckets)
 
 
+def masters_following(state, named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A mixed-precision state's masters after `replace(params=named)` (checked by pack_params): where
+    `named` changes a parameter's compute-dtype value, the master takes it, widened; elsewhere it keeps
+    its fp32 bits (an edit of some weights leaves the others' masters exact). Local: a parameter's
+    placement is its master's or Replicate, read as this rank's rows."""
+    old, out = state.params, {}
+    for name, m in state.master.items():
+        mesh, place = m.device_mesh, m.placements
+        new = named[name].redistribute(mesh, place).to_local()
+        before = old[name].redistribute(mesh, place).to_local()
+        here = m.to_local()
+        kept = torch.where(new.to(before.device) == before, here, new.to(here.device, torch.float32))
+        out[name] = DTensor.from_local(kept, mesh, place, run_check=False, shape=m.shape, stride=m.stride())
+    return out
+
+
 def pack_master(state, named: dict[str, Tensor] | None) -> dict[int, DTensor]:
     if state.spec.precision == "fp32":
         if named:

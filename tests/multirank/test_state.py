@@ -90,7 +90,26 @@ def _in_flight(rank, world):
         if rank == 0:
             str(fz.memory_report(s)), str(fz.comm_report(s)), repr(s), s.params, s.metrics["grad_norm"].item()
     out["one_rank"] = c.calls
+    for stage in (0, 1, 2, 3):  # bf16: replace(params=) moves the masters the optimizer updates (it was undone)
+        out["edit", stage] = _edited_params(stage, batches[0][rank])
     return out
+
+
+_EDITED = "blocks.0.attn.qkv.weight"
+
+
+def _edited_params(stage: int, batch) -> tuple[bool, bool, bool]:
+    """A bf16 state's params with one tensor zeroed by replace(params=), then a step of lr 0: (that tensor
+    is zero after it, the other params are as they were, the other masters are as they were, bit for bit)."""
+    s = fz.init(make_model(), spec(stage, 1, precision="bf16", clip_grad_norm=None,
+                                   optimizer=fz.optim.adamw(lr=0.0, weight_decay=0.0)))
+    params, masters = fz.full_params(s), {k: v.full_tensor() for k, v in s.master.items()}
+    s = s.replace(params={k: torch.zeros_like(v) if k == _EDITED else v for k, v in s.params.items()})
+    new, _ = fz.train_step(s, batch)
+    after, after_master = fz.full_params(new), {k: v.full_tensor() for k, v in new.master.items()}
+    return (not after[_EDITED].any() and not after_master[_EDITED].any(),
+            all(torch.equal(after[k], v) for k, v in params.items() if k != _EDITED),
+            all(torch.equal(after_master[k], v) for k, v in masters.items() if k != _EDITED))
 
 
 def _same(x, y) -> bool:
@@ -155,6 +174,18 @@ def test_replaced_leaves_are_what_the_next_step_uses(precision):
     for stage in (1, 2, 3):
         for k, v in results[0].items():
             assert torch.equal(results[stage][k], v), (stage, k)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_replaced_params_are_what_a_mixed_precision_run_trains_on(world, world2):
+    """bf16: replace(params=) changed the compute copies only, and the next step rebuilt them from the
+    untouched fp32 masters: the edit was undone. The masters now follow what it changes, and keep their
+    bits elsewhere, in every stage."""
+    results = world2 if world == 2 else [{("edit", stage): _edited_params(stage, rank_batches(1, 1, 1)[0][0])
+                                          for stage in (0, 1, 2, 3)}]
+    for res in results:
+        for stage in (0, 1, 2, 3):
+            assert res["edit", stage] == (True, True, True), (world, stage)
 
 
 def test_a_leaf_that_does_not_fit_is_a_clear_error():
