@@ -27,7 +27,7 @@ from fz.errors import ConfigError
 from fz.optim.base import GradientTransformation
 
 _KINDS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "FusedAdam": "adam", "DeepSpeedCPUAdam": "adam"}
-_SAME = ("lr", "betas", "eps", "momentum", "nesterov", "dampening")
+_SAME = ("lr", "betas", "eps", "momentum", "nesterov", "dampening", "bias_correction")
 _OFF = ("amsgrad", "maximize", "differentiable")
 
 
@@ -46,20 +46,24 @@ class ClientOptimizer:
     nesterov: bool = False
     groups: int = 1
     members: tuple[tuple[str, ...], ...] = ()  # each group's parameter names, in its order (DeepSpeed's param_shapes)
+    bias_correction: bool = True  # DeepSpeed's FusedAdam and DeepSpeedCPUAdam take False (a group key of theirs)
 
     def __call__(self, lr: Any) -> GradientTransformation:
         wd, names = self.weight_decay, self.decay
         if not wd or names is None:
             if self.kind == "adamw":
-                return optim.adamw(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd)
+                return optim.adamw(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd,
+                                   bias_correction=self.bias_correction)
             if self.kind == "adam":
-                return optim.adam(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd)
+                return optim.adam(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd,
+                                  bias_correction=self.bias_correction)
             return optim.sgd(lr=lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=wd)
         decay = optim.masked(optim.add_decayed_weights(wd), names)
+        adam = optim.scale_by_adam(*self.betas, self.eps, self.bias_correction)
         if self.kind == "adamw":
-            return optim.chain(optim.scale_by_adam(*self.betas, self.eps), decay, optim.scale_by_learning_rate(lr))
+            return optim.chain(adam, decay, optim.scale_by_learning_rate(lr))
         if self.kind == "adam":
-            return optim.chain(decay, optim.scale_by_adam(*self.betas, self.eps), optim.scale_by_learning_rate(lr))
+            return optim.chain(decay, adam, optim.scale_by_learning_rate(lr))
         parts = [decay] + ([optim.trace(self.momentum, self.nesterov)] if self.momentum else [])
         return optim.chain(*parts, optim.scale_by_learning_rate(lr))
 
@@ -84,7 +88,10 @@ def client_optimizer(opt: Any, model: nn.Module, where: tuple[str, str] = DEEPSP
         raise ConfigError(f"{call}: fz reads torch's {', '.join(sorted(_KINDS))} "
                           f"(their hyperparameters become an fz.optim optimizer), not {type(opt).__name__}; "
                           f"or {other}")
-    if kind == "adam" and (opt.defaults.get("decoupled_weight_decay") or opt.defaults.get("adam_w_mode")):
+    # torch's Adam says it in its defaults; DeepSpeed's FusedAdam and DeepSpeedCPUAdam keep it as an attribute
+    # (AdamW by default): read there too, or a script's real DeepSpeed class trained as Adam with L2 decay
+    if kind == "adam" and (opt.defaults.get("decoupled_weight_decay") or opt.defaults.get("adam_w_mode")
+                           or getattr(opt, "adam_w_mode", False)):
         kind = "adamw"
     groups = opt.param_groups
     first = groups[0]
@@ -117,7 +124,7 @@ def client_optimizer(opt: Any, model: nn.Module, where: tuple[str, str] = DEEPSP
     return ClientOptimizer(kind, float(first["lr"]), tuple(first.get("betas", (0.9, 0.999))),
                            float(first.get("eps", 1e-8)), wd, None if decay >= trainable else decay,
                            float(first.get("momentum", 0.0) or 0.0), bool(first.get("nesterov", False)), len(groups),
-                           members)
+                           members, bool(first.get("bias_correction", True)))
 
 
 def parameter_groups(model_parameters: Iterable[Any] | None, model: nn.Module, lr: float) -> Any:
