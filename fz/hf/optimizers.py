@@ -131,16 +131,16 @@ class TrainerOptimizer:
         if kind == "adamw":
             if plain:
                 return optim.adamw(lr=lr, betas=self.betas, eps=self.eps, weight_decay=wd)
-            return optim.chain(optim.scale_by_adam(*self.betas, self.eps), decay, optim.scale_by_learning_rate(lr))
+            return optim.chain(optim.scale_by_adam(*self.betas, self.eps), decay, optim.scale_by_learning_rate(lr, wd))
         if kind == "lion":
             if plain:
                 return optim.lion(lr=lr, betas=self.betas, weight_decay=wd)
-            return optim.chain(optim.scale_by_lion(*self.betas), decay, optim.scale_by_learning_rate(lr))
+            return optim.chain(optim.scale_by_lion(*self.betas), decay, optim.scale_by_learning_rate(lr, wd))
         if kind == "sgd":
             if plain:
                 return optim.sgd(lr=lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=wd)
             parts = [decay] + ([optim.trace(self.momentum, self.nesterov)] if self.momentum else [])
-            return optim.chain(*parts, optim.scale_by_learning_rate(lr))
+            return optim.chain(*parts, optim.scale_by_learning_rate(lr, wd))
         if plain:
             return _hf_adafactor(lr, wd)
         assert names is not None

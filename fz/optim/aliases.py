@@ -33,7 +33,7 @@ def adamw(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float =
     (DeepSpeed's option) runs the chain.
     """
     t = chain(scale_by_adam(*betas, eps, bias_correction), add_decayed_weights(weight_decay),
-              scale_by_learning_rate(lr))
+              scale_by_learning_rate(lr, weight_decay))
     if not bias_correction:
         return t
     return _FusedAdamW(t.init, t.update, lr, betas, eps, weight_decay)
@@ -120,5 +120,5 @@ def sgd(lr: LR = 1e-2, momentum: float = 0.0, nesterov: bool = False,
     parts = [add_decayed_weights(weight_decay)]
     if momentum:
         parts.append(trace(momentum, nesterov))
-    parts.append(scale_by_learning_rate(lr))
+    parts.append(scale_by_learning_rate(lr, weight_decay))
     return chain(*parts)

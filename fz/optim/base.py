@@ -162,12 +162,12 @@ EPS_RULE = ("must be > 0: Adam divides by sqrt(v) + eps, and a parameter with no
 
 
 def decay_factor_check(lr: float, weight_decay: float, count: int) -> None:
-    """Decoupled weight decay multiplies each weight by 1 - lr * weight_decay: past 1 that flips its sign
-    and grows it each update, to inf within a few dozen."""
+    """Decoupled weight decay (and SGD's) multiplies each weight by 1 - lr * weight_decay: past 1 that
+    flips its sign at every update, past 2 it also grows it, to inf within a few dozen."""
     if lr * weight_decay > 1:
         raise ConfigError(f"learning rate {lr!r} x weight_decay {weight_decay!r} = {lr * weight_decay:g} at update "
                           f"{count}: must be at most 1 (each update multiplies the weights by 1 - lr x weight_decay: "
-                          "below 0 they flip sign and grow to inf)")
+                          "below 0 it flips their sign, below -1 they grow to inf)")
 
 
 def lr_at(lr: float | Callable[[int], float], count: int) -> float:

@@ -61,11 +61,11 @@ class ClientOptimizer:
         decay = optim.masked(optim.add_decayed_weights(wd), names)
         adam = optim.scale_by_adam(*self.betas, self.eps, self.bias_correction)
         if self.kind == "adamw":
-            return optim.chain(adam, decay, optim.scale_by_learning_rate(lr))
+            return optim.chain(adam, decay, optim.scale_by_learning_rate(lr, wd))
         if self.kind == "adam":
             return optim.chain(decay, adam, optim.scale_by_learning_rate(lr))
         parts = [decay] + ([optim.trace(self.momentum, self.nesterov)] if self.momentum else [])
-        return optim.chain(*parts, optim.scale_by_learning_rate(lr))
+        return optim.chain(*parts, optim.scale_by_learning_rate(lr, wd))
 
     def __repr__(self) -> str:
         where = "" if self.decay is None or not self.weight_decay else f" on {len(self.decay)} parameters"

@@ -48,4 +48,5 @@ def lion(lr: LR = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
     for name, b in (("betas[0]", b1), ("betas[1]", b2)):
         if not 0.0 <= b <= 1.0:
             raise ConfigError(f"lion {name}={b!r}: must be in [0, 1]")
-    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay),
+                 scale_by_learning_rate(lr, weight_decay))

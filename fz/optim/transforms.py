@@ -16,6 +16,7 @@ from fz.optim.base import (
     GradientTransformation,
     NormSq,
     Params,
+    decay_factor_check,
     global_norm,
     lr_at,
     owned,
@@ -130,10 +131,12 @@ def _lr0(value: float) -> Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
-def scale_by_learning_rate(lr: LR) -> GradientTransformation:
+def scale_by_learning_rate(lr: LR, weight_decay: float = 0.0) -> GradientTransformation:
     """updates *= -lr(count); `lr` is a number or a schedule of the updates applied so far.
 
-    The state records the lr it applied, so `current_lr(opt_state)` can report it.
+    The state records the lr it applied, so `current_lr(opt_state)` can report it. `weight_decay`: that
+    of an `add_decayed_weights` chained before it (AdamW's, Lion's, SGD's), which multiplies the weights
+    by 1 - lr x weight_decay: an lr that takes that below 0 is refused at the update it reaches.
     """
 
     def init(params: Params) -> LearningRateState:
@@ -142,6 +145,7 @@ def scale_by_learning_rate(lr: LR) -> GradientTransformation:
     def update(updates: Params, state: LearningRateState, params: Params | None = None, *,
                donate: bool = False, **extra: Any) -> tuple[Params, LearningRateState]:
         value = lr_at(lr, int(state.count))
+        decay_factor_check(value, weight_decay, int(state.count))
         keys = list(updates)
         u = owned([updates[k] for k in keys], donate)
         torch._foreach_mul_(u, -value)

@@ -120,6 +120,12 @@ def test_meta_module_without_reset_parameters():
         fz.init(m, fz.Spec())
 
 
+def _trainer_optimizer(lr: float, weight_decay: float):
+    """fz.hf.Trainer's AdamW with its decay masked (no decay for biases and norms)."""
+    from fz.hf.optimizers import TrainerOptimizer
+    return TrainerOptimizer("adamw_torch", weight_decay=weight_decay, decay=frozenset({"wte.weight"}))(lr)
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda: fz.optim.adamw(lr=-1.0), r"learning rate -1.0: it must be a finite number >= 0, at most 10000"),
     (lambda: fz.optim.sgd(lr=1e300), r"learning rate 1e\+300: it must be a finite number >= 0, at most 10000 "
@@ -137,7 +143,12 @@ def test_meta_module_without_reset_parameters():
     (lambda: fz.optim.adamw(weight_decay=float("inf")), r"weight_decay=inf: must be a number from 0 to 1000"),
     (lambda: fz.optim.sgd(momentum=-0.5), r"momentum=-0.5: must be a number from 0 to 1"),
     (lambda: fz.optim.adamw(lr=lambda step: 1e-3 * 100**step, weight_decay=100.0),
-     r"learning rate 0.1 x weight_decay 100.0 = 10 at update 1: must be at most 1 .*flip sign"),
+     r"learning rate 0.1 x weight_decay 100.0 = 10 at update 1: must be at most 1 .*flips their sign"),
+    # each way decay meets the lr: the chain's AdamW (DeepSpeed's bias_correction=false), Lion, SGD's L2
+    (lambda: fz.optim.adamw(lr=0.1, weight_decay=100.0, bias_correction=False), r"= 10 at update 0: must be at most"),
+    (lambda: fz.optim.lion(lr=0.1, weight_decay=100.0), r"= 10 at update 0: must be at most 1"),
+    (lambda: fz.optim.sgd(lr=0.1, momentum=0.9, weight_decay=100.0), r"= 10 at update 0: must be at most 1"),
+    (lambda: _trainer_optimizer(0.1, 100.0), r"= 10 at update 0: must be at most 1"),
     (lambda: fz.optim.adamw(lr=lambda step: float("nan") if step else 1e-3), r"the schedule's, at update 1"),
 ])
 def test_optimizer_hyperparameters_torch_refuses_are_refused(make, words):
