@@ -62,11 +62,12 @@ def save_peft(state: State, out: str | os.PathLike[str], model: Any, *, merged: 
             keep[name] = t.detach().to("cpu", cast)
     err, files = None, []
     counted = (len(keep), sum(t.numel() * t.element_size() for t in keep.values()), str(cast).removeprefix("torch."))
-    if writer:  # and the buffers, as state_dict() has them: PEFT writes VeRA's projections, and drops a LoRA base's
-        keep.update((n, b.detach().to("cpu")) for n, b in state.buffers.items() if n not in keep)
-        # every name of a kept tensor, as state_dict() has them: a tied output embedding, VBLoRA's vector bank,
-        for alias, name in _aliases(model).items():  # VeRA's projections (PEFT reads the model's own names of them)
-            if name in keep:
+    if writer:  # what state_dict() has besides: PEFT picks from it (VeRA's projections, buffers), or drops it
+        listed = set(model.state_dict(keep_vars=True))  # names only: persistent buffers, every name of a tensor
+        keep.update((n, b.detach().to("cpu")) for n, b in state.buffers.items() if n in listed and n not in keep)
+        # every name of a kept tensor: a tied output embedding, VBLoRA's vector bank, VeRA's projections
+        for alias, name in _aliases(model).items():  # (PEFT reads the model's own names of them)
+            if name in keep and alias in listed:
                 keep.setdefault(alias, keep[name])
     if writer:
         try:

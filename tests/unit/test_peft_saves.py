@@ -144,15 +144,20 @@ def _adapter(kind: str):
                                                 vector_length=16),
             "prompt": lambda: peft.PromptTuningConfig(num_virtual_tokens=3, **task),
             "p-tuning": lambda: peft.PromptEncoderConfig(num_virtual_tokens=3, encoder_hidden_size=16, **task),
-            "prefix": lambda: peft.PrefixTuningConfig(num_virtual_tokens=3, **task)}[kind]()
+            "prefix": lambda: peft.PrefixTuningConfig(num_virtual_tokens=3, **task),
+            # buffers PEFT's own save leaves out (not persistent), which it would write if handed them
+            "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"]),
+            "boft": lambda: peft.BOFTConfig(boft_block_size=8, target_modules=["q_proj", "v_proj"]),
+            "tokens": lambda: peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[1, 2])}[kind]()
 
 
 @pytest.mark.parametrize("kind, stage", [("vera", 2), ("vera", 3), ("vblora", 3), ("prompt", 3), ("p-tuning", 3),
-                                         ("prefix", 3)])
+                                         ("prefix", 3), ("oft", 3), ("boft", 3), ("tokens", 3)])
 def test_every_adapter_type_saves_as_peft_saves_it(tmp_path, kind, stage):
     """VeRA and VBLoRA could not be saved at all (PEFT missed the projections, the bank's name), prompt
     learning not mid-training at ZeRO-3 (PEFT runs the prompt encoder, empty there): now each checkpoint's
-    adapter holds PEFT's own keys, and the final one loads with the trained logits."""
+    adapter holds PEFT's own keys (not the buffers PEFT leaves out), and the final one loads with the trained
+    logits."""
     def model():
         return peft.get_peft_model(hp.llama(), _adapter(kind))
 
