@@ -134,8 +134,9 @@ def expand_nodelist(text: str) -> list[str]:
             continue
         for r in ranges.split(","):
             lo, _, hi = r.partition("-")
-            if not all(n.isascii() and n.isdigit() for n in (lo, hi or lo)):
-                raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r}: the range {r[:40]!r} is not N or N-M")
+            if not all(n.isascii() and n.isdigit() and len(n) <= 9 for n in (lo, hi or lo)):
+                raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r}: the range {r[:40]!r} is not N or N-M "
+                                  "(numbers of at most 9 digits)")
             if len(out) + int(hi or lo) - int(lo) + 1 > MAX_NODES:
                 raise ConfigError(f"SLURM_JOB_NODELIST {text[:200]!r} names more than {MAX_NODES} nodes")
             for i in range(int(lo), int(hi or lo) + 1):

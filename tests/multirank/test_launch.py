@@ -105,7 +105,8 @@ def test_a_variable_name_that_is_not_a_shell_name_never_reaches_a_node(tmp_path,
 
 @pytest.mark.parametrize("nodes, message", [
     ("node[0-x]", r"the range '0-x' is not N or N-M"),
-    ("node[0-99999999999]", r"names more than 65536 nodes"),
+    ("node[0-99999999]", r"names more than 65536 nodes"),
+    ("node[0-" + "9" * 5000 + "]", r"is not N or N-M"),  # int() of it was Python's own ValueError
     ("n$(reboot)[1-2]", r"'n\$\(reboot\)' has '\$', not a host name character"),
 ])
 def test_a_slurm_node_list_that_is_not_one_is_named(nodes, message):
