@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from fz.ckpt import consolidate
 from fz.ckpt.deepspeed import files as ds_files
 from fz.ckpt.deepspeed.checkpoint import DeepSpeedCheckpoint
-from fz.ckpt.finite import Tally
+from fz.ckpt.finite import nonfinite, report
 from fz.errors import ConfigError
 from fz.storage.fresh import replacing
 
@@ -134,12 +134,19 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike[str]
     `max_shard_size` with their `*.index.json` when it is larger."""
     to = _output_dtype(dtype)
     weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
-    tally = Tally("zero_to_fp32", f"DeepSpeed checkpoint {checkpoint_dir}", to)  # a 1e5 master is inf in fp16
+    # what the cast makes NaN or inf (a 1e5 master in fp16) is refused before any file is written; what the
+    # checkpoint holds was read by consolidate (which refuses a parameter's, and keeps a mask buffer's -inf)
+    made, cast = {}, {}
     for k, t in weights.items():
         if t.is_floating_point():
-            weights[k] = t.to(to)
-            tally.see(k, weights[k], t.numel(), t)
-    tally.check()  # before any file is written
+            if id(t) not in cast:  # a tied alias: the same tensor, cast and counted once
+                cast[id(t)] = t.to(to)
+                if n := nonfinite(cast[id(t)]) - nonfinite(t):
+                    made[repr(k)] = (n, t.numel())
+            weights[k] = cast[id(t)]
+    dtype = str(to).removeprefix("torch.")
+    report(made, False, "zero_to_fp32", f"DeepSpeed checkpoint {checkpoint_dir} cast to {dtype}",
+           remedy="nothing was written (cast to bfloat16, whose range is float32's, the values may fit)")
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     limit = _max_bytes(max_shard_size)
     shards: list[list[str]] = [[]]
