@@ -81,11 +81,13 @@ def plan_nodes(args: argparse.Namespace) -> list[NodeProcess]:
         hosts = hostfile.select(hostfile.read_hostfile(args.hostfile), args.include, args.exclude, args.num_nodes,
                                 args.num_gpus)
     elif slurm:
-        gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0") or "0"
-        if not (gpus.isascii() and gpus.isdigit()) or int(gpus) > hostfile.MAX_SLOTS:
-            raise ConfigError(f"SLURM_GPUS_ON_NODE={gpus[:40]!r}: not a count of devices from 0 to "
-                              f"{hostfile.MAX_SLOTS}")
-        per_node = args.num_gpus if args.num_gpus >= 0 else int(gpus) or 1
+        per_node = args.num_gpus
+        if per_node < 0:  # Slurm's count, read only when used
+            gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0") or "0"
+            if not (gpus.isascii() and gpus.isdigit() and len(gpus) <= 4) or int(gpus) > hostfile.MAX_SLOTS:
+                raise ConfigError(f"SLURM_GPUS_ON_NODE={gpus[:40]!r}: not a count of devices from 0 to "
+                                  f"{hostfile.MAX_SLOTS}")
+            per_node = int(gpus) or 1
         hosts = {n: list(range(per_node)) for n in slurm}
     else:
         if args.num_nodes > 1:

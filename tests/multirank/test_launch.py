@@ -180,6 +180,10 @@ def test_inside_slurm_nodes_and_ranks_come_from_slurm(tmp_path, capsys, monkeypa
     assert out[1].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 sh -c "), out
     assert "--nnodes=2 --nproc-per-node=4 --node-rank=$SLURM_NODEID --master-addr=gpu07" in out[1], out
     assert "CUDA_VISIBLE_DEVICES" not in out[1]  # Slurm sets it
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "9" * 5000)  # int() of it was Python's own ValueError
+    assert main(["run", "--dry-run", "train.py"]) != 0
+    assert "fz run: error: SLURM_GPUS_ON_NODE='9999" in capsys.readouterr().err
+    assert "--nproc-per-node=2" in _dry(["--num_gpus", "2"], capsys, tmp_path, monkeypatch)[1]  # then not read
 
 
 def _free_port() -> int:
