@@ -2,14 +2,13 @@
 
     loss = engine(batch); engine.backward(loss); engine.step()
 
-is DeepSpeed's loop. The engine holds `engine.state` (an fz.State) and nothing of its own but
-counters: a forward in train mode opens a step (fz/step/phases.py: the phases of
-fz.train_step), backward backpropagates one micro-batch into it, and `step()` at the
-accumulation boundary finishes it, replacing `engine.state`. So the engine's step is
-fz.train_step's, bit for bit. In eval mode (or under no_grad) a forward is fz.apply.
+is DeepSpeed's loop. The engine holds `engine.state` (an fz.State) and nothing of its own but counters: a
+forward in train mode opens a step (fz/step/phases.py: the phases of fz.train_step), backward backpropagates
+one micro-batch into it, and `step()` at the accumulation boundary finishes it, replacing `engine.state`. So
+the engine's step is fz.train_step's, bit for bit. In eval mode (or under no_grad) a forward is fz.apply.
 
-`engine.module` is the model given to initialize, with the trained weights: they are copied
-in when it is read after a step (at stage 3 gathered, so every rank reads it).
+`engine.module` is the model given to initialize, with the trained weights: they are copied in when it is
+read after a step (at stage 3 gathered, so every rank reads it).
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 import fz
 from fz.config.keys import gathers_16bit_on_save
 from fz.deepspeed import model_sync, zero
+from fz.deepspeed.engine_info import EngineInfo
 from fz.deepspeed.views import EngineOptimizer, EngineSchedule
 from fz.errors import CheckpointError, ConfigError, NonFiniteError
 from fz.observe.monitor import Monitor, batch_counts
@@ -37,7 +37,7 @@ from fz.storage.fresh import replacing
 log = logging.getLogger(__name__)
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(EngineInfo):
     """What `deepspeed.initialize` returns first. `engine.state` is the fz State."""
 
     def __init__(self, model: nn.Module, state: fz.State, *, schedule: Any = None,
@@ -74,54 +74,7 @@ class DeepSpeedEngine:
             self._synced_step = -1  # as DeepSpeed broadcasts them into the module (a local copy at ZeRO 0-2)
             model_sync.pull(self)
 
-    # ------------------------------------------------------------ what DeepSpeed's engine tells
-    @property
-    def global_steps(self) -> int:
-        return int(self.state.step)
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self.state.scaler["skipped"]) if self.state.scaler and "skipped" in self.state.scaler else 0
-
-    @property
-    def global_rank(self) -> int:
-        return self.state.plan.rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self.state.plan.ranks)
-
-    dp_world_size = world_size
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", self.global_rank))
-
-    @property
-    def device(self) -> torch.device:
-        return self.state.plan.device
-
-    def zero_optimization_stage(self) -> int:
-        return int(self.state.spec.stage)
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def gradient_accumulation_steps(self) -> int:
-        return int(self.state.spec.grad_accum)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.state.spec.micro_batch or self.config.get("train_micro_batch_size_per_gpu", 1))
-
-    def train_batch_size(self) -> int:
-        return self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps() * self.world_size
-
-    def fp16_enabled(self) -> bool:
-        return self.state.spec.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.state.spec.precision == "bf16"
-
+    # ------------------------------------------------------------ what DeepSpeed's engine tells (EngineInfo too)
     def get_lr(self) -> list[float]:
         """The lr of the next update, per parameter group (as DeepSpeed's optimizer holds it)."""
         return [self.lr_at(self._lr_count())] * self.optimizer.groups
@@ -310,6 +263,10 @@ class DeepSpeedEngine:
         parameter comes from `module` (current weights)."""
         if name.startswith("_") or name in ("state",):
             raise AttributeError(name)
+        if not hasattr(self._model, name):  # named as the engine's, not "'Sequential' object has no attribute"
+            raise AttributeError(f"fz.deepspeed's engine has no attribute {name!r} (one of DeepSpeed's engine fz "
+                                 "does not provide, see docs/deepspeed.md), nor has its model "
+                                 f"({type(self._model).__name__})", name=name, obj=self)
         value = getattr(self._model, name)
         if isinstance(value, (nn.Module, nn.Parameter)):
             return getattr(self.module, name)

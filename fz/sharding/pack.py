@@ -97,10 +97,12 @@ def masters_following(state, named: dict[str, Tensor]) -> dict[str, Tensor]:
     `named` changes a parameter's compute-dtype value, the master takes it, widened; elsewhere it keeps
     its fp32 bits (an edit of some weights leaves the others' masters exact). Local: a parameter's
     placement is its master's or Replicate, read as this rank's rows."""
-    old, out = state.params, {}
+    old = state.params
+    out: dict[str, Tensor] = {}
     for name, m in state.master.items():
-        mesh, place = m.device_mesh, m.placements
-        new = named[name].redistribute(mesh, place).to_local()
+        mesh, place, given = m.device_mesh, m.placements, named[name]
+        assert isinstance(given, DTensor)  # pack_params refuses anything else
+        new = given.redistribute(mesh, place).to_local()
         before = old[name].redistribute(mesh, place).to_local()
         here = m.to_local()
         kept = torch.where(new.to(before.device) == before, here, new.to(here.device, torch.float32))

@@ -178,6 +178,20 @@ def test_eval_mode_forward_is_fz_apply_and_module_attributes_read_through():
     assert torch.equal(out, fz.apply(engine.state, x, y))
     assert engine.custom_tag == "kept"
     assert torch.equal(engine.out.weight, fz.full_params(engine.state)["out.weight"])
+    # a name neither has is the engine's missing attribute, not "'Net' object has no attribute"
+    with pytest.raises(AttributeError, match=r"^fz.deepspeed's engine has no attribute 'no_such' \(one of DeepSpeed's "
+                                             r"engine fz does not provide, .*nor has its model \(Net\)$"):
+        engine.no_such  # noqa: B018
+
+
+def test_the_engines_getters_answer_as_deepspeeds():
+    """DeepSpeed 0.19.8's answers for this config (its own run: steps_per_print 10, reduce bucket 5e8, ...),
+    which fz's engine reported as the model's missing attributes."""
+    engine, *_ = deepspeed.initialize(model=Net(), config={**ADAM, "gradient_accumulation_steps": 2})
+    micro = engine.train_micro_batch_size_per_gpu()
+    assert engine.get_batch_info() == (micro * 2, micro, 2) and engine.steps_per_print() == 10
+    assert engine.zero_reduce_bucket_size() == 500_000_000 and engine.wall_clock_breakdown() is False
+    assert engine.mp_world_size == 1 and engine.data_parallel_group is not None
 
 
 def test_load_checkpoint_continues_a_run_deepspeed_started():
