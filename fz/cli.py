@@ -34,7 +34,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     info = inspect(args.ckpt, step=args.step, verify=not args.no_verify, progress=True if args.progress else None)
     rows = [
-        ("checkpoint", info.path),
+        ("checkpoint", info.path + (" (DeepSpeed's own files)" if info.format == "deepspeed" else "")),
         ("step", info.step),
         ("train step", info.train_step),
         ("world size", info.world),
@@ -54,7 +54,9 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         signed = "no" if info.signed is False else "?"
     rows.append(("signed", signed))
-    if args.no_verify:
+    if info.format == "deepspeed":
+        rows.append(("manifest", "none (DeepSpeed writes none): its files parse (fz consolidate reads it)"))
+    elif args.no_verify:
         rows.append(("manifest", "not checked (--no-verify)"))
     else:
         rows.append(("manifest", "verified" if info.verified else f"FAILED: {info.verify_error}"))

@@ -196,6 +196,9 @@ def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
     """What a checkpoint holds (from fz.json), whether its manifest is signed, and whether it
     verifies (with a `key`, or FZ_CKPT_KEY: its signature too). Damage is reported in the
     CheckpointInfo (`meta_error`, `verify_error`), not raised, so every readable fact is shown."""
+    if ds_files.is_deepspeed(Path(ckpt)):  # DeepSpeed's own save_dir or tag folder: what its files say
+        tag = None if step is None or Path(ckpt).name == f"global_step{step}" else f"global_step{step}"
+        return ds_export.inspect(Path(ckpt), tag)
     d = resolve(ckpt, step)
     key = signing.resolve(key)
     try:
@@ -219,5 +222,6 @@ def inspect(ckpt: PathLike, *, step: int | None = None, verify: bool = True,
             verified = True
         except ConfigError as e:
             verified, verify_error = False, str(e)
-    return CheckpointInfo(path=str(d), key=key is not None, signed=signed, meta_error=meta_error,
-                          **{k: meta.get(k) for k in _META_FIELDS}, verified=verified, verify_error=verify_error)
+    read: dict[str, Any] = {k: meta.get(k) for k in _META_FIELDS}
+    return CheckpointInfo(path=str(d), key=key is not None, signed=signed, meta_error=meta_error, **read,
+                          verified=verified, verify_error=verify_error)

@@ -88,3 +88,4 @@ class CheckpointInfo(_ReadByKey):
     model_bytes: int | None
     verified: bool | None  # the sizes and checksums (and signature, with a key) match; None: not checked
     verify_error: str | None  # why verification failed; None when it passed or did not run
+    format: str = "fz"  # "fz", or "deepspeed": DeepSpeed's own files, read (no manifest to verify, no fz.json)

@@ -88,6 +88,19 @@ def test_fields(name: str) -> None:
         assert ck.loss_scale is None
 
 
+@pytest.mark.parametrize("name", ["stage3_fp32", "stage0_bf16"])
+def test_fz_inspect_shows_what_deepspeeds_files_hold(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said `latest` "is corrupted" (not fz's format) of a checkpoint consolidate and restore read."""
+    from fz.cli import main
+    rec = _record(name)
+    assert main(["inspect", str(DATA / name / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "global_step3 (DeepSpeed's own files)" in out and "step           3" in out, out
+    assert f"world size     {rec['world']}" in out and f"ZeRO stage     {rec['stage']}" in out, out
+    assert f"precision      {rec['precision']}" in out and "manifest       none (DeepSpeed writes none)" in out, out
+    assert main(["inspect", str(DATA / name / "ckpt" / "global_step3"), "--step", "3"]) == 0  # the tag folder too
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_values_equal_deepspeed(name: str) -> None:
     """Masters and moments equal the live engine's; params, frozen params and aliases equal zero_to_fp32's."""

@@ -24,7 +24,7 @@ from fz.ckpt.hf import folder as hf_folder
 from fz.ckpt.hf.safetensors_io import StreamWriter
 from fz.ckpt.layout import PathLike
 from fz.ckpt.progress import Progress
-from fz.ckpt.results import Consolidated
+from fz.ckpt.results import CheckpointInfo, Consolidated
 
 
 def tensors(ck: DeepSpeedCheckpoint, cast: torch.dtype | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -98,3 +98,19 @@ def _write(ck: DeepSpeedCheckpoint, path: Path, rows: list[tuple[str, torch.dtyp
         writer.abort()
         raise
     return chunks
+
+
+def inspect(path: Path, tag: str | None = None) -> CheckpointInfo:
+    """What DeepSpeed checkpoint `path` (a save_dir or a tag folder) holds, read from its files as
+    consolidate reads them (every rank's file parsed, no tensor read): its step, world, stage,
+    precision and the model's tensors (counted as zero_to_fp32 writes them, in fp32). DeepSpeed
+    writes no manifest: there is nothing to verify, and `verified` is None."""
+    with DeepSpeedCheckpoint(path, tag) as ck:
+        model = [(n, s) for n, s in (ck.params | ck.frozen).items()]
+        rows = tensors(ck, None)
+        return CheckpointInfo(path=str(ck.path), key=False, signed=False, meta_error=None, step=ck.global_steps,
+                              train_step=ck.global_steps, world=ck.world, stage=ck.stage, precision=str(ck.precision),
+                              master=True, fz_version=None, torch_version=None, tensors=len(rows),
+                              bytes=sum(math.prod(s) * d.itemsize for _, d, s in rows), model_tensors=len(model),
+                              model_bytes=sum(math.prod(s) * 4 for _, s in model), verified=None,
+                              verify_error=None, format="deepspeed")
