@@ -175,8 +175,10 @@ def default_loss(model: Any, batch: Any) -> Any:
         if "argument" not in str(e) or "forward()" not in str(e):
             raise
         how = f"model(**batch) with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else "model(batch)"
+        whole = " (a forward that takes the dict whole, as a DeepSpeed script's `model(batch)`: `lambda model, b: " \
+            "model(b)`)" if isinstance(batch, dict) else ""
         raise ConfigError(f"the Spec has no loss_fn, so fz called {how}, and the model's forward refused it ({e}). "
-                          + _SET_LOSS_FN) from e
+                          + _SET_LOSS_FN + whole) from e
     loss = getattr(out, "loss", out)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
