@@ -151,7 +151,8 @@ def _grouped(cfg: dict[str, Any], model_parameters: Iterable[Any] | None, model:
     covered = len(stand_in.param_groups[0]["params"]) == sum(1 for p in model.parameters() if p.requires_grad)
     if not changed and covered:
         return None
-    return client_optimizer(stand_in, model)
+    return client_optimizer(stand_in, model, ("deepspeed.initialize(model_parameters=groups)",
+                                              "give every group the config's lr"))
 
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,

@@ -123,6 +123,11 @@ def test_add_config_arguments_and_the_config_from_args(tmp_path):
 def test_initialize_refuses_what_it_cannot_honour(kwargs, match):
     with pytest.raises(fz.ConfigError, match=match):
         deepspeed.initialize(model=Net(), **kwargs)
+    net = Net()  # groups of their own lr given as model_parameters: named so (it named an optimizer= never given)
+    groups = [{"params": [p], "lr": 1e-2} if i == 0 else {"params": [p]} for i, p in enumerate(net.parameters())]
+    with pytest.raises(fz.ConfigError, match=r"^deepspeed.initialize\(model_parameters=groups\): its parameter groups "
+                                             r"have different lr \(0.01 and 0.001\)"):
+        deepspeed.initialize(model=net, model_parameters=groups, config=ADAM)
 
 
 def test_client_optimizer_settings_fz_cannot_honour_are_errors():
