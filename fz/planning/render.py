@@ -60,6 +60,8 @@ def plan_report(found: list, budgets: Budgets, start: tuple[str, str] | None = N
         lines += ["chosen:", f"  {chosen.name}", f"  {_uses(chosen.estimate, budgets)}", "",
                   "spec = " + spec_python(chosen.spec), "",
                   "DeepSpeed config:", deepspeed_json(chosen.spec, chosen.estimate.world_size, checkpoints=checkpoints)]
+        if chosen.spec.micro_batch is None:  # DeepSpeed refuses a config without one
+            lines.append(NO_BATCH)
         if chosen.spec.activation_checkpointing:
             lines.append(CHECKPOINTING)
     else:
@@ -67,6 +69,9 @@ def plan_report(found: list, budgets: Budgets, start: tuple[str, str] | None = N
     return "\n".join(lines)
 
 
+NO_BATCH = ("(it sets no batch size, as the plan was given none: add \"train_micro_batch_size_per_gpu\" (DeepSpeed "
+            "refuses a config without one), or \"auto\" under Hugging Face's Trainer, which fills it; --micro-batch "
+            "sets one, and with --model its activations are traced)")
 CHECKPOINTING = (
     'activation checkpointing: the "activation_checkpointing" section configures DeepSpeed\'s checkpointing but does '
     "not turn it on. With Hugging Face's Trainer pass TrainingArguments(gradient_checkpointing=True) (fz.hf reads it "

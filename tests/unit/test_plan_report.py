@@ -39,6 +39,12 @@ def test_a_gpu_plan_starts_at_bf16_and_says_so_unless_told(capsys, tmp_path, mon
     told = _plan(capsys, "--device-gb", "24", "--host-gb", "64", "--precision", "fp32", "--nvme-path", str(tmp_path))
     assert "  precision: fp32 (as given)" in told and "spec = fz.Spec()" in told
     assert _json(told)["bf16"] == {"enabled": False}
+    # no --micro-batch: DeepSpeed refuses a config without a batch size, so the plan says what to add
+    assert "train_micro_batch_size_per_gpu" not in _json(told) and '(it sets no batch size, as the plan was given ' \
+        'none: add "train_micro_batch_size_per_gpu"' in told
+    batched = _plan(capsys, "--device-gb", "24", "--host-gb", "64", "--micro-batch", "2", "--seq-len", "16",
+                    "--nvme-path", str(tmp_path))
+    assert _json(batched)["train_micro_batch_size_per_gpu"] == 2 and "it sets no batch size" not in batched
     cpu = _plan(capsys, "--nvme-path", str(tmp_path))  # no device budget, no GPU: the device is the host
     assert "  precision: fp32 (the default for a CPU plan; --precision bf16 (precision='bf16') plans mixed " \
            "precision)" in cpu
