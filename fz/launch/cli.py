@@ -18,6 +18,12 @@ from fz.launch.commands import Job
 from fz.launch.runner import NodeProcess, run_nodes
 
 _ELASTIC = ("max_restarts", "monitor_interval", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf")
+# DeepSpeed 0.19's launcher flags fz run has not (a flag, or one taking a value): parsed to be refused by name,
+# not argparse's bare "unrecognized arguments"
+_DEEPSPEED_ONLY = {"no_python": False, "no_local_rank": False, "no_ssh": False, "no_ssh_check": False,
+                   "force_multi": False, "save_pid": False, "bind_cores_to_rank": False, "node_rank": True,
+                   "launcher_args": True, "enable_each_rank_log": True, "autotuning": True, "bind_core_list": True,
+                   "venv_script": True, "log_level": True}
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,6 +52,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                        help="passed to torchrun")
     r.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print each node's command instead of running it")
+    for name, valued in _DEEPSPEED_ONLY.items():
+        r.add_argument("--" + name, "--" + name.replace("_", "-"), dest="ds_" + name, default=None,
+                       help=argparse.SUPPRESS, **({} if valued else {"action": "store_const", "const": True}))
     r.add_argument("script", help="the training script (or module with -m)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     r.set_defaults(fn=run)
@@ -73,6 +82,10 @@ def _torchrun_args(args: argparse.Namespace) -> list[str]:
 
 def plan_nodes(args: argparse.Namespace) -> list[NodeProcess]:
     """The node commands `args` asks for (what --dry-run prints)."""
+    given = [f"--{n}" for n in _DEEPSPEED_ONLY if getattr(args, "ds_" + n, None) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: DeepSpeed's launcher flag{'s' if len(given) > 1 else ''} that fz run "
+                          "does not have (`fz run --help` lists its own); leave them out")
     env = envfile.node_env(os.environ)
     slurm = _slurm_nodes() if args.launcher in ("auto", "slurm") and not args.hostfile else []
     if args.launcher == "slurm" and not slurm:

@@ -173,6 +173,16 @@ def test_dry_run_prints_each_nodes_exact_command(tmp_path, capsys, monkeypatch):
     assert "--max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 train.py" in elastic[1], elastic
 
 
+def test_deepspeeds_launcher_flags_fz_run_has_not_are_named(tmp_path, capsys, monkeypatch):
+    """They were argparse's bare "unrecognized arguments"; a script's own flag of that name is the script's."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--force_multi", "--autotuning", "run", "--dry-run", "train.py"]) != 0
+    assert "fz run: error: --force_multi, --autotuning: DeepSpeed's launcher flags that fz run does not have" in \
+        capsys.readouterr().err
+    assert main(["run", "--dry-run", "train.py", "--autotuning", "run"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("train.py --autotuning run")
+
+
 def test_inside_slurm_nodes_and_ranks_come_from_slurm(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
