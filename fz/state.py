@@ -125,6 +125,16 @@ class State:
         return (f"State(step={int(self.step)}, params={sum(len(b.slots) for b in self.plan.buckets)} tensors / "
                 f"{n:,} elements, stage={self.spec.stage}, mesh={mesh})")
 
+    def __reduce__(self) -> Any:
+        """Not picklable (its leaves are shards over a process group; its optimizer is functions): said so."""
+        raise TypeError("an fz.State cannot be pickled (its tensors are this rank's shards over the process group, "
+                        "its optimizer is functions): fz.save / fz.restore write and read it (atomic, on every rank), "
+                        "fz.full_params(state) gives the weights as plain tensors")
+
+    def __copy__(self) -> State:
+        self.check_alive("copy.copy")
+        return dataclasses.replace(self)  # the leaves shared, as `replace` shares those it is not given
+
     def __deepcopy__(self, memo: dict[int, Any]) -> State:
         """Every tensor copied (parameters still arriving are waited for: their copy is whole)."""
         self.check_alive("copy.deepcopy")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -225,6 +226,9 @@ def test_state_is_a_frozen_pytree():
     replaced = state.replace(data={"epoch": 3})
     assert replaced.data == {"epoch": 3} and state.data == {} and replaced.param_flats is state.param_flats
     assert "stage=3" in repr(state)
+    with pytest.raises(TypeError, match=r"^an fz.State cannot be pickled .*: fz.save / fz.restore write and read it"):
+        pickle.dumps(state)  # was "Can't pickle local object 'chain.<locals>.init'"
+    assert copy.copy(state).param_flats is state.param_flats
     with pytest.raises(fz.ConfigError, match="donated"):
         fz.train_step(doubled, rank_batches(1, 1, 1)[0][0])
     with pytest.raises(fz.ConfigError, match="donated"):
