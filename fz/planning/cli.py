@@ -4,6 +4,7 @@
     fz estimate --params 2.8e9 --largest-layer 65e6 --stage 3 --offload-optimizer cpu --offload-param cpu
     fz estimate --model pkg.mod:factory [--loss-fn pkg.mod:fn] [--micro-batch 4 --seq-len 1024]
     fz plan --model path/to/file.py:factory [--world-size 2] [--device-gb 80 --host-gb 512 --disk-gb 2000]
+    fz estimate --model path/to/config.json     # or a Hugging Face model's folder: built from its config
 
 Budgets given are the target machine's, planned for on any machine (a login node, a laptop);
 those not given are this machine's. `--device-gb` makes device and host separate budgets even
@@ -60,10 +61,33 @@ def load(ref: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
+def _hf_config(ref: str) -> str | None:
+    """The Hugging Face config `ref` names: a config.json, or a folder holding one (a model's folder, a Hub
+    cache snapshot); None for a module:factory."""
+    if ref.endswith(".json") and os.path.isfile(ref):
+        return ref
+    return os.path.join(ref, "config.json") if os.path.isfile(os.path.join(ref, "config.json")) else None
+
+
+def _from_hf_config(path: str) -> nn.Module:
+    """The model transformers builds from that config (its causal-LM head where it has one), on meta."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"--model {path}: a Hugging Face config needs transformers (pip install 'fz-zero[hf]')") \
+            from None
+    config = transformers.AutoConfig.from_pretrained(path)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError:  # not a causal LM (an encoder, a seq2seq model): its base model
+        return transformers.AutoModel.from_config(config)
+
+
 def build(ref: str) -> nn.Module:
     import torch
+    config = _hf_config(ref)
     with torch.device("meta"):
-        model = load(ref)()
+        model = _from_hf_config(config) if config is not None else load(ref)()
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"{ref}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
@@ -150,7 +174,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(fn=_plan)
     for c in (e, p):
         c.set_defaults(parser=c)
-        c.add_argument("--model", help="module:factory returning the nn.Module (called under the meta device)")
+        c.add_argument("--model", help="module:factory returning the nn.Module (called under the meta device), "
+                                        "or a Hugging Face config.json (or a model's folder holding one)")
         c.add_argument("--params", type=float, help="or: total parameters (raw counts), e.g. 2.8e9")
         c.add_argument("--largest-layer", type=float, help="and parameters of the largest layer, e.g. 65e6")
         c.add_argument("--loss-fn", help="module:function (model, batch) -> loss, for the activation trace")

@@ -116,3 +116,16 @@ def test_a_module_missing_what_it_imports_keeps_its_traceback(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="No module named .foo.$"):
         main(["plan", "--model", "foo_bar:make", "--world-size", "1"])
+
+
+def test_a_hugging_face_config_is_a_model_to_plan_for(tmp_path, capsys):
+    """A DeepSpeed user estimating a Hub model had to write a factory: a config.json, or the model's folder,
+    is one now (built by transformers from it, on meta)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2)
+    config.save_pretrained(tmp_path)
+    params = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    for ref in (tmp_path / "config.json", tmp_path):
+        assert main(["estimate", "--model", str(ref)]) == 0
+        assert f"Model with {int(params / 1e6)}M total params" in capsys.readouterr().out  # DeepSpeed rounds down
