@@ -8,10 +8,12 @@ that is not in fz at all is waited for up to Spec.timeout_s.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
+from safetensors.torch import save_model
 
 import fz
 from fz.testing.spawn import run_ranks
@@ -46,6 +48,11 @@ def _job(rank, world, root):
     out["loss"] = float(loss)
     fz.save(state, root)  # every rank: it works
     out["saved"] = fz.Checkpointer(root).latest_step()
+    if rank == 0:  # reloading weights "on the main process": it hung at its NaN counts' all-reduce
+        weights = os.path.join(root, "weights.safetensors")
+        save_model(make_model(1), weights)
+        out["load_weights"] = _timed(lambda: fz.load_weights(state, weights))
+    state, _ = fz.train_step(state, batches[3][rank])
     # a rank that is not in fz at all: waited for up to Spec.timeout_s
     state = fz.init(make_model(), spec(0, 1, timeout_s=3.0))
     if rank == 0:
@@ -94,6 +101,12 @@ def test_save_on_one_rank_fails_fast_naming_the_missing_rank(results):
 def test_full_params_on_one_rank_fails_fast(results):
     msg, took = results[1]["full_params"]
     assert "fz.full_params: every rank must call fz.full_params" in msg and "rank(s) [0]" in msg, msg
+    assert took < results[0]["fast"], took
+
+
+def test_load_weights_on_one_rank_fails_fast(results):
+    msg, took = results[0]["load_weights"]
+    assert "fz.load_weights: every rank must call fz.load_weights" in msg and "rank(s) [1]" in msg, msg
     assert took < results[0]["fast"], took
 
 

@@ -28,6 +28,7 @@ from fz.ckpt.finite import Counts, report
 from fz.ckpt.hf.mismatch import lead, listed
 from fz.ckpt.hf.names import Match, match
 from fz.ckpt.hf.weights import CHUNK_BYTES, Entry, WeightFiles, read, read_all
+from fz.distributed.arrival import arrive
 from fz.errors import CheckpointError
 from fz.model.skeleton import Skeleton
 from fz.sharding.plan import ShardPlan
@@ -186,6 +187,8 @@ def load_weights(state: State, path: str | os.PathLike[str], *, strict: bool = T
     warning with the counts). Returns the state (filled in place).
     """
     expect_state(state, "fz.load_weights")
+    if len(state.plan.ranks) > 1:  # one rank alone fails fast, not at the counts' all-reduce after the timeout
+        arrive("fz.load_weights", state.plan.ranks, state.plan.rank)
     state = block_until_ready(state)
     files, m = resolve(path, state.plan, state.skeleton, state.buffers, strict)
     fill(state, files, m, allow_nonfinite=allow_nonfinite)
