@@ -53,8 +53,12 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     r.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print each node's command instead of running it")
     for name, valued in _DEEPSPEED_ONLY.items():
-        r.add_argument("--" + name, "--" + name.replace("_", "-"), dest="ds_" + name, default=None,
-                       help=argparse.SUPPRESS, **({} if valued else {"action": "store_const", "const": True}))
+        flags = ("--" + name, "--" + name.replace("_", "-"))
+        if valued:
+            r.add_argument(*flags, dest="ds_" + name, default=None, help=argparse.SUPPRESS)
+        else:
+            r.add_argument(*flags, dest="ds_" + name, default=None, action="store_const", const=True,
+                           help=argparse.SUPPRESS)
     r.add_argument("script", help="the training script (or module with -m)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     r.set_defaults(fn=run)

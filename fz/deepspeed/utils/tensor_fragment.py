@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard
 from fz.ckpt.deepspeed.importer import _moment_places
 from fz.ckpt.hf.pretrained import _places, _put
 from fz.deepspeed import model_sync, zero
+from fz.distributed.arrival import arrive
 from fz.errors import ConfigError
 from fz.sharding.settle import Handle
 
@@ -40,10 +41,11 @@ def _owner(param: Any, call: str) -> tuple[Any, str]:
     return engine, engine.state.skeleton.aliases.get(name, name)
 
 
-def _whole(engine: Any, name: str, places: list[tuple[Tensor, int, int]], shape: torch.Size, master: bool) -> Tensor:
+def _whole(engine: Any, name: str, places: list[tuple[Tensor, int, int]], shape: torch.Size, master: bool,
+           call: str) -> Tensor:
     """The full fp32 tensor from this rank's places of it, summed over the shard group where its
     bucket's `master`s (fp32 masters and moments) or parameters are sharded (the same on every
-    rank: a replicated one is whole on each)."""
+    rank: a replicated one is whole on each). Called by one rank alone, `call` fails in seconds."""
     out = torch.zeros(math.prod(shape), dtype=torch.float32, device=engine.state.plan.device)
     for view, lo, hi in places:
         out[lo:hi] = view[:hi - lo].float()
@@ -51,6 +53,7 @@ def _whole(engine: Any, name: str, places: list[tuple[Tensor, int, int]], shape:
     bucket = plan.slots()[name][0]
     sharded = isinstance(bucket.place.opt, Shard) if master else bucket.sharded_param
     if sharded and plan.shards > 1:
+        arrive(f"deepspeed.utils.{call}", plan.ranks, plan.rank)
         Handle([out]).add(dist.all_reduce(out, group=plan.shard_group, async_op=True)).wait()  # fz's deadline
     return out.view(shape)
 
@@ -66,7 +69,7 @@ def safe_get_full_fp32_param(param: Any) -> Tensor:
     """The parameter's fp32 master weights, whole (every rank calls it)."""
     engine, name = _owner(param, "safe_get_full_fp32_param")
     places, master = _master_places(engine, name)
-    return _whole(engine, name, places, param.shape, master)
+    return _whole(engine, name, places, param.shape, master, "safe_get_full_fp32_param")
 
 
 def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Tensor | None:
@@ -77,7 +80,8 @@ def safe_get_full_optimizer_state(param: Any, optim_state_key: str) -> Tensor | 
         raise ConfigError(f"deepspeed.utils.safe_get_full_optimizer_state(param, {optim_state_key!r}): fz keeps "
                           f"{' and '.join(_KINDS)} (Adam's moments)")
     places = _moment_places(engine.state).get(optim_state_key, {}).get(name)
-    return None if places is None else _whole(engine, name, places, param.shape, True)
+    return None if places is None else _whole(engine, name, places, param.shape, True,
+                                              "safe_get_full_optimizer_state")
 
 
 def safe_set_full_fp32_param(param: Any, value: Tensor) -> None:
@@ -108,4 +112,8 @@ def safe_get_full_grad(param: Any) -> Tensor | None:
     engine, name = _owner(param, "safe_get_full_grad")
     if param.grad is not None:
         return param.grad
-    return None if engine._step is None else engine._step.whole_grad(name)
+    if engine._step is None:
+        return None
+    if len(engine.state.plan.ranks) > 1:  # a collective where the gradients are reduced into shards
+        arrive("deepspeed.utils.safe_get_full_grad", engine.state.plan.ranks, engine.state.plan.rank)
+    return engine._step.whole_grad(name)
