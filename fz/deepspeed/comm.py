@@ -1,16 +1,20 @@
 """`deepspeed.comm` on fz: the process group calls DeepSpeed scripts make (`dist.get_rank()`,
-`dist.barrier()`, ...), torch.distributed's own on the group fz joined (its timeout applies)."""
+`dist.barrier()`, ...), torch.distributed's own on the group fz joined (its timeout applies).
+`barrier` is fz's: bounded by Spec.timeout_s, a lost peer a PeerError, and seen by the other
+ranks as a wait (a rank that calls fz's collectives alone meanwhile, `engine.save_checkpoint()`
+under `if rank == 0:`, fails in seconds instead of waiting out the timeout)."""
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
+import torch.distributed as dist
 from torch.distributed import (
     ReduceOp,
     all_gather,
     all_gather_into_tensor,
     all_reduce,
-    barrier,
     broadcast,
     get_rank,
     get_world_size,
@@ -22,6 +26,18 @@ from torch.distributed import (
 )
 
 from fz.deepspeed.initialize import init_distributed
+from fz.distributed import peers
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    """torch's barrier on the group, waited for within Spec.timeout_s and marked as a wait (its
+    work returned as is with `async_op=True`)."""
+    work = dist.barrier(group=group, async_op=True, device_ids=device_ids)
+    if async_op:
+        return work
+    peers.doing("deepspeed.comm.barrier")
+    peers.wait_work(work)  # marked as waiting; a lost peer is a PeerError
+    return None
 
 
 def get_local_rank() -> int:

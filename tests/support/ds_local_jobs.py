@@ -19,7 +19,7 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.out(torch.tanh(self.lin(x))), y)
 
 
-def one_rank_reads(rank: int, world: int) -> dict[str, Any]:
+def one_rank_reads(rank: int, world: int, save_dir: str) -> dict[str, Any]:
     import fz
     import fz.deepspeed as deepspeed
     model = Net()
@@ -43,4 +43,13 @@ def one_rank_reads(rank: int, world: int) -> dict[str, Any]:
         read = {n: p.detach().clone() for n, p in model.named_parameters()}
         read.update({f"sd.{k}": v.clone() for k, v in model.state_dict().items()})
     compute = fz.full_params(engine.state, dtype="compute")  # every rank
-    return {"read": read, "compute": {k: v.float() for k, v in compute.items()}, "lone": lone}
+    # DeepSpeed's `if rank == 0: engine.save_checkpoint(...)` then `deepspeed.comm.barrier()`: the lone save sees
+    # rank 1 waiting in the barrier and fails in seconds (it waited out Spec.timeout_s), then both pass the barrier
+    saved = ""
+    if rank == 0:
+        try:
+            engine.save_checkpoint(save_dir)
+        except fz.ConfigError as e:
+            saved = str(e)
+    deepspeed.comm.barrier()
+    return {"read": read, "compute": {k: v.float() for k, v in compute.items()}, "lone": lone, "saved": saved}
