@@ -56,6 +56,10 @@ class Unit:
 
 
 SHARED = ("config", "generation_config")  # Hugging Face's: one object for the model and its copy
+# the hook tables whose hooks the copy shares with the model (a hook object counting its calls, a bound method of
+# the user's tracker: what they keep is the user's, not a copy's), and accelerate's hook attribute
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOK_ATTRS = ("_hf_hook",)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -68,6 +72,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
             held = module.__dict__.get(name)
             if held is not None and not isinstance(held, (nn.Module, torch.Tensor)):
                 memo[id(held)] = held
+        for hook in [*(h for t in _HOOK_TABLES for h in getattr(module, t, {}).values()),
+                     *(module.__dict__.get(a) for a in _HOOK_ATTRS)]:
+            _share_hook(hook, memo)
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
@@ -76,6 +83,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
     for module in root.modules():
         _rebind_patched_forward(module, memo)
     return root
+
+
+def _share_hook(hook: Any, memo: dict[int, Any]) -> None:
+    """A hook object, or the object a bound-method hook is of, shared by the copy (the state it keeps is
+    the user's); a module among them is left to deepcopy (its copy, with meta tensors), a function is shared
+    anyway."""
+    if hook is None or isinstance(hook, (types.FunctionType, functools.partial)):
+        return
+    held = hook.__self__ if isinstance(hook, types.MethodType) else hook
+    if not isinstance(held, (nn.Module, torch.Tensor)):
+        memo[id(held)] = held
 
 
 def _rebind_patched_forward(module: nn.Module, memo: dict[int, Any]) -> None:

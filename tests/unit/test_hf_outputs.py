@@ -82,3 +82,31 @@ def test_a_stand_in_passes_for_its_block_and_keeps_its_hooks():
     handle.remove()
     assert seen == [torch.Size([4, 8, 32])]
     copy.deepcopy(root)  # a copy of the skeleton still works
+
+
+class _Counting:
+    """A hook object (and a tracker whose method is a hook): what they keep must be the user's."""
+
+    def __init__(self):
+        self.calls, self.shapes = 0, []
+
+    def __call__(self, module, args, out):
+        self.calls += 1
+
+    def record(self, module, args, out):
+        self.shapes.append(tuple(out.shape))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hook_objects_on_the_model_are_the_users_not_copies(stage):
+    """fz's copy of the model deep-copied them: a callable object's count and a bound method's records
+    stayed 0 on the user's objects (a closure's always counted)."""
+    model, counting, tracker, closure = _llama(), _Counting(), _Counting(), []
+    model.model.layers[0].mlp.register_forward_hook(counting)  # inside a block
+    model.lm_head.register_forward_hook(tracker.record)  # at the root
+    model.model.norm.register_forward_hook(lambda m, a, o: closure.append(1))
+    state = fz.init(model, _spec(stage))
+    ids = tokens(0, 4, "llama")["input_ids"]
+    for _ in range(2):
+        fz.apply(state, input_ids=ids)
+    assert counting.calls == len(closure) == 2 and tracker.shapes == [(4, 8, model.config.vocab_size)] * 2
