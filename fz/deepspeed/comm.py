@@ -1,6 +1,6 @@
 """`deepspeed.comm` on fz: the process group calls DeepSpeed scripts make (`dist.get_rank()`,
 `dist.barrier()`, ...), torch.distributed's own on the group fz joined (its timeout applies).
-`barrier` is fz's: bounded by Spec.timeout_s, a lost peer a PeerError, and seen by the other
+`barrier` is fz's: bounded by the group's own timeout, a lost peer a PeerError, and seen by the other
 ranks as a wait (a rank that calls fz's collectives alone meanwhile, `engine.save_checkpoint()`
 under `if rank == 0:`, fails in seconds instead of waiting out the timeout)."""
 from __future__ import annotations
@@ -27,17 +27,17 @@ from torch.distributed import (
 
 from fz.deepspeed.initialize import init_distributed
 from fz.distributed import peers
+from fz.errors import ConfigError
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
-    """torch's barrier on the group, waited for within Spec.timeout_s and marked as a wait (its
-    work returned as is with `async_op=True`)."""
-    work = dist.barrier(group=group, async_op=True, device_ids=device_ids)
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> None:
+    """torch's barrier on the group, waited for within the group's own timeout (as DeepSpeed's: a rank
+    may prepare data for long meanwhile) and marked as a wait; a lost peer is a PeerError."""
     if async_op:
-        return work
+        raise ConfigError("deepspeed.comm.barrier(async_op=True): fz's barrier waits (bounded, a lost peer named); "
+                          "call it without async_op")
     peers.doing("deepspeed.comm.barrier")
-    peers.wait_work(work)  # marked as waiting; a lost peer is a PeerError
-    return None
+    peers.wait_work(dist.barrier(group=group, async_op=True, device_ids=device_ids), group_timeout=True)
 
 
 def get_local_rank() -> int:

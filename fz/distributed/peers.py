@@ -367,12 +367,16 @@ class Waitable(Protocol):
     def wait(self, timeout: timedelta) -> bool: ...
 
 
-def wait_work(work: dist.Work | Waitable) -> None:
+def wait_work(work: dist.Work | Waitable, group_timeout: bool = False) -> None:
     """`work.wait()` within the timeout (a gloo work, or a shared-memory link's: fz/distributed/shm.py);
-    a failure is a PeerError (probed once per process)."""
+    a failure is a PeerError (probed once per process). `group_timeout`: within the process group's own
+    timeout instead (a script's barrier, which may wait out a rank's long work, as under DeepSpeed)."""
     with waiting():
         try:
-            work.wait(timeout=timedelta(seconds=_timeout_s))
+            if group_timeout and isinstance(work, dist.Work):
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=_timeout_s))
         except RuntimeError as e:  # gloo/NCCL errors (DistBackendError is one), timeouts
             raise peer_error(e) from e
 

@@ -87,12 +87,13 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def _share_hook(hook: Any, memo: dict[int, Any]) -> None:
     """A hook object, or the object a bound-method hook is of, shared by the copy (the state it keeps is
-    the user's); a module among them is left to deepcopy (its copy, with meta tensors), a function is shared
-    anyway."""
+    the user's); a module among them is left to deepcopy (its copy, with meta tensors), and so is an object
+    that says how it is copied (`__deepcopy__`: fz.hf's PlaceFirst copies as a hook that does nothing); a
+    function is shared anyway."""
     if hook is None or isinstance(hook, (types.FunctionType, functools.partial)):
         return
     held = hook.__self__ if isinstance(hook, types.MethodType) else hook
-    if not isinstance(held, (nn.Module, torch.Tensor)):
+    if not isinstance(held, (nn.Module, torch.Tensor)) and not hasattr(type(held), "__deepcopy__"):
         memo[id(held)] = held
 
 
