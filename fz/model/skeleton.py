@@ -93,8 +93,26 @@ def _share_hook(hook: Any, memo: dict[int, Any]) -> None:
     if hook is None or isinstance(hook, (types.FunctionType, functools.partial)):
         return
     held = hook.__self__ if isinstance(hook, types.MethodType) else hook
-    if not isinstance(held, (nn.Module, torch.Tensor)) and not hasattr(type(held), "__deepcopy__"):
+    if not isinstance(held, (nn.Module, torch.Tensor)) and not hasattr(type(held), "__deepcopy__") \
+            and not _holds_modules(held):
         memo[id(held)] = held
+
+
+def _holds_modules(obj: Any) -> bool:
+    """Whether `obj`'s attributes reach a module or a tensor (one level into dicts, lists and tuples):
+    such a hook (transformers' DebugUnderflowOverflow keys its names by module, accelerate's offload
+    hooks hold the model) must be copied with the model, so that it finds the copy's modules."""
+    def reaches(value: Any) -> bool:
+        return isinstance(value, (nn.Module, torch.Tensor))
+
+    for value in getattr(obj, "__dict__", {}).values():
+        if reaches(value):
+            return True
+        if isinstance(value, dict) and any(reaches(k) or reaches(v) for k, v in value.items()):
+            return True
+        if isinstance(value, (list, tuple, set)) and any(reaches(v) for v in value):
+            return True
+    return False
 
 
 def _rebind_patched_forward(module: nn.Module, memo: dict[int, Any]) -> None:

@@ -110,3 +110,14 @@ def test_hook_objects_on_the_model_are_the_users_not_copies(stage):
     for _ in range(2):
         fz.apply(state, input_ids=ids)
     assert counting.calls == len(closure) == 2 and tracker.shapes == [(4, 8, model.config.vocab_size)] * 2
+
+
+def test_a_hook_object_that_holds_the_model_is_copied_with_it():
+    """transformers' DebugUnderflowOverflow keys its module names by module: shared with fz's copy, it was
+    a KeyError on the copy's modules; it is copied with the model, as before hook objects were shared."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+    model = _llama()
+    DebugUnderflowOverflow(model)
+    state = fz.init(model, _spec(0))
+    out = fz.apply(state, input_ids=tokens(0, 4, "llama")["input_ids"])
+    assert torch.isfinite(out.logits).all()
