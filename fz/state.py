@@ -87,6 +87,7 @@ class State:
         others keep their master's bits.
         """
         from fz.sharding.pack import masters_following, pack_master, pack_params
+        packed = "params" in changes or "master" in changes  # into device memory, whatever the tier
         if "params" in changes:
             named = changes.pop("params")
             changes["param_flats"] = pack_params(self, named)
@@ -94,7 +95,10 @@ class State:
                 changes["master"] = masters_following(self, named)
         if "master" in changes:
             changes["master_flats"] = pack_master(self, changes.pop("master"))
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        # packed in device memory: back to the tiers the offload policy keeps them in (host, disk)
+        policy = new.spec.offload
+        return policy(new) if packed and policy is not None and policy.active else new
 
     @property
     def donated_to(self) -> str | None:

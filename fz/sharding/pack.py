@@ -104,8 +104,8 @@ def masters_following(state, named: dict[str, Tensor]) -> dict[str, Tensor]:
         assert isinstance(given, DTensor)  # pack_params refuses anything else
         new = given.redistribute(mesh, place).to_local()
         before = old[name].redistribute(mesh, place).to_local()
-        here = m.to_local()
-        kept = torch.where(new.to(before.device) == before, here, new.to(here.device, torch.float32))
+        here = m.to_local()  # compared where the master is (host memory, when offloaded)
+        kept = torch.where(new.to(here.device) == before.to(here.device), here, new.to(here.device, torch.float32))
         out[name] = DTensor.from_local(kept, mesh, place, run_check=False, shape=m.shape, stride=m.stride())
     return out
 

@@ -189,6 +189,20 @@ def test_replaced_params_are_what_a_mixed_precision_run_trains_on(world, world2)
             assert res["edit", stage] == (True, True, True), (world, stage)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_replaced_params_keep_an_offloaded_states_tiers(tier, tmp_path):
+    """replace(params=) packed the masters in device memory: an NVMe state's DiskTensors came back whole in
+    RAM. They stay in their tier, and the edit trains."""
+    off = fz.offload.cpu() if tier == "cpu" else fz.offload.nvme(str(tmp_path), buffer_mb=0.05)
+    s = fz.init(make_model(), spec(3, 1, precision="bf16", clip_grad_norm=None, offload=off,
+                                   optimizer=fz.optim.adamw(lr=0.0, weight_decay=0.0)))
+    kinds = {type(f._local_tensor).__name__ for f in s.master_flats.values()}
+    s = s.replace(params={k: torch.zeros_like(v) if k == _EDITED else v for k, v in s.params.items()})
+    assert {type(f._local_tensor).__name__ for f in s.master_flats.values()} == kinds
+    new, _ = fz.train_step(s, rank_batches(1, 1, 1)[0][0])
+    assert not fz.full_params(new)[_EDITED].any()
+
+
 def test_a_leaf_that_does_not_fit_is_a_clear_error():
     s = fz.init(make_model(), spec(3, 1, precision="bf16"))
     with pytest.raises(fz.ConfigError, match=r"master\['wte.weight'\] is torch.float64"):
