@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 import fz
 
-_DS_STEPS_PER_PRINT = 10  # DeepSpeed 0.19's defaults of what fz's config does not set
-_DS_REDUCE_BUCKET = 500_000_000
+_DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed 0.19's default of what fz's config does not set
 
 
 class EngineInfo:
@@ -71,8 +70,10 @@ class EngineInfo:
         """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps), as DeepSpeed's."""
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
-    def steps_per_print(self) -> int:
-        return int(self.config.get("steps_per_print", _DS_STEPS_PER_PRINT) or _DS_STEPS_PER_PRINT)
+    def steps_per_print(self) -> int | None:
+        """The config's; None when it sets none, as DeepSpeed 0.19's (whose default is None)."""
+        value = self.config.get("steps_per_print")
+        return None if value is None else int(value)
 
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.get("wall_clock_breakdown", False))

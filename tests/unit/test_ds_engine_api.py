@@ -190,11 +190,13 @@ def test_eval_mode_forward_is_fz_apply_and_module_attributes_read_through():
 
 
 def test_the_engines_getters_answer_as_deepspeeds():
-    """DeepSpeed 0.19.8's answers for this config (its own run: steps_per_print 10, reduce bucket 5e8, ...),
-    which fz's engine reported as the model's missing attributes."""
+    """DeepSpeed 0.19.8's answers for these configs (steps_per_print None when unset, reduce bucket 5e8, ...),
+    which fz's engine reported as the model's missing attributes (get_batch_info: the values, where
+    DeepSpeed's returns its three methods)."""
     engine, *_ = deepspeed.initialize(model=Net(), config={**ADAM, "gradient_accumulation_steps": 2})
     micro = engine.train_micro_batch_size_per_gpu()
-    assert engine.get_batch_info() == (micro * 2, micro, 2) and engine.steps_per_print() == 10
+    assert engine.get_batch_info() == (micro * 2, micro, 2) and engine.steps_per_print() is None
+    assert deepspeed.initialize(model=Net(), config={**ADAM, "steps_per_print": 7})[0].steps_per_print() == 7
     assert engine.zero_reduce_bucket_size() == 500_000_000 and engine.wall_clock_breakdown() is False
     assert engine.mp_world_size == 1 and engine.data_parallel_group is not None
 
