@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+import fz
 import fz.hf
 from fz.observe.full_params import iter_full_params
 
@@ -24,6 +25,7 @@ class Look(TrainerCallback):
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.devices: list[str] = []
         self.trainer = trainer
+        self.out: str | None = None
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.seen.append({n: (p.device.type, p.requires_grad) for n, p in model.named_parameters()})
@@ -31,6 +33,10 @@ class Look(TrainerCallback):
         self.calls.append((model(input_ids=x).logits, fz.apply(self.trainer.fz_state, input_ids=x).logits))
         self.devices.append(str(model.device))  # TRL's LogCompletionsCallback: tokenizer(...).to(model.device)
         model.generate(x.to(model.device), max_new_tokens=2, do_sample=False)
+        if self.out is not None:  # the model holds no weights to write: a raw meta-tensor error before
+            with pytest.raises(fz.ConfigError, match=r"\.save_pretrained\(\) while train\(\) runs at ZeRO-3: .*Call "
+                                                     r"trainer\.save_model\(dir\) on every rank"):
+                model.save_pretrained(self.out)
 
 
 def patch_forward(model):
@@ -54,6 +60,7 @@ def test_weights_are_let_go_while_training_and_filled_in_after(tmp_path, patched
     params = {n: p for n, p in model.named_parameters()}
     model.lm_head.weight.marker = "kept"  # an attribute a library added
     look = Look()
+    look.out = str(tmp_path / "saved_in_a_callback")
     args = fz.hf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
                                    use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-2)
     trainer = fz.hf.Trainer(model=model, args=args, train_dataset=hp.causal_lm_data(), data_collator=hp.collator("lm"),
