@@ -135,13 +135,9 @@ def _embeddings_peft_saves(model: Any) -> dict[str, str]:
     if not (targeted or resized):
         return {}
     ids = {id(p) for m in layers for p in m.parameters()}
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-        if id(p) in ids:
-            out[name] = first[id(p)]
-    return out
+    aliases = _aliases(model)
+    return {name: aliases.get(name, name) for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in ids}
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import WEIGHT_DECAY_MAX, GradientTransformation, Params, lr_at, owned, sum_across_shards
+from fz.optim.base import GradientTransformation, Params, check_settings, lr_at, owned, sum_across_shards
 from fz.optim.transforms import LR
 
 
@@ -64,8 +64,7 @@ def adafactor(lr: LR = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | None,
                           "a parameter has no gradient yet, NaN in the weights), eps2 a finite number >= 0")
     if not 1 <= d < math.inf:
         raise ConfigError(f"adafactor d={d!r}: must be a finite number >= 1")
-    if not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
-        raise ConfigError(f"adafactor weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g}")
+    check_settings("adafactor", weight_decay=weight_decay)
 
     def init(params: Params) -> AdafactorState:
         row, col, var = {}, {}, {}

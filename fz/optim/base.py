@@ -157,8 +157,23 @@ LR_MAX = 1e4  # no optimizer trains with more; 1e300 (finite in Python) is inf i
 # weight inf at the first update (decoupled decay multiplies it by 1 - lr * weight_decay)
 WEIGHT_DECAY_MAX = 1e3
 MOMENTUM_MAX = 1.0  # SGD's trace past it grows geometrically: 1e308 wrote inf at the first update
-EPS_RULE = ("must be > 0: Adam divides by sqrt(v) + eps, and a parameter with no gradient yet (an embedding row no "
-            "batch used) would get 0 / 0 = NaN")
+_EPS_RULE = ("must be > 0: Adam divides by sqrt(v) + eps, and a parameter with no gradient yet (an embedding row no "
+             "batch used) would get 0 / 0 = NaN")
+
+
+def check_settings(who: str, *, betas: tuple[float, ...] = (), eps: float | None = None,
+                   weight_decay: float | None = None) -> None:
+    """Settings that diverge or write NaN or inf into the weights (a beta of 1, an eps of 0, which torch
+    takes, a weight decay past WEIGHT_DECAY_MAX), refused naming `who` ("adam", "lamb", or "")."""
+    prefix = f"{who} " if who else ""
+    for i, b in enumerate(betas):
+        if not 0 <= b < 1:  # as torch.optim.Adam refuses it: a beta of 1 or more diverges
+            raise ConfigError(f"{prefix}betas[{i}]={b!r}: must be in [0, 1)")
+    if eps is not None and not 0 < eps < math.inf:
+        raise ConfigError(f"{prefix}eps={eps!r}: {_EPS_RULE}")
+    if weight_decay is not None and not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
+        raise ConfigError(f"{prefix}weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g} "
+                          "(no optimizer trains with more; a larger one writes inf into the weights)")
 
 
 def decay_factor_check(lr: float, weight_decay: float, count: int) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fz.errors import ConfigError
-from fz.optim.base import EPS_RULE, WEIGHT_DECAY_MAX, GradientTransformation, Params, chain, owned, sum_across_shards
+from fz.optim.base import GradientTransformation, Params, chain, check_settings, owned, sum_across_shards
 from fz.optim.transforms import LR, _chunks, scale_by_learning_rate
 
 
@@ -89,13 +89,7 @@ def lamb(lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 
     """LAMB with DeepSpeed FusedLamb's defaults and trust-ratio clamping."""
     if not 0 <= min_coeff <= max_coeff:
         raise ConfigError(f"lamb min_coeff={min_coeff!r}, max_coeff={max_coeff!r}: need 0 <= min_coeff <= max_coeff")
-    for name, b in (("betas[0]", betas[0]), ("betas[1]", betas[1])):
-        if not 0 <= b < 1:
-            raise ConfigError(f"lamb {name}={b!r}: must be in [0, 1)")
-    if not 0 < eps < math.inf:
-        raise ConfigError(f"lamb eps={eps!r}: {EPS_RULE}")
-    if not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
-        raise ConfigError(f"lamb weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g}")
+    check_settings("lamb", betas=betas, eps=eps, weight_decay=weight_decay)
     return chain(scale_by_lamb(betas[0], betas[1], eps, weight_decay, max_coeff, min_coeff, eps_inside_sqrt,
                                bias_correction),
                  scale_by_learning_rate(lr))

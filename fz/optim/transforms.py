@@ -10,12 +10,11 @@ from torch import Tensor
 
 from fz.errors import ConfigError
 from fz.optim.base import (
-    EPS_RULE,
     MOMENTUM_MAX,
-    WEIGHT_DECAY_MAX,
     GradientTransformation,
     NormSq,
     Params,
+    check_settings,
     decay_factor_check,
     global_norm,
     lr_at,
@@ -63,11 +62,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     `bias_correction=False` is DeepSpeed's FusedAdam option of that name: m / (sqrt(v) + eps).
     """
-    for name, value, ok in (("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1)):
-        if not ok:  # as torch.optim.Adam refuses them: a beta of 1 or more diverges
-            raise ConfigError(f"adam {name}={value!r}: must be in [0, 1)")
-    if not 0 < eps < math.inf:  # torch takes 0
-        raise ConfigError(f"adam eps={eps!r}: {EPS_RULE}")
+    check_settings("adam", betas=(b1, b2), eps=eps)
 
     def init(params: Params) -> AdamState:
         zeros = lambda: {k: torch.zeros_like(p) for k, p in params.items()}  # noqa: E731
@@ -100,9 +95,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """updates += weight_decay * params (decoupled decay when chained before the lr)."""
-    if not 0 <= weight_decay <= WEIGHT_DECAY_MAX:
-        raise ConfigError(f"weight_decay={weight_decay!r}: must be a number from 0 to {WEIGHT_DECAY_MAX:g} (no "
-                          "optimizer trains with more; a larger one writes inf into the weights)")
+    check_settings("", weight_decay=weight_decay)
 
     def init(params: Params) -> tuple:
         return ()
